@@ -1,0 +1,86 @@
+"""The hidden-states connector interface: how an engine hands captured hidden states to storage.
+
+Modelled on vLLM's KV-connector base class, reduced to the producer side hsx needs. Grouped by who calls it:
+
+Engine, per request (in this order):
+    start_request(request)                 a request enters; decide and check its destination. Raises ValueError
+                                           (e.g. a rejected custom path) to fail that request alone, writing nothing.
+    save_hidden_states(rid, ids, states)   captured rows arrive: a prefill chunk, then one row per decode step.
+    request_finished(rid) -> dict          no more rows; persisting starts; returns the `kv_transfer_params` for
+                                           the request's output (at least {"hidden_states_path": ...}).
+    abort_request(rid)                     optional: drop what was buffered for a request that failed.
+
+Engine, per batch / lifetime:
+    wait_for_save() -> {rid: error}        block until every started save is durable; report those that failed.
+    shutdown()                             optional: flush and release threads.
+
+Only the core methods are abstract; optional hooks default to doing nothing sensible, so adding a hook never breaks
+an implementation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors.format import HiddenStatesSpec
+
+
+@dataclass
+class RequestInfo:
+    """What the connector learns about a request when it starts."""
+
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: Mapping[str, Any] = field(default_factory=dict)
+    """The request's own params: `hidden_states_path`, `include_output_tokens`."""
+    sample_id: str | None = None
+    """A corpus-level id (jobs); recorded in the file's metadata."""
+    loss_mask: torch.Tensor | None = None
+    """[num_prompt_tokens] 0/1 over prompt tokens; rows beyond the prompt (output tokens) count as 1."""
+
+
+class HiddenStatesConnector(ABC):
+    """Persists captured hidden states, one file per request. See the module docstring for the call order."""
+
+    #: dataclass type parsed from `kv_connector_extra_config`; unknown keys are rejected with the valid list.
+    extra_config_class: type | None = None
+
+    def __init__(self, extra_config: Any, spec: HiddenStatesSpec) -> None:
+        self.extra_config = extra_config
+        self.spec = spec
+
+    # -- engine, per request ------------------------------------------------------------------------------------
+    @abstractmethod
+    def start_request(self, request: RequestInfo) -> None:
+        """Accept a request; raise ValueError to fail it alone, with nothing written."""
+
+    @abstractmethod
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU)."""
+
+    @abstractmethod
+    def request_finished(self, request_id: str) -> dict[str, Any]:
+        """Start persisting the request; return its output `kv_transfer_params`."""
+
+    def abort_request(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Forget a request that failed before finishing."""
+
+    # -- engine, per batch / lifetime ---------------------------------------------------------------------------
+    @abstractmethod
+    def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:
+        """Block until started saves are durable; return {request_id: error} for those that failed."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Flush and release resources."""
+
+    @classmethod
+    def parse_extra_config(cls, extra: Mapping[str, Any]) -> Any:
+        """Validate `kv_connector_extra_config` for this connector."""
+        if cls.extra_config_class is None:
+            return dict(extra)
+        return cls.extra_config_class.from_mapping(extra)

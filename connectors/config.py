@@ -1,0 +1,68 @@
+"""`KVTransferConfig` (vLLM's name and fields) and the connector registry.
+
+Connectors are registered by name with a lazy "module:Class" target, so naming one never imports another's
+dependencies. `ExampleHiddenStatesConnector` is the name vLLM users already type; `HsxHiddenStatesConnector` is ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.format import HiddenStatesSpec
+
+_REGISTRY: dict[str, str] = {
+    "ExampleHiddenStatesConnector": "connectors.example_hidden_states_connector:ExampleHiddenStatesConnector",
+    "HsxHiddenStatesConnector": "connectors.example_hidden_states_connector:ExampleHiddenStatesConnector",
+}
+KV_ROLES = ("kv_producer",)
+
+
+def register_connector(name: str, target: str) -> None:
+    """Register a connector class under `name`; `target` is "package.module:ClassName", imported on first use."""
+    if ":" not in target:
+        raise ValueError(f"connector target {target!r} must look like 'package.module:ClassName'")
+    _REGISTRY[name] = target
+
+
+def registered_connectors() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_connector_class(name: str) -> type:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown kv_connector {name!r}; registered connectors: {registered_connectors()}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+@dataclass
+class KVTransferConfig:
+    """Which connector persists hidden states, and its settings (vLLM's `KVTransferConfig` fields)."""
+
+    kv_connector: str = "ExampleHiddenStatesConnector"
+    """Registered connector name; see `registered_connectors()`."""
+    kv_role: str = "kv_producer"
+    """Only "kv_producer": hsx connectors write hidden states, they do not consume KV caches."""
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Connector settings, e.g. {"shared_storage_path": "s3://bucket/run", "allow_custom_save_path": True}."""
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role {self.kv_role!r} is not supported; hsx connectors only write hidden states, "
+                             f"use one of {list(KV_ROLES)}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise TypeError("kv_connector_extra_config must be a dict, got "
+                            f"{type(self.kv_connector_extra_config).__name__}")
+        # validates the name and the extra-config keys now, not at the first request
+        self.connector_class.parse_extra_config(self.kv_connector_extra_config)
+
+    @property
+    def connector_class(self) -> type:
+        return get_connector_class(self.kv_connector)
+
+    def create_connector(self, spec: HiddenStatesSpec):
+        """Build the configured connector for a producer whose files follow `spec`."""
+        cls = self.connector_class
+        return cls(cls.parse_extra_config(self.kv_connector_extra_config), spec)

@@ -1,0 +1,197 @@
+"""The hidden-states file format: safetensors, interchangeable with vLLM's, plus a self-describing header.
+
+A file holds
+    token_ids      int64 [T]
+    hidden_states  model dtype [T, L, H]     rows follow the layer ids in the metadata, in the user's order
+    loss_mask      uint8 [T]                 optional: 1 where a trainer should learn
+and a `__metadata__` (str -> str) built from `HiddenStatesSpec` plus per-request keys. Files written by vLLM have
+the two tensors and no metadata; they load all the same.
+
+The header is parsed here without safetensors' `safe_open` (which needs a local path), so that a token range of a
+remote file costs one header read and one byte-range read per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+FORMAT_NAME = "hsx.hidden_states"
+FORMAT_VERSION = "1"
+TOKEN_IDS = "token_ids"
+HIDDEN_STATES = "hidden_states"
+LOSS_MASK = "loss_mask"
+
+# vLLM's convention: 0 = embeddings, k = output of decoder layer k-1 (residual stream), N = last layer pre-norm.
+LAYER_ID_CONVENTION = "vllm"
+
+_ST_TO_TORCH = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    _ST_TO_TORCH["F8_E4M3"] = torch.float8_e4m3fn
+    _ST_TO_TORCH["F8_E5M2"] = torch.float8_e5m2
+
+# First read of a file: enough for any header we write (a few hundred bytes) in one round trip.
+HEADER_PROBE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HiddenStatesSpec:
+    """What every file from one producer shares; written into each file's `__metadata__`."""
+
+    layer_ids: tuple[int, ...]
+    """Hidden-state ids in vLLM's convention (see LAYER_ID_CONVENTION), in the order rows are stored."""
+    num_hidden_layers: int
+    """N, the target model's decoder layer count; id N is the last layer's output."""
+    hidden_size: int
+    """H, the width of every stored row."""
+    dtype: str
+    """torch dtype name of `hidden_states`, e.g. "bfloat16"."""
+    model: str = ""
+    """The target model: a local path or hub id."""
+    model_revision: str = ""
+    """The model's revision or commit, when known."""
+    last_layer_normalized: bool = False
+    """Whether id N was stored after the model's final norm (hsx stores it pre-norm, as vLLM does)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Further producer facts (architecture, template, ...) copied into every file."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_ids:
+            raise ValueError("HiddenStatesSpec.layer_ids is empty; pass the hidden-state ids to store, e.g. (2, 16, 29, 32)")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"HiddenStatesSpec.layer_ids {list(self.layer_ids)} has duplicates; each id may appear once")
+        bad = [i for i in self.layer_ids if not 0 <= i <= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layer ids {bad} are outside 0..{self.num_hidden_layers} (0 = embeddings, "
+                             f"{self.num_hidden_layers} = last decoder layer)")
+
+    def to_metadata(self) -> dict[str, str]:
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "layer_ids": json.dumps(list(self.layer_ids)),
+            "layer_id_convention": LAYER_ID_CONVENTION,
+            "num_hidden_layers": str(self.num_hidden_layers),
+            "hidden_size": str(self.hidden_size),
+            "dtype": self.dtype,
+            "last_layer_normalized": "true" if self.last_layer_normalized else "false",
+            "model": self.model,
+            "model_revision": self.model_revision,
+        }
+        meta.update({k: str(v) for k, v in self.extra.items()})
+        return meta
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the first data byte in the file."""
+    end: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per index of the first dimension."""
+        if not self.shape or self.shape[0] == 0:
+            return 0
+        return (self.end - self.start) // self.shape[0]
+
+
+@dataclass(frozen=True)
+class HiddenStatesFileInfo:
+    """A file's header: its tensors and metadata, without the data."""
+
+    path: str
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    size: int
+    """Total file size in bytes."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensors[HIDDEN_STATES].shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.tensors[HIDDEN_STATES].shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tensors[HIDDEN_STATES].shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[HIDDEN_STATES].dtype
+
+    @property
+    def layer_ids(self) -> tuple[int, ...] | None:
+        """The stored hidden-state ids, or None for files without hsx metadata (e.g. written by vLLM)."""
+        raw = self.metadata.get("layer_ids")
+        return tuple(json.loads(raw)) if raw else None
+
+    @property
+    def has_hsx_metadata(self) -> bool:
+        return self.metadata.get("format") == FORMAT_NAME
+
+
+def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStatesFileInfo, int]:
+    """Parse a safetensors header from the first bytes of a file.
+
+    Returns the info and the header's full length (8 + N); when the probe was too short to hold the whole header
+    the caller reads `[0, header_len)` and calls again.
+    """
+    if len(probe) < 8:
+        raise ValueError(f"{path}: {total_size} bytes is too short for a safetensors file (need at least 8)")
+    (n,) = struct.unpack("<Q", probe[:8])
+    header_len = 8 + n
+    if n > 100_000_000 or header_len > total_size:
+        raise ValueError(f"{path}: header length {n} does not fit a file of {total_size} bytes; "
+                         "the file is not safetensors or is truncated")
+    if len(probe) < header_len:
+        return None, header_len  # type: ignore[return-value]
+    try:
+        header = json.loads(probe[8:header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from e
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorEntry] = {}
+    for name, desc in header.items():
+        if desc["dtype"] not in _ST_TO_TORCH:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {desc['dtype']}, which hsx cannot read")
+        b, e = desc["data_offsets"]
+        tensors[name] = TensorEntry(name, _ST_TO_TORCH[desc["dtype"]], tuple(desc["shape"]), header_len + b, header_len + e)
+        if header_len + e > total_size:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {header_len + e} but the file has {total_size} "
+                             "bytes; the file is truncated")
+    for required in (TOKEN_IDS, HIDDEN_STATES):
+        if required not in tensors:
+            raise ValueError(f"{path}: no {required!r} tensor (found {sorted(tensors)}); not a hidden-states file")
+    hs = tensors[HIDDEN_STATES]
+    if len(hs.shape) != 3 or tensors[TOKEN_IDS].shape != (hs.shape[0],):
+        raise ValueError(f"{path}: expected hidden_states [T, L, H] and token_ids [T], found "
+                         f"{list(hs.shape)} and {list(tensors[TOKEN_IDS].shape)}")
+    return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size), header_len
+
+
+def tensor_from_bytes(buf: bytes, entry: TensorEntry, rows: int) -> torch.Tensor:
+    """Decode `rows` leading rows of `entry` from raw little-endian bytes."""
+    shape = (rows, *entry.shape[1:])
+    if rows == 0 or len(buf) == 0:
+        return torch.empty(shape, dtype=entry.dtype)
+    return torch.frombuffer(bytearray(buf), dtype=entry.dtype).reshape(shape)

@@ -1,0 +1,124 @@
+"""Where a request's file goes: safe default names and containment of per-request custom paths.
+
+    default_path(request_id)   {root}/{safe name}.safetensors — any request id becomes a safe file name
+    resolve(custom)            a requested `hidden_states_path`, accepted only inside an allowed root
+
+A custom path is rejected (PathRejected, a ValueError) when it would leave every allowed root: `..` escapes,
+absolute paths elsewhere, another protocol or bucket, a symlink on a local disk that points outside, or names an
+object store would read literally (`.`/`..` segments, empty segments, backslashes, control characters, `?`/`#`).
+Resolution never writes anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+
+import fsspec
+
+FILE_SUFFIX = ".safetensors"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_MAX_STEM = 120
+
+
+class PathRejected(ValueError):
+    """A custom hidden_states_path that is not allowed; the request fails and nothing is written."""
+
+
+def safe_file_stem(request_id: str) -> str:
+    """A file-name stem for any request id: kept as is when already safe, else sanitised plus a short hash."""
+    rid = str(request_id)
+    stem = _SAFE.sub("_", rid).lstrip(".")[:_MAX_STEM]
+    if stem == rid and stem:
+        return stem
+    digest = hashlib.sha1(rid.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{stem or 'request'}-{digest}"
+
+
+def _split(url: str) -> tuple[type, str, bool]:
+    """(filesystem class, normalised protocol-less path, is_local) without creating a filesystem."""
+    protocol, _ = fsspec.core.split_protocol(url)
+    cls = fsspec.get_filesystem_class(protocol or "file")
+    local = "file" in ((cls.protocol,) if isinstance(cls.protocol, str) else cls.protocol)
+    path = os.path.abspath(os.path.expanduser(url if protocol is None else cls._strip_protocol(url))) if local \
+        else cls._strip_protocol(url).rstrip("/")
+    return cls, path, local
+
+
+class PathPolicy:
+    """Decides the destination of every request for one connector."""
+
+    def __init__(self, root: str, allowed_roots: list[str] | None = None) -> None:
+        self.root = str(root)
+        self._root_cls, self._root_path, self._root_local = _split(self.root)
+        self._allowed = [_split(str(r)) for r in (allowed_roots or [self.root])]
+
+    def default_path(self, request_id: str) -> str:
+        """The file for a request with no custom path (a URL for remote roots, a plain path for local)."""
+        return self._join(self._root_path, safe_file_stem(request_id) + FILE_SUFFIX)
+
+    def _join(self, base: str, name: str) -> str:
+        path = posixpath.join(base, name)
+        return path if self._root_local else f"{_first_protocol(self._root_cls)}://{path}"
+
+    def resolve(self, custom: str) -> str:
+        """Accept `custom` if it lies inside an allowed root; return the URL to write. Raises PathRejected."""
+        if not isinstance(custom, str) or not custom:
+            raise PathRejected(f"hidden_states_path must be a non-empty string, got {custom!r}")
+        if any(ord(c) < 32 or c == "\x7f" for c in custom):
+            raise PathRejected(f"hidden_states_path {custom!r} contains control characters")
+        if not custom.endswith(FILE_SUFFIX):
+            raise PathRejected(f"hidden_states_path {custom!r} must end with {FILE_SUFFIX!r}")
+        protocol, _ = fsspec.core.split_protocol(custom)
+        if protocol is None and not os.path.isabs(custom) and not custom.startswith("~"):
+            # relative: under the shared storage root
+            if "\\" in custom or any(seg in ("", ".", "..") for seg in custom.split("/")):
+                raise PathRejected(f"relative hidden_states_path {custom!r} has empty, '.' or '..' segments or "
+                                   "backslashes; give a plain relative path such as 'sub/dir/name.safetensors'")
+            custom = self._join(self._root_path, custom)
+        try:
+            cls, path, local = _split(custom)
+        except (ValueError, ImportError) as e:
+            raise PathRejected(f"hidden_states_path {custom!r} has an unknown or unusable protocol: {e}") from e
+        for root_cls, root_path, root_local in self._allowed:
+            if cls is not root_cls:
+                continue
+            if local and self._inside_local(custom, path, root_path):
+                return path
+            if not local and self._inside_remote(custom, path, root_path):
+                return f"{_first_protocol(cls)}://{path}"
+        roots = ", ".join(self._describe(a) for a in self._allowed)
+        raise PathRejected(f"hidden_states_path {custom!r} is outside the allowed roots ({roots}); write under one "
+                           "of them, or add its root to kv_connector_extra_config['allowed_roots']")
+
+    @staticmethod
+    def _inside_local(raw: str, path: str, root: str) -> bool:
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([path, root]) != root and os.path.commonpath([path, real_root]) != real_root:
+            return False
+        # symlinks anywhere along the path (including the file itself) must stay inside the root
+        real = os.path.realpath(path)
+        return os.path.commonpath([real, real_root]) == real_root and real != real_root
+
+    @staticmethod
+    def _inside_remote(raw: str, path: str, root: str) -> bool:
+        raw_key = raw.split("://", 1)[-1]
+        if "\\" in raw_key or any(c in raw_key for c in "?#"):
+            raise PathRejected(f"hidden_states_path {raw!r} contains '\\', '?' or '#', which object stores read "
+                               "literally; use plain '/'-separated names")
+        segments = raw_key.split("/")
+        if any(seg in ("", ".", "..") for seg in segments):
+            raise PathRejected(f"hidden_states_path {raw!r} has empty, '.' or '..' segments, which object stores "
+                               "keep literally; give the plain key")
+        return path.startswith(root + "/")
+
+    @staticmethod
+    def _describe(allowed: tuple[type, str, bool]) -> str:
+        cls, path, local = allowed
+        return path if local else f"{_first_protocol(cls)}://{path}"
+
+
+def _first_protocol(cls: type) -> str:
+    return cls.protocol if isinstance(cls.protocol, str) else cls.protocol[0]

@@ -1,0 +1,194 @@
+"""Storage primitives on fsspec: resolve a URL, write a file atomically, mark and await pending writes.
+
+Everything above this module (connector, reader, dataset) works on any fsspec URL through these few functions:
+    open_url(url, storage_options)        -> (fs, path)
+    write_atomic(fs, path, tensors, meta) -  whole file or nothing; transient errors retried with backoff
+    pending_write(fs, path)               -  context manager: readers of `path` wait while it is held
+    wait_until_readable(fs, path, timeout)
+    remove(fs, path)                      -  idempotent delete of a file and its lock
+
+Atomicity: local disks get a temp file in the same directory and `os.replace`; object stores (s3, gcs, azure,
+memory) make an object visible only once its upload completes, so a single put is atomic there; any other
+filesystem gets a temp name and a move.
+
+Pending writes: a `<file>.lock` companion, as vLLM uses. On local disks the writer holds an exclusive `flock` on it
+(vLLM's readers and ours take a shared one, so either side waits for the other); on object stores the lock object's
+existence is the signal. A writer that died leaves a lock behind: readers wait at most their timeout, then raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import fsspec
+import safetensors.torch
+import torch
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+logger = logging.getLogger(__name__)
+
+LOCK_SUFFIX = ".lock"
+_ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gcs", "gs", "memory", "az", "abfs", "abfss", "adl"}
+_INSTALL_HINTS = {"s3": "pip install 'hsx[s3]' (s3fs)", "gs": "pip install 'hsx[gcs]' (gcsfs)",
+                  "gcs": "pip install 'hsx[gcs]' (gcsfs)"}
+
+
+def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a local path or fsspec URL into a filesystem and a protocol-less path."""
+    try:
+        return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    except ImportError as e:
+        protocol = str(url).split("://", 1)[0]
+        hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation for {protocol!r}")
+        raise ImportError(f"cannot open {url!r}: {e}. Fix: {hint}") from e
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in _protocols(fs)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    p = fs.protocol
+    return {p} if isinstance(p, str) else set(p)
+
+
+def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A URL that `open_url` maps back to the same file (plain path for local disks)."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _is_transient(e: BaseException) -> bool:
+    """Errors worth retrying: I/O and network failures, not bad arguments or missing permissions."""
+    permanent = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+                 ValueError, TypeError, KeyError, MemoryError)
+    if isinstance(e, permanent):
+        return False
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        return False
+    return isinstance(e, Exception)
+
+
+def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None, *, max_attempts: int = 5, backoff_s: float = 0.2) -> int:
+    """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
+
+    Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
+    attempt cleans up its own temp file, so a failed write leaves nothing behind.
+    """
+    retrying = Retrying(stop=stop_after_attempt(max_attempts), wait=wait_exponential_jitter(initial=backoff_s, max=10),
+                        retry=retry_if_exception(_is_transient), reraise=True,
+                        before_sleep=lambda rs: logger.warning("write of %s failed (attempt %d/%d): %s; retrying",
+                                                               path, rs.attempt_number, max_attempts,
+                                                               rs.outcome.exception()))
+    return retrying(_write_once, fs, path, tensors, metadata)
+
+
+def _write_once(fs, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if is_local(fs):
+        os.makedirs(parent or ".", exist_ok=True)
+        tmp = os.path.join(parent or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            safetensors.torch.save_file(tensors, tmp, metadata=metadata)
+            size = os.path.getsize(tmp)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        return size
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+        fs.pipe_file(path, data)
+    else:
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex}"
+        try:
+            fs.pipe_file(tmp, data)
+            fs.mv(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+    return len(data)
+
+
+@contextlib.contextmanager
+def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True) -> Iterator[None]:
+    """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring)."""
+    if not enabled:
+        yield
+        return
+    lock = path + LOCK_SUFFIX
+    if is_local(fs):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return
+    fs.pipe_file(lock, f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(lock)
+
+
+def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """True while a writer holds `path`'s lock."""
+    lock = path + LOCK_SUFFIX
+    if is_local(fs):
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing releases the shared lock, if it was taken
+        return False  # an unheld lock file (vLLM leaves them behind after writing)
+    fs.invalidate_cache(lock)
+    return fs.exists(lock)
+
+
+def wait_until_readable(fs: fsspec.AbstractFileSystem, path: str, timeout: float) -> None:
+    """Return once `path` exists with no write pending; FileNotFoundError if it does not exist and none is pending.
+
+    Raises TimeoutError when a write is still pending after `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while _write_pending(fs, path):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{full_url(fs, path)} is still being written after {timeout:.1f}s (its "
+                               f"{LOCK_SUFFIX} is held). Wait longer (wait_timeout=...), or, if its writer died, "
+                               "remove it with cleanup_hidden_states()")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"no hidden-states file at {full_url(fs, path)}")
+
+
+def remove(fs: fsspec.AbstractFileSystem, path: str, *, keep_data: bool = False) -> None:
+    """Delete `path` (unless keep_data) and its lock; missing files are fine."""
+    targets = [path + LOCK_SUFFIX] + ([] if keep_data else [path])
+    for target in targets:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(target)
+    fs.invalidate_cache(path)
