@@ -32,10 +32,10 @@ DEFAULT_WAIT_TIMEOUT_S = 60.0
 
 def _read_info(fs, path: str) -> HiddenStatesFileInfo:
     size = fs.size(path)
-    probe = fs.cat_file(path, 0, min(size, HEADER_PROBE_BYTES))
+    probe = fs.cat_file(path, start=0, end=min(size, HEADER_PROBE_BYTES))
     info, header_len = parse_header(path, probe, size)
     if info is None:
-        info, _ = parse_header(path, fs.cat_file(path, 0, header_len), size)
+        info, _ = parse_header(path, fs.cat_file(path, start=0, end=header_len), size)
     return info
 
 

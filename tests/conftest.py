@@ -38,3 +38,34 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_llama(tiny_model_factory) -> str:
     """A 4-layer Llama (hidden 64, fp32) with the local tokenizer."""
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-API server (moto in server mode) on loopback, as s3fs tests itself. Yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "hsx-test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "hsx-test")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket on the loopback server: (url "s3://bucket", storage_options for fsspec)."""
+    import re
+    import uuid
+
+    import s3fs
+
+    options = {"client_kwargs": {"endpoint_url": s3_server}, "skip_instance_cache": True}
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(**options)
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    fs.mkdir(name)
+    return f"s3://{name}", options
