@@ -1,0 +1,16 @@
+"""hsx extractor: the offline engine with the `extract_hidden_states` pseudo-drafter.
+
+    llm.py          LLM (vLLM's offline API), RequestOutput, CompletionOutput
+    config.py       EngineConfig, speculative_config parsing
+    sampling.py     SamplingParams and the sampler
+    runner.py       ModelRunner: model loading, chunked prefill, decode steps
+    layers.py       layer-id semantics, the capture hooks, early exit
+    batching.py     token-budget batches grouped by length
+    tiny_models.py  small random models + a local tokenizer for tests, demos and benchmarks
+"""
+
+from extractor.config import EngineConfig
+from extractor.llm import LLM, CompletionOutput, RequestOutput
+from extractor.sampling import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

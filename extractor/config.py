@@ -1,0 +1,88 @@
+"""Engine configuration: the typed form of what `LLM(...)` accepts, validated up front.
+
+`EngineConfig.from_llm_kwargs` maps vLLM-style arguments (speculative_config dict, dtype string, ...) onto it, so
+every error names the argument to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+SPECULATIVE_METHOD = "extract_hidden_states"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """A local model folder or a hub id (hub ids need network access, which tests never have)."""
+    layer_ids: tuple[int, ...] | None = None
+    """Hidden-state ids to capture (0 = embeddings, k = output of decoder layer k-1, N = last layer pre-norm);
+    None = the EAGLE-3 default [2, N//2, N-3, N]."""
+    dtype: str = "auto"
+    """Model and stored dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16"."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; default the model's max_position_embeddings."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one forward (batch rows x columns); longer prompts are prefilled in chunks."""
+    max_num_seqs: int = 256
+    """Most requests in one batch."""
+    device: str | None = None
+    """"cuda", "cuda:1", "cpu"; None = CUDA when available."""
+    attn_implementation: str | None = None
+    """Passed to transformers ("sdpa", "eager", "flash_attention_2"); None = transformers' default."""
+    revision: str | None = None
+    """Model revision (branch, tag or commit) for hub ids."""
+    tokenizer: str | None = None
+    """Tokenizer folder or id; default the model's."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model folder."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model is empty; pass a local model folder or a hub id")
+        dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {list(DTYPES)}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.layer_ids is not None:
+            ids = tuple(self.layer_ids)
+            if not ids:
+                raise ValueError("eagle_aux_hidden_state_layer_ids is empty; give at least one id, e.g. [2, 16, 29, 32]")
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError(f"layer ids must be integers, got {list(ids)}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"layer ids {list(ids)} contain duplicates; list each id once")
+            object.__setattr__(self, "layer_ids", ids)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+def layer_ids_from_speculative_config(spec: Mapping[str, Any] | None) -> tuple[int, ...] | None:
+    """Validate vLLM's `speculative_config` for hidden-state extraction and return its layer ids (None = default)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    method = spec.get("method")
+    if method != SPECULATIVE_METHOD:
+        raise ValueError(f"speculative_config method {method!r} is not supported; hsx supports only "
+                         f"{{'method': '{SPECULATIVE_METHOD}', 'num_speculative_tokens': 1}}")
+    n = spec.get("num_speculative_tokens", 1)
+    if n != 1:
+        raise ValueError(f"num_speculative_tokens={n!r}; the {SPECULATIVE_METHOD} method requires exactly 1")
+    known = {"method", "num_speculative_tokens", "draft_model_config", "model"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys {unknown}; hsx reads {sorted(known)}")
+    draft = spec.get("draft_model_config") or {}
+    hf_config = draft.get("hf_config") or {} if isinstance(draft, Mapping) else {}
+    ids = hf_config.get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else tuple(ids)

@@ -1,0 +1,121 @@
+"""Layer ids and the capture hooks — the `extract_hidden_states` pseudo-drafter.
+
+Ids follow vLLM's convention (the one stored in every file):
+    0        the embedding output = the input of decoder layer 0 (position embeddings and scaling included)
+    k        the output of decoder layer k-1: the residual stream, before any final norm
+    N        the output of the last decoder layer, pre-norm (HF's hidden_states[N] is post-norm; we never use it)
+
+`LayerCapture` hooks the decoder layers themselves, so it sees exactly those tensors, keeps only the chosen ids
+(never all N+1), and can stop the forward right after the deepest one (early exit, for prompt-only extraction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+# Families the engine is tested on; others work when their decoder layers are found the same way.
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt2")
+_LAYER_PATHS = ("layers", "h", "blocks", "decoder.layers", "encoder.layers")
+
+
+def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's aux layers [2, N//2, N-3] plus the last layer N, deduplicated (tiny models repeat ids)."""
+    n = num_hidden_layers
+    ids: list[int] = []
+    for i in (2, n // 2, n - 3, n):
+        i = min(max(i, 0), n)
+        if i not in ids:
+            ids.append(i)
+    return tuple(ids)
+
+
+def validate_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
+    bad = [i for i in layer_ids if not 0 <= i <= num_hidden_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} are out of range for a model with {num_hidden_layers} decoder layers: "
+                         f"valid ids are 0..{num_hidden_layers} (0 = embeddings, k = output of decoder layer k-1, "
+                         f"{num_hidden_layers} = last layer, pre-norm)")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer ids {list(layer_ids)} contain duplicates; list each id once")
+    return tuple(layer_ids)
+
+
+def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> nn.ModuleList:
+    """The ModuleList of decoder layers of a HF causal LM, wherever the architecture keeps it."""
+    base = getattr(model, "base_model", model)
+    for root in (base, model):
+        for path in _LAYER_PATHS:
+            obj = root
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, nn.ModuleList) and len(obj) == num_hidden_layers:
+                return obj
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for a ModuleList of "
+                     f"{num_hidden_layers} modules at {list(_LAYER_PATHS)}); hsx supports decoder-only HF causal LMs "
+                     f"such as {', '.join(SUPPORTED_FAMILIES)}")
+
+
+class EarlyExit(Exception):
+    """Raised by a hook after the deepest requested layer, to skip the rest of the forward."""
+
+
+def _hidden(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+class LayerCapture:
+    """Forward hooks that keep chosen hidden-state ids.
+
+        begin(early_exit)  arm for one forward
+        collect()          -> [B, S, L, H] in layer-id order given at construction
+        close()            remove the hooks
+    """
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: Sequence[int]) -> None:
+        self.layer_ids = tuple(layer_ids)
+        self.deepest = max(self.layer_ids)
+        self._buf: dict[int, torch.Tensor] = {}
+        self._early_exit = False
+        self.enabled = True
+        self._handles = []
+        if 0 in self.layer_ids:
+            self._handles.append(layers[0].register_forward_pre_hook(self._pre_hook_embeddings, with_kwargs=True))
+        for i in self.layer_ids:
+            if i > 0:
+                self._handles.append(layers[i - 1].register_forward_hook(self._make_hook(i)))
+
+    def _keep(self, layer_id: int, hidden: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        self._buf[layer_id] = hidden
+        if self._early_exit and layer_id == self.deepest:
+            raise EarlyExit
+
+    def _pre_hook_embeddings(self, module, args, kwargs):
+        self._keep(0, args[0] if args else kwargs["hidden_states"])
+
+    def _make_hook(self, layer_id: int):
+        def hook(module, args, output):
+            self._keep(layer_id, _hidden(output))
+        return hook
+
+    def begin(self, early_exit: bool = False) -> None:
+        self._buf.clear()
+        self._early_exit = early_exit
+
+    def collect(self) -> torch.Tensor:
+        missing = [i for i in self.layer_ids if i not in self._buf]
+        if missing:
+            raise RuntimeError(f"layer ids {missing} were not captured in this forward; the model skipped their "
+                               "decoder layers (internal error)")
+        out = torch.stack([self._buf[i] for i in self.layer_ids], dim=2)  # [B, S, L, H]
+        self._buf.clear()
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,312 @@
+"""`LLM`: the offline engine, with vLLM's API for the `extract_hidden_states` method.
+
+    llm = LLM(model=..., speculative_config={...}, kv_transfer_config=KVTransferConfig(...))
+    outputs = llm.generate(prompts, sampling_params)    # one RequestOutput per prompt, in order
+    outputs = llm.chat(messages, sampling_params)
+
+Per request: tokenize and check -> connector.start_request (destination checked) -> batched prefill, captured rows
+handed to the connector chunk by chunk -> decode steps (rows of output tokens when `include_output_tokens`) ->
+connector.request_finished. Writes overlap compute; `generate` returns once every file is durable. A request that
+fails (empty prompt, too long, rejected path, failed write) gets `error` set in its output; the rest complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from extractor.batching import plan_batches
+from extractor.config import EngineConfig, layer_ids_from_speculative_config
+from extractor.runner import ModelRunner
+from extractor.sampling import SamplingParams, make_generator, sample_next
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Mapping[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """"stop" (EOS or a stop token), "length" (max_tokens or max_model_len), None when the request failed."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    kv_transfer_params: dict[str, Any] | None = None
+    """{"hidden_states_path": url} once the file is durable; None when the request failed."""
+    error: str | None = None
+    """Why this request failed (hsx extension); None on success."""
+    finished: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Request:
+    index: int
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loss_mask: list[int] | None = None
+    sample_id: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def include_output_tokens(self) -> bool:
+        return bool(self.params.kv_transfer_params.get("include_output_tokens"))
+
+
+class LLM:
+    """Load a causal LM and extract hidden states of chosen layers for every request."""
+
+    def __init__(self, model: str, *, speculative_config: Mapping[str, Any] | None = None,
+                 kv_transfer_config: KVTransferConfig | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, device: str | None = None, attn_implementation: str | None = None,
+                 revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
+                 **unsupported: Any) -> None:
+        if unsupported:
+            raise TypeError(f"LLM() got arguments hsx does not support: {sorted(unsupported)}; supported: model, "
+                            "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
+                            "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code")
+        optional = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
+        self.config = EngineConfig(
+            model=str(model), layer_ids=layer_ids_from_speculative_config(speculative_config), dtype=dtype,
+            max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
+            tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+            **{k: v for k, v in optional.items() if v is not None})
+        self.kv_transfer_config = kv_transfer_config or KVTransferConfig()
+        if not isinstance(self.kv_transfer_config, KVTransferConfig):
+            raise TypeError(f"kv_transfer_config must be a connectors.KVTransferConfig, got "
+                            f"{type(self.kv_transfer_config).__name__}")
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.spec = HiddenStatesSpec(
+            layer_ids=self.runner.layer_ids, num_hidden_layers=self.runner.num_hidden_layers,
+            hidden_size=self.runner.hidden_size, dtype=str(self.runner.dtype).removeprefix("torch."),
+            model=self.config.model, model_revision=str(getattr(self.runner.hf_config, "_commit_hash", None) or
+                                                        self.config.revision or ""),
+            last_layer_normalized=False,
+            extra={"architecture": ",".join(getattr(self.runner.hf_config, "architectures", None) or [])})
+        self.connector = self.kv_transfer_config.create_connector(self.spec)
+        self._eos = self.runner.eos_token_ids()
+        self._counter = itertools.count()
+
+    # -- public API -------------------------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 request_ids: Sequence[str] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt, write one hidden-states file per request; outputs in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts; pass one per prompt")
+        rids = [str(r) for r in request_ids] if request_ids is not None else \
+            [str(next(self._counter)) for _ in prompts]
+        if len(set(rids)) != len(rids):
+            raise ValueError("request_ids must be unique within one generate() call")
+        requests = [self._make_request(i, rid, p, sp) for i, (rid, p, sp) in enumerate(zip(rids, prompts, params))]
+        runnable = [r for r in requests if r.error is None]
+        batches = plan_batches(runnable, length=lambda r: len(r.prompt_token_ids),
+                               group=lambda r: r.params.max_tokens > 0,
+                               max_num_batched_tokens=self.config.max_num_batched_tokens,
+                               max_num_seqs=self.config.max_num_seqs)
+        progress = _progress(len(runnable), use_tqdm)
+        for batch in batches:
+            try:
+                self._run_batch(batch.items, batch.chunk_size)
+            except Exception as e:  # a batch-level failure fails its requests, not the others
+                logger.exception("batch of %d requests failed", len(batch.items))
+                for r in batch.items:
+                    if r.kv_transfer_params is None:
+                        self.connector.abort_request(r.request_id)
+                    r.error = r.error or f"{type(e).__name__}: {e}"
+            progress.update(len(batch.items))
+        progress.close()
+        failures = self.connector.wait_for_save()
+        for r in requests:
+            if r.request_id in failures:
+                err = failures[r.request_id]
+                r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
+        return [self._output(r) for r in requests]
+
+    def chat(self, messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or `chat_template`) to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(list(conv), chat_template=chat_template, tokenize=True,
+                                                     add_generation_prompt=add_generation_prompt, return_dict=True)
+            prompts.append({"prompt_token_ids": list(ids["input_ids"]),
+                            "prompt": self.tokenizer.decode(ids["input_ids"])})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+        self.runner.capture.close()
+
+    # -- requests -----------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; pass one or one per prompt")
+        return sampling_params
+
+    def _make_request(self, index: int, rid: str, prompt: PromptType, params: SamplingParams) -> _Request:
+        req = _Request(index, rid, None, [], params)
+        try:
+            self._tokenize(req, prompt)
+            self._check(req)
+            mask = None if req.loss_mask is None else torch.tensor(req.loss_mask, dtype=torch.uint8)
+            self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
+                                                     sample_id=req.sample_id, loss_mask=mask))
+        except (ValueError, TypeError) as e:
+            req.error = str(e)
+            logger.warning("request %s failed: %s", rid, e)
+        req.generator = make_generator(params) if req.error is None and params.max_tokens > 0 else None
+        return req
+
+    def _tokenize(self, req: _Request, prompt: PromptType) -> None:
+        if isinstance(prompt, str):
+            req.prompt = prompt
+            req.prompt_token_ids = list(self.tokenizer(prompt).input_ids)
+            return
+        if not isinstance(prompt, Mapping):
+            raise TypeError(f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got "
+                            f"{type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError("prompt_token_ids must be a list of ints")
+            req.prompt_token_ids = list(ids)
+            req.prompt = prompt.get("prompt")
+        elif "prompt" in prompt:
+            req.prompt = str(prompt["prompt"])
+            req.prompt_token_ids = list(self.tokenizer(req.prompt).input_ids)
+        else:
+            raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if prompt.get("loss_mask") is not None:
+            req.loss_mask = [int(x) for x in prompt["loss_mask"]]
+        if prompt.get("sample_id") is not None:
+            req.sample_id = str(prompt["sample_id"])
+
+    def _check(self, req: _Request) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens); nothing to extract")
+        if n > self.runner.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={self.runner.max_model_len}; "
+                             "shorten it or raise max_model_len")
+        if req.params.max_tokens > 0 and n >= self.runner.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, leaving no room to generate within max_model_len="
+                             f"{self.runner.max_model_len}; use max_tokens=0 (prompt only) or raise max_model_len")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.runner.vocab_size - 1})")
+        if req.loss_mask is not None and len(req.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(req.loss_mask)} values for {n} prompt tokens; give one per token")
+
+    # -- execution ----------------------------------------------------------------------------------------------------
+    def _run_batch(self, batch: list[_Request], chunk_size: int) -> None:
+        generating = batch[0].params.max_tokens > 0
+        rows = [r.prompt_token_ids for r in batch]
+        width = max(len(r) for r in rows)
+
+        def on_chunk(c0: int, c1: int, states: torch.Tensor) -> None:  # states: [B, c1 - c0, L, H]
+            for b, r in enumerate(batch):
+                start = width - len(r.prompt_token_ids)  # first real column of row b
+                lo = max(c0, start)
+                if lo >= c1:
+                    continue
+                ids = torch.tensor(r.prompt_token_ids[lo - start:c1 - start], dtype=torch.long)
+                self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:])
+
+        logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
+                                            on_chunk=on_chunk)
+        if not generating:
+            for r in batch:
+                r.finish_reason = "length"
+                r.kv_transfer_params = self.connector.request_finished(r.request_id)
+            return
+        active = list(batch)
+        while True:
+            tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
+            keep = []
+            for i, (r, t) in enumerate(zip(active, tokens)):
+                r.output_ids.append(t)
+                reason = self._finish_reason(r, t)
+                if reason is None:
+                    keep.append(i)
+                else:
+                    r.finish_reason = reason
+                    r.kv_transfer_params = self.connector.request_finished(r.request_id)
+            if not keep:
+                return
+            if len(keep) < len(active):
+                state.select(keep)
+                active = [active[i] for i in keep]
+            capture = any(r.include_output_tokens for r in active)
+            logits, states = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
+            if capture:
+                for b, r in enumerate(active):  # states[b]: [1, L, H], the rows of the token just fed
+                    if r.include_output_tokens:
+                        self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
+
+    def _finish_reason(self, r: _Request, token: int) -> str | None:
+        if not r.params.ignore_eos and token in self._eos:
+            return "stop"
+        if token in r.params.stop_token_ids:
+            return "stop"
+        if len(r.output_ids) >= r.params.max_tokens:
+            return "length"
+        if len(r.prompt_token_ids) + len(r.output_ids) >= self.runner.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, r: _Request) -> RequestOutput:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if r.output_ids else ""
+        ok = r.error is None
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, list(r.output_ids), r.finish_reason if ok else None)],
+            kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="requests", unit="req")

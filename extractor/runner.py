@@ -1,0 +1,163 @@
+"""The model runner: load a HF causal LM once, run prefill (chunked) and decode steps with layer capture.
+
+    ModelRunner(config)
+    prefill(rows, chunk_size, want_logits, keep_cache, on_chunk) -> (logits [B, V] | None, BatchState)
+    decode(state, tokens, capture) -> (logits [B, V], states [B, 1, L, H] | None)
+
+Rows are left-padded so every row's last token sits in the last column: logits are computed for that column only
+(`logits_to_keep=1`), and with nothing to sample the lm_head is skipped and the forward stops after the deepest
+requested layer. Position ids come from the attention mask, so padding never shifts a row's positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from extractor.config import EngineConfig
+from extractor.layers import EarlyExit, LayerCapture, default_layer_ids, find_decoder_layers, validate_layer_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchState:
+    """What decoding carries between steps for the rows still active."""
+
+    cache: object
+    attention_mask: torch.Tensor  # [B, S_so_far] on device
+    next_position: torch.Tensor  # [B] on device
+
+    def select(self, keep: list[int]) -> None:
+        """Drop finished rows (keep = indices of rows that continue)."""
+        idx = torch.tensor(keep, device=self.attention_mask.device)
+        self.cache.batch_select_indices(idx)
+        self.attention_mask = self.attention_mask[idx]
+        self.next_position = self.next_position[idx]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' or leave it unset")
+    return dev
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
+                                               trust_remote_code=config.trust_remote_code)
+        if getattr(hf_config, "is_encoder_decoder", False):
+            raise ValueError(f"{config.model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
+        if config.dtype == "auto":
+            dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        else:
+            dtype = getattr(torch, config.dtype)
+        if self.device.type == "cpu" and dtype == torch.float16:
+            logger.warning("float16 on CPU is slow and lossy; consider dtype='bfloat16' or 'float32'")
+        kwargs = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
+        if config.attn_implementation:
+            kwargs["attn_implementation"] = config.attn_implementation
+        self.model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, revision=config.revision,
+                                                       trust_remote_code=config.trust_remote_code)
+        self.hf_config = self.model.config
+        self.dtype = dtype
+        self.num_hidden_layers = int(self.hf_config.num_hidden_layers)
+        self.hidden_size = int(self.hf_config.hidden_size)
+        self.layer_ids = validate_layer_ids(config.layer_ids or default_layer_ids(self.num_hidden_layers),
+                                            self.num_hidden_layers)
+        self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), self.layer_ids)
+        self.base = self.model.base_model
+        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.hf_config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
+        return ids
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf_config)
+
+    def _logits(self, **inputs) -> torch.Tensor:
+        """Forward the full LM and return last-position logits [B, V]."""
+        if self._has_logits_to_keep:
+            return self.model(**inputs, logits_to_keep=1).logits[:, -1]
+        out = self.base(**inputs)
+        return self.model.get_output_embeddings()(out.last_hidden_state[:, -1])
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
+                on_chunk: Callable[[int, int, torch.Tensor], None]) -> tuple[torch.Tensor | None, BatchState | None]:
+        """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
+
+        on_chunk(col_start, col_end, states) gets CPU states [B, col_end - col_start, L, H] for padded columns
+        [col_start, col_end) of the left-padded batch.
+        """
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[b, width - len(r):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache() if (keep_cache or chunk_size < width) else None
+        early_exit = not want_logits and not keep_cache
+        logits = None
+        for c0 in range(0, width, chunk_size):
+            c1 = min(width, c0 + chunk_size)
+            inputs = {"input_ids": ids[:, c0:c1], "attention_mask": mask[:, :c1], "position_ids": positions[:, c0:c1],
+                      "use_cache": cache is not None}
+            if cache is not None:
+                inputs[self._cache_kw] = cache
+            self.capture.begin(early_exit=early_exit)
+            try:
+                if want_logits and c1 == width:
+                    logits = self._logits(**inputs)
+                else:
+                    self.base(**inputs)
+            except EarlyExit:
+                pass
+            on_chunk(c0, c1, self.capture.collect().to("cpu", non_blocking=False))
+        state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
+        return logits, state
+
+    @torch.inference_mode()
+    def decode(self, state: BatchState, tokens: list[int], capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: feed each active row its newest token; return logits [B, V] and states [B, 1, L, H] (CPU)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.attention_mask[:, :1])], dim=1)
+        inputs = {"input_ids": ids, "attention_mask": state.attention_mask,
+                  "position_ids": state.next_position[:, None], "use_cache": True, self._cache_kw: state.cache}
+        self.capture.enabled = capture
+        self.capture.begin(early_exit=False)
+        try:
+            logits = self._logits(**inputs)
+        finally:
+            self.capture.enabled = True
+        state.next_position = state.next_position + 1
+        return logits, (self.capture.collect().to("cpu") if capture else None)

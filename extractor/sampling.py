@@ -1,0 +1,87 @@
+"""`SamplingParams` (vLLM's names and defaults) and the sampler for the next token.
+
+Greedy when temperature is 0; otherwise temperature, top-k and top-p, drawn from a per-request generator so a
+`seed` reproduces a request's output regardless of what else is in its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Tokens to generate; 0 = prompt-only extraction with no sampling and no lm_head at all (hsx extension)."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 = off."""
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    extra_args: dict[str, Any] | None = None
+    """{"kv_transfer_params": {"hidden_states_path": ..., "include_output_tokens": bool}}."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0 (0 = prompt only), got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        params = self.kv_transfer_params
+        if not isinstance(params, Mapping):
+            raise TypeError(f"extra_args['kv_transfer_params'] must be a dict, got {type(params).__name__}")
+        unknown = sorted(set(params) - {"hidden_states_path", "include_output_tokens"})
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_params keys {unknown}; valid: hidden_states_path, "
+                             "include_output_tokens")
+
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any]:
+        return (self.extra_args or {}).get("kv_transfer_params") or {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
+    """Pick one token per row of `logits` [B, V]."""
+    logits = logits.float().cpu()
+    out: list[int] = []
+    for row, p, gen in zip(logits, params, generators):
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(row, descending=True)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            row = row.scatter(0, order[drop], float("-inf"))
+        out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
+    return out
