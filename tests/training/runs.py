@@ -1,0 +1,139 @@
+"""Building extraction runs for the training-feed tests, through the real connector (no mocks).
+
+    Sample                          one sample's tensors
+    random_samples(n, spec, ...)    random states of varied lengths (a loss mask on some, none on others)
+    oracle_samples(model_dir, ...)  states from a plain transformers forward of a tiny model (the oracle)
+    write_run(output, samples, spec, ...)   files via KVTransferConfig(...).create_connector(spec), the manifest
+                                            with pyarrow, and run.json: the layout of an `hsx run` OUTPUT
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.storage import open_url
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    token_ids: torch.Tensor  # [T] int64
+    hidden_states: torch.Tensor  # [T, L, H]
+    loss_mask: torch.Tensor | None = None  # [T] 0/1
+
+
+def random_samples(n: int, spec: HiddenStatesSpec, *, seed: int = 0, min_len: int = 3, max_len: int = 40,
+                   with_mask_every: int = 2) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    out = []
+    for i in range(n):
+        t = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(0, 500, (t,), generator=g, dtype=torch.int64)
+        states = torch.randn(t, len(spec.layer_ids), spec.hidden_size, generator=g).to(dtype)
+        mask = (torch.rand(t, generator=g) > 0.3).to(torch.uint8) if i % with_mask_every == 0 else None
+        out.append(Sample(f"s{i:05d}", ids, states, mask))
+    return out
+
+
+def pre_norm_hidden_states(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """All N+1 hidden states of one sequence [T, H] in vLLM's ids: 0 = embeddings, k = output of decoder layer k-1,
+    N = the last decoder layer's output *before* the final norm (HF's own hidden_states[N] is post-norm)."""
+    captured = {}
+
+    def hook(module, args, output):
+        captured["last"] = output[0] if isinstance(output, tuple) else output
+
+    handle = model.model.layers[-1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model(input_ids[None], output_hidden_states=True)
+    finally:
+        handle.remove()
+    states = [h[0] for h in out.hidden_states[:-1]]
+    return [*states, captured["last"][0]]
+
+
+def oracle_samples(model, texts: Sequence[str], tokenizer, layer_ids: Sequence[int]) -> list[Sample]:
+    """Samples whose states come from a plain transformers forward of `model` (float32)."""
+    out = []
+    for i, text in enumerate(texts):
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
+        all_states = pre_norm_hidden_states(model, ids)
+        states = torch.stack([all_states[k] for k in layer_ids], dim=1)  # [T, L, H]
+        mask = torch.zeros(len(ids), dtype=torch.uint8)
+        mask[len(ids) // 2:] = 1
+        out.append(Sample(f"text-{i:03d}", ids, states.contiguous(), mask))
+    return out
+
+
+def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
+              storage_options: dict | None = None, run_json: bool | dict = True,
+              extra_rows: Sequence[dict] = (), files_per_folder: int = 4, manifest_parts: int = 1) -> list[dict]:
+    """Write `samples` as an hsx run at `output`; return the manifest rows written.
+
+    run_json: True writes the spec's keys; a dict is written as is; False writes none.
+    extra_rows: further manifest rows (e.g. failed samples, duplicates) appended after the ok rows.
+    """
+    options = dict(storage_options or {})
+    config = KVTransferConfig(kv_connector_extra_config={
+        "shared_storage_path": output, "allow_custom_save_path": True, "storage_options": options})
+    connector = config.create_connector(spec)
+    fs, root = open_url(output, options)
+    rows = []
+    for i, s in enumerate(samples):
+        rel = f"data/{i // files_per_folder:04d}/{s.sample_id}.safetensors"
+        rid = f"req-{s.sample_id}"
+        t = s.token_ids.shape[0]
+        connector.start_request(RequestInfo(request_id=rid, num_prompt_tokens=t, sample_id=s.sample_id,
+                                            kv_transfer_params={"hidden_states_path": rel}, loss_mask=s.loss_mask))
+        cut = t // 2  # two chunks, as a chunked prefill delivers them
+        connector.save_hidden_states(rid, s.token_ids[:cut], s.hidden_states[:cut])
+        connector.save_hidden_states(rid, s.token_ids[cut:], s.hidden_states[cut:])
+        connector.request_finished(rid)
+        rows.append({"sample_id": s.sample_id, "path": rel, "num_tokens": t, "num_prompt_tokens": t,
+                     "status": "ok", "error": None, "bytes": 0})
+    failures = connector.wait_for_save()
+    connector.shutdown()
+    assert not failures, failures
+    for row in rows:
+        row["bytes"] = fs.size(posixpath.join(root, row["path"]))
+    rows += list(extra_rows)
+    write_manifest(output, rows, storage_options=options, parts=manifest_parts)
+    if run_json is not False:
+        doc = run_json if isinstance(run_json, dict) else spec_run_json(spec)
+        fs.pipe_file(posixpath.join(root, "run.json"), json.dumps(doc).encode())
+    return rows
+
+
+def spec_run_json(spec: HiddenStatesSpec) -> dict:
+    return {"model": spec.model, "model_revision": spec.model_revision, "layer_ids": list(spec.layer_ids),
+            "layer_id_convention": "vllm", "num_hidden_layers": spec.num_hidden_layers,
+            "hidden_size": spec.hidden_size, "dtype": spec.dtype,
+            "last_layer_normalized": spec.last_layer_normalized}
+
+
+MANIFEST_SCHEMA = pa.schema([("sample_id", pa.string()), ("path", pa.string()), ("num_tokens", pa.int64()),
+                             ("num_prompt_tokens", pa.int64()), ("status", pa.string()), ("error", pa.string()),
+                             ("bytes", pa.int64())])
+
+
+def write_manifest(output: str, rows: Sequence[dict], *, storage_options: dict | None = None, parts: int = 1) -> None:
+    """The manifest as `parts` Parquet files under OUTPUT/manifest/ (rows split in order)."""
+    fs, root = open_url(output, storage_options)
+    mdir = posixpath.join(root, "manifest")
+    fs.makedirs(mdir, exist_ok=True)
+    per = -(-len(rows) // parts) if rows else 0
+    for p in range(parts):
+        chunk = rows[p * per:(p + 1) * per]
+        table = pa.Table.from_pylist(list(chunk), schema=MANIFEST_SCHEMA)
+        with fs.open(posixpath.join(mdir, f"part-{p:05d}.parquet"), "wb") as f:
+            pq.write_table(table, f)
