@@ -1,0 +1,41 @@
+"""The independent oracle: a plain, single-request transformers forward of the same tokens.
+
+HF's `hidden_states[k]` is vLLM id k for k < N; HF's `hidden_states[N]` is post-norm, so the pre-norm id N comes
+from a second forward with the final norm replaced by Identity. Nothing here uses hsx's hooks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+
+
+def load_reference(model_dir: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    no_norm = copy.deepcopy(model)
+    base = no_norm.base_model
+    for name in _FINAL_NORMS:
+        if isinstance(getattr(base, name, None), nn.Module):
+            setattr(base, name, nn.Identity())
+            break
+    else:
+        raise AssertionError(f"oracle does not know the final norm of {type(model).__name__}")
+    return model, no_norm
+
+
+@torch.no_grad()
+def reference_states(ref, token_ids, layer_ids) -> torch.Tensor:
+    """[T, L, H] for `token_ids`, one standalone forward, no padding, no batching."""
+    model, no_norm = ref
+    ids = torch.as_tensor(token_ids, dtype=torch.long)[None]
+    n = model.config.num_hidden_layers
+    hs = model(ids, output_hidden_states=True).hidden_states
+    last = no_norm(ids, output_hidden_states=True).hidden_states[n] if n in layer_ids else None
+    rows = [last[0] if i == n else hs[i][0] for i in layer_ids]
+    return torch.stack(rows, dim=1)
