@@ -141,12 +141,12 @@ class LLM:
         for batch in batches:
             try:
                 self._run_batch(batch.items, batch.chunk_size)
-            except Exception as e:  # a batch-level failure fails its requests, not the others
+            except Exception as e:  # fails the batch's unfinished requests, not the others
                 logger.exception("batch of %d requests failed", len(batch.items))
                 for r in batch.items:
-                    if r.kv_transfer_params is None:
+                    if r.kv_transfer_params is None:  # finished ones are already being written
                         self.connector.abort_request(r.request_id)
-                    r.error = r.error or f"{type(e).__name__}: {e}"
+                        r.error = f"{type(e).__name__}: {e}"
             progress.update(len(batch.items))
         progress.close()
         failures = self.connector.wait_for_save()
