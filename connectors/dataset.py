@@ -166,7 +166,8 @@ def _run_info(fs, root: str, first_file: str | None) -> RunInfo:
     run_json = _read_json(fs, posixpath.join(root, RUN_FILE)) or {}
     fields = _spec_fields(run_json)
     required = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype")
-    if not all(k in fields for k in (*required, "last_layer_normalized", "model")) and first_file is not None:
+    # last_layer_normalized and the convention default to hsx's (pre-norm, vLLM ids); every file read checks them
+    if not all(k in fields for k in (*required, "model")) and first_file is not None:
         header = _read_header(fs, first_file)
         from_file = _spec_fields(header.metadata)
         from_file.setdefault("hidden_size", header.hidden_size)
@@ -460,6 +461,11 @@ class HiddenStatesDataset(Dataset):
     def num_tokens(self) -> np.ndarray:
         """[N] int64 token counts from the manifest (before `max_length`), for token-budget batching."""
         return self._num_tokens
+
+    @property
+    def sample_ids(self) -> pa.Array:
+        """[N] sample ids (a pyarrow string array), in dataset order."""
+        return self._sample_ids
 
     def sample_id(self, index: int) -> str:
         return self._sample_ids[index].as_py()

@@ -1,0 +1,190 @@
+"""`hsx export`: each layout re-read field by field against a transformers oracle, resume, refusals, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pyarrow as pa
+import pytest
+import safetensors.torch
+import torch
+
+from connectors import HiddenStatesSpec
+from connectors.paths import safe_file_stem
+from jobs import export
+from jobs.export import export_run
+from tests.training.conftest import ORACLE_LAYERS
+from tests.training.runs import spec_run_json, write_run
+
+
+def _oracle(model, input_ids):
+    """HF's own hidden states: [k] for aux ids, [N] (post-norm) as the target."""
+    with torch.no_grad():
+        hs = model(input_ids[None], output_hidden_states=True).hidden_states
+    aux = torch.cat([hs[k][0] for k in ORACLE_LAYERS[:-1]], dim=-1)  # [T, 2H]
+    return aux, hs[-1][0]  # post-norm [T, H]
+
+
+def _mask(sample):
+    return sample.loss_mask.long()
+
+
+def test_speculators_layout_reads_back_field_by_field(oracle_run, oracle_model, tmp_path):
+    out, samples, spec = oracle_run
+    model, _ = oracle_model
+    dest = str(tmp_path / "spec")
+    summary = export_run(out, dest, "speculators")
+    assert (summary.samples, summary.written, summary.skipped) == (len(samples), len(samples), 0)
+    for i, s in enumerate(samples):
+        f = safetensors.torch.load_file(os.path.join(dest, "hidden_states", f"hs_{i}.safetensors"))
+        assert set(f) == {"token_ids", "hidden_states", "loss_mask"}
+        assert torch.equal(f["token_ids"], s.token_ids)
+        assert f["hidden_states"].shape == (len(s.token_ids), len(ORACLE_LAYERS), spec.hidden_size)
+        aux, post = _oracle(model, s.token_ids)
+        # the trainer's split: hidden_states[:, :-1] flattened (aux) and hidden_states[:, -1] (pre-norm target)
+        torch.testing.assert_close(f["hidden_states"][:, :-1].flatten(1), aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.model.norm(f["hidden_states"][:, -1]), post, rtol=1e-5, atol=1e-5)
+        assert torch.equal(f["loss_mask"], _mask(s))
+    # the Arrow dataset next to it, row i <-> hs_i
+    with pa.memory_map(os.path.join(dest, "data-00000-of-00001.arrow")) as src:
+        table = pa.ipc.open_stream(src).read_all()
+    assert table.column_names == ["input_ids", "loss_mask", "seq_len"]
+    assert table["input_ids"].to_pylist() == [s.token_ids.tolist() for s in samples]
+    assert table["loss_mask"].to_pylist() == [_mask(s).tolist() for s in samples]
+    assert table["seq_len"].to_pylist() == [len(s.token_ids) for s in samples]
+    features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
+    assert features["seq_len"] == {"dtype": "int64", "_type": "Value"}
+    state = json.load(open(os.path.join(dest, "state.json")))
+    assert state["_data_files"] == [{"filename": "data-00000-of-00001.arrow"}] and state["_format_type"] == "torch"
+    assert json.load(open(os.path.join(dest, "dataset_info.json")))["features"] == features
+
+
+def test_speculators_export_loads_with_hf_datasets_when_installed(oracle_run, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out, samples, _ = oracle_run
+    dest = str(tmp_path / "spec")
+    export_run(out, dest, "speculators")
+    ds = datasets.load_from_disk(dest)
+    assert len(ds) == len(samples)
+    assert torch.equal(ds[1]["input_ids"], samples[1].token_ids)
+
+
+def test_specforge_layout_reads_back_field_by_field(oracle_run, oracle_model, tmp_path):
+    out, samples, spec = oracle_run
+    model, _ = oracle_model
+    dest = str(tmp_path / "sf")
+    export_run(out, dest, "specforge")  # the run's model is a local folder: its final norm applies
+    assert os.listdir(dest) == ["hsx_export.json", "rows_0-2000"] or sorted(os.listdir(dest)) == [
+        "hsx_export.json", "rows_0-2000"]
+    for i, s in enumerate(samples):
+        obj = torch.load(os.path.join(dest, "rows_0-2000", f"data_{i}.ckpt"), weights_only=True)
+        assert set(obj) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        t = len(s.token_ids)
+        assert torch.equal(obj["input_ids"], s.token_ids)
+        assert torch.equal(obj["loss_mask"], _mask(s))
+        aux, post = _oracle(model, s.token_ids)
+        assert obj["hidden_state"].shape == (1, t, spec.hidden_size)
+        assert obj["aux_hidden_state"].shape == (1, t, 2 * spec.hidden_size)
+        torch.testing.assert_close(obj["hidden_state"][0], post, rtol=1e-5, atol=1e-5)  # post-norm
+        torch.testing.assert_close(obj["aux_hidden_state"][0], aux, rtol=1e-5, atol=1e-5)
+
+
+def test_specforge_rows_go_in_folders_of_2000():
+    layout = export.SpecForgeLayout("d", None)
+    assert layout.relpath(0, "x") == "rows_0-2000/data_0.ckpt"
+    assert layout.relpath(1999, "x") == "rows_0-2000/data_1999.ckpt"
+    assert layout.relpath(2000, "x") == "rows_2000-4000/data_2000.ckpt"
+
+
+def test_modelopt_layout_reads_back_field_by_field(oracle_run, oracle_model, tmp_path):
+    out, samples, spec = oracle_run
+    model, _ = oracle_model
+    dest = str(tmp_path / "mo")
+    export_run(out, dest, "modelopt", model_dir=spec.model)
+    for s in samples:
+        obj = torch.load(os.path.join(dest, f"{safe_file_stem(s.sample_id)}.pt"), weights_only=True)
+        assert set(obj) == {"input_ids", "hidden_states", "aux_hidden_states", "loss_mask", "conversation_id"}
+        assert obj["conversation_id"] == s.sample_id
+        assert torch.equal(obj["input_ids"], s.token_ids)
+        assert torch.equal(obj["loss_mask"], _mask(s))
+        aux, post = _oracle(model, s.token_ids)
+        torch.testing.assert_close(obj["hidden_states"], post, rtol=1e-5, atol=1e-5)  # HF last_hidden_state
+        torch.testing.assert_close(obj["aux_hidden_states"], aux, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "specforge", "modelopt"])
+def test_resume_skips_finished_samples_and_redoes_missing_or_broken_ones(oracle_run, tmp_path, fmt):
+    out, samples, _ = oracle_run
+    dest = str(tmp_path / fmt)
+    export_run(out, dest, fmt)
+    layout = export._LAYOUTS[fmt](dest, None)
+    paths = [os.path.join(dest, layout.relpath(i, s.sample_id)) for i, s in enumerate(samples)]
+    inodes = [os.stat(p).st_ino for p in paths]
+    os.remove(paths[1])  # interrupted before sample 1 was written
+    with open(paths[3], "wb") as f:  # a file that is not what it should be
+        f.write(b"not a sample")
+    with open(os.path.join(os.path.dirname(paths[0]), ".leftover.tmp-123"), "wb") as f:
+        f.write(b"partial")  # a crashed writer's temp file
+    summary = export_run(out, dest, fmt, num_workers=1)
+    assert (summary.written, summary.skipped) == (2, len(samples) - 2)
+    for i, p in enumerate(paths):
+        if i not in (1, 3):
+            assert os.stat(p).st_ino == inodes[i]  # untouched
+    fresh = str(tmp_path / f"{fmt}-fresh")
+    export_run(out, fresh, fmt)
+    for p, q in zip(paths, [os.path.join(fresh, os.path.relpath(p, dest)) for p in paths]):
+        if fmt == "speculators":
+            a, b = safetensors.torch.load_file(p), safetensors.torch.load_file(q)
+        else:
+            a, b = torch.load(p, weights_only=True), torch.load(q, weights_only=True)
+        assert a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    again = export_run(out, dest, fmt)
+    assert (again.written, again.skipped) == (0, len(samples))
+
+
+def test_post_norm_formats_need_the_model_when_the_run_names_no_folder(oracle_run, tmp_path):
+    out, samples, spec = oracle_run
+    run = str(tmp_path / "run")
+    spec2 = HiddenStatesSpec(**{**spec.__dict__, "model": "org/remote-model"})
+    write_run(run, samples[:2], spec2, run_json=spec_run_json(spec2))
+    for fmt in ("specforge", "modelopt"):
+        with pytest.raises(ValueError, match="pass --model-dir"):
+            export_run(run, str(tmp_path / fmt), fmt)
+        assert not os.path.exists(tmp_path / fmt)  # refused before writing anything
+    export_run(run, str(tmp_path / "ok"), "specforge", model_dir=spec.model)
+    export_run(run, str(tmp_path / "spec"), "speculators")  # pre-norm: no model needed
+
+
+def test_refusals_name_the_fix(oracle_run, tmp_path):
+    out, samples, spec = oracle_run
+    post = str(tmp_path / "post")
+    spec_post = HiddenStatesSpec(**{**spec.__dict__, "last_layer_normalized": True})
+    write_run(post, samples[:2], spec_post)
+    with pytest.raises(ValueError, match="cannot be undone"):
+        export_run(post, str(tmp_path / "a"), "speculators")
+    export_run(post, str(tmp_path / "b"), "modelopt", model_dir="/nonexistent")  # already post-norm: no norm needed
+    no_n = str(tmp_path / "no-n")
+    write_run(no_n, samples[:2], HiddenStatesSpec(**{**spec.__dict__, "layer_ids": (1, 2, 3)}))
+    with pytest.raises(ValueError, match="extract with id 4 last"):
+        export_run(no_n, str(tmp_path / "c"), "specforge")
+    dest = str(tmp_path / "d")
+    export_run(out, dest, "specforge")
+    with pytest.raises(ValueError, match="export into an empty DEST"):
+        export_run(out, dest, "modelopt")
+    with pytest.raises(ValueError, match="unknown export format"):
+        export_run(out, dest, "eagle")
+
+
+def test_cli_export_subcommand(oracle_run, tmp_path, capsys):
+    out, samples, spec = oracle_run
+    parser = argparse.ArgumentParser(prog="hsx")
+    export.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["export", "--format", "modelopt", "--model-dir", spec.model, out, str(tmp_path / "x")])
+    assert args.func(args) == 0
+    assert f"exported {len(samples)} samples" in capsys.readouterr().out
+    bad = parser.parse_args(["export", "--format", "speculators", str(tmp_path / "nothing"), str(tmp_path / "y")])
+    assert bad.func(bad) == 2
+    assert "no manifest" in capsys.readouterr().err
