@@ -1,0 +1,136 @@
+"""Chat records -> token ids plus a loss mask over the assistant's tokens, for any chat template.
+
+    normalize_messages(record) -> [{"role", "content", ...}]     OpenAI `messages` or ShareGPT `conversations`
+    ChatEncoder(tokenizer, template).encode(messages) -> (ids, mask)
+
+How the mask is found, without knowing the template: for each assistant message i, render the conversation up to
+message i with the generation prompt (`P_i`) and up to and including message i (`Q_i`). What `Q_i` adds after `P_i`
+is the assistant's turn as the template writes it — content plus end-of-turn marker — minus trailing whitespace (the
+separator before the next turn, which a model does not generate). That character span is located in the rendering of
+the whole conversation (same offsets when the template renders prefixes stably; otherwise found by search after the
+previous turn, for templates that rewrite earlier turns), and every token overlapping it gets mask 1. Ids are the
+tokenizer's encoding of the full rendering without added special tokens, exactly what `apply_chat_template` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+ROLE_ALIASES = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+    "model": "assistant",
+    "system": "system", "developer": "system",
+    "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool",
+}
+
+
+def normalize_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation of an OpenAI (`messages`) or ShareGPT (`conversations`) record, with canonical roles.
+
+    Raises ValueError saying what is wrong with the record.
+    """
+    if "messages" in record:
+        key, role_key, content_key = "messages", "role", "content"
+    else:
+        key, role_key, content_key = "conversations", "from", "value"
+    turns = record[key]
+    if not isinstance(turns, list):
+        raise ValueError(f"{key!r} must be a list of messages, got {type(turns).__name__}")
+    if not turns:
+        raise ValueError(f"{key!r} is empty; nothing to extract")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping):
+            raise ValueError(f"{key}[{i}] must be an object with {role_key!r} and {content_key!r}, got "
+                             f"{type(turn).__name__}")
+        if role_key not in turn:
+            raise ValueError(f"{key}[{i}] has no {role_key!r} field (keys: {sorted(turn)})")
+        raw_role = turn[role_key]
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
+        if role is None:
+            raise ValueError(f"{key}[{i}] has unknown role {raw_role!r}; known roles: {sorted(ROLE_ALIASES)}")
+        content = turn.get(content_key)
+        if isinstance(content, list):  # OpenAI content parts
+            texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ValueError(f"{key}[{i}] content parts must all be {{'type': 'text', 'text': str}}")
+            content = "".join(texts)
+        if content is None and role == "assistant" and turn.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"{key}[{i}] needs a string {content_key!r}, got {type(content).__name__}")
+        message = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
+        message.update(role=role, content=content)
+        out.append(message)
+    return out
+
+
+class ChatEncoder:
+    """Renders conversations with one chat template and marks the assistant's tokens."""
+
+    def __init__(self, tokenizer, template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass one with --chat-template FILE.jinja")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("chat records need a fast tokenizer (character offsets locate the assistant's tokens); "
+                             f"{type(tokenizer).__name__} is a slow one")
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def assistant_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The full rendering and the character spans of each assistant turn in it."""
+        full = self.render(messages)
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            upto = self.render(messages[: i + 1])
+            start = len(before) if upto.startswith(before) else _common_prefix_len(before, upto)
+            turn = upto[start:].rstrip()
+            if not turn:
+                continue  # an empty turn (e.g. empty content with a template that adds nothing)
+            end = start + len(turn)
+            if start >= cursor and full[:end] == upto[:end]:
+                span = (start, end)
+            else:  # the template renders this turn differently once later turns follow: find it after the last one
+                found = full.find(turn, cursor)
+                if found < 0:
+                    raise ValueError(f"cannot locate assistant message {i} in the rendered conversation: the chat "
+                                     "template rewrites it when later turns follow (e.g. drops reasoning); pass a "
+                                     "template that keeps earlier turns with --chat-template")
+                span = (found, found + len(turn))
+            spans.append(span)
+            cursor = span[1]
+        return full, spans
+
+    def encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """(token ids, loss mask): mask 1 on every token overlapping an assistant turn."""
+        full, spans = self.assistant_spans(messages)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [0] * len(ids)
+        j = 0
+        for t, (s, e) in enumerate(enc["offset_mapping"]):
+            if e <= s:
+                continue
+            while j < len(spans) and spans[j][1] <= s:
+                j += 1
+            if j < len(spans) and s < spans[j][1] and e > spans[j][0]:
+                mask[t] = 1
+        return ids, mask
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,281 @@
+"""The `hsx` command line.
+
+    hsx run      --model M --corpus FILES... --output URL [options]    run a job (local Ray unless --address)
+    hsx submit   --address http://HEAD:8265 [same options]             the same job through Ray's job API
+    hsx status   OUTPUT                                                progress and counts from the manifest
+    hsx estimate --model M --corpus FILES... [options]                 tokens, bytes, files before running
+    hsx demo     DIR                                                   tiny model + corpus + a real run, no downloads
+    hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
+
+Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
+`max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win.
+
+Exit codes: 0 success; 1 the job failed, or samples failed with --fail-on-error; 2 usage errors (bad flags, bad
+settings, a refused resume); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+import types
+import typing
+from typing import Any
+
+from jobs.config import DTYPES, OVERLENGTH_POLICIES, JobConfig, field_docs, flag, load_config_file
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_CHOICES = {"dtype": DTYPES, "overlength": OVERLENGTH_POLICIES}
+_METAVARS = {"corpus": "FILE_OR_GLOB", "layers": "IDS", "model": "MODEL", "output": "URL",
+             "storage_options": "JSON", "corpus_storage_options": "JSON", "chat_template": "FILE"}
+
+
+class UsageError(ValueError):
+    """Bad command-line input; exit status 2."""
+
+
+# -- JobConfig <-> flags -------------------------------------------------------------------------------------------
+def _base_type(hint: Any) -> Any:
+    """int for `int | None`, tuple for `tuple[int, ...] | None`, ..."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    return typing.get_origin(hint) or hint
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per JobConfig field (help = the field's docstring), plus --config. Defaults stay unset (SUPPRESS)
+    so that a job file's values are only overridden by flags actually given."""
+    parser.add_argument("--config", metavar="JOB.yaml", default=argparse.SUPPRESS,
+                        help="load settings from a YAML or JSON job file (keys = field names); flags override it")
+    docs = field_docs(JobConfig)
+    hints = typing.get_type_hints(JobConfig)
+    for f in dataclasses.fields(JobConfig):
+        if f.name in exclude:
+            continue
+        base = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = docs.get(f.name, "")
+        if default not in (None, "", ()) and base is not dict:
+            help_text += f" [default: {default}]"
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name == "corpus":
+            kwargs.update(nargs="+", metavar=_METAVARS["corpus"])
+        elif base in (int, float):
+            kwargs.update(type=base, metavar=f.name.upper().split("_")[-1] if base is int else "X")
+        else:
+            kwargs.update(type=str, metavar=_METAVARS.get(f.name, f.name.split("_")[-1].upper()))
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
+            kwargs.pop("metavar", None)
+        parser.add_argument(flag(f.name), help=help_text.replace("%", "%%"), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, required: tuple[str, ...] = ("model", "corpus", "output")) -> JobConfig:
+    """Job file (if any) overlaid with the flags given; raises UsageError naming the setting to fix."""
+    try:
+        values = load_config_file(args.config) if getattr(args, "config", None) else {}
+        for f in dataclasses.fields(JobConfig):
+            if hasattr(args, f.name):
+                values[f.name] = getattr(args, f.name)
+        config = JobConfig(**values)
+        config.check_required(required)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e
+    return config
+
+
+def config_to_argv(config: JobConfig, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Flags that rebuild `config` (only settings that differ from the defaults)."""
+    argv: list[str] = []
+    defaults = JobConfig()
+    for f in dataclasses.fields(JobConfig):
+        value = getattr(config, f.name)
+        if f.name in exclude or value == getattr(defaults, f.name):
+            continue
+        name = flag(f.name)
+        if isinstance(value, bool):
+            argv.append(name if value else "--no-" + name[2:])
+        elif f.name == "corpus":
+            argv += [name, *value]
+        elif f.name == "layers":
+            argv += [name, ",".join(str(i) for i in value)]
+        elif isinstance(value, dict):
+            argv += [name, json.dumps(value)]
+        else:
+            argv += [name, str(value)]
+    return argv
+
+
+# -- commands ------------------------------------------------------------------------------------------------------
+def _cmd_run(args: argparse.Namespace) -> int:
+    from jobs.pipeline import JobFailed, execute_job, prepare_job
+
+    config = config_from_args(args)
+    try:
+        plan = prepare_job(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    try:
+        result = execute_job(plan)
+    except JobFailed as e:
+        print(f"hsx: job failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as e:  # resources the cluster cannot provide
+        raise UsageError(str(e)) from e
+    print("\n".join(result.lines()))
+    if result.failed and config.fail_on_error:
+        print(f"hsx: {result.failed} samples failed (--fail-on-error)", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from jobs.submit import follow_job, submit_job
+
+    config = config_from_args(args)
+    entrypoint = shlex.join(["hsx", "run", *config_to_argv(config, exclude=("address",))])
+    try:
+        runtime_env = json.loads(args.runtime_env) if args.runtime_env else None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--runtime-env is not valid JSON: {e}") from e
+    job_id = submit_job(args.address, entrypoint, runtime_env=runtime_env, submission_id=args.submission_id)
+    print(job_id)
+    if not args.wait:
+        print(f"submitted; follow with: ray job logs --address {args.address} --follow {job_id}", file=sys.stderr)
+        return EXIT_OK
+    status = follow_job(args.address, job_id)
+    return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from jobs.layout import Output
+    from jobs.manifest import summarize
+    from jobs.progress import human_bytes, human_count
+    from jobs.runinfo import read_run_info
+
+    try:
+        options = json.loads(args.storage_options) if args.storage_options else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--storage-options is not valid JSON: {e}") from e
+    output = Output(args.output, options)
+    info = read_run_info(output)
+    if info is None:
+        raise UsageError(f"{output.url} holds no hsx run (no run.json); check the path")
+    s = summarize(output, max_errors=args.errors)
+    if args.json:
+        print(json.dumps({"output": output.url, "run": info, **dataclasses.asdict(s)}, indent=2, default=str))
+        return EXIT_OK
+    print(f"run:      {output.url}")
+    print(f"model:    {info.get('model')}  layers {info.get('layer_ids')}  {info.get('dtype')}")
+    print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.truncated} truncated" if s.truncated else ""))
+    print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
+    print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")
+    if s.duplicate_ok_rows:
+        print(f"WARNING:  {s.duplicate_ok_rows} duplicate ok rows (exactly-once was broken)")
+    if s.error_kinds:
+        print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
+        for sid, err in s.errors:
+            print(f"  {sid}: {err}")
+    return EXIT_OK
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from jobs.estimate import estimate
+
+    config = config_from_args(args, required=("model", "corpus"))
+    try:
+        est = estimate(config, limit=args.limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps(dataclasses.asdict(est), indent=2) if args.json else "\n".join(est.lines()))
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from jobs.demo import run_demo
+
+    return run_demo(args.dir, workers=args.workers, progress=args.progress)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of a causal LM over a corpus "
+                                     "for EAGLE drafter training, on Ray.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Start with `hsx demo ./hsx-demo` (no downloads). Exit codes: 0 ok, 1 job "
+                                            "failed (or samples failed with --fail-on-error), 2 usage error.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run an extraction job (local Ray unless --address)",
+                         description="Run an extraction job: corpus -> OUTPUT/data/**.safetensors + OUTPUT/manifest. "
+                                     "Re-running the same command resumes: committed samples are skipped.")
+    add_config_arguments(run)
+    run.set_defaults(func=_cmd_run)
+
+    submit = sub.add_parser("submit", help="submit the same job to a Ray cluster's job API",
+                            description="Submit `hsx run` with these settings through Ray's job submission API. The "
+                                        "cluster needs hsx installed (see infra/) and access to model, corpus and "
+                                        "output paths. Prints the job id.")
+    add_config_arguments(submit, exclude=("address",))
+    submit.add_argument("--address", required=True, metavar="URL",
+                        help="the cluster's dashboard, e.g. http://HEAD:8265 (or $RAY_ADDRESS)")
+    submit.add_argument("--runtime-env", metavar="JSON", help="Ray runtime_env for the job, as JSON")
+    submit.add_argument("--submission-id", metavar="ID", help="job id to use (default: Ray picks one)")
+    submit.add_argument("--wait", action="store_true", help="stream the job's logs and exit with its status")
+    submit.set_defaults(func=_cmd_submit)
+
+    status = sub.add_parser("status", help="progress and counts of a run, from its manifest",
+                            description="Counts by sample (ok, failed), tokens and bytes, failure reasons.")
+    status.add_argument("output", metavar="OUTPUT", help="the run's output folder or URL")
+    status.add_argument("--storage-options", metavar="JSON", help="fsspec options for OUTPUT, as JSON")
+    status.add_argument("--errors", type=int, default=10, metavar="N", help="failures to list [default: 10]")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_cmd_status)
+
+    est = sub.add_parser("estimate", help="tokens, bytes and files a run would produce",
+                         description="Tokenize the corpus as `hsx run` would (no model weights, no Ray) and report "
+                                     "the samples, tokens, bytes and files the run will produce.")
+    add_config_arguments(est)
+    est.add_argument("--limit", type=int, metavar="N", help="tokenize only the first N records and extrapolate")
+    est.add_argument("--json", action="store_true", help="machine-readable output")
+    est.set_defaults(func=_cmd_estimate)
+
+    demo = sub.add_parser("demo", help="build a tiny model and corpus in DIR and run a real job on them",
+                          description="Builds a tiny random model and a small mixed-format corpus in DIR (no "
+                                      "downloads), runs `hsx run` on a local Ray into DIR/output, and shows where the "
+                                      "files and the manifest are.")
+    demo.add_argument("dir", metavar="DIR", help="working folder (created)")
+    demo.add_argument("--workers", type=int, default=1, help="extraction workers [default: 1]")
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress")
+    demo.set_defaults(func=_cmd_demo)
+
+    from jobs import export
+
+    export.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        parser.exit(EXIT_USAGE, f"hsx {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        print("hsx: interrupted; committed samples are kept, re-run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`hsx demo DIR`: the whole job on one machine with nothing downloaded.
+
+    build_demo(dir) -> (model dir, corpus files)     a tiny random Llama + local tokenizer, a mixed-format corpus
+    run_demo(dir)   -> exit code                      a real `hsx run` (local Ray, local output) + where things are
+
+The corpus mixes every record shape the job reads — plain prompts and OpenAI chats (JSONL), ShareGPT chats
+(gzipped JSONL), pre-tokenized samples with a loss mask (Parquet) — plus two broken records, to show that bad input
+becomes failed manifest rows instead of a failed job.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+
+DEMO_RECORDS = 48
+
+
+def build_demo(root: str) -> tuple[str, list[str]]:
+    from extractor.tiny_models import build_tiny_model, sample_text
+
+    root = os.path.abspath(root)
+    model = os.path.join(root, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        build_tiny_model("llama", model)
+    corpus = os.path.join(root, "corpus")
+    os.makedirs(corpus, exist_ok=True)
+    rng = random.Random(0)
+    text = sample_text(4 * DEMO_RECORDS, seed=7)
+    n = DEMO_RECORDS // 4
+
+    prompts = os.path.join(corpus, "prompts_and_chats.jsonl")
+    with open(prompts, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"prompt-{i}", "prompt": text[i]}) + "\n")
+        for i in range(n):
+            f.write(json.dumps({"id": f"openai-{i}", "messages": [
+                {"role": "system", "content": "You are a helpful model."},
+                {"role": "user", "content": text[n + i]},
+                {"role": "assistant", "content": text[2 * n + i]}]}) + "\n")
+        f.write('{"id": "broken-1", "prompt": \n')            # malformed JSON: a failed row, not a failed job
+        f.write(json.dumps({"id": "broken-2", "text": "no prompt field"}) + "\n")
+
+    sharegpt = os.path.join(corpus, "sharegpt.jsonl.gz")
+    with gzip.open(sharegpt, "wt", encoding="utf-8") as f:
+        for i in range(n):
+            turns = [{"from": "human", "value": text[3 * n + i]}, {"from": "gpt", "value": text[i]},
+                     {"from": "human", "value": "Why?"}, {"from": "gpt", "value": text[n + i]}]
+            f.write(json.dumps({"id": f"sharegpt-{i}", "conversations": turns}) + "\n")
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i in range(n):
+        ids = [rng.randrange(4, 500) for _ in range(rng.randint(8, 64))]
+        cut = len(ids) // 2
+        rows.append({"id": f"tokens-{i}", "input_ids": ids, "loss_mask": [0] * cut + [1] * (len(ids) - cut)})
+    tokens = os.path.join(corpus, "pretokenized.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tokens)
+    return model, [prompts, sharegpt, tokens]
+
+
+def run_demo(root: str, workers: int = 1, progress: bool = True) -> int:
+    from jobs.config import JobConfig
+    from jobs.pipeline import run_job
+
+    root = os.path.abspath(root)
+    print(f"hsx demo: building a tiny model and a corpus in {root} (no downloads) ...", flush=True)
+    model, corpus = build_demo(root)
+    output = os.path.join(root, "output")
+    config = JobConfig(model=model, corpus=tuple(corpus), output=output, workers=workers, progress=progress,
+                       tokens_per_task=2048)
+    print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
+    result = run_job(config)
+    print("\n".join(result.lines()))
+    example = None
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(os.path.join(output, "manifest"))
+    ok = table.filter(pc.equal(table["status"], "ok"))
+    if ok.num_rows:
+        example = os.path.join(output, ok["path"][0].as_py())
+    print("\nWhere things are:")
+    print(f"  data files  {output}/data/<2 hex>/<sample id>.safetensors")
+    print(f"  manifest    {output}/manifest/   ({table.num_rows} rows; pyarrow.parquet.read_table(...))")
+    print(f"  run info    {output}/run.json")
+    print(f"  status      hsx status {output}")
+    if example:
+        print("\nLoad one:\n  from connectors import load_hidden_states\n"
+              f"  load_hidden_states({example!r})   # token_ids [T], hidden_states [T, L, H], loss_mask [T]")
+    return 0

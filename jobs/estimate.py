@@ -1,0 +1,185 @@
+"""`hsx estimate`: what a run will produce — samples, tokens, bytes, files — before running it.
+
+    estimate(config, limit=None) -> Estimate
+
+Reads and tokenizes the corpus exactly as the job does (same reader, same tokenizer stage, same length policy; no
+model weights, no Ray), then sizes each file exactly as the connector writes it:
+
+    8 (header length) + header JSON padded to 8 bytes + T*8 (token_ids) + T*L*H*dtype (hidden_states) + T (loss_mask)
+
+The header is the safetensors JSON of the three tensors plus the file's metadata (the engine's HiddenStatesSpec and
+the per-request keys), so prompt-only estimates match the written bytes to the byte. With generation and
+--include-output-tokens the generated length is unknown; every sample is assumed to generate --max-tokens (an upper
+bound). With --limit the first N records are measured and the totals scaled to the corpus's record count.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+from connectors.format import HiddenStatesSpec
+from jobs.config import JobConfig
+from jobs.corpus import count_records, expand_corpus, read_records
+from jobs.manifest import error_kind
+from jobs.model import ModelFacts
+from jobs.progress import human_bytes, human_count
+from jobs.tokenization import SampleError, SampleTokenizer, TokenizeSettings
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclass
+class Estimate:
+    records: int = 0
+    """Records in the corpus (read, or counted when --limit is used)."""
+    measured: int = 0
+    """Records actually tokenized."""
+    already_done: int = 0
+    """Records the output already holds (skipped by a resume)."""
+    samples: int = 0
+    """Files the run will write."""
+    failed: int = 0
+    """Records that will become failed rows."""
+    truncated: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    max_file_bytes: int = 0
+    layer_ids: list[int] = field(default_factory=list)
+    hidden_size: int = 0
+    dtype: str = ""
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    assumed_generated_tokens: int = 0
+    """Generated tokens assumed per sample (upper bound), when they are stored."""
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / self.tokens if self.tokens else 0.0
+
+    def lines(self) -> list[str]:
+        scaled = self.measured < self.records - self.already_done
+        out = [f"corpus:   {self.records} records" + (f" ({self.already_done} already done)" if self.already_done
+                                                      else "") + (f"; measured the first {self.measured}, scaled"
+                                                                  if scaled else ""),
+               f"samples:  {self.samples} files, {self.failed} would fail" +
+               (f", {self.truncated} truncated" if self.truncated else ""),
+               f"tokens:   {human_count(self.tokens)} ({self.tokens})",
+               f"bytes:    {human_bytes(self.bytes)} ({self.bytes}); {self.bytes_per_token:.0f} bytes/token, largest "
+               f"file {human_bytes(self.max_file_bytes)}",
+               f"layout:   layers {self.layer_ids} x hidden {self.hidden_size} in {self.dtype}"]
+        if self.assumed_generated_tokens:
+            out.append(f"note:     assumes every sample generates {self.assumed_generated_tokens} tokens (upper bound)")
+        if self.failure_kinds:
+            out.append("failures: " + ", ".join(f"{k} ({n})" for k, n in self.failure_kinds.items()))
+        return out
+
+
+def header_bytes(metadata: dict[str, str], tensors: list[tuple[str, str, list[int], int]]) -> int:
+    """Size of a safetensors header (8-byte length + JSON padded to a multiple of 8).
+
+    `tensors`: (name, safetensors dtype, shape, itemsize). safetensors lays tensors out by descending alignment
+    (itemsize), then name, and writes the JSON compactly with raw UTF-8.
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, itemsize in sorted(tensors, key=lambda t: (-t[3], t[0])):
+        nbytes = itemsize
+        for d in shape:
+            nbytes *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    n = len(json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    return 8 + n + (-n % 8)
+
+
+def file_bytes(spec_metadata: dict[str, str], facts: ModelFacts, sample_id: str, num_prompt_tokens: int,
+               num_tokens: int, include_output_tokens: bool) -> int:
+    """Exact size of the file the connector writes for one sample (see module docstring)."""
+    metadata = dict(spec_metadata)
+    metadata.update(request_id=sample_id, num_tokens=str(num_tokens), num_prompt_tokens=str(num_prompt_tokens),
+                    include_output_tokens="true" if include_output_tokens else "false", sample_id=sample_id)
+    t, layers, h, b = num_tokens, len(facts.layer_ids), facts.hidden_size, facts.dtype_bytes
+    tensors = [("token_ids", "I64", [t], 8), ("hidden_states", _ST_DTYPES[facts.dtype], [t, layers, h], b),
+               ("loss_mask", "U8", [t], 1)]
+    return header_bytes(metadata, tensors) + t * 8 + t * layers * h * b + t
+
+
+def spec_metadata(facts: ModelFacts) -> dict[str, str]:
+    """The metadata every file of this model carries — the spec the engine builds (extractor.LLM.__init__)."""
+    return HiddenStatesSpec(layer_ids=facts.layer_ids, num_hidden_layers=facts.num_hidden_layers,
+                            hidden_size=facts.hidden_size, dtype=facts.dtype, model=facts.model,
+                            model_revision=facts.revision, last_layer_normalized=False,
+                            extra={"architecture": facts.architecture}).to_metadata()
+
+
+def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
+    from jobs.pipeline import load_chat_template
+
+    config.check_required(("model", "corpus"))
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    facts = ModelFacts.resolve(config)
+    files = expand_corpus(config.corpus, config.corpus_storage_options)
+    override, _, _ = load_chat_template(config, facts)
+    done: set[str] = set()
+    if config.output:
+        from jobs.layout import Output
+        from jobs.manifest import committed_ids
+
+        output = Output(config.output, config.storage_options)
+        if output.exists("run.json"):
+            done = committed_ids(output)
+    tokenizer = SampleTokenizer(TokenizeSettings(
+        tokenizer=facts.model, max_prompt_tokens=facts.max_model_len - config.max_tokens, overlength=config.overlength,
+        chat_template=override, revision=config.revision, trust_remote_code=config.trust_remote_code))
+    meta = spec_metadata(facts)
+    generated = max(config.max_tokens - 1, 0) if config.include_output_tokens else 0
+    est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=facts.dtype,
+                   assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0)
+    kinds: Counter[str] = Counter()
+    seen: set[str] = set()
+    read = 0
+    for file in files:
+        if limit is not None and read >= limit:
+            break
+        for block in read_records(file, config.id_field, config.corpus_storage_options):
+            for record in block:
+                if limit is not None and read >= limit:
+                    break
+                read += 1
+                if record.sample_id in done:
+                    est.already_done += 1
+                    continue
+                error = record.error
+                if error is None and record.sample_id in seen:
+                    error = "duplicate sample id"
+                seen.add(record.sample_id)
+                if error is None:
+                    try:
+                        out = tokenizer.tokenize(record.payload)
+                    except SampleError as e:
+                        error = str(e)
+                if error is not None:
+                    est.failed += 1
+                    kinds[error_kind(error)] += 1
+                    continue
+                n = len(out.ids)
+                size = file_bytes(meta, facts, record.sample_id, n, n + generated, config.include_output_tokens)
+                est.samples += 1
+                est.truncated += out.truncated
+                est.tokens += n + generated
+                est.bytes += size
+                est.max_file_bytes = max(est.max_file_bytes, size)
+    est.measured = read - est.already_done
+    est.failure_kinds = dict(kinds.most_common())
+    est.records = read
+    if limit is not None and read >= limit:
+        total = sum(count_records(f, config.corpus_storage_options) for f in files)
+        if total > read and est.measured:
+            scale = (total - est.already_done) / est.measured
+            for name in ("samples", "failed", "truncated", "tokens", "bytes"):
+                setattr(est, name, round(getattr(est, name) * scale))
+            est.failure_kinds = {k: round(v * scale) for k, v in est.failure_kinds.items()}
+        est.records = max(total, read)
+    return est

@@ -1,0 +1,88 @@
+"""What a job knows about its target model before any weights load: from the model's config alone.
+
+    ModelFacts.resolve(config) -> ModelFacts    layers, dtype, sizes, length limit, identity (revision, fingerprint)
+
+The driver uses these to write and check run.json, the tokenizer stage to apply the length limit, `hsx estimate` to
+size a run, and every worker passes the resolved values to its engine, so all sides agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from jobs.config import JobConfig
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model: str
+    """The model as the engine loads it: an absolute folder for local models, else the hub id."""
+    revision: str
+    """Commit hash or revision, when known ("" for local folders)."""
+    fingerprint: str
+    """sha256 of config.json and the weight files' names and sizes (local folders), else of the config."""
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    layer_ids: tuple[int, ...]
+    dtype: str
+    """Resolved torch dtype name (never "auto")."""
+    max_model_len: int
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    @classmethod
+    def resolve(cls, config: JobConfig) -> ModelFacts:
+        from transformers import AutoConfig
+
+        from extractor.layers import default_layer_ids
+
+        model = os.path.abspath(os.path.expanduser(config.model)) if os.path.isdir(
+            os.path.expanduser(config.model)) else config.model
+        try:
+            hf = AutoConfig.from_pretrained(model, revision=config.revision,
+                                            trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
+                             "a hub id that is already downloaded") from e
+        n, h = int(hf.num_hidden_layers), int(hf.hidden_size)
+        layer_ids = tuple(config.layers) if config.layers is not None else default_layer_ids(n)
+        bad = [i for i in layer_ids if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"--layers {list(layer_ids)}: ids {bad} are out of range for {config.model} with {n} "
+                             f"decoder layers; valid ids are 0..{n} (0 = embeddings, {n} = last layer, pre-norm)")
+        dtype = config.dtype
+        if dtype == "auto":  # the engine's rule: the checkpoint's dtype, else float32
+            raw = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
+            dtype = str(raw).removeprefix("torch.")
+            if dtype not in ("float32", "bfloat16", "float16"):
+                dtype = "float32"
+        max_len = config.max_model_len or getattr(hf, "max_position_embeddings", None) or 2048
+        if config.max_tokens >= max_len:
+            raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "
+                             f"length limit {max_len}; lower --max-tokens or raise --max-model-len")
+        return cls(model=model, revision=str(getattr(hf, "_commit_hash", None) or config.revision or ""),
+                   fingerprint=_fingerprint(model, hf), architecture=",".join(getattr(hf, "architectures", None) or []),
+                   num_hidden_layers=n, hidden_size=h, layer_ids=layer_ids, dtype=dtype, max_model_len=int(max_len))
+
+
+def _fingerprint(model: str, hf) -> str:
+    digest = hashlib.sha256()
+    if os.path.isdir(model):
+        names = sorted(os.listdir(model))
+        if "config.json" in names:
+            with open(os.path.join(model, "config.json"), "rb") as f:
+                digest.update(f.read())
+        for name in names:
+            if name.endswith(_WEIGHT_SUFFIXES):
+                digest.update(f"{name}:{os.path.getsize(os.path.join(model, name))}\n".encode())
+    else:
+        digest.update(json.dumps(hf.to_dict(), sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]

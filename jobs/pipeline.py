@@ -1,0 +1,269 @@
+"""The extraction job on Ray: plan it (no Ray yet), then stream the corpus through a Ray Data pipeline.
+
+    prepare_job(config) -> JobPlan      model facts, corpus files, run.json written or checked, resume set.
+                                        Raises ValueError for anything the user must fix (the CLI exits 2).
+    execute_job(plan) -> JobResult      runs on Ray; raises JobFailed when the job as a whole fails (exit 1).
+    run_job(config) -> JobResult        both
+
+The pipeline (Ray Data, streaming; every stage bounded by Ray Data's backpressure, so memory stays flat):
+
+    corpus files ──read tasks──> records ──TokenizeStage actors (CPU)──> samples ──ExtractionWorker actors──> rows
+      (from_items)   │ claims against the SampleRegistry actor:                      (one engine each,
+                     │ skip committed ids, fail duplicates                            num_gpus per worker)
+                                                                                           │
+    driver: iter_batches ──> ManifestWriter (atomic Parquet parts) + progress bar <────────┘
+
+Work is balanced by tokens: Ray Data cuts blocks by bytes (`DataContext.target_max_block_size`) and a tokenized
+sample is ~9 bytes per token (int64 id + uint8 mask), so the byte target is set to `tokens_per_task` tokens' worth and
+each block handed to a worker carries about that many tokens, whatever the sample lengths. Actors pull blocks as they
+free up. A worker that dies is restarted by Ray Data (actor restarts and task retries are on by default for map
+actors) and its unfinished blocks are re-run; their rows only reach the manifest after the files are durable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from jobs.config import JobConfig
+from jobs.corpus import CorpusFile, count_records, expand_corpus, read_stage
+from jobs.layout import Output
+from jobs.manifest import FAILED, ManifestWriter, committed_ids, new_attempt_id
+from jobs.model import ModelFacts
+from jobs.progress import JobResult, Progress
+from jobs.registry import SampleRegistry
+from jobs.runinfo import build_run_info, ensure_run_info
+from jobs.tokenization import TokenizeSettings, TokenizeStage
+from jobs.worker import ExtractionWorker, WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 9  # a tokenized row: int64 token id + uint8 loss mask
+READ_TASK_CPUS = 0.25
+TOKENIZER_CPUS = 0.5
+MAX_FAILURES_SHOWN = 10
+# Ray Data's start/finish notices and "progress bars disabled" would scroll our progress bar away
+_CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
+
+
+class JobFailed(RuntimeError):
+    """The job as a whole failed (workers cannot start, the cluster went away, ...)."""
+
+
+@dataclass
+class JobPlan:
+    config: JobConfig
+    facts: ModelFacts
+    output: Output
+    files: list[CorpusFile]
+    chat_template: str | None
+    """Template text replacing the tokenizer's, or None."""
+    run_info: dict
+    new_run: bool
+    done: set[str]
+    """Sample ids already committed ("ok" rows)."""
+
+
+def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
+    """(override text or None, the template in effect, where it came from)."""
+    import fsspec
+
+    if config.chat_template:
+        try:
+            with fsspec.open(config.chat_template, "rt", encoding="utf-8", **config.corpus_storage_options) as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {config.chat_template!r} cannot be read: {e}") from e
+        if not text.strip():
+            raise ValueError(f"--chat-template {config.chat_template!r} is empty")
+        return text, text, config.chat_template
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(facts.model, revision=config.revision,
+                                              trust_remote_code=config.trust_remote_code)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return None, template, "tokenizer" if template else "none"
+
+
+def prepare_job(config: JobConfig) -> JobPlan:
+    """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
+    config.check_required()
+    output = Output(config.output, config.storage_options)
+    facts = ModelFacts.resolve(config)
+    files = expand_corpus(config.corpus, config.corpus_storage_options)
+    override, template, template_source = load_chat_template(config, facts)
+    info = build_run_info(config, facts, files, template, template_source)
+    new_run = ensure_run_info(output, info)
+    done = set() if new_run else committed_ids(output)
+    return JobPlan(config, facts, output, files, override, info, new_run, done)
+
+
+def run_job(config: JobConfig) -> JobResult:
+    return execute_job(prepare_job(config))
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str | None) -> Iterator[bool]:
+    """Connect to Ray: the session's if already connected, `address` or $RAY_ADDRESS, else a local one started here.
+
+    Yields True when the cluster was started here (its resources are all there will be).
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield False
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield not address
+    finally:
+        ray.shutdown()
+
+
+def _resolve_gpus(config: JobConfig, local: bool) -> float:
+    import ray
+
+    available = ray.cluster_resources().get("GPU", 0)
+    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else (1.0 if available >= 1 else 0.0)
+    cpus = ray.cluster_resources().get("CPU", 0)
+    need_cpus = config.workers * config.cpus_per_worker + TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
+    problems = []
+    if gpus * config.workers > available:
+        problems.append(f"--workers {config.workers} x --gpus-per-worker {gpus:g} needs {gpus * config.workers:g} "
+                        f"GPUs, the cluster has {available:g}")
+    if need_cpus > cpus:
+        problems.append(f"--workers {config.workers} x --cpus-per-worker {config.cpus_per_worker:g} plus tokenizers "
+                        f"needs {need_cpus:g} CPUs, the cluster has {cpus:g}")
+    if problems:
+        msg = "; ".join(problems) + "; lower --workers, --gpus-per-worker or --cpus-per-worker"
+        if local:
+            raise ValueError(msg)
+        logger.warning("%s (continuing: an autoscaling cluster may add nodes)", msg)
+    return gpus
+
+
+def build_dataset(plan: JobPlan, registry, gpus_per_worker: float):
+    """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA)."""
+    import ray.data
+
+    c, f = plan.config, plan.facts
+    files = [{"url": x.url, "format": x.format} for x in plan.files]
+    tokenize = TokenizeSettings(tokenizer=f.model, max_prompt_tokens=f.max_model_len - c.max_tokens,
+                                overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
+                                trust_remote_code=c.trust_remote_code)
+    work = WorkerSettings(
+        model=f.model, layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len, output=plan.output.url,
+        storage_options=c.storage_options, revision=c.revision, trust_remote_code=c.trust_remote_code,
+        attn_implementation=c.attn_implementation, max_num_batched_tokens=c.max_num_batched_tokens,
+        device=None if gpus_per_worker > 0 else "cpu", max_tokens=c.max_tokens, temperature=c.temperature,
+        top_p=c.top_p, top_k=c.top_k, seed=c.seed, include_output_tokens=c.include_output_tokens,
+        hidden_size=f.hidden_size, num_hidden_layers=f.num_hidden_layers)
+    ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
+    ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
+                        fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
+                                   "registry": registry})
+    ds = ds.map_batches(TokenizeStage, fn_constructor_args=(tokenize,), batch_size=None, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=c.tokenizer_workers),
+                        num_cpus=TOKENIZER_CPUS)
+    ds = ds.map_batches(ExtractionWorker, fn_constructor_args=(work,), batch_size=None, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=c.workers), num_gpus=gpus_per_worker,
+                        num_cpus=c.cpus_per_worker)
+    return ds
+
+
+@contextlib.contextmanager
+def _data_context(tokens_per_task: int) -> Iterator[None]:
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    saved = (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start)
+    ctx.target_max_block_size = tokens_per_task * BYTES_PER_TOKEN
+    ctx.enable_progress_bars = False  # ours is the one the user watches
+    ctx.print_on_execution_start = False
+    quiet = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+
+
+def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
+    """Records in the corpus, for the ETA; None when counting would mean downloading remote JSONL."""
+    if any(f.format == "jsonl" and "://" in f.url for f in files):
+        return None
+    return sum(count_records(f, storage_options) for f in files)
+
+
+def execute_job(plan: JobPlan) -> JobResult:
+    """Run the pipeline and commit its rows; returns the numbers of this run."""
+    import ray
+
+    config = plan.config
+    attempt = new_attempt_id()
+    result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
+    started = time.monotonic()
+    writer = ManifestWriter(plan.output, attempt, config.manifest_flush_rows, config.manifest_flush_seconds)
+    progress = Progress(config.progress)
+    counter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-count")
+    count = counter.submit(_count_corpus, plan.files, config.corpus_storage_options)
+    try:
+        with ray_cluster(config.address) as local:
+            gpus = _resolve_gpus(config, local)
+            registry = ray.remote(num_cpus=0)(SampleRegistry).remote(list(plan.done))
+            try:
+                with _data_context(config.tokens_per_task):
+                    ds = build_dataset(plan, registry, gpus)
+                    try:
+                        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                            writer.add(batch)
+                            progress.update(batch)
+                            _note(result, batch)
+                            writer.maybe_flush()
+                            if count.done() and count.result() is not None:
+                                progress.set_total(max(count.result() - len(plan.done), 0))
+                                count = concurrent.futures.Future()
+                    except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
+                        raise JobFailed(f"the extraction pipeline failed: {e}") from e
+                stats = ray.get(registry.stats.remote())
+            finally:
+                ray.kill(registry)
+    finally:
+        writer.flush()  # rows received are for durable files: commit them even when the job fails
+        progress.close()
+        counter.shutdown(wait=False, cancel_futures=True)
+    result.skipped = stats["skipped"]
+    result.duplicates = stats["duplicates"]
+    result.ok, result.failed = progress.ok, progress.failed
+    result.tokens, result.bytes = progress.tokens, progress.bytes
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _note(result: JobResult, batch: pa.Table) -> None:
+    import pyarrow.compute as pc
+
+    result.truncated += int(pc.sum(pc.cast(batch["truncated"], pa.int64())).as_py() or 0)
+    if len(result.failures) < MAX_FAILURES_SHOWN:
+        failed = batch.filter(pc.equal(batch["status"], FAILED))
+        for sid, err in zip(failed["sample_id"].to_pylist(), failed["error"].to_pylist()):
+            if len(result.failures) < MAX_FAILURES_SHOWN:
+                result.failures.append((sid, err))

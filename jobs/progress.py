@@ -1,0 +1,103 @@
+"""What the user watches: a live progress bar while a job runs, and the end summary.
+
+    Progress(enabled)      update(results) per result batch; set_total(n) once the corpus is counted; close()
+    JobResult              the end-of-job numbers; .lines() renders the summary
+
+The bar counts samples finished in this run (ok + failed) and shows samples/s (tqdm's rate), tokens/s, bytes
+written and, once the corpus count is known, an ETA.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "k", "M", "G"):
+        if abs(n) < 1000 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+class Progress:
+    def __init__(self, enabled: bool = True, file=None) -> None:
+        from tqdm.auto import tqdm
+
+        self.started = time.monotonic()
+        self.ok = self.failed = self.tokens = self.bytes = 0
+        self._bar = tqdm(total=None, unit="sample", desc="extracting", dynamic_ncols=True, smoothing=0.1,
+                         disable=not enabled, file=file or sys.stderr, mininterval=0.5)
+
+    def set_total(self, total: int) -> None:
+        self._bar.total = max(total, self._bar.n)
+        self._bar.refresh()
+
+    def update(self, results: pa.Table) -> None:
+        status = results["status"]
+        ok = int(pc.sum(pc.cast(pc.equal(status, "ok"), pa.int64())).as_py() or 0)
+        self.ok += ok
+        self.failed += results.num_rows - ok
+        self.tokens += int(pc.sum(results["num_tokens"]).as_py() or 0)
+        self.bytes += int(pc.sum(results["bytes"]).as_py() or 0)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        self._bar.set_postfix_str(f"ok={self.ok} failed={self.failed} {human_count(self.tokens / elapsed)} tok/s "
+                                  f"{human_bytes(self.bytes)}", refresh=False)
+        self._bar.update(results.num_rows)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+@dataclass
+class JobResult:
+    output: str
+    attempt: str
+    ok: int = 0
+    """Samples extracted in this run."""
+    failed: int = 0
+    """Samples that failed in this run (each has a manifest row with its reason)."""
+    skipped: int = 0
+    """Records skipped because an earlier run committed them."""
+    duplicates: int = 0
+    """Records whose sample id another record already has (failed rows)."""
+    truncated: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    new_run: bool = True
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    """(sample_id, error) of the first failures."""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.failed == 0
+
+    def lines(self) -> list[str]:
+        secs = max(self.seconds, 1e-9)
+        out = [
+            f"hsx run {'finished' if self.new_run else 'resumed and finished'} in {self.seconds:.1f}s: "
+            f"{self.ok} ok, {self.failed} failed, {self.skipped} skipped (already done)"
+            + (f", {self.truncated} truncated" if self.truncated else ""),
+            f"  {human_count(self.tokens)} tokens, {human_bytes(self.bytes)} written; "
+            f"{self.ok / secs:.1f} samples/s, {human_count(self.tokens / secs)} tokens/s",
+            f"  output:   {self.output}",
+            f"  manifest: {self.output.rstrip('/')}/manifest  (pyarrow.parquet.read_table)",
+        ]
+        if self.failures:
+            out.append(f"  first failures ({len(self.failures)} of {self.failed}):")
+            out += [f"    {sid}: {err}" for sid, err in self.failures]
+        return out

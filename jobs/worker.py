@@ -1,0 +1,149 @@
+"""The extraction worker: one engine (`extractor.LLM`) for the actor's lifetime, a batch of samples in, manifest
+rows out.
+
+    WorkerSettings          everything a worker needs (picklable; the driver resolves it once)
+    ExtractionWorker        Ray Data callable class: __call__(samples: pa.Table) -> results (manifest.RESULT_SCHEMA)
+
+Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; the rest go to one
+`llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. `generate` returns once every
+file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
+"ok", so an "ok" row is never written for a file that is missing, short or someone else's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from jobs.layout import Output, data_path
+from jobs.manifest import FAILED, OK, RESULT_SCHEMA
+from jobs.tokenization import SAMPLE_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model: str
+    layer_ids: tuple[int, ...]
+    dtype: str
+    max_model_len: int
+    output: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    max_num_batched_tokens: int | None = None
+    device: str | None = None
+    """None = CUDA when the worker has a GPU."""
+    max_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    include_output_tokens: bool = False
+    hidden_size: int = 0
+    """Expected engine facts (from the driver's model config), checked when the engine loads."""
+    num_hidden_layers: int = 0
+
+
+class ExtractionWorker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        from connectors import KVTransferConfig
+        from extractor import LLM
+
+        self.settings = s = settings
+        self.output = Output(s.output, s.storage_options)
+        kv = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"shared_storage_path": self.output.url,
+                                                         "allow_custom_save_path": True,
+                                                         "storage_options": dict(s.storage_options)})
+        self.llm = LLM(model=s.model, speculative_config={
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(s.layer_ids)}}},
+            kv_transfer_config=kv, dtype=s.dtype, max_model_len=s.max_model_len,
+            max_num_batched_tokens=s.max_num_batched_tokens, device=s.device,
+            attn_implementation=s.attn_implementation, revision=s.revision, trust_remote_code=s.trust_remote_code)
+        spec = self.llm.spec
+        expected = (tuple(s.layer_ids), s.dtype, s.hidden_size, s.num_hidden_layers)
+        actual = (tuple(spec.layer_ids), spec.dtype, spec.hidden_size, spec.num_hidden_layers)
+        if expected != actual:
+            raise RuntimeError(f"the engine loaded (layer_ids, dtype, hidden_size, layers) = {actual}, but the job "
+                               f"planned {expected} from the model's config; the model changed under the job?")
+
+    def _sampling_params(self, rel_path: str):
+        from extractor import SamplingParams
+
+        s = self.settings
+        kv = {"hidden_states_path": self.output.url_of(rel_path), "include_output_tokens": s.include_output_tokens}
+        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=s.seed, extra_args={"kv_transfer_params": kv})
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.select(SAMPLE_SCHEMA.names).to_pylist()
+        results: list[dict[str, Any] | None] = [None] * len(rows)
+        todo = []
+        for i, row in enumerate(rows):
+            if row["error"] is not None:
+                results[i] = _failed(row, row["error"])
+            else:
+                todo.append(i)
+        if todo:
+            for i, result in zip(todo, self._extract([rows[i] for i in todo])):
+                results[i] = result
+        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+
+    def _extract(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
+                    "sample_id": r["sample_id"]} for r in rows]
+        paths = [data_path(r["sample_id"]) for r in rows]
+        params = [self._sampling_params(p) for p in paths]
+        try:
+            outputs = self.llm.generate(prompts, params, request_ids=[r["sample_id"] for r in rows])
+        except Exception:  # noqa: BLE001 - the engine isolates requests; if a call still fails, isolate them here
+            logger.exception("generate() failed for a batch of %d; retrying its samples one by one", len(rows))
+            return [self._extract_one(r, prompt, path, param) for r, prompt, path, param in
+                    zip(rows, prompts, paths, params)]
+        return [self._result(r, out, path) for r, out, path in zip(rows, outputs, paths)]
+
+    def _extract_one(self, row, prompt, path, param) -> dict[str, Any]:
+        try:
+            out = self.llm.generate([prompt], [param], request_ids=[row["sample_id"]])[0]
+        except Exception as e:  # noqa: BLE001
+            return _failed(row, f"engine error: {type(e).__name__}: {e}")
+        return self._result(row, out, path)
+
+    def _result(self, row: dict[str, Any], out, rel_path: str) -> dict[str, Any]:
+        from connectors import read_hidden_states_info
+
+        if out.error is not None:
+            return _failed(row, f"{row['source']}: {out.error}")
+        generated = len(out.outputs[0].token_ids) if out.outputs else 0
+        expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.include_output_tokens else 0)
+        try:
+            info = read_hidden_states_info(self.output.url_of(rel_path), storage_options=self.output.storage_options)
+        except (OSError, ValueError, TimeoutError) as e:
+            return _failed(row, f"written file cannot be read back: {type(e).__name__}: {e}")
+        if info.num_tokens != expected or info.metadata.get("sample_id") != row["sample_id"]:
+            return _failed(row, f"written file holds {info.num_tokens} tokens of sample "
+                                f"{info.metadata.get('sample_id')!r}, expected {expected} of {row['sample_id']!r}")
+        return {"sample_id": row["sample_id"], "status": OK, "path": rel_path, "num_tokens": info.num_tokens,
+                "num_prompt_tokens": row["num_prompt_tokens"], "bytes": info.size, "error": None,
+                "source": row["source"], "truncated": row["truncated"]}
+
+    def __del__(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown; every reported file is already durable
+                pass
+
+
+def _failed(row: dict[str, Any], error: str) -> dict[str, Any]:
+    return {"sample_id": row["sample_id"], "status": FAILED, "path": None, "num_tokens": 0,
+            "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": error, "source": row["source"],
+            "truncated": row["truncated"]}
