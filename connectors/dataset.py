@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import math
+import mmap
 import os
 import posixpath
 from collections.abc import Iterator, Mapping, Sequence
@@ -250,25 +251,25 @@ def _decode(buf: bytearray | memoryview, entry: TensorEntry, rows: int) -> torch
 def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[HiddenStatesFileInfo, dict]:
     """Header and the leading `max_rows` rows of every tensor (all rows when None)."""
     if local:
+        # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            probe = f.read(min(size, HEADER_PROBE_BYTES))
-            info, header_len = parse_header(path, probe, size)
-            if info is None:
-                f.seek(0)
-                info, _ = parse_header(path, f.read(header_len), size)
-            rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
-            out = {}
-            for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
-                if name not in info.tensors:
-                    continue
+            if size < 8:
+                raise ValueError(f"{path}: {size} bytes is too short for a safetensors file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        info, header_len = parse_header(path, mm[:HEADER_PROBE_BYTES], size)
+        if info is None:
+            info, _ = parse_header(path, mm[:header_len], size)
+        rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
+        out = {}
+        for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
+            if name in info.tensors:
                 e = info.tensors[name]
-                buf = bytearray(rows * e.row_bytes)
-                f.seek(e.start)
-                if f.readinto(buf) != len(buf):
-                    raise ValueError(f"{path}: short read of tensor {name!r}; the file is truncated")
-                out[name] = _decode(buf, e, rows)
-            return info, out
+                shape = (rows, *e.shape[1:])
+                count = math.prod(shape)
+                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.start).reshape(shape)
+                             if count else torch.empty(shape, dtype=e.dtype))
+        return info, out
 
     url = storage.full_url(fs, path)
     probe = fs.cat_file(path, start=0, end=HEADER_PROBE_BYTES)
