@@ -30,6 +30,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from connectors import HiddenStatesDataset, HiddenStatesSpec, KVTransferConfig, RequestInfo  # noqa: E402
+from connectors.collate import PadCollator  # noqa: E402
 
 
 def write_manifest(root: str, n: int, spec: HiddenStatesSpec) -> None:
@@ -133,15 +134,17 @@ def bench_read(tmp: str, samples: int, hidden: int, layers: int, repeats: int) -
         for p in files:
             consume(safetensors.torch.load_file(p).values())
 
-    def loop_dataloader():
-        loader = torch.utils.data.DataLoader(raw, batch_size=None, num_workers=2)
-        for item in loader:
-            consume(item.values())
+    def loop_dataloader(workers: int):
+        loader = torch.utils.data.DataLoader(raw, batch_size=8, num_workers=workers, collate_fn=PadCollator())
+        for batch in loader:
+            consume(v for v in batch.values() if isinstance(v, torch.Tensor))
 
     cases = [("safetensors.torch.load_file loop (baseline)", loop_load_file),
              ("HiddenStatesDataset raw items", lambda: loop_dataset(raw)),
              ("HiddenStatesDataset eagle3 items", lambda: loop_dataset(eagle3)),
-             ("HiddenStatesDataset raw, DataLoader num_workers=2", loop_dataloader)]
+             ("DataLoader(raw, batch_size=8, PadCollator), num_workers=0", lambda: loop_dataloader(0)),
+             ("DataLoader(raw, batch_size=8, PadCollator), num_workers=2 (incl. worker start-up)",
+              lambda: loop_dataloader(2))]
     loop_load_file()  # warm the page cache
     results = []
     for name, fn in cases:
