@@ -188,3 +188,19 @@ def test_cli_export_subcommand(oracle_run, tmp_path, capsys):
     bad = parser.parse_args(["export", "--format", "speculators", str(tmp_path / "nothing"), str(tmp_path / "y")])
     assert bad.func(bad) == 2
     assert "no manifest" in capsys.readouterr().err
+
+
+@pytest.mark.s3
+def test_export_reads_an_s3_run(s3_bucket, tmp_path):
+    from tests.training.runs import random_samples
+
+    url, options = s3_bucket
+    spec = HiddenStatesSpec(layer_ids=(1, 2, 4), num_hidden_layers=4, hidden_size=8, dtype="bfloat16", model="x/y")
+    samples = random_samples(3, spec, seed=2)
+    write_run(f"{url}/run", samples, spec, storage_options=options)
+    dest = str(tmp_path / "spec")
+    summary = export_run(f"{url}/run", dest, "speculators", storage_options=options)
+    assert summary.written == 3
+    for i, s in enumerate(samples):
+        f = safetensors.torch.load_file(os.path.join(dest, "hidden_states", f"hs_{i}.safetensors"))
+        assert torch.equal(f["hidden_states"], s.hidden_states) and torch.equal(f["token_ids"], s.token_ids)
