@@ -408,7 +408,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    last = [0.0]
+    last = [time.monotonic()]  # report every 5 s, not at the first sample
 
     def progress(s: ExportSummary) -> None:
         now = time.monotonic()
