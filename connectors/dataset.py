@@ -423,11 +423,14 @@ class HiddenStatesDataset(Dataset):
             raise ValueError("no run given; pass an OUTPUT folder or URL (or a list of them)")
         self._outputs = [str(o) for o in outputs]
 
-        fs, _ = storage.open_url(self._outputs[0], config.storage_options)
-        self._local = storage.is_local(fs)
+        fs0, _ = storage.open_url(self._outputs[0], config.storage_options)
+        self._local = storage.is_local(fs0)
         roots, tables, infos = [], [], []
         for out in self._outputs:
             fs, root = storage.open_url(out, config.storage_options)
+            if type(fs) is not type(fs0):
+                raise ValueError(f"runs {self._outputs[0]} and {out} are on different filesystems; open them as "
+                                 "separate datasets (torch.utils.data.ConcatDataset joins them)")
             table = _read_manifest(fs, root)
             info = _run_info(fs, root, posixpath.join(root, table["path"][0].as_py()))
             if infos and infos[0].differences(info):
@@ -473,7 +476,7 @@ class HiddenStatesDataset(Dataset):
 
     def path(self, index: int) -> str:
         """The URL (or local path) of sample `index`'s file."""
-        fs = self._filesystem()
+        fs, _ = storage.open_url(self._outputs[0], self.config.storage_options)
         return storage.full_url(fs, self._abs_path(index))
 
     # -- reading ----------------------------------------------------------------------------------------------
@@ -567,7 +570,10 @@ def _load_norm(info: RunInfo, model_dir: str | None) -> FinalNorm:
         else:
             raise ValueError(f"normalize_last_layer needs the target model's local folder for its final norm; the run "
                              f"records model {info.model!r}, which is not a local folder. Pass model_dir=...")
-    return FinalNorm.from_model_dir(model_dir)
+    norm = FinalNorm.from_model_dir(model_dir)
+    # as the engine ran it: the model's weights in the run's dtype
+    return dataclasses.replace(norm, weight=norm.weight.to(info.torch_dtype),
+                               bias=None if norm.bias is None else norm.bias.to(info.torch_dtype))
 
 
 # -- distributed sampling ---------------------------------------------------------------------------------------

@@ -90,6 +90,23 @@ def test_final_norm_option_equals_the_models_own_norm(oracle_run, oracle_model, 
     torch.testing.assert_close(normed[:, -1], ds[0]["target_hidden_states"], rtol=0, atol=0)
 
 
+def test_final_norm_on_a_bf16_run_matches_the_model_loaded_in_bf16(tmp_path, tiny_llama, oracle_model):
+    import copy
+
+    model, _ = oracle_model
+    spec = HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=model.config.hidden_size,
+                            dtype="bfloat16", model=tiny_llama)
+    samples = random_samples(3, spec, seed=5)
+    write_run(str(tmp_path), samples, spec)
+    ds = HiddenStatesDataset(str(tmp_path), layout="eagle3", normalize_last_layer=True)
+    norm_bf16 = copy.deepcopy(model.model.norm).to(torch.bfloat16)
+    for i, s in enumerate(samples):
+        got = ds[i]["target_hidden_states"]
+        assert got.dtype == torch.bfloat16
+        with torch.no_grad():
+            assert torch.equal(got, norm_bf16(s.hidden_states[:, -1]))
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gpt2"])
 def test_final_norm_of_other_families_equals_transformers(tiny_model_factory, family):
     from transformers import AutoModelForCausalLM
