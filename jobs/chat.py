@@ -8,7 +8,8 @@ message i with the generation prompt (`P_i`) and up to and including message i (
 is the assistant's turn as the template writes it — content plus end-of-turn marker — minus trailing whitespace (the
 separator before the next turn, which a model does not generate). That character span is located in the rendering of
 the whole conversation (same offsets when the template renders prefixes stably; otherwise found by search after the
-previous turn, for templates that rewrite earlier turns), and every token overlapping it gets mask 1. Ids are the
+previous turn, for templates that render earlier parts differently as the conversation grows), and every token
+overlapping it gets mask 1. Ids are the
 tokenizer's encoding of the full rendering without added special tokens, exactly what `apply_chat_template` returns.
 """
 
@@ -93,7 +94,7 @@ class ChatEncoder:
                 continue
             before = self.render(messages[:i], add_generation_prompt=True) if i else ""
             upto = self.render(messages[: i + 1])
-            start = len(before) if upto.startswith(before) else _common_prefix_len(before, upto)
+            start = len(before) if upto.startswith(before) else _appended_at(before, upto)
             turn = upto[start:].rstrip()
             if not turn:
                 continue  # an empty turn (e.g. empty content with a template that adds nothing)
@@ -128,9 +129,18 @@ class ChatEncoder:
         return ids, mask
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
+def _appended_at(before: str, upto: str) -> int:
+    """Where `upto` starts adding to `before` when the template also changed something earlier (a header that counts
+    messages, a date): the start of the final insertion in a character diff."""
+    import difflib
+
+    ops = difflib.SequenceMatcher(None, before, upto, autojunk=False).get_opcodes()
+    tag, i1, _, j1, _ = ops[-1]
+    if tag == "insert" and i1 == len(before):
+        return j1
+    # no clean append: fall back to the common prefix
+    n = min(len(before), len(upto))
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and before[i] == upto[i]:
         i += 1
     return i

@@ -26,10 +26,10 @@ import types
 import typing
 from typing import Any
 
-from jobs.config import DTYPES, OVERLENGTH_POLICIES, JobConfig, field_docs, flag, load_config_file
+from jobs.config import OVERLENGTH_POLICIES, JobConfig, field_docs, flag, load_config_file
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_CHOICES = {"dtype": DTYPES, "overlength": OVERLENGTH_POLICIES}
+_CHOICES = {"overlength": OVERLENGTH_POLICIES}  # dtype: validated by JobConfig, which takes aliases (bf16)
 _METAVARS = {"corpus": "FILE_OR_GLOB", "layers": "IDS", "model": "MODEL", "output": "URL",
              "storage_options": "JSON", "corpus_storage_options": "JSON", "chat_template": "FILE"}
 

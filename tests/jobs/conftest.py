@@ -1,0 +1,109 @@
+"""Fixtures for the jobs tests: ONE local Ray (with its dashboard, for the job-submission test) for the whole session,
+corpus writers, and an independent transformers oracle.
+
+Ray starts once (4-7 s here); every job in these tests runs on it, in-process or as a subprocess driver connected by
+address. Token auth is off for this test cluster so subprocess drivers and the job API connect without a token.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RAY_TEST_CPUS = 6
+
+
+@dataclass(frozen=True)
+class RayTestCluster:
+    address: str
+    """GCS address for `hsx run --address` from a subprocess."""
+    dashboard_url: str
+    """http://127.0.0.1:PORT for the job submission API."""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> RayTestCluster:
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ctx = ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=True, dashboard_host="127.0.0.1",
+                   logging_level=logging.WARNING)
+    url = ctx.dashboard_url
+    yield RayTestCluster(address=ctx.address_info["gcs_address"],
+                         dashboard_url=url if url.startswith("http") else f"http://{url}")
+    ray.shutdown()
+
+
+def write_jsonl(path, records, raw_lines=()) -> str:
+    """Records as JSON lines, then raw byte lines (for broken input)."""
+    with open(path, "wb") as f:
+        for r in records:
+            f.write(json.dumps(r).encode() + b"\n")
+        for line in raw_lines:
+            f.write(line + b"\n")
+    return str(path)
+
+
+def write_jsonl_gz(path, records) -> str:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def write_parquet(path, records) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), str(path))
+    return str(path)
+
+
+class Oracle:
+    """Hidden states from a plain transformers forward, one sequence at a time: HF's hidden_states[k] for k < N and
+    a forward hook on the last decoder layer for id N (HF's own hidden_states[N] is after the final norm)."""
+
+    def __init__(self, model_dir: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.n = self.model.config.num_hidden_layers
+
+    def states(self, token_ids, layer_ids):
+        torch = self.torch
+        captured = {}
+        last = self.model.model.layers[-1]
+        handle = last.register_forward_hook(lambda m, a, out: captured.__setitem__(
+            "x", out[0] if isinstance(out, tuple) else out))
+        try:
+            with torch.no_grad():
+                hs = self.model(torch.tensor([list(token_ids)]), output_hidden_states=True).hidden_states
+        finally:
+            handle.remove()
+        rows = [captured["x"][0] if i == self.n else hs[i][0] for i in layer_ids]
+        return torch.stack(rows, dim=1)  # [T, L, H]
+
+
+@pytest.fixture(scope="session")
+def oracle_factory():
+    cache: dict[str, Oracle] = {}
+
+    def get(model_dir: str) -> Oracle:
+        if model_dir not in cache:
+            cache[model_dir] = Oracle(model_dir)
+        return cache[model_dir]
+
+    return get

@@ -1,0 +1,99 @@
+"""JobConfig validation and its one-to-one mapping onto the `hsx` CLI and job files (no Ray, no model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from jobs.cli import EXIT_USAGE, build_parser, config_from_args, config_to_argv, main
+from jobs.config import JobConfig, field_docs, flag
+
+
+def _parse(*argv):
+    return config_from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_every_config_field_has_a_flag_whose_help_is_its_docstring():
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    by_dest = {a.dest: a for a in run._actions}
+    docs = field_docs(JobConfig)
+    for f in dataclasses.fields(JobConfig):
+        assert f.name in by_dest, f"JobConfig.{f.name} has no flag"
+        assert flag(f.name) in by_dest[f.name].option_strings
+        assert docs[f.name] and by_dest[f.name].help.startswith(docs[f.name].replace("%", "%%")[:40])
+
+
+def test_flags_build_the_typed_config():
+    cfg = _parse("--model", "m", "--corpus", "a.jsonl", "b.parquet", "--output", "out", "--layers", "2,3,4",
+                 "--workers", "3", "--gpus-per-worker", "0.5", "--dtype", "bf16", "--include-output-tokens",
+                 "--max-tokens", "4", "--storage-options", '{"anon": true}', "--no-progress")
+    assert cfg.corpus == ("a.jsonl", "b.parquet")
+    assert cfg.layers == (2, 3, 4)
+    assert cfg.workers == 3 and cfg.gpus_per_worker == 0.5
+    assert cfg.dtype == "bfloat16"
+    assert cfg.include_output_tokens and cfg.max_tokens == 4
+    assert cfg.storage_options == {"anon": True}
+    assert cfg.progress is False
+
+
+def test_job_file_loads_the_same_config_and_flags_override_it(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: m\ncorpus: [a.jsonl]\noutput: out\nlayers: [1, 2]\nworkers: 2\nmax-model-len: 128\n"
+                   "storage_options: {client_kwargs: {endpoint_url: 'http://x'}}\n")
+    cfg = _parse("--config", str(job), "--workers", "5")
+    assert cfg.layers == (1, 2) and cfg.max_model_len == 128
+    assert cfg.workers == 5  # the flag wins
+    assert cfg.storage_options == {"client_kwargs": {"endpoint_url": "http://x"}}
+    as_json = tmp_path / "job.json"
+    as_json.write_text(json.dumps(cfg.to_dict()))
+    assert _parse("--config", str(as_json)) == cfg
+
+
+def test_config_round_trips_through_argv():
+    cfg = JobConfig(model="m", corpus=("a", "b"), output="s3://b/run", layers=(2, 4), workers=2, max_tokens=3,
+                    include_output_tokens=True, progress=False, storage_options={"k": {"v": 1}}, overlength="skip")
+    assert _parse(*config_to_argv(cfg)) == cfg
+
+
+@pytest.mark.parametrize("argv, flag_named", [
+    (["--layers", "2,x"], "--layers"),
+    (["--workers", "0"], "--workers"),
+    (["--include-output-tokens"], "--include-output-tokens"),
+    (["--storage-options", "{not json"], "--storage-options"),
+    (["--max-model-len", "8", "--max-tokens", "8"], "--max-tokens"),
+])
+def test_bad_settings_are_usage_errors_that_name_the_flag(argv, flag_named, capsys):
+    base = ["run", "--model", "m", "--corpus", "c.jsonl", "--output", "o"]
+    with pytest.raises(SystemExit) as e:
+        main(base + argv)
+    assert e.value.code == EXIT_USAGE
+    assert flag_named in capsys.readouterr().err
+
+
+def test_missing_required_setting_and_unknown_job_file_key_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", "m", "--corpus", "c.jsonl"])
+    assert e.value.code == EXIT_USAGE and "--output is required" in capsys.readouterr().err
+    job = tmp_path / "job.yaml"
+    job.write_text("model: m\nworkerz: 2\n")
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--config", str(job)])
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USAGE and "workerz" in err and "workers" in err
+
+
+def test_unknown_flag_exits_2():
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for command in ("run", "submit", "status", "estimate", "demo", "export"):
+        assert command in out

@@ -1,0 +1,322 @@
+"""End-to-end jobs on the session's local Ray: real engine, real files, checked against a transformers oracle;
+bad input, S3, kill -9 of the driver and of a worker, the job-submission API."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from connectors import load_hidden_states
+from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from jobs.config import JobConfig
+from jobs.estimate import estimate
+from jobs.layout import Output
+from jobs.manifest import committed_ids
+from jobs.pipeline import run_job
+from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _manifest(output: str):
+    return pq.read_table(os.path.join(output, "manifest"))
+
+
+def _ok_rows(output: str) -> dict[str, dict]:
+    table = _manifest(output)
+    ok = table.filter(pc.equal(table["status"], "ok")).to_pylist()
+    by_id = {r["sample_id"]: r for r in ok}
+    assert len(by_id) == len(ok), "a sample has more than one ok row"
+    return by_id
+
+
+def assert_exactly_once(output: str, expected_ids: set[str]) -> dict[str, dict]:
+    """One ok row per expected sample; each points at a complete, loadable file of that sample; no other visible
+    data files remain (orphans of killed runs were overwritten by the re-run)."""
+    rows = _ok_rows(output)
+    assert set(rows) == expected_ids
+    for sid, row in rows.items():
+        path = os.path.join(output, row["path"])
+        obj = load_hidden_states(path)
+        assert obj["token_ids"].shape[0] == row["num_tokens"] == obj["hidden_states"].shape[0]
+        assert os.path.getsize(path) == row["bytes"]
+    files = {os.path.relpath(p, output) for p in glob.glob(os.path.join(output, "data", "*", "*.safetensors"))}
+    assert files == {r["path"] for r in rows.values()}
+    return rows
+
+
+# -- the README command: hsx demo -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo(ray_cluster, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("demo"))
+    code = main(["demo", root, "--no-progress"])
+    return root, code
+
+
+def _demo_args(root: str) -> list[str]:
+    corpus = sorted(glob.glob(os.path.join(root, "corpus", "*")))
+    return ["--model", os.path.join(root, "model"), "--corpus", *corpus, "--output", os.path.join(root, "output")]
+
+
+def test_demo_files_match_a_transformers_forward_and_the_records(demo, oracle_factory):
+    root, code = demo
+    assert code == EXIT_OK
+    output = os.path.join(root, "output")
+    rows = assert_exactly_once(output, {f"{kind}-{i}" for kind in ("prompt", "openai", "sharegpt", "tokens")
+                                        for i in range(12)})
+    run = json.load(open(os.path.join(output, "run.json")))
+    layers = run["layer_ids"]
+    assert run["layer_id_convention"] == "vllm" and run["last_layer_normalized"] is False
+    oracle = oracle_factory(os.path.join(root, "model"))
+    tok = oracle.tokenizer
+    records = {}
+    for path in glob.glob(os.path.join(root, "corpus", "*.jsonl*")):
+        import gzip
+
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                records[r.get("id")] = r
+    for r in pq.read_table(os.path.join(root, "corpus", "pretokenized.parquet")).to_pylist():
+        records[r["id"]] = r
+    for sid, row in rows.items():
+        rec = records[sid]
+        if "prompt" in rec:
+            ids = tok(rec["prompt"]).input_ids
+            mask = [1] * len(ids)
+        elif "input_ids" in rec:
+            ids, mask = rec["input_ids"], rec["loss_mask"]
+        else:
+            msgs = rec.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}[t["from"]],
+                                            "content": t["value"]} for t in rec["conversations"]]
+            ref = tok.apply_chat_template(msgs, return_assistant_tokens_mask=True, return_dict=True)
+            ids, mask = list(ref["input_ids"]), list(ref["assistant_masks"])
+            assert sum(mask) > 0
+        obj = load_hidden_states(os.path.join(output, row["path"]))
+        assert obj["token_ids"].tolist() == list(ids), sid
+        assert obj["loss_mask"].tolist() == list(mask), sid
+        assert row["num_prompt_tokens"] == len(ids)
+        expected = oracle.states(ids, layers)
+        torch.testing.assert_close(obj["hidden_states"], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_demo_reports_its_broken_records_as_failed_rows(demo):
+    root, _ = demo
+    table = _manifest(os.path.join(root, "output"))
+    failed = {r["sample_id"]: r["error"] for r in table.filter(pc.equal(table["status"], "failed")).to_pylist()}
+    assert len(failed) == 2
+    assert any("malformed JSON" in e and "prompts_and_chats.jsonl:" in e for e in failed.values())
+    assert "none of the fields" in failed["broken-2"]
+
+
+def test_estimate_is_within_one_percent_of_the_written_bytes(demo):
+    root, _ = demo
+    corpus = tuple(sorted(glob.glob(os.path.join(root, "corpus", "*"))))
+    est = estimate(JobConfig(model=os.path.join(root, "model"), corpus=corpus))
+    rows = _ok_rows(os.path.join(root, "output"))
+    real = sum(r["bytes"] for r in rows.values())
+    assert est.samples == len(rows) and est.failed == 2
+    assert est.tokens == sum(r["num_tokens"] for r in rows.values())
+    assert abs(est.bytes - real) <= 0.01 * real
+    assert est.bytes == real  # in practice: to the byte
+
+
+def test_status_reports_counts_from_the_manifest(demo, capsys):
+    root, _ = demo
+    capsys.readouterr()
+    assert main(["status", os.path.join(root, "output"), "--json"]) == EXIT_OK
+    status = json.loads(capsys.readouterr().out)
+    assert (status["ok"], status["failed"], status["duplicate_ok_rows"]) == (48, 2, 0)
+    assert status["run"]["model"] == os.path.join(root, "model")
+
+
+def test_rerunning_the_same_command_skips_committed_samples(demo, capsys):
+    root, _ = demo
+    output = os.path.join(root, "output")
+    before = _manifest(output).num_rows
+    assert main(["run", *_demo_args(root), "--no-progress"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "0 ok, 2 failed, 48 skipped" in out
+    table = _manifest(output)
+    assert table.num_rows == before + 2  # only the two broken records were retried
+    assert_exactly_once(output, set(_ok_rows(output)))
+
+
+def test_resume_with_other_layers_or_dtype_is_refused(demo, capsys):
+    root, _ = demo
+    for extra, named in ((["--layers", "1,2"], "--layers"), (["--dtype", "bfloat16"], "--dtype")):
+        with pytest.raises(SystemExit) as e:
+            main(["run", *_demo_args(root), *extra])
+        assert e.value.code == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "cannot resume" in err and named in err
+
+
+# -- failure isolation -----------------------------------------------------------------------------------------------
+RAISING_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('conversations must start with "
+                    "the user') }}{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                    "<|im_end|>\n{% endfor %}")
+
+
+def test_bad_records_each_become_a_failed_row_and_good_ones_are_done(ray_cluster, tiny_llama, tmp_path, capsys):
+    good = [{"id": f"good-{i}", "prompt": f"The quick model number {i} jumps."} for i in range(6)]
+    bad = [
+        {"id": "empty", "prompt": ""},
+        {"id": "no-fields", "text": "hello"},
+        {"id": "not-a-string", "prompt": ["a"]},
+        {"id": "too-long", "prompt": "the cat " * 80},
+        {"id": "mask-mismatch", "input_ids": [5, 6, 7], "loss_mask": [1]},
+        {"id": "out-of-vocab", "input_ids": [5, 10_000_000]},
+        {"id": "template-error", "messages": [{"role": "assistant", "content": "hi"}]},
+        {"id": "unknown-role", "conversations": [{"from": "alien", "value": "hi"}]},
+        {"id": "good-0", "prompt": "a second record with an existing id"},
+    ]
+    corpus = write_jsonl(tmp_path / "mixed.jsonl", good + bad, raw_lines=[b'{"id": "broken", ', b'{"id": "bytes", '
+                                                                          b'"prompt": "caf\xe9"}'])
+    template = tmp_path / "template.jinja"
+    template.write_text(RAISING_TEMPLATE)
+    output = str(tmp_path / "out")
+    argv = ["run", "--model", tiny_llama, "--corpus", corpus, "--output", output, "--chat-template", str(template),
+            "--max-model-len", "64", "--overlength", "skip", "--no-progress"]
+    assert main(argv) == EXIT_OK
+    summary = capsys.readouterr().out
+    assert "6 ok, 11 failed" in summary
+    table = _manifest(output)
+    failed = table.filter(pc.equal(table["status"], "failed")).to_pylist()
+    by_source_line = {int(r["source"].rsplit(":", 1)[1]): r["error"] for r in failed}
+    expect = {7: "empty sample", 8: "none of the fields", 9: "must be a string", 10: "over-length",
+              11: "1 values for 3", 12: "outside the vocabulary", 13: "conversations must start with the user",
+              14: "unknown role", 15: "duplicate sample id 'good-0'", 16: "malformed JSON", 17: "not valid UTF-8"}
+    assert set(by_source_line) == set(expect)
+    for line, needle in expect.items():
+        assert needle in by_source_line[line], (line, by_source_line[line])
+        assert f"mixed.jsonl:{line}" in by_source_line[line]
+    assert_exactly_once(output, {f"good-{i}" for i in range(6)})
+    # with --fail-on-error the same failures exit 1 (the good samples are skipped, the bad ones fail again)
+    assert main(argv + ["--fail-on-error"]) == EXIT_FAILED
+
+
+# -- object storage --------------------------------------------------------------------------------------------------
+@pytest.mark.s3
+def test_s3_corpus_and_s3_output_with_generated_tokens(ray_cluster, tiny_llama, s3_bucket, tmp_path):
+    import s3fs
+
+    url, options = s3_bucket
+    options = {**options, "key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"]}
+    fs = s3fs.S3FileSystem(**options)
+    local = write_jsonl(tmp_path / "a.jsonl", [{"id": f"s{i}", "prompt": f"River number {i} is green."}
+                                               for i in range(5)])
+    fs.put(local, f"{url}/corpus/a.jsonl")
+    fs.put(write_jsonl_gz(tmp_path / "b.jsonl.gz", [{"id": "chat", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}]),
+        f"{url}/corpus/b.jsonl.gz")
+    config = JobConfig(model=tiny_llama, corpus=(f"{url}/corpus/*",), output=f"{url}/run", storage_options=options,
+                       corpus_storage_options=options, max_tokens=3, include_output_tokens=True, progress=False)
+    result = run_job(config)
+    assert (result.ok, result.failed) == (6, 0)
+    fs.invalidate_cache()
+    table = pq.read_table(f"{url}/run/manifest".removeprefix("s3://"), filesystem=fs)
+    assert sorted(table["sample_id"].to_pylist()) == ["chat", "s0", "s1", "s2", "s3", "s4"]
+    for row in table.to_pylist():
+        obj = load_hidden_states(f"{url}/run/{row['path']}", storage_options=options)
+        generated = obj["token_ids"].shape[0] - row["num_prompt_tokens"]
+        assert 0 <= generated <= 2  # up to max_tokens - 1 rows of generated tokens
+        assert obj["loss_mask"][row["num_prompt_tokens"]:].tolist() == [1] * generated
+    assert json.loads(fs.cat_file(f"{url}/run/run.json"))["max_tokens"] == 3
+    # what a resume on S3 skips: every committed id, read back from the S3 manifest
+    assert committed_ids(Output(f"{url}/run", options)) == set(table["sample_id"].to_pylist())
+
+
+# -- kill -9 -----------------------------------------------------------------------------------------------------------
+def _kill_corpus(tmp_path, n: int) -> tuple[str, set[str]]:
+    records = [{"id": f"k{i:04d}", "prompt": " ".join(["word"] * (5 + i % 40)) + f" {i}"} for i in range(n)]
+    return write_jsonl(tmp_path / "kill.jsonl", records), {r["id"] for r in records}
+
+
+def test_driver_killed_mid_run_then_rerun_is_exactly_once(ray_cluster, tiny_llama, tmp_path):
+    corpus, ids = _kill_corpus(tmp_path, 400)
+    output = str(tmp_path / "out")
+    args = ["--model", tiny_llama, "--corpus", corpus, "--output", output, "--workers", "2", "--tokens-per-task",
+            "64", "--manifest-flush-rows", "3", "--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", *args, "--address", ray_cluster.address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest = os.path.join(output, "manifest")
+    deadline = time.monotonic() + 180
+    while not (os.path.isdir(manifest) and any(n.endswith(".parquet") for n in os.listdir(manifest))):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the job never committed a row"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    committed = len(_ok_rows(output))
+    files = glob.glob(os.path.join(output, "data", "*", "*.safetensors"))
+    assert 0 < committed < len(ids), "the kill did not land mid-run"
+    result = run_job(JobConfig(model=tiny_llama, corpus=(corpus,), output=output, workers=1, progress=False))
+    assert result.skipped == committed and result.ok == len(ids) - committed and result.failed == 0
+    assert_exactly_once(output, ids)
+    assert len(files) >= committed  # files existed with no row (orphans) or not; either way none is counted
+
+
+def test_worker_killed_mid_run_is_replaced_and_nothing_is_lost(ray_cluster, tiny_llama, tmp_path):
+    from ray.util.state import list_actors
+
+    corpus, ids = _kill_corpus(tmp_path, 300)
+    output = str(tmp_path / "out")
+    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=output, workers=2, tokens_per_task=64,
+                       progress=False)
+    results, errors = [], []
+    job = threading.Thread(target=lambda: _capture(results, errors, run_job, config))
+    job.start()
+    killed = None
+    deadline = time.monotonic() + 180
+    while killed is None and job.is_alive() and time.monotonic() < deadline:
+        if glob.glob(os.path.join(output, "data", "*", "*.safetensors")):
+            workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+                       if "ExtractionWorker" in (a.class_name or "")]
+            if workers:
+                killed = workers[0].pid
+                os.kill(killed, signal.SIGKILL)
+                done_at_kill = len(glob.glob(os.path.join(output, "data", "*", "*.safetensors")))
+        time.sleep(0.02)
+    job.join(timeout=300)
+    assert not errors, errors
+    assert killed is not None and done_at_kill < len(ids), "the kill did not land mid-run"
+    (result,) = results
+    assert result.ok == len(ids) and result.failed == 0
+    assert_exactly_once(output, ids)
+
+
+def _capture(results, errors, fn, *args):
+    try:
+        results.append(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - reported by the test thread
+        errors.append(e)
+
+
+# -- job submission API ----------------------------------------------------------------------------------------------
+def test_submit_runs_the_job_through_ray_job_submission(ray_cluster, tiny_llama, tmp_path, capsys):
+    corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"p{i}", "input_ids": [5, 6, 7 + i]} for i in range(4)])
+    output = str(tmp_path / "out")
+    code = main(["submit", "--address", ray_cluster.dashboard_url, "--model", tiny_llama, "--corpus", corpus,
+                 "--output", output, "--no-progress", "--wait"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out[-3000:]
+    assert out.splitlines()[0].startswith("raysubmit_")
+    assert "4 ok, 0 failed" in out
+    assert_exactly_once(output, {f"p{i}" for i in range(4)})

@@ -1,0 +1,110 @@
+"""The manifest, run.json and file-size arithmetic, without Ray: atomic parts, counting by sample, refused resumes,
+exact safetensors header sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import safetensors.torch
+import torch
+
+from jobs.config import JobConfig
+from jobs.estimate import header_bytes
+from jobs.layout import Output, data_path
+from jobs.manifest import RESULT_SCHEMA, ManifestWriter, committed_ids, read_manifest, summarize
+from jobs.runinfo import RunMismatch, ensure_run_info
+
+
+def _rows(*rows):
+    cols = {n: [] for n in RESULT_SCHEMA.names}
+    for sid, status in rows:
+        ok = status == "ok"
+        for k, v in dict(sample_id=sid, status=status, path=data_path(sid) if ok else None, num_tokens=10 if ok else 0,
+                         num_prompt_tokens=10, bytes=100 if ok else 0, error=None if ok else f"x.jsonl:3: bad {sid}",
+                         source="x.jsonl:3", truncated=False).items():
+            cols[k].append(v)
+    return pa.Table.from_pydict(cols, schema=RESULT_SCHEMA)
+
+
+def test_parts_appear_whole_and_pyarrow_reads_the_folder_as_the_manifest(tmp_path):
+    out = Output(str(tmp_path / "run"))
+    w = ManifestWriter(out, "A", flush_rows=2, flush_seconds=3600)
+    w.add(_rows(("a", "ok")))
+    assert not w.maybe_flush() and not os.path.exists(tmp_path / "run" / "manifest")
+    w.add(_rows(("b", "failed")))
+    assert w.maybe_flush()
+    # a temp file left by a writer killed mid-write is invisible to readers
+    (tmp_path / "run" / "manifest" / ".part-X-000000.parquet.tmp-dead").write_bytes(b"PAR1 partial")
+    w.add(_rows(("b", "ok"), ("c", "failed")))
+    w.flush()
+    table = pq.read_table(str(tmp_path / "run" / "manifest"))
+    assert table.num_rows == 4 and set(table.column_names) >= {"sample_id", "path", "num_tokens",
+                                                               "num_prompt_tokens", "status", "error", "bytes"}
+    assert read_manifest(out).num_rows == 4
+    assert committed_ids(out) == {"a", "b"}
+
+
+def test_summary_counts_samples_with_ok_winning_over_earlier_failures(tmp_path):
+    out = Output(str(tmp_path))
+    w = ManifestWriter(out, "A")
+    w.add(_rows(("a", "ok"), ("b", "failed"), ("c", "failed")))
+    w.flush()
+    w2 = ManifestWriter(out, "B")
+    w2.add(_rows(("b", "ok"), ("c", "failed")))
+    w2.flush()
+    s = summarize(out)
+    assert (s.ok, s.failed, s.rows, s.duplicate_ok_rows, s.attempts, s.parts) == (2, 1, 5, 0, 2, 2)
+    assert s.tokens == 20 and s.bytes == 200
+    assert s.errors == [("c", "x.jsonl:3: bad c")]
+
+
+def test_data_paths_spread_over_256_subfolders_with_safe_names():
+    paths = {data_path(f"sample-{i}") for i in range(2000)}
+    assert len({p.split("/")[1] for p in paths}) == 256
+    escape = data_path("../../etc/passwd")
+    assert escape.startswith("data/") and escape.count("/") == 2 and "/.." not in escape
+    assert data_path("a/b") != data_path("a_b")
+
+
+def _info(**over):
+    base = {"format": "hsx.run", "model": "/m", "model_revision": "", "model_fingerprint": "f", "layer_ids": [2, 4],
+            "dtype": "float32", "chat_template_sha256": "t", "max_tokens": 0, "include_output_tokens": False,
+            "sampling": None, "id_field": "id", "corpus": {"files": ["a"]}}
+    base.update(over)
+    return base
+
+
+def test_resume_into_a_run_made_with_other_settings_is_refused(tmp_path):
+    out = Output(str(tmp_path))
+    assert ensure_run_info(out, _info()) is True
+    assert ensure_run_info(out, _info(corpus={"files": ["a", "b"]})) is False  # more corpus: fine
+    with pytest.raises(RunMismatch, match=r"layer_ids: run has \[2, 4\], this job has \[1, 4\] \(--layers\)"):
+        ensure_run_info(out, _info(layer_ids=[1, 4]))
+    with pytest.raises(RunMismatch, match="--dtype"):
+        ensure_run_info(out, _info(dtype="bfloat16"))
+    with pytest.raises(RunMismatch, match="--model"):
+        ensure_run_info(out, _info(model="/other"))
+    assert json.loads((tmp_path / "run.json").read_text())["layer_ids"] == [2, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 7, 1234])
+def test_header_size_matches_safetensors_exactly(dtype, t):
+    meta = {"model": "/tmp/é/model", "layer_ids": "[2, 16, 29, 32]", "sample_id": 'quote"d\\id', "n": str(t)}
+    tensors = {"token_ids": torch.zeros(t, dtype=torch.int64), "hidden_states": torch.zeros(t, 3, 5, dtype=dtype),
+               "loss_mask": torch.zeros(t, dtype=torch.uint8)}
+    blob = safetensors.torch.save(tensors, metadata=meta)
+    st = {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
+    size = torch.finfo(dtype).bits // 8
+    predicted = header_bytes(meta, [("token_ids", "I64", [t], 8), ("hidden_states", st, [t, 3, 5], size),
+                                    ("loss_mask", "U8", [t], 1)]) + t * 8 + t * 15 * size + t
+    assert predicted == len(blob)
+
+
+def test_job_config_rejects_output_tokens_without_generation():
+    with pytest.raises(ValueError, match="--max-tokens"):
+        JobConfig(model="m", corpus=("c",), output="o", include_output_tokens=True)
