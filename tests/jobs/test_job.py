@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from connectors import load_hidden_states
+from connectors import load_hidden_states, read_hidden_states_info
 from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from jobs.config import JobConfig
 from jobs.estimate import estimate
@@ -51,6 +51,7 @@ def assert_exactly_once(output: str, expected_ids: set[str]) -> dict[str, dict]:
         obj = load_hidden_states(path)
         assert obj["token_ids"].shape[0] == row["num_tokens"] == obj["hidden_states"].shape[0]
         assert os.path.getsize(path) == row["bytes"]
+        assert read_hidden_states_info(path).metadata["sample_id"] == sid
     files = {os.path.relpath(p, output) for p in glob.glob(os.path.join(output, "data", "*", "*.safetensors"))}
     assert files == {r["path"] for r in rows.values()}
     return rows
