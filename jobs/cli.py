@@ -145,7 +145,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         runtime_env = json.loads(args.runtime_env) if args.runtime_env else None
     except json.JSONDecodeError as e:
         raise UsageError(f"--runtime-env is not valid JSON: {e}") from e
-    job_id = submit_job(args.address, entrypoint, runtime_env=runtime_env, submission_id=args.submission_id)
+    try:
+        job_id = submit_job(args.address, entrypoint, runtime_env=runtime_env, submission_id=args.submission_id)
+    except (ValueError, ConnectionError) as e:
+        raise UsageError(str(e)) from e
     print(job_id)
     if not args.wait:
         print(f"submitted; follow with: ray job logs --address {args.address} --follow {job_id}", file=sys.stderr)

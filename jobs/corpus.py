@@ -146,7 +146,7 @@ def read_records(file: CorpusFile, id_field: str = "id", storage_options: dict |
     """
     block: list[Record] = []
     reader = _read_parquet if file.format == "parquet" else _read_jsonl
-    last = 0  # position of the last record read, for the error record when reading breaks off
+    last = -1 if file.format == "parquet" else 0  # position read last (rows from 0, lines from 1)
     try:
         for position, record in reader(file, id_field, storage_options):
             last = position

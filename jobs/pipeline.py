@@ -242,7 +242,8 @@ def execute_job(plan: JobPlan) -> JobResult:
                                 progress.set_total(max(count.result() - len(plan.done), 0))
                                 count = concurrent.futures.Future()
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
-                        raise JobFailed(f"the extraction pipeline failed: {e}") from e
+                        logger.debug("pipeline failure", exc_info=True)
+                        raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
                 stats = ray.get(registry.stats.remote())
             finally:
                 ray.kill(registry)
@@ -256,6 +257,18 @@ def execute_job(plan: JobPlan) -> JobResult:
     result.tokens, result.bytes = progress.tokens, progress.bytes
     result.seconds = time.monotonic() - started
     return result
+
+
+def _root_cause(error: BaseException) -> str:
+    """First line of a Ray error plus the exception it carries (Ray's str() holds whole remote tracebacks)."""
+    import re
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    causes = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
+    head = re.sub(r"\x1b\[[0-9;]*m", "", lines[0])
+    return head if not causes or causes[-1] in head else f"{head} ... {causes[-1]}"
 
 
 def _note(result: JobResult, batch: pa.Table) -> None:

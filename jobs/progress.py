@@ -39,8 +39,11 @@ class Progress:
 
         self.started = time.monotonic()
         self.ok = self.failed = self.tokens = self.bytes = 0
-        self._bar = tqdm(total=None, unit="sample", desc="extracting", dynamic_ncols=True, smoothing=0.1,
-                         disable=not enabled, file=file or sys.stderr, mininterval=0.5)
+        file = file or sys.stderr
+        interactive = hasattr(file, "isatty") and file.isatty()
+        # in a log (pod, CI) a line every 30 s instead of a redraw every half second
+        self._bar = tqdm(total=None, unit="sample", desc="extracting", dynamic_ncols=interactive, smoothing=0.1,
+                         disable=not enabled, file=file, mininterval=0.5 if interactive else 30)
 
     def set_total(self, total: int) -> None:
         self._bar.total = max(total, self._bar.n)

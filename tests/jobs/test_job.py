@@ -321,3 +321,13 @@ def test_submit_runs_the_job_through_ray_job_submission(ray_cluster, tiny_llama,
     assert out.splitlines()[0].startswith("raysubmit_")
     assert "4 ok, 0 failed" in out
     assert_exactly_once(output, {f"p{i}" for i in range(4)})
+
+
+# -- job-level failure -------------------------------------------------------------------------------------------------
+def test_workers_that_cannot_start_fail_the_job_with_exit_1_and_the_cause(ray_cluster, tiny_llama, tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "hello"}])
+    code = main(["run", "--model", tiny_llama, "--corpus", corpus, "--output", str(tmp_path / "out"),
+                 "--attn-implementation", "no_such_kernel", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED
+    assert "hsx: job failed" in err and "no_such_kernel" in err.splitlines()[-1]
