@@ -55,8 +55,19 @@ class HiddenStatesConnectorConfig:
     """Hold `<file>.lock` while writing so readers wait for complete files (vLLM's key)."""
     max_write_attempts: int = 5
     """Attempts per file on transient storage errors, with exponential backoff."""
+    write_retry_backoff_s: float = 0.2
+    """First backoff between write attempts, in seconds; doubles per attempt (plus as much jitter), capped at 10 s."""
 
     def __post_init__(self) -> None:
+        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool),
+                           ("num_writer_threads", int), ("max_bytes_in_flight", int), ("max_write_attempts", int),
+                           ("write_retry_backoff_s", (int, float)), ("storage_options", dict)):
+            value = getattr(self, name)
+            # a YAML/JSON "false" is a non-empty string, hence truthy: refuse it rather than enable custom paths
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                expected = kind.__name__ if isinstance(kind, type) else "a number"
+                raise TypeError(f"kv_connector_extra_config[{name!r}] must be {expected}, got "
+                                f"{type(value).__name__} {value!r}")
         if not str(self.shared_storage_path):
             raise ValueError("shared_storage_path is empty; pass a local folder or URL such as s3://bucket/run")
         if self.num_writer_threads < 1:
@@ -65,6 +76,8 @@ class HiddenStatesConnectorConfig:
             raise ValueError(f"max_bytes_in_flight must be >= 1 byte, got {self.max_bytes_in_flight}")
         if self.max_write_attempts < 1:
             raise ValueError(f"max_write_attempts must be >= 1, got {self.max_write_attempts}")
+        if self.write_retry_backoff_s < 0:
+            raise ValueError(f"write_retry_backoff_s must be >= 0, got {self.write_retry_backoff_s}")
         if isinstance(self.allowed_roots, str):
             object.__setattr__(self, "allowed_roots", (self.allowed_roots,))
 
@@ -102,6 +115,9 @@ class ExampleHiddenStatesConnector(HiddenStatesConnector):
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._spec_metadata = spec.to_metadata()
+        self._dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(self._dtype, torch.dtype):
+            raise ValueError(f"HiddenStatesSpec.dtype {spec.dtype!r} is not a torch dtype name; use e.g. 'bfloat16'")
 
     @property
     def peak_bytes_in_flight(self) -> int:
@@ -124,20 +140,34 @@ class ExampleHiddenStatesConnector(HiddenStatesConnector):
                 raise ValueError(f"request id {request.request_id!r} is already in flight; request ids must be unique")
             self._requests[request.request_id] = _Pending(request, path, bool(params.get("include_output_tokens")))
 
+    def _pending(self, request_id: str) -> _Pending:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in flight: call start_request first (a request whose "
+                           "start_request raised, or that already finished, takes no rows)") from None
+
     def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        pending = self._requests[request_id]
-        if hidden_states.dim() != 3 or hidden_states.shape[0] != token_ids.shape[0]:
-            raise ValueError(f"request {request_id}: expected token_ids [t] and hidden_states [t, L, H], got "
+        pending = self._pending(request_id)
+        num_layers, hidden_size = len(self.spec.layer_ids), self.spec.hidden_size
+        if (hidden_states.dim() != 3 or hidden_states.shape[0] != token_ids.reshape(-1).shape[0]
+                or tuple(hidden_states.shape[1:]) != (num_layers, hidden_size)):
+            raise ValueError(f"request {request_id}: expected token_ids [t] and hidden_states [t, {num_layers}, "
+                             f"{hidden_size}] (L from the spec's layer_ids, H = hidden_size), got "
                              f"{list(token_ids.shape)} and {list(hidden_states.shape)}")
+        if hidden_states.dtype != self._dtype:
+            raise ValueError(f"request {request_id}: hidden_states are {hidden_states.dtype}, but the spec (and so "
+                             f"every file's metadata) says {self.spec.dtype}; capture in the spec's dtype")
         pending.token_chunks.append(token_ids.reshape(-1).to(torch.int64))
         pending.state_chunks.append(hidden_states)
 
     def request_finished(self, request_id: str) -> dict[str, Any]:
         with self._lock:
-            pending = self._requests.pop(request_id)
+            pending = self._pending(request_id)
+            del self._requests[request_id]
         token_ids = torch.cat(pending.token_chunks) if pending.token_chunks else torch.empty(0, dtype=torch.int64)
         states = torch.cat(pending.state_chunks) if pending.state_chunks else torch.empty(
-            0, len(self.spec.layer_ids), self.spec.hidden_size)
+            0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)
         tensors = {TOKEN_IDS: token_ids.contiguous(), HIDDEN_STATES: states.contiguous()}
         info = pending.info
         if info.loss_mask is not None:
@@ -158,9 +188,10 @@ class ExampleHiddenStatesConnector(HiddenStatesConnector):
 
     def _write(self, url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
         fs, path = (self._fs, url) if storage.is_local(self._fs) else (self._fs, self._fs._strip_protocol(url))
-        with storage.pending_write(fs, path, enabled=self.extra_config.use_synchronization_lock):
-            return storage.write_atomic(fs, path, tensors, metadata,
-                                        max_attempts=self.extra_config.max_write_attempts)
+        cfg = self.extra_config
+        retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}
+        with storage.pending_write(fs, path, enabled=cfg.use_synchronization_lock, **retry):
+            return storage.write_atomic(fs, path, tensors, metadata, **retry)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

@@ -82,13 +82,20 @@ class PathPolicy:
             cls, path, local = _split(custom)
         except (ValueError, ImportError) as e:
             raise PathRejected(f"hidden_states_path {custom!r} has an unknown or unusable protocol: {e}") from e
-        for root_cls, root_path, root_local in self._allowed:
+        symlink_escape: PathRejected | None = None
+        for root_cls, root_path, _root_local in self._allowed:
             if cls is not root_cls:
                 continue
-            if local and self._inside_local(custom, path, root_path):
-                return path
-            if not local and self._inside_remote(custom, path, root_path):
+            if local:
+                try:
+                    if self._inside_local(custom, path, root_path):
+                        return path
+                except PathRejected as e:  # another allowed root may still hold where the link leads
+                    symlink_escape = e
+            elif self._inside_remote(custom, path, root_path, cls):
                 return f"{_first_protocol(cls)}://{path}"
+        if symlink_escape is not None:
+            raise symlink_escape
         roots = ", ".join(self._describe(a) for a in self._allowed)
         raise PathRejected(f"hidden_states_path {custom!r} is outside the allowed roots ({roots}); write under one "
                            "of them, or add its root to kv_connector_extra_config['allowed_roots']")
@@ -100,11 +107,17 @@ class PathPolicy:
             return False
         # symlinks anywhere along the path (including the file itself) must stay inside the root
         real = os.path.realpath(path)
-        return os.path.commonpath([real, real_root]) == real_root and real != real_root
+        if os.path.commonpath([real, real_root]) != real_root or real == real_root:
+            raise PathRejected(f"hidden_states_path {raw!r} goes through a symlink to {real!r}, outside the root "
+                               f"{root!r}; write to a real path inside it")
+        return True
 
     @staticmethod
-    def _inside_remote(raw: str, path: str, root: str) -> bool:
+    def _inside_remote(raw: str, path: str, root: str, cls: type) -> bool:
         raw_key = raw.split("://", 1)[-1]
+        marker = getattr(cls, "root_marker", "")
+        if marker and raw_key.startswith(marker):
+            raw_key = raw_key[len(marker):]  # memory:///bucket/key: the leading '/' is the root, not an empty segment
         if "\\" in raw_key or any(c in raw_key for c in "?#"):
             raise PathRejected(f"hidden_states_path {raw!r} contains '\\', '?' or '#', which object stores read "
                                "literally; use plain '/'-separated names")

@@ -11,7 +11,9 @@ all L layers contiguously).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 import safetensors.torch
 import torch
@@ -30,12 +32,38 @@ from connectors.format import (
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 
 
-def _read_info(fs, path: str) -> HiddenStatesFileInfo:
-    size = fs.size(path)
-    probe = fs.cat_file(path, start=0, end=min(size, HEADER_PROBE_BYTES))
+@contextlib.contextmanager
+def _ranges(fs, path: str) -> Iterator[tuple[int, Callable[[list[int], list[int]], list[bytes]]]]:
+    """(size, read(starts, ends) -> blobs) over one version of one file.
+
+    On a local disk every read goes through one open handle, so a concurrent replace of the file cannot mix the
+    header of one version with the rows of another; elsewhere each range is a ranged GET (concurrent on async stores).
+    """
+    if storage.is_local(fs):
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            yield os.fstat(fd).st_size, lambda starts, ends: [_pread(fd, s, e) for s, e in zip(starts, ends)]
+        return
+    yield fs.size(path), lambda starts, ends: fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+
+
+def _pread(fd: int, start: int, end: int) -> bytes:
+    parts = []
+    while start < end:
+        chunk = os.pread(fd, end - start, start)
+        if not chunk:
+            break  # truncated: parse_header has already checked sizes, so this is a file changed under us
+        parts.append(chunk)
+        start += len(chunk)
+    return b"".join(parts)
+
+
+def _read_info(path: str, size: int, read) -> HiddenStatesFileInfo:
+    (probe,) = read([0], [min(size, HEADER_PROBE_BYTES)])
     info, header_len = parse_header(path, probe, size)
     if info is None:
-        info, _ = parse_header(path, fs.cat_file(path, start=0, end=header_len), size)
+        (full,) = read([0], [header_len])
+        info, _ = parse_header(path, full, size)
     return info
 
 
@@ -44,7 +72,8 @@ def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
     """The file's tensors, shapes and `__metadata__`, reading only its header."""
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    return _read_info(fs, p)
+    with _ranges(fs, p) as (size, read):
+        return _read_info(path, size, read)
 
 
 def _layer_positions(info: HiddenStatesFileInfo, layer_ids: Sequence[int] | None,
@@ -81,27 +110,28 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
     """
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    info = None
     if token_range is None:
-        out = safetensors.torch.load(fs.cat_file(p))
+        data = fs.cat_file(p)  # one read: the header below is this version's
+        out = safetensors.torch.load(data)
         if TOKEN_IDS not in out or HIDDEN_STATES not in out:
             raise ValueError(f"{path}: expected tensors 'token_ids' and 'hidden_states', found {sorted(out)}")
         if layer_ids is None and layer_indices is None:
             return out
-        info = _read_info(fs, p)
+        info, _ = parse_header(path, data, len(data))
         positions = _layer_positions(info, layer_ids, layer_indices)
         out[HIDDEN_STATES] = out[HIDDEN_STATES][:, positions].contiguous()
         return out
 
-    info = _read_info(fs, p)
-    positions = _layer_positions(info, layer_ids, layer_indices)
-    start, end, _ = slice(*token_range).indices(info.num_tokens)
-    end = max(start, end)
-    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
-    entries = [info.tensors[n] for n in names]
-    starts = [e.start + start * e.row_bytes for e in entries]
-    ends = [e.start + end * e.row_bytes for e in entries]
-    blobs = fs.cat_ranges([p] * len(entries), starts, ends, on_error="raise") if end > start else [b""] * len(entries)
+    with _ranges(fs, p) as (size, read):
+        info = _read_info(path, size, read)
+        positions = _layer_positions(info, layer_ids, layer_indices)
+        start, end, _ = slice(*token_range).indices(info.num_tokens)
+        end = max(start, end)
+        names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
+        entries = [info.tensors[n] for n in names]
+        starts = [e.start + start * e.row_bytes for e in entries]
+        ends = [e.start + end * e.row_bytes for e in entries]
+        blobs = read(starts, ends) if end > start else [b""] * len(entries)
     out = {n: tensor_from_bytes(b, e, end - start) for n, e, b in zip(names, entries, blobs)}
     if positions is not None:
         out[HIDDEN_STATES] = out[HIDDEN_STATES][:, positions].contiguous()

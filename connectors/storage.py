@@ -13,7 +13,8 @@ filesystem gets a temp name and a move.
 
 Pending writes: a `<file>.lock` companion, as vLLM uses. On local disks the writer holds an exclusive `flock` on it
 (vLLM's readers and ours take a shared one, so either side waits for the other); on object stores the lock object's
-existence is the signal. A writer that died leaves a lock behind: readers wait at most their timeout, then raise.
+existence is the signal until the object itself exists (it appears whole). A writer that died leaves a lock behind:
+readers of a file that never appeared wait at most their timeout, then raise.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 import fsspec
 import safetensors.torch
 import torch
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,16 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, Exception)
 
 
+def _retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retrying:
+    """Retry transient errors with exponential backoff and jitter (both scaled by `backoff_s`), then re-raise."""
+    return Retrying(stop=stop_after_attempt(max_attempts),
+                    wait=wait_exponential(multiplier=backoff_s, max=10) + wait_random(0, backoff_s),
+                    retry=retry_if_exception(_is_transient), reraise=True,
+                    before_sleep=lambda rs: logger.warning("%s of %s failed (attempt %d/%d): %s; retrying", what,
+                                                           path, rs.attempt_number, max_attempts,
+                                                           rs.outcome.exception()))
+
+
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: dict[str, torch.Tensor],
                  metadata: dict[str, str] | None, *, max_attempts: int = 5, backoff_s: float = 0.2) -> int:
     """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
@@ -82,12 +93,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: dict[str, to
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
     attempt cleans up its own temp file, so a failed write leaves nothing behind.
     """
-    retrying = Retrying(stop=stop_after_attempt(max_attempts), wait=wait_exponential_jitter(initial=backoff_s, max=10),
-                        retry=retry_if_exception(_is_transient), reraise=True,
-                        before_sleep=lambda rs: logger.warning("write of %s failed (attempt %d/%d): %s; retrying",
-                                                               path, rs.attempt_number, max_attempts,
-                                                               rs.outcome.exception()))
-    return retrying(_write_once, fs, path, tensors, metadata)
+    return _retrying("write", path, max_attempts, backoff_s)(_write_once, fs, path, tensors, metadata)
 
 
 def _write_once(fs, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
@@ -121,8 +127,14 @@ def _write_once(fs, path: str, tensors: dict[str, torch.Tensor], metadata: dict[
 
 
 @contextlib.contextmanager
-def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True) -> Iterator[None]:
-    """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring)."""
+def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True, max_attempts: int = 5,
+                  backoff_s: float = 0.2) -> Iterator[None]:
+    """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring).
+
+    Creating the lock object on a remote store is retried like a write. Failing to remove it afterwards is logged,
+    never raised: it must not hide the body's own error, and a leftover lock next to a complete object does not
+    block readers (see `wait_until_readable`).
+    """
     if not enabled:
         yield
         return
@@ -139,12 +151,17 @@ def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = T
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         return
-    fs.pipe_file(lock, f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode())
+    body = f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode()
+    _retrying("lock", lock, max_attempts, backoff_s)(fs.pipe_file, lock, body)
     try:
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             fs.rm_file(lock)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported, not raised: see docstring
+            logger.warning("could not remove %s after writing %s: %s", full_url(fs, lock), full_url(fs, path), e)
 
 
 def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:
@@ -162,6 +179,13 @@ def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:
         finally:
             os.close(fd)  # closing releases the shared lock, if it was taken
         return False  # an unheld lock file (vLLM leaves them behind after writing)
+    if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+        # an object appears whole or not at all, so once it exists it is readable, whatever lock object is still
+        # around (a writer that could not delete it, or one copied along with vLLM output); until then a lock
+        # means "coming"
+        fs.invalidate_cache(path)
+        if fs.exists(path):
+            return False
     fs.invalidate_cache(lock)
     return fs.exists(lock)
 
