@@ -207,10 +207,15 @@ def _data_context(tokens_per_task: int) -> Iterator[None]:
 
 
 def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
-    """Records in the corpus, for the ETA; None when counting would mean downloading remote JSONL."""
+    """Records in the corpus, for the ETA; None when counting would mean downloading remote JSONL (or fails: an
+    unreadable file is the read stage's to report, as failed records)."""
     if any(f.format == "jsonl" and "://" in f.url for f in files):
         return None
-    return sum(count_records(f, storage_options) for f in files)
+    try:
+        return sum(count_records(f, storage_options) for f in files)
+    except Exception as e:  # noqa: BLE001 - the count only feeds the ETA
+        logger.debug("cannot count the corpus for the ETA: %s", e)
+        return None
 
 
 def execute_job(plan: JobPlan) -> JobResult:
