@@ -1,7 +1,10 @@
-"""Batches under a token budget, grouped by length.
+"""Batches under a token budget, grouped by length, cut where padding costs more than another forward.
 
-Requests are sorted by length so a batch pads little; a batch holds at most `max_num_seqs` rows and, padded,
-at most `max_num_batched_tokens` tokens. A prompt longer than the budget goes alone and is prefilled in chunks of
+Requests are sorted by length (longest first) and split into runs of neighbours; a batch holds at most
+`max_num_seqs` rows and, padded to its longest row, at most `max_num_batched_tokens` tokens. Where to cut is chosen
+to minimise padded tokens + `forward_cost_tokens` per forward (an exact dynamic programme over the sorted lengths):
+a batch of rows 2048, 1100, 900 pads 2046 tokens, so on a device where a forward costs as little as 64 tokens' work
+it is cheaper to run them apart. A prompt longer than the budget goes alone and is prefilled in chunks of
 `chunk_size` columns. Prompt-only requests and generating ones never share a batch (the former can stop the forward
 early and skip the lm_head).
 """
@@ -12,7 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
+
+FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
+"""Fixed cost of one forward pass in tokens' worth of work, per device type: a CPU is near full speed on one short
+row; a GPU needs hundreds of tokens per forward before the weights stop dominating."""
+DEFAULT_FORWARD_COST_TOKENS = 256
 
 
 @dataclass
@@ -24,21 +34,42 @@ class Batch(Generic[T]):
 
 
 def plan_batches(items: Sequence[T], length: Callable[[T], int], group: Callable[[T], object],
-                 max_num_batched_tokens: int, max_num_seqs: int) -> list[Batch[T]]:
+                 max_num_batched_tokens: int, max_num_seqs: int,
+                 forward_cost_tokens: int = DEFAULT_FORWARD_COST_TOKENS) -> list[Batch[T]]:
     batches: list[Batch[T]] = []
     groups: dict[object, list[T]] = {}
     for item in items:
         groups.setdefault(group(item), []).append(item)
     for members in groups.values():
         members = sorted(members, key=length, reverse=True)
-        i = 0
-        while i < len(members):
-            longest = length(members[i])
-            if longest >= max_num_batched_tokens:
-                batches.append(Batch([members[i]], longest, max_num_batched_tokens))
-                i += 1
-                continue
-            rows = max(1, min(max_num_seqs, max_num_batched_tokens // longest))
-            batches.append(Batch(members[i:i + rows], longest, longest))
-            i += rows
+        lengths = [length(m) for m in members]
+        for i, j in _cuts(lengths, max_num_batched_tokens, max_num_seqs, forward_cost_tokens):
+            longest = lengths[i]
+            batches.append(Batch(members[i:j], longest, min(longest, max_num_batched_tokens)))
     return batches
+
+
+def _cuts(lengths: list[int], budget: int, max_rows: int, forward_cost: int) -> list[tuple[int, int]]:
+    """[(i, j)] cutting `lengths` (sorted, longest first) into batches of least padded tokens + forward costs."""
+    n = len(lengths)
+    if n == 0:
+        return []
+    ls = np.asarray(lengths, dtype=np.int64)
+    # rows a batch starting at i may hold: its first row is its longest; a row over the budget goes alone
+    cap = np.where(ls >= budget, 1, np.maximum(1, np.minimum(max_rows, budget // np.maximum(ls, 1))))
+    best = np.full(n + 1, np.inf)  # best[j]: least cost of the first j rows
+    best[0] = 0.0
+    start = np.zeros(n + 1, dtype=np.int64)  # start[j]: first row of the last batch in that best plan
+    for i in range(n):
+        js = np.arange(i + 1, min(n, i + int(cap[i])) + 1)
+        cost = best[i] + forward_cost + (js - i) * ls[i]  # batch [i, j) pads every row to ls[i]
+        better = cost < best[js]
+        best[js[better]] = cost[better]
+        start[js[better]] = i
+    cuts = []
+    j = n
+    while j > 0:
+        i = int(start[j])
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
-from extractor.batching import plan_batches
+from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches
 from extractor.config import EngineConfig, layer_ids_from_speculative_config
 from extractor.runner import ModelRunner
 from extractor.sampling import SamplingParams, make_generator, sample_next
@@ -136,7 +136,9 @@ class LLM:
         batches = plan_batches(runnable, length=lambda r: len(r.prompt_token_ids),
                                group=lambda r: r.params.max_tokens > 0,
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                               max_num_seqs=self.config.max_num_seqs)
+                               max_num_seqs=self.config.max_num_seqs,
+                               forward_cost_tokens=FORWARD_COST_TOKENS.get(self.runner.device.type,
+                                                                           DEFAULT_FORWARD_COST_TOKENS))
         progress = _progress(len(runnable), use_tqdm)
         for batch in batches:
             try:
@@ -244,16 +246,15 @@ class LLM:
     def _run_batch(self, batch: list[_Request], chunk_size: int) -> None:
         generating = batch[0].params.max_tokens > 0
         rows = [r.prompt_token_ids for r in batch]
-        width = max(len(r) for r in rows)
 
-        def on_chunk(c0: int, c1: int, states: torch.Tensor) -> None:  # states: [B, c1 - c0, L, H]
+        def on_chunk(c0: int, c1: int, states: torch.Tensor, starts: list[int]) -> None:  # states: [B, c1 - c0, L, H]
             for b, r in enumerate(batch):
-                start = width - len(r.prompt_token_ids)  # first real column of row b
-                lo = max(c0, start)
-                if lo >= c1:
+                start, end = starts[b], starts[b] + len(r.prompt_token_ids)  # row b's columns
+                lo, hi = max(c0, start), min(c1, end)
+                if lo >= hi:
                     continue
-                ids = torch.tensor(r.prompt_token_ids[lo - start:c1 - start], dtype=torch.long)
-                self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:])
+                ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
+                self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:hi - c0])
 
         logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
                                             on_chunk=on_chunk)

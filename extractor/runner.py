@@ -4,9 +4,12 @@
     prefill(rows, chunk_size, want_logits, keep_cache, on_chunk) -> (logits [B, V] | None, BatchState)
     decode(state, tokens, capture) -> (logits [B, V], states [B, 1, L, H] | None)
 
-Rows are left-padded so every row's last token sits in the last column: logits are computed for that column only
-(`logits_to_keep=1`), and with nothing to sample the lm_head is skipped and the forward stops after the deepest
-requested layer. Position ids come from the attention mask, so padding never shifts a row's positions.
+Rows that will generate are left-padded so every row's last token sits in the last column: logits are computed for
+that column only (`logits_to_keep=1`); position ids come from the attention mask, so padding never shifts a row's
+positions. Prompt-only rows are right-padded and run with no attention mask at all: causal attention never looks
+ahead, so the padding after a row cannot reach its tokens, and attention takes its causal fast path (SDPA's
+`is_causal`, no [B, 1, S, S] mask) instead of a masked one. With nothing to sample the lm_head is skipped and the
+forward stops after the deepest requested layer.
 """
 
 from __future__ import annotations
@@ -109,29 +112,54 @@ class ModelRunner:
         out = self.base(**inputs)
         return self.model.get_output_embeddings()(out.last_hidden_state[:, -1])
 
+    def pad(self, rows: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                               list[int]]:
+        """Padded batch on the device: ids [B, W], attention mask [B, W] (None when right-padded), positions [B, W],
+        and the first column of each row."""
+        width = max(len(r) for r in rows)
+        starts = [width - len(r) if left else 0 for r in rows]
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, starts[b]:starts[b] + len(r)] = torch.tensor(r, dtype=torch.long)
+        if not left:  # causal attention: the padding after a row never reaches it, so no mask is needed
+            positions = torch.arange(width, dtype=torch.long).expand(len(rows), width)
+            return ids.to(self.device), None, positions.to(self.device), starts
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, start in enumerate(starts):
+            mask[b, start:] = 1
+        mask = mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return ids.to(self.device), mask, positions, starts
+
+    def _to_host(self, states: torch.Tensor) -> torch.Tensor:
+        """Copy captured states to CPU; from CUDA through pinned memory (a DMA copy, no pageable staging)."""
+        if states.device.type == "cpu":
+            return states
+        host = torch.empty(states.shape, dtype=states.dtype, pin_memory=states.device.type == "cuda")
+        host.copy_(states, non_blocking=host.is_pinned())
+        if host.is_pinned():
+            torch.cuda.current_stream(states.device).synchronize()  # the copy is done before anyone reads `host`
+        return host
+
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
-                on_chunk: Callable[[int, int, torch.Tensor], None]) -> tuple[torch.Tensor | None, BatchState | None]:
+                on_chunk: Callable[[int, int, torch.Tensor, list[int]], None]
+                ) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
-        on_chunk(col_start, col_end, states) gets CPU states [B, col_end - col_start, L, H] for padded columns
-        [col_start, col_end) of the left-padded batch.
+        on_chunk(col_start, col_end, states, starts) gets CPU states [B, col_end - col_start, L, H] for padded columns
+        [col_start, col_end) of the batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
+        Rows are left-padded when logits or the cache are wanted (decoding follows), right-padded otherwise.
         """
         width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[b, width - len(r):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
         cache = self._new_cache() if (keep_cache or chunk_size < width) else None
         early_exit = not want_logits and not keep_cache
         logits = None
         for c0 in range(0, width, chunk_size):
             c1 = min(width, c0 + chunk_size)
-            inputs = {"input_ids": ids[:, c0:c1], "attention_mask": mask[:, :c1], "position_ids": positions[:, c0:c1],
-                      "use_cache": cache is not None}
+            inputs = {"input_ids": ids[:, c0:c1], "attention_mask": None if mask is None else mask[:, :c1],
+                      "position_ids": positions[:, c0:c1], "use_cache": cache is not None}
             if cache is not None:
                 inputs[self._cache_kw] = cache
             self.capture.begin(early_exit=early_exit)
@@ -142,7 +170,7 @@ class ModelRunner:
                     self.base(**inputs)
             except EarlyExit:
                 pass
-            on_chunk(c0, c1, self.capture.collect().to("cpu", non_blocking=False))
+            on_chunk(c0, c1, self._to_host(self.capture.collect()), starts)
         state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
         return logits, state
 
