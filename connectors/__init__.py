@@ -41,7 +41,7 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("connectors.example_hidden_states_connector")
-    if name in ("HiddenStatesDataset",):
+    if name in ("HiddenStatesDataset", "HiddenStatesDatasetConfig", "ShardSampler"):
         from connectors import dataset
 
         return getattr(dataset, name)
