@@ -61,7 +61,11 @@ class HiddenStatesConnector(ABC):
 
     @abstractmethod
     def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU)."""
+        """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU).
+
+        The connector may keep the tensors themselves (not copies) until the request's file is written, after
+        request_finished; do not modify them in place afterwards (a fresh tensor per call is the normal case).
+        """
 
     @abstractmethod
     def request_finished(self, request_id: str) -> dict[str, Any]:

@@ -165,28 +165,30 @@ class ExampleHiddenStatesConnector(HiddenStatesConnector):
         with self._lock:
             pending = self._pending(request_id)
             del self._requests[request_id]
-        token_ids = torch.cat(pending.token_chunks) if pending.token_chunks else torch.empty(0, dtype=torch.int64)
-        states = torch.cat(pending.state_chunks) if pending.state_chunks else torch.empty(
-            0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)
-        tensors = {TOKEN_IDS: token_ids.contiguous(), HIDDEN_STATES: states.contiguous()}
+        # the chunks go to storage as they are, back to back: no concatenated copy on the engine's thread
+        token_chunks = pending.token_chunks or [torch.empty(0, dtype=torch.int64)]
+        state_chunks = pending.state_chunks or [
+            torch.empty(0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)]
+        num_tokens = sum(c.shape[0] for c in token_chunks)
+        tensors: dict[str, list[torch.Tensor]] = {TOKEN_IDS: token_chunks, HIDDEN_STATES: state_chunks}
         info = pending.info
         if info.loss_mask is not None:
-            extra = max(0, token_ids.shape[0] - info.num_prompt_tokens)
+            extra = max(0, num_tokens - info.num_prompt_tokens)
             mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
-            tensors[LOSS_MASK] = mask[: token_ids.shape[0]].contiguous()
+            tensors[LOSS_MASK] = [mask[:num_tokens]]
         metadata = dict(self._spec_metadata)
-        metadata.update(request_id=str(request_id), num_tokens=str(token_ids.shape[0]),
+        metadata.update(request_id=str(request_id), num_tokens=str(num_tokens),
                         num_prompt_tokens=str(info.num_prompt_tokens),
                         include_output_tokens="true" if pending.include_output_tokens else "false")
         if info.sample_id is not None:
             metadata["sample_id"] = str(info.sample_id)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes = sum(c.numel() * c.element_size() for chunks in tensors.values() for c in chunks)
         future = self._writer.submit(nbytes, self._write, pending.path, tensors, metadata)
         with self._lock:
             self._futures[request_id] = future
         return {"hidden_states_path": pending.path}
 
-    def _write(self, url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    def _write(self, url: str, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
         fs, path = (self._fs, url) if storage.is_local(self._fs) else (self._fs, self._fs._strip_protocol(url))
         cfg = self.extra_config
         retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}

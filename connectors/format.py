@@ -44,6 +44,8 @@ if hasattr(torch, "float8_e4m3fn"):
     _ST_TO_TORCH["F8_E4M3"] = torch.float8_e4m3fn
     _ST_TO_TORCH["F8_E5M2"] = torch.float8_e5m2
 
+_TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+
 # First read of a file: enough for any header we write (a few hundred bytes) in one round trip.
 HEADER_PROBE_BYTES = 64 * 1024
 
@@ -148,6 +150,27 @@ class HiddenStatesFileInfo:
     @property
     def has_hsx_metadata(self) -> bool:
         return self.metadata.get("format") == FORMAT_NAME
+
+
+def encode_header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+    """The bytes before the data of a safetensors file whose tensors (name -> (dtype, shape)) follow back to back
+    in this order: 8-byte little-endian length, JSON padded with spaces so the data starts 8-byte aligned.
+
+    Writing the header ourselves lets the writer send the tensors' own memory after it, with no serialised copy.
+    """
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        if dtype not in _TORCH_TO_ST:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        header[name] = {"dtype": _TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStatesFileInfo, int]:

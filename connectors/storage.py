@@ -2,7 +2,10 @@
 
 Everything above this module (connector, reader, dataset) works on any fsspec URL through these few functions:
     open_url(url, storage_options)        -> (fs, path)
-    write_atomic(fs, path, tensors, meta) -  whole file or nothing; transient errors retried with backoff
+    write_atomic(fs, path, tensors, meta) -  whole file or nothing; transient errors retried with backoff. A tensor
+                                             may be given as its chunks along dim 0 (prefill chunks, decode rows):
+                                             they are written back to back from their own memory, never
+                                             concatenated in RAM first
     pending_write(fs, path)               -  context manager: readers of `path` wait while it is held
     wait_until_readable(fs, path, timeout)
     remove(fs, path)                      -  idempotent delete of a file and its lock
@@ -26,12 +29,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import fsspec
-import safetensors.torch
 import torch
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+
+from connectors.format import encode_header
 
 logger = logging.getLogger(__name__)
 
@@ -86,30 +90,57 @@ def _retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retr
                                                            rs.outcome.exception()))
 
 
-def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: dict[str, torch.Tensor],
-                 metadata: dict[str, str] | None, *, max_attempts: int = 5, backoff_s: float = 0.2) -> int:
+Tensors = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
+"""name -> a tensor, or the chunks of one along dim 0 (same dtype and trailing shape), in file order."""
+
+
+def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, metadata: dict[str, str] | None, *,
+                 max_attempts: int = 5, backoff_s: float = 0.2) -> int:
     """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
 
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
     attempt cleans up its own temp file, so a failed write leaves nothing behind.
     """
-    return _retrying("write", path, max_attempts, backoff_s)(_write_once, fs, path, tensors, metadata)
+    header, views = _layout(tensors, metadata)
+    return _retrying("write", path, max_attempts, backoff_s)(_write_once, fs, path, header, views)
 
 
-def _write_once(fs, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
+def _layout(tensors: Tensors, metadata: dict[str, str] | None) -> tuple[bytes, list[memoryview]]:
+    """The safetensors header, and the raw bytes of every chunk in file order (views, not copies)."""
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    views: list[memoryview] = []
+    for name, value in tensors.items():
+        chunks = [value] if isinstance(value, torch.Tensor) else list(value)
+        if not chunks:
+            raise ValueError(f"tensor {name!r} has no chunks; pass at least one (possibly empty) tensor")
+        first = chunks[0]
+        for c in chunks[1:]:
+            if c.dtype != first.dtype or c.shape[1:] != first.shape[1:]:
+                raise ValueError(f"chunks of {name!r} disagree: {first.dtype} {list(first.shape)} vs {c.dtype} "
+                                 f"{list(c.shape)}; chunks must share dtype and all but the first dimension")
+        entries[name] = (first.dtype, (sum(c.shape[0] for c in chunks), *first.shape[1:]))
+        views += [memoryview(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                  for c in chunks if c.numel()]
+    return encode_header(entries, metadata), views
+
+
+def _write_once(fs, path: str, header: bytes, views: list[memoryview]) -> int:
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    size = len(header) + sum(v.nbytes for v in views)
     if is_local(fs):
         os.makedirs(parent or ".", exist_ok=True)
         tmp = os.path.join(parent or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
         try:
-            safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-            size = os.path.getsize(tmp)
+            with open(tmp, "wb") as f:  # straight from the tensors' memory: as fast as a raw write
+                f.write(header)
+                for view in views:
+                    f.write(view)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         return size
-    data = safetensors.torch.save(tensors, metadata=metadata)
+    data = b"".join([header, *views])  # one copy: fsspec puts take bytes
     if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
         fs.pipe_file(path, data)
     else:
@@ -123,7 +154,7 @@ def _write_once(fs, path: str, tensors: dict[str, torch.Tensor], metadata: dict[
             with contextlib.suppress(FileNotFoundError):
                 if fs.exists(tmp):
                     fs.rm(tmp)
-    return len(data)
+    return size
 
 
 @contextlib.contextmanager

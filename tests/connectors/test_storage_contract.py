@@ -68,6 +68,29 @@ def test_hidden_states_round_trip_bit_exact(backend, connector_factory, dtype, n
     assert stored == {backend.key(path)}
 
 
+def test_written_files_are_plain_safetensors_that_the_safetensors_library_reads(backend, connector_factory):
+    """Interchangeable with vLLM's files: the reference library, not our reader, decodes what the connector wrote."""
+    connector = connector_factory(backend.root, make_spec(torch.bfloat16, LAYERS, HIDDEN),
+                                  storage_options=backend.storage_options)
+    token_ids, states = random_request(77, torch.bfloat16, seed=9)
+    mask = (torch.arange(77) % 3 == 0).to(torch.uint8)
+    path = save_request(connector, "interop", token_ids, states, chunks=5, loss_mask=mask, sample_id="s-1")
+    empty = save_request(connector, "empty", token_ids[:0], states[:0], chunks=1)
+    assert connector.wait_for_save() == {}
+
+    blob = backend.fs.cat_file(backend.key(path))
+    decoded = safetensors.torch.load(blob)
+    assert torch.equal(decoded["token_ids"], token_ids) and torch.equal(decoded["hidden_states"], states)
+    assert torch.equal(decoded["loss_mask"], mask)
+    assert (8 + int.from_bytes(blob[:8], "little")) % 8 == 0  # data starts 8-byte aligned
+    if backend.name == "local":
+        with safetensors.safe_open(path, framework="pt") as f:
+            assert f.metadata()["sample_id"] == "s-1" and f.metadata()["layer_ids"] == "[2, 4, 6]"
+            assert torch.equal(f.get_slice("hidden_states")[10:20], states[10:20])
+    nothing = safetensors.torch.load(backend.fs.cat_file(backend.key(empty)))
+    assert nothing["hidden_states"].shape == (0, len(LAYERS), HIDDEN) and nothing["hidden_states"].dtype == torch.bfloat16
+
+
 def test_partial_loads_return_exactly_the_rows_and_layers_asked_for(backend, connector_factory):
     connector = connector_factory(backend.root, make_spec(torch.bfloat16, LAYERS, HIDDEN),
                                   storage_options=backend.storage_options)
