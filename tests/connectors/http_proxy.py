@@ -89,12 +89,13 @@ class LoopbackProxy:
                 if targeted and proxy._should_fail():
                     payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ServiceUnavailable</Code>"
                                b"<Message>injected by the test proxy</Message></Error>")
+                    # recorded before answering: once the client has the answer, the log has the exchange
+                    proxy._record(Exchange(self.command, self.path, None, 503, len(payload)))
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
-                    proxy._record(Exchange(self.command, self.path, None, 503, len(payload)))
                     return
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in _HOP_BY_HOP and k.lower() not in ("expect", "content-length")}
@@ -112,11 +113,11 @@ class LoopbackProxy:
                     # a HEAD answer has no body but states the object's size
                     length = response.getheader("Content-Length", "0") if self.command == "HEAD" else len(payload)
                     self.send_header("Content-Length", str(length))
+                    proxy._record(Exchange(self.command, self.path, self.headers.get("Range"), response.status,
+                                           0 if self.command == "HEAD" else len(payload)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(payload)
-                    proxy._record(Exchange(self.command, self.path, self.headers.get("Range"), response.status,
-                                           0 if self.command == "HEAD" else len(payload)))
                 finally:
                     upstream.close()
 
