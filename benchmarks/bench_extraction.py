@@ -1,0 +1,643 @@
+"""Extraction benchmark: hsx against the bare forward pass and against today's per-sample scripts, in one run.
+
+    python benchmarks/bench_extraction.py --out bench-out                   # CPU: small shape, a few minutes
+    python benchmarks/bench_extraction.py --out bench-out --device cuda     # GPU: Llama-3-8B shape, bf16, SDPA
+
+Same model (randomly initialised from a LlamaConfig, built locally, no downloads), dtype and corpus for every row.
+The corpus is real-ish text (`tiny_models.sample_text` through the local BPE tokenizer, one token stream) cut into
+samples with log-uniform lengths in [--min-len, --max-len]; the model's vocabulary is larger than the tokenizer's,
+which changes nothing for speed.
+
+    (a) bare forward   the decoder stack over the very batches hsx plans (same padding, same inputs), nothing kept or
+                       written: the limit
+    (b) hsx            `LLM.generate(..., SamplingParams(max_tokens=0))`, prompt-only extraction of 4 layers with the
+                       safetensors connector writing to local disk; timed until every file is durable
+    (c) per-sample     what extraction scripts do today: one sample at a time, `model(ids, output_hidden_states=True)`,
+                       pick the layers, `safetensors.torch.save_file` one file per sample
+    (e) early exit     hsx again with every requested layer <= N/2, against (a)
+    memory             peak RSS of hsx over the corpus and over the same corpus 10x (ten `generate` calls, as a job
+                       feeds it), each in a fresh subprocess, peak reset after a warm-up pass
+    storage            bytes on disk per token against T * L * H * dtype size
+    MFU                model FLOPs (2 * params * tokens + causal attention, real tokens only) / time / peak: the
+                       device's dense bf16 peak on CUDA (H100/H200: 989 TFLOP/s; --peak-tflops to override), a
+                       measured matmul peak on CPU
+
+Warm-up before timing; approaches interleaved (order rotated each repeat) so drift and neighbours' load hit all of
+them alike; medians reported, ratios are medians of per-repeat ratios. Never pass/fail: targets are printed beside
+the figures. Writes results.json and results.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connectors import KVTransferConfig  # noqa: E402
+from extractor import LLM, SamplingParams  # noqa: E402
+from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches  # noqa: E402
+from extractor.layers import default_layer_ids  # noqa: E402
+
+SHAPES = {
+    # Llama-3-8B scaled down 8x in width and 4x in depth; GQA 4:1, MLP 3.5x; vocabulary scaled so the lm_head is
+    # the same share of the FLOPs as in the 8B (~7.5%).
+    "small": dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, rope_theta=500000.0),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+}
+# Dense bf16 peaks (no sparsity), by substring of torch.cuda.get_device_name().
+CUDA_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                         "L4": 121.0, "A10": 125.0}
+TARGETS = {"b_over_a": 0.95, "b_over_c": 1.4, "early_exit_speedup": 1.8, "memory_growth": 0.05, "mfu_gpu": 0.45}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for results.json, results.md, the model and scratch files")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model and stored dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--shape", default="auto", choices=["auto", *SHAPES],
+                   help="model shape; auto = llama3-8b on CUDA, small on CPU")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the shape's vocabulary size")
+    p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="corpus size in samples (default: 48 for small, 256 for llama3-8b)")
+    p.add_argument("--min-len", type=int, default=32, help="shortest sample in tokens")
+    p.add_argument("--max-len", type=int, default=2048, help="longest sample in tokens (lengths are log-uniform)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", default=None,
+                   help="layer ids for (b), comma-separated (default: EAGLE-3's [2, N/2, N-3, N])")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per forward")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per approach; medians are reported")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--sections", default="extraction,early_exit,memory,storage",
+                   help="comma-separated subset of extraction,early_exit,memory,storage")
+    p.add_argument("--memory-samples", type=int, default=None,
+                   help="corpus size of the memory runs (default: 16 for small, 64 for llama3-8b)")
+    p.add_argument("--memory-scale", type=int, default=10, help="the larger memory run is this many times the corpus")
+    p.add_argument("--memory-repeats", type=int, default=2,
+                   help="fresh subprocesses per memory size; the median peak is reported")
+    p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: see above)")
+    p.add_argument("--model-dir", default=None, help="where the random model is built or reused (default: OUT/model-SHAPE-DTYPE)")
+    p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- setup ------------------------------------------------------------------------------------------------------------
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device} but CUDA is not available here; use --device cpu")
+    on_cuda = args.device.startswith("cuda")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if on_cuda else "float32"
+    if args.shape == "auto":
+        args.shape = "llama3-8b" if on_cuda else "small"
+    big = args.shape == "llama3-8b"
+    if args.num_samples is None:
+        args.num_samples = 256 if big else 32
+    if args.memory_samples is None:
+        args.memory_samples = 64 if big else 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.model_dir = args.model_dir or os.path.join(args.out, f"model-{args.shape}-{args.dtype}")
+    return args
+
+
+def model_config(args: argparse.Namespace):
+    from transformers import LlamaConfig
+
+    from extractor.tiny_models import build_tokenizer
+
+    shape = dict(SHAPES[args.shape])
+    if args.vocab_size:
+        shape["vocab_size"] = args.vocab_size
+    tok = build_tokenizer(args.model_dir)  # saved next to the model
+    config = LlamaConfig(**shape, rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    return config, tok
+
+
+def build_model(args: argparse.Namespace) -> None:
+    """Build the random model once per (shape, dtype, vocab) in --model-dir; reuse it on later runs."""
+    from transformers import AutoModelForCausalLM
+
+    marker = os.path.join(args.model_dir, "bench-shape.json")
+    want = {"shape": args.shape, "dtype": args.dtype, "vocab_size": args.vocab_size}
+    if os.path.exists(marker) and json.load(open(marker)) == want:
+        return
+    shutil.rmtree(args.model_dir, ignore_errors=True)
+    config, _ = model_config(args)
+    init_device = args.device if args.device.startswith("cuda") else "cpu"  # 8B random init is minutes on CPU
+    torch.manual_seed(args.seed)
+    with torch.device(init_device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.model_dir)
+    del model
+    if init_device != "cpu":
+        torch.cuda.empty_cache()
+    with open(marker, "w") as f:
+        json.dump(want, f)
+
+
+def make_corpus(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """n samples of real-ish text; lengths log-uniform in [min_len, max_len], cut from one token stream."""
+    from extractor.tiny_models import sample_text
+
+    rng = random.Random(seed)
+    lengths = [int(round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))) for _ in range(n)]
+    stream: list[int] = []
+    batch = 0
+    while len(stream) < max_len * 4:
+        stream.extend(tokenizer(" ".join(sample_text(200, seed=seed * 1000 + batch))).input_ids)
+        batch += 1
+    out = []
+    for length in lengths:
+        start = rng.randrange(0, len(stream) - length)
+        out.append(stream[start:start + length])
+    return out
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(), "cpu_model": _cpu_model()}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from)."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in CUDA_PEAK_BF16_TFLOPS.items():
+            if key in name and args.dtype in ("bfloat16", "float16"):
+                return tflops * 1e12, f"{name} dense {args.dtype} spec"
+        return None, f"unknown peak for {name} in {args.dtype} (pass --peak-tflops)"
+    dtype = getattr(torch, args.dtype)
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = math.inf
+    for _ in range(10):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best, f"measured {n}x{n} {args.dtype} matmul, {torch.get_num_threads()} threads"
+
+
+def model_flops(config, corpus: list[list[int]], depth: int, lm_head: bool) -> float:
+    """FLOPs of a forward of every sample alone through `depth` decoder layers: 2 * params * tokens for the matmuls,
+    2 * T^2 * d_attn per layer for causal attention (QK^T and AV, half the square), plus the lm_head if computed."""
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    d_q, d_kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer_params = h * d_q + 2 * h * d_kv + d_q * h + 3 * h * inter
+    tokens = sum(len(s) for s in corpus)
+    flops = 2 * layer_params * depth * tokens + sum(2 * len(s) ** 2 * d_q for s in corpus) * depth
+    if lm_head:
+        flops += 2 * h * config.vocab_size * tokens
+    return float(flops)
+
+
+def speculative_config(layer_ids) -> dict:
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+
+
+def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
+    return LLM(model=args.model_dir, speculative_config=speculative_config(layer_ids),
+               kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": out_dir}),
+               dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+               attn_implementation=args.attn)
+
+
+def plan(llm: LLM, corpus: list[list[int]]):
+    """The batches hsx runs for this corpus (its own planner, its own device cost)."""
+    cost = FORWARD_COST_TOKENS.get(llm.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
+    return plan_batches(corpus, length=len, group=lambda s: 0, max_num_batched_tokens=llm.config.max_num_batched_tokens,
+                        max_num_seqs=llm.config.max_num_seqs, forward_cost_tokens=cost)
+
+
+# -- the approaches ---------------------------------------------------------------------------------------------------
+def run_bare(llm: LLM, batches) -> None:
+    """(a) The decoder stack over hsx's batches and padded inputs; nothing captured, kept or written."""
+    runner = llm.runner
+    with hooks_off(llm), torch.inference_mode():
+        for batch in batches:
+            ids, mask, positions, _ = runner.pad(batch.items, left=False)
+            width = ids.shape[1]
+            cache = runner._new_cache() if batch.chunk_size < width else None
+            for c0 in range(0, width, batch.chunk_size):
+                c1 = min(width, c0 + batch.chunk_size)
+                inputs = {"input_ids": ids[:, c0:c1], "position_ids": positions[:, c0:c1],
+                          "attention_mask": None if mask is None else mask[:, :c1], "use_cache": cache is not None}
+                if cache is not None:
+                    inputs[runner._cache_kw] = cache
+                runner.base(**inputs)
+
+
+@contextlib.contextmanager
+def hooks_off(llm: LLM):
+    """hsx's capture hooks stay registered on the shared model; make them inert for (a), (c) and checks."""
+    llm.runner.capture.enabled = False
+    try:
+        yield
+    finally:
+        llm.runner.capture.enabled = True
+
+
+def run_hsx(llm: LLM, corpus: list[list[int]], out_dir: str) -> list:
+    """(b)/(e) Prompt-only extraction; returns once every file is durable."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in corpus], SamplingParams(max_tokens=0))
+    bad = [o.error for o in outs if o.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} hsx requests failed, first: {bad[0]}")
+    return outs
+
+
+def run_per_sample(llm: LLM, corpus: list[list[int]], layer_ids, out_dir: str) -> None:
+    """(c) Today's scripts: one sample per forward, every hidden state returned, pick, save one file each."""
+    import safetensors.torch
+
+    runner = llm.runner
+    model, device = runner.model, runner.device
+    os.makedirs(out_dir, exist_ok=True)
+    with hooks_off(llm), torch.no_grad():
+        for i, sample in enumerate(corpus):
+            ids = torch.tensor([sample], dtype=torch.long, device=device)
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states  # N + 1 x [1, T, H]
+            states = torch.stack([hidden[k][0] for k in layer_ids], dim=1).cpu()  # [T, L, H]
+            safetensors.torch.save_file({"hidden_states": states.contiguous(),
+                                         "token_ids": torch.tensor(sample, dtype=torch.long)},
+                                        os.path.join(out_dir, f"sample_{i}.safetensors"))
+
+
+def timed(fn, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds over all threads)."""
+    sync(device)
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    sync(device)
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def files_size(root: str) -> tuple[int, int]:
+    total, n = 0, 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".safetensors"):
+                total += os.path.getsize(os.path.join(dirpath, name))
+                n += 1
+    return total, n
+
+
+# -- sections ---------------------------------------------------------------------------------------------------------
+def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_ids, device, scratch) -> dict:
+    tokens = sum(len(s) for s in corpus)
+    wanted = {"a"}
+    if "extraction" in args.sections:
+        wanted |= {"b", "c"}
+    if "storage" in args.sections:
+        wanted.add("b")
+    if llm_early is not None:
+        wanted.add("e")
+    order = [k for k in ("a", "b", "c", "e") if k in wanted]
+
+    def approaches(part: list[list[int]]) -> dict:
+        batches = plan(llm, part)
+        return {"a": lambda: run_bare(llm, batches),
+                "b": lambda: run_hsx(llm, part, os.path.join(scratch, "b")),
+                "c": lambda: run_per_sample(llm, part, layer_ids, os.path.join(scratch, "c")),
+                "e": lambda: run_hsx(llm_early, part, os.path.join(scratch, "e"))}
+
+    warm = approaches(sorted(corpus, key=len)[::4] or corpus)  # a quarter of the corpus, spread over all lengths
+    for name in order:
+        warm[name]()
+        sync(device)
+        clear(scratch)
+
+    timed_runs = approaches(corpus)
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
+    storage = None
+    for rep in range(args.repeats):
+        for name in order[rep % len(order):] + order[:rep % len(order)]:  # rotate: no approach always goes first
+            runs[name].append(timed(timed_runs[name], device))
+            if name == "b" and storage is None:
+                storage = measure_storage(os.path.join(scratch, "b"), tokens, len(layer_ids), llm)
+                storage["max_abs_diff_vs_plain_forward"] = verify(llm, layer_ids, scratch)
+            clear(scratch)
+
+    config = llm.runner.hf_config
+    n = config.num_hidden_layers
+    flops = {"a": model_flops(config, corpus, n, False), "b": model_flops(config, corpus, max(layer_ids), False),
+             "c": model_flops(config, corpus, n, True), "e": model_flops(config, corpus, max(early_ids), False)}
+    peak, peak_src = peak_flops(args, device)
+    batches = plan(llm, corpus)
+    padded = sum(len(b.items) * b.max_len for b in batches)
+    res = {"tokens": tokens, "samples": len(corpus), "forwards": len(batches), "padding_overhead": padded / tokens - 1,
+           "peak_flops": peak, "peak_source": peak_src, "approaches": {}, "ratios": {}, "storage": storage}
+    for name, rs in runs.items():
+        walls, cpus = [r[0] for r in rs], [r[1] for r in rs]
+        med = statistics.median(walls)
+        res["approaches"][name] = {
+            "wall_s": walls, "cpu_s": cpus, "median_wall_s": med, "median_cpu_s": statistics.median(cpus),
+            "tokens_per_s": tokens / med, "model_tflops": flops[name] / 1e12,
+            "mfu": (flops[name] / med / peak) if peak else None}
+
+    def speedup(fast: str, slow: str) -> float:  # median over repeats of (slow's time / fast's time)
+        return statistics.median(runs[slow][i][0] / runs[fast][i][0] for i in range(args.repeats))
+
+    if "b" in runs:
+        res["ratios"]["b_over_a"] = speedup("b", "a")
+    if "b" in runs and "c" in runs:
+        res["ratios"]["b_over_c"] = speedup("b", "c")
+    if "e" in runs:
+        res["ratios"]["early_exit_speedup"] = speedup("e", "a")
+    return res
+
+
+def clear(scratch: str) -> None:
+    for sub in ("b", "c", "e"):
+        shutil.rmtree(os.path.join(scratch, sub), ignore_errors=True)
+
+
+def measure_storage(root: str, tokens: int, num_layers: int, llm: LLM) -> dict:
+    size, files = files_size(root)
+    itemsize = torch.empty(0, dtype=llm.runner.dtype).element_size()
+    ideal = tokens * num_layers * llm.runner.hidden_size * itemsize
+    return {"files": files, "bytes": size, "bytes_per_token": size / tokens,
+            "ideal_bytes_per_token": ideal / tokens, "overhead": size / ideal - 1,
+            "note": "ideal = L * H * dtype size; extra = token_ids (8 B/token) + header with metadata per file"}
+
+
+def verify(llm: LLM, layer_ids, scratch: str) -> float | None:
+    """Max |hsx - plain forward| over three samples, for layer ids < N (HF's hidden_states[N] is post-norm)."""
+    from connectors import load_hidden_states
+
+    n = llm.runner.num_hidden_layers
+    cols = [i for i, k in enumerate(layer_ids) if k < n]
+    if not cols:
+        return None
+    files = sorted(Path(scratch, "b").rglob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+    worst = 0.0
+    with hooks_off(llm), torch.no_grad():
+        for path in files[:3]:
+            obj = load_hidden_states(str(path))
+            ids = obj["token_ids"].tolist()
+            hidden = llm.runner.model(input_ids=torch.tensor([ids], device=llm.runner.device),
+                                      output_hidden_states=True).hidden_states
+            ref = torch.stack([hidden[layer_ids[c]][0] for c in cols], dim=1).float().cpu()
+            worst = max(worst, (obj["hidden_states"][:, cols].float() - ref).abs().max().item())
+    return worst
+
+
+def bench_memory(args) -> dict:
+    """Each size in fresh subprocesses so neither run's allocations pollute the other; medians over repeats."""
+    res: dict = {}
+    for scale in (1, args.memory_scale):
+        runs = []
+        for _ in range(args.memory_repeats):
+            job = {"model_dir": args.model_dir, "device": args.device, "dtype": args.dtype, "attn": args.attn,
+                   "samples": args.memory_samples, "scale": scale, "seed": args.seed, "min_len": args.min_len,
+                   "max_len": args.max_len, "budget": args.max_num_batched_tokens, "threads": args.threads,
+                   "layers": args.layers_resolved, "scratch": os.path.join(args.out, f"scratch-memory-{scale}")}
+            proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--memory-worker", json.dumps(job)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory worker (scale {scale}) failed:\n{proc.stderr[-4000:]}")
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        res[f"x{scale}"] = {"runs": runs, "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
+                            "samples": runs[0]["samples"], "tokens": runs[0]["tokens"],
+                            "retained_bytes": statistics.median(r["rss_after_bytes"] - r["rss_before_bytes"]
+                                                                for r in runs),
+                            "wall_s": statistics.median(r["wall_s"] for r in runs)}
+    small, large = res["x1"]["peak_rss_bytes"], res[f"x{args.memory_scale}"]["peak_rss_bytes"]
+    res["growth"] = large / small - 1
+    res["peak_source"] = res["x1"]["runs"][0]["peak_source"]
+    return res
+
+
+def memory_worker(job: dict) -> None:
+    """Warm up, reset the peak, run the corpus `scale` times (one generate call per pass, as a job feeds batches);
+    print peak RSS overall and per pass as JSON."""
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    args = argparse.Namespace(model_dir=job["model_dir"], dtype=job["dtype"], max_num_batched_tokens=job["budget"],
+                              device=job["device"], attn=job["attn"])
+    llm = make_llm(args, job["layers"], job["scratch"])
+    corpus = make_corpus(llm.tokenizer, job["samples"], job["min_len"], job["max_len"], job["seed"])
+    device = llm.runner.device
+    run_hsx(llm, corpus, job["scratch"])  # warm-up: allocator pools, lazy inits, writer threads
+    shutil.rmtree(job["scratch"], ignore_errors=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = _rss()
+    per_pass = []
+    wall = time.perf_counter()
+    for _ in range(job["scale"]):
+        reset = _reset_peak_rss()
+        run_hsx(llm, corpus, job["scratch"])
+        shutil.rmtree(job["scratch"], ignore_errors=True)
+        per_pass.append(_peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    wall = time.perf_counter() - wall
+    out = {"samples": job["samples"] * job["scale"], "tokens": sum(map(len, corpus)) * job["scale"],
+           "rss_before_bytes": rss_before, "rss_after_bytes": _rss(), "wall_s": wall,
+           "peak_rss_bytes": max(per_pass), "per_pass_peak_rss_bytes": per_pass,
+           "peak_source": "VmHWM, reset after warm-up (clear_refs 5)" if reset else
+                          "ru_maxrss (lifetime, incl. model load)",
+           "writer_peak_bytes_in_flight": getattr(llm.connector, "peak_bytes_in_flight", None)}
+    if device.type == "cuda":
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    llm.shutdown()
+    print(json.dumps(out))
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _rss() -> int:
+    try:
+        return _status_kb("VmRSS")
+    except (OSError, KeyError):
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    return _status_kb("VmHWM")
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"## hsx extraction benchmark — {r['config']['shape']}, {r['config']['dtype']}, {r['config']['device']}",
+             "",
+             f"Machine: {m.get('gpu') or m['cpu_model']}; {m['cpu_affinity']} CPU cores usable, torch threads "
+             f"{m['torch_threads']}; torch {m['torch']}, transformers {m['transformers']}; load average "
+             f"{r['load_before']} before, {r['load_after']} after.", ""]
+    s = r.get("speed")
+    if s:
+        c = r["config"]
+        lines += [f"Corpus: {s['samples']} samples, {s['tokens']} tokens, lengths log-uniform "
+                  f"{c['min_len']}-{c['max_len']}; layers {c['layers']} of N={c['num_hidden_layers']}; hsx ran "
+                  f"{s['forwards']} forwards, padding overhead {s['padding_overhead']:.1%}. Peak for MFU: "
+                  f"{_fmt_flops(s['peak_flops'])} ({s['peak_source']}). {c['repeats']} repeats, medians.", "",
+                  "| approach | tokens/s | wall s (median) | CPU s (median) | model TFLOP | MFU |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        names = {"a": "(a) bare forward, same batches (limit)", "b": "(b) hsx, 4 layers, writes on",
+                 "c": "(c) per-sample output_hidden_states + save_file",
+                 "e": f"(e) hsx early exit, layers {c['early_exit_layers']}"}
+        for key, row in s["approaches"].items():
+            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+            lines.append(f"| {names[key]} | {row['tokens_per_s']:,.0f} | {row['median_wall_s']:.2f} | "
+                         f"{row['median_cpu_s']:.2f} | {row['model_tflops']:.3f} | {mfu} |")
+        lines += ["", "| ratio | value | target | meets |", "|---|---:|---:|---|"]
+        labels = {"b_over_a": "b/a (hsx vs the limit)", "b_over_c": "b/c (hsx vs per-sample)",
+                  "early_exit_speedup": "e/a (early exit vs full forward)"}
+        for key, val in s["ratios"].items():
+            lines.append(f"| {labels[key]} | {val:.3f} | >= {TARGETS[key]} | {'yes' if val >= TARGETS[key] else 'no'} |")
+        if r["config"]["device"].startswith("cuda") and "b" in s["approaches"] and s["approaches"]["b"]["mfu"]:
+            mfu = s["approaches"]["b"]["mfu"]
+            lines.append(f"| MFU of (b) | {mfu:.1%} | >= {TARGETS['mfu_gpu']:.0%} | "
+                         f"{'yes' if mfu >= TARGETS['mfu_gpu'] else 'no'} |")
+        st = s.get("storage")
+        if st:
+            diff = st.get("max_abs_diff_vs_plain_forward")
+            lines += ["", f"Storage: {st['bytes_per_token']:,.1f} bytes/token on disk vs {st['ideal_bytes_per_token']:,.0f} "
+                      f"(T*L*H*dtype), overhead {st['overhead']:.2%} over {st['files']} files ({st['note']}). "
+                      f"hsx states vs a plain forward (ids < N): max |diff| = {diff if diff is None else f'{diff:.2e}'}."]
+    mem = r.get("memory")
+    if mem:
+        k = r["config"]["memory_scale"]
+        lines += ["", "| memory run | samples | tokens | peak RSS (median) | per-pass peaks | retained after run | wall s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for key in ("x1", f"x{k}"):
+            row = mem[key]
+            passes = [p for run in row["runs"] for p in run["per_pass_peak_rss_bytes"]]
+            lines.append(f"| {key} | {row['samples']} | {row['tokens']} | {_mib(row['peak_rss_bytes'])} | "
+                         f"{_mib(min(passes))} - {_mib(max(passes))} | {_mib(row['retained_bytes'])} | "
+                         f"{row['wall_s']:.1f} |")
+        ok = mem["growth"] <= TARGETS["memory_growth"]
+        lines.append(f"\nPeak RSS growth x1 -> x{k}: {mem['growth']:+.2%} (target <= {TARGETS['memory_growth']:.0%}: "
+                     f"{'yes' if ok else 'no'}); {mem['peak_source']}; {r['config']['memory_repeats']} fresh "
+                     "subprocess(es) per size.")
+    return "\n".join(lines) + "\n"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _fmt_flops(f: float | None) -> str:
+    return "n/a" if not f else f"{f / 1e12:.2f} TFLOP/s" if f >= 1e12 else f"{f / 1e9:.1f} GFLOP/s"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.memory_worker:
+        memory_worker(json.loads(args.memory_worker))
+        return
+    args = resolve(args)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(args.device)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    build_model(args)
+    scratch = os.path.join(args.out, "scratch")
+    clear(scratch)
+    config = json.load(open(os.path.join(args.model_dir, "config.json")))
+    n = config["num_hidden_layers"]
+    layer_ids = [int(x) for x in args.layers.split(",")] if args.layers else list(default_layer_ids(n))
+    early_ids = sorted({max(1, n * k // 8) for k in (1, 2, 3, 4)})  # four ids, all <= N/2
+    args.layers_resolved = layer_ids
+    llm = make_llm(args, layer_ids, os.path.join(scratch, "b"))
+    corpus = make_corpus(llm.tokenizer, args.num_samples, args.min_len, args.max_len, args.seed)
+    results = {"config": {"shape": args.shape, "dtype": args.dtype, "device": args.device, "attn": args.attn,
+                          "num_hidden_layers": n, "hidden_size": config["hidden_size"],
+                          "vocab_size": config["vocab_size"], "layers": layer_ids, "early_exit_layers": early_ids,
+                          "min_len": args.min_len, "max_len": args.max_len, "repeats": args.repeats,
+                          "max_num_batched_tokens": args.max_num_batched_tokens, "memory_scale": args.memory_scale,
+                          "memory_repeats": args.memory_repeats,
+                          "corpus": "sample_text through the local BPE tokenizer, log-uniform lengths"},
+               "machine": machine_info(device)}
+    if {"extraction", "early_exit", "storage"} & set(args.sections):
+        llm_early = make_llm(args, early_ids, os.path.join(scratch, "e")) if "early_exit" in args.sections else None
+        results["speed"] = bench_speed(args, llm, llm_early, corpus, layer_ids, early_ids, device, scratch)
+        if llm_early is not None:
+            llm_early.shutdown()
+            del llm_early
+    llm.shutdown()
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "memory" in args.sections:
+        results["memory"] = bench_memory(args)
+    results["load_before"] = load_before
+    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    shutil.rmtree(scratch, ignore_errors=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    md = markdown(results)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
