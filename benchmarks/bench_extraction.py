@@ -86,14 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layer ids for (b), comma-separated (default: EAGLE-3's [2, N/2, N-3, N])")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per forward")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per approach; medians are reported")
+    p.add_argument("--slices", type=int, default=None,
+                   help="interleave approaches on this many slices of the corpus per pass (default: 4 on CPU, "
+                        "1 on CUDA); each slice is one generate call")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--sections", default="extraction,early_exit,memory,storage",
                    help="comma-separated subset of extraction,early_exit,memory,storage")
     p.add_argument("--memory-samples", type=int, default=None,
                    help="corpus size of the memory runs (default: 16 for small, 64 for llama3-8b)")
     p.add_argument("--memory-scale", type=int, default=10, help="the larger memory run is this many times the corpus")
-    p.add_argument("--memory-repeats", type=int, default=2,
-                   help="fresh subprocesses per memory size; the median peak is reported")
+    p.add_argument("--memory-repeats", type=int, default=None,
+                   help="fresh subprocesses per memory size, median peak reported (default: 2, 1 for llama3-8b)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: see above)")
     p.add_argument("--model-dir", default=None, help="where the random model is built or reused (default: OUT/model-SHAPE-DTYPE)")
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
@@ -116,6 +119,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.num_samples = 256 if big else 32
     if args.memory_samples is None:
         args.memory_samples = 64 if big else 16
+    if args.memory_repeats is None:
+        args.memory_repeats = 1 if big else 2
+    if args.slices is None:
+        args.slices = 1 if on_cuda else 4
     if args.threads:
         torch.set_num_threads(args.threads)
     args.model_dir = args.model_dir or os.path.join(args.out, f"model-{args.shape}-{args.dtype}")
@@ -358,23 +365,40 @@ def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_
         sync(device)
         clear(scratch)
 
-    timed_runs = approaches(corpus)
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
-    storage = None
+    # Interleave at the level of slices of the corpus, not whole passes: neighbours' load on a shared machine comes
+    # and goes over seconds, so approaches timed back to back on the same slice see the same conditions.
+    k = max(1, min(args.slices, len(corpus)))
+    parts = [corpus[i::k] for i in range(k)]  # every slice spans all lengths
+    timed_parts = [approaches(part) for part in parts]
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in order}
+    stored = {"bytes": 0, "files": 0}
+    diff = None
+    step = 0
     for rep in range(args.repeats):
-        for name in order[rep % len(order):] + order[:rep % len(order)]:  # rotate: no approach always goes first
-            runs[name].append(timed(timed_runs[name], device))
-            if name == "b" and storage is None:
-                storage = measure_storage(os.path.join(scratch, "b"), tokens, len(layer_ids), llm)
-                storage["max_abs_diff_vs_plain_forward"] = verify(llm, layer_ids, scratch)
-            clear(scratch)
+        totals = {name: [0.0, 0.0] for name in order}
+        for timed_part in timed_parts:
+            for name in order[step % len(order):] + order[:step % len(order)]:  # rotate who goes first
+                wall, cpu = timed(timed_part[name], device)
+                totals[name][0] += wall
+                totals[name][1] += cpu
+                if name == "b" and rep == 0:
+                    size, files = files_size(os.path.join(scratch, "b"))
+                    stored["bytes"] += size
+                    stored["files"] += files
+                    if diff is None:
+                        diff = verify(llm, layer_ids, scratch)
+                clear(scratch)
+            step += 1
+        for name in order:
+            runs[name].append(tuple(totals[name]))
+    storage = storage_figures(stored, tokens, len(layer_ids), llm, diff) if "b" in order else None
 
     config = llm.runner.hf_config
     n = config.num_hidden_layers
     flops = {"a": model_flops(config, corpus, n, False), "b": model_flops(config, corpus, max(layer_ids), False),
              "c": model_flops(config, corpus, n, True), "e": model_flops(config, corpus, max(early_ids), False)}
     peak, peak_src = peak_flops(args, device)
-    batches = plan(llm, corpus)
+    batches = [b for part in parts for b in plan(llm, part)]
     padded = sum(len(b.items) * b.max_len for b in batches)
     res = {"tokens": tokens, "samples": len(corpus), "forwards": len(batches), "padding_overhead": padded / tokens - 1,
            "peak_flops": peak, "peak_source": peak_src, "approaches": {}, "ratios": {}, "storage": storage}
@@ -403,12 +427,12 @@ def clear(scratch: str) -> None:
         shutil.rmtree(os.path.join(scratch, sub), ignore_errors=True)
 
 
-def measure_storage(root: str, tokens: int, num_layers: int, llm: LLM) -> dict:
-    size, files = files_size(root)
+def storage_figures(stored: dict, tokens: int, num_layers: int, llm: LLM, diff: float | None) -> dict:
     itemsize = torch.empty(0, dtype=llm.runner.dtype).element_size()
     ideal = tokens * num_layers * llm.runner.hidden_size * itemsize
-    return {"files": files, "bytes": size, "bytes_per_token": size / tokens,
-            "ideal_bytes_per_token": ideal / tokens, "overhead": size / ideal - 1,
+    return {"files": stored["files"], "bytes": stored["bytes"], "bytes_per_token": stored["bytes"] / tokens,
+            "ideal_bytes_per_token": ideal / tokens, "overhead": stored["bytes"] / ideal - 1,
+            "max_abs_diff_vs_plain_forward": diff,
             "note": "ideal = L * H * dtype size; extra = token_ids (8 B/token) + header with metadata per file"}
 
 
@@ -537,7 +561,8 @@ def markdown(r: dict) -> str:
         lines += [f"Corpus: {s['samples']} samples, {s['tokens']} tokens, lengths log-uniform "
                   f"{c['min_len']}-{c['max_len']}; layers {c['layers']} of N={c['num_hidden_layers']}; hsx ran "
                   f"{s['forwards']} forwards, padding overhead {s['padding_overhead']:.1%}. Peak for MFU: "
-                  f"{_fmt_flops(s['peak_flops'])} ({s['peak_source']}). {c['repeats']} repeats, medians.", "",
+                  f"{_fmt_flops(s['peak_flops'])} ({s['peak_source']}). {c['repeats']} repeats, medians; approaches "
+                  f"interleaved on {c['slices']} slice(s) of the corpus per repeat.", "",
                   "| approach | tokens/s | wall s (median) | CPU s (median) | model TFLOP | MFU |",
                   "|---|---:|---:|---:|---:|---:|"]
         names = {"a": "(a) bare forward, same batches (limit)", "b": "(b) hsx, 4 layers, writes on",
@@ -613,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
                           "vocab_size": config["vocab_size"], "layers": layer_ids, "early_exit_layers": early_ids,
                           "min_len": args.min_len, "max_len": args.max_len, "repeats": args.repeats,
                           "max_num_batched_tokens": args.max_num_batched_tokens, "memory_scale": args.memory_scale,
-                          "memory_repeats": args.memory_repeats,
+                          "memory_repeats": args.memory_repeats, "slices": args.slices,
                           "corpus": "sample_text through the local BPE tokenizer, log-uniform lengths"},
                "machine": machine_info(device)}
     if {"extraction", "early_exit", "storage"} & set(args.sections):
