@@ -16,7 +16,8 @@ which changes nothing for speed.
                        pick the layers, `safetensors.torch.save_file` one file per sample
     (e) early exit     hsx again with every requested layer <= N/2, against (a)
     memory             peak RSS of hsx over the corpus and over the same corpus 10x (ten `generate` calls, as a job
-                       feeds it), each in a fresh subprocess, peak reset after a warm-up pass
+                       feeds it), each in fresh subprocesses, peak reset after a warm-up pass, glibc's mmap threshold
+                       pinned (see --malloc-mmap-threshold)
     storage            bytes on disk per token against T * L * H * dtype size
     MFU                model FLOPs (2 * params * tokens + causal attention, real tokens only) / time / peak: the
                        device's dense bf16 peak on CUDA (H100/H200: 989 TFLOP/s; --peak-tflops to override), a
@@ -97,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-scale", type=int, default=10, help="the larger memory run is this many times the corpus")
     p.add_argument("--memory-repeats", type=int, default=None,
                    help="fresh subprocesses per memory size, median peak reported (default: 2, 1 for llama3-8b)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
+                   help="MALLOC_MMAP_THRESHOLD_ (bytes) for the memory subprocesses; 0 = glibc's dynamic default. "
+                        "Pinned, a freed tensor goes back to the OS, so peak RSS tracks live memory; dynamic, "
+                        "identical runs differ by up to ~10%% from heap fragmentation alone")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: see above)")
     p.add_argument("--model-dir", default=None, help="where the random model is built or reused (default: OUT/model-SHAPE-DTYPE)")
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
@@ -467,11 +472,15 @@ def bench_memory(args) -> dict:
                    "samples": args.memory_samples, "scale": scale, "seed": args.seed, "min_len": args.min_len,
                    "max_len": args.max_len, "budget": args.max_num_batched_tokens, "threads": args.threads,
                    "layers": args.layers_resolved, "scratch": os.path.join(args.out, f"scratch-memory-{scale}")}
+            env = dict(os.environ)
+            if args.malloc_mmap_threshold:
+                env.setdefault("MALLOC_MMAP_THRESHOLD_", str(args.malloc_mmap_threshold))
             proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--memory-worker", json.dumps(job)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 raise RuntimeError(f"memory worker (scale {scale}) failed:\n{proc.stderr[-4000:]}")
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[-1]["malloc_mmap_threshold"] = env.get("MALLOC_MMAP_THRESHOLD_", "glibc default (dynamic)")
         res[f"x{scale}"] = {"runs": runs, "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
                             "samples": runs[0]["samples"], "tokens": runs[0]["tokens"],
                             "retained_bytes": statistics.median(r["rss_after_bytes"] - r["rss_before_bytes"]
@@ -601,7 +610,7 @@ def markdown(r: dict) -> str:
         ok = mem["growth"] <= TARGETS["memory_growth"]
         lines.append(f"\nPeak RSS growth x1 -> x{k}: {mem['growth']:+.2%} (target <= {TARGETS['memory_growth']:.0%}: "
                      f"{'yes' if ok else 'no'}); {mem['peak_source']}; {r['config']['memory_repeats']} fresh "
-                     "subprocess(es) per size.")
+                     f"subprocess(es) per size; MALLOC_MMAP_THRESHOLD_ = {mem['x1']['runs'][0]['malloc_mmap_threshold']}.")
     return "\n".join(lines) + "\n"
 
 
