@@ -70,6 +70,7 @@ class LayerCapture:
     """Forward hooks that keep chosen hidden-state ids.
 
         begin(early_exit)  arm for one forward
+        end()              disarm (the runner calls it after every forward, failed or not)
         collect()          -> [B, S, L, H] in layer-id order given at construction
         close()            remove the hooks
     """
@@ -105,6 +106,10 @@ class LayerCapture:
     def begin(self, early_exit: bool = False) -> None:
         self._buf.clear()
         self._early_exit = early_exit
+
+    def end(self) -> None:
+        """Disarm early exit, so a forward outside the engine (or after a failed one) runs to the end."""
+        self._early_exit = False
 
     def collect(self) -> torch.Tensor:
         missing = [i for i in self.layer_ids if i not in self._buf]

@@ -170,6 +170,8 @@ class ModelRunner:
                     self.base(**inputs)
             except EarlyExit:
                 pass
+            finally:
+                self.capture.end()
             on_chunk(c0, c1, self._to_host(self.capture.collect()), starts)
         state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
         return logits, state

@@ -215,3 +215,11 @@ def test_sampling_params_validate_their_fields():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unknown kv_transfer_params keys"):
         SamplingParams(extra_args={"kv_transfer_params": {"path": "x"}})
+
+
+def test_after_an_early_exit_extraction_the_model_still_runs_to_the_end(tiny_llama, kv_config):
+    llm = LLM(model=tiny_llama, speculative_config=spec_config([1]), dtype="float32", kv_transfer_config=kv_config())
+    llm.generate(["one two three"], SamplingParams(max_tokens=0))
+    with torch.no_grad():
+        logits = llm.runner.model(torch.tensor([[5, 6, 7]])).logits  # a plain forward, outside the engine
+    assert logits.shape == (1, 3, llm.runner.vocab_size)
