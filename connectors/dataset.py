@@ -47,14 +47,13 @@ from torch.utils.data import Dataset, Sampler
 
 from connectors import storage
 from connectors.format import (
-    HEADER_PROBE_BYTES,
     HIDDEN_STATES,
     LAYER_ID_CONVENTION,
     LOSS_MASK,
     TOKEN_IDS,
     HiddenStatesFileInfo,
-    TensorEntry,
-    parse_header,
+    read_header,
+    tensor_from_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -233,19 +232,8 @@ def _read_manifest(fs, root: str) -> pa.Table:
 
 
 def _read_header(fs, path: str) -> HiddenStatesFileInfo:
-    probe = fs.cat_file(path, start=0, end=HEADER_PROBE_BYTES)
-    size = len(probe) if len(probe) < HEADER_PROBE_BYTES else fs.size(path)
-    info, header_len = parse_header(storage.full_url(fs, path), probe, size)
-    if info is None:
-        info, _ = parse_header(storage.full_url(fs, path), fs.cat_file(path, start=0, end=header_len), size)
-    return info
-
-
-def _decode(buf: bytearray | memoryview, entry: TensorEntry, rows: int) -> torch.Tensor:
-    shape = (rows, *entry.shape[1:])
-    if rows == 0:
-        return torch.empty(shape, dtype=entry.dtype)
-    return torch.frombuffer(buf, dtype=entry.dtype).reshape(shape)
+    return read_header(storage.full_url(fs, path), lambda: fs.size(path),
+                       lambda start, end: fs.cat_file(path, start=start, end=end))[0]
 
 
 def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[HiddenStatesFileInfo, dict]:
@@ -257,9 +245,7 @@ def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[Hidden
             if size < 8:
                 raise ValueError(f"{path}: {size} bytes is too short for a safetensors file")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        info, header_len = parse_header(path, mm[:HEADER_PROBE_BYTES], size)
-        if info is None:
-            info, _ = parse_header(path, mm[:header_len], size)
+        info, _ = read_header(path, size, lambda start, end: mm[start:end])
         rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
         out = {}
         for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
@@ -272,12 +258,8 @@ def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[Hidden
         return info, out
 
     url = storage.full_url(fs, path)
-    probe = fs.cat_file(path, start=0, end=HEADER_PROBE_BYTES)
-    whole = len(probe) < HEADER_PROBE_BYTES  # a small file arrives whole with its header
-    size = len(probe) if whole else fs.size(path)
-    info, header_len = parse_header(url, probe, size)
-    if info is None:
-        info, _ = parse_header(url, fs.cat_file(path, start=0, end=header_len), size)
+    info, probe = read_header(url, lambda: fs.size(path), lambda start, end: fs.cat_file(path, start=start, end=end))
+    whole = len(probe) == info.size  # a small file arrives whole with its header
     rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
     names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
     spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
@@ -294,7 +276,7 @@ def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[Hidden
     for n, (a, b), blob in zip(names, spans, blobs):
         if len(blob) != b - a:
             raise ValueError(f"{url}: got {len(blob)} bytes of tensor {n!r}, expected {b - a}; the file is truncated")
-        out[n] = _decode(bytearray(blob), info.tensors[n], rows)
+        out[n] = tensor_from_bytes(bytearray(blob), info.tensors[n], rows)
     return info, out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -212,9 +213,28 @@ def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStates
     return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size), header_len
 
 
-def tensor_from_bytes(buf: bytes, entry: TensorEntry, rows: int) -> torch.Tensor:
-    """Decode `rows` leading rows of `entry` from raw little-endian bytes."""
+def read_header(path: str, size: int | Callable[[], int],
+                read_range: Callable[[int, int], bytes]) -> tuple[HiddenStatesFileInfo, bytes]:
+    """Parse a file's header through `read_range(start, end)`: one probe read, a second only for a huge header.
+
+    `size` is the file size, or a function asked for it only when the probe does not show it (a probe shorter than
+    asked for is the whole file: no size request for small remote files). Returns the info and the probe (the
+    file's first min(size, HEADER_PROBE_BYTES) bytes).
+    """
+    if callable(size):
+        probe = read_range(0, HEADER_PROBE_BYTES)
+        size = len(probe) if len(probe) < HEADER_PROBE_BYTES else size()
+    else:
+        probe = read_range(0, min(size, HEADER_PROBE_BYTES))
+    info, header_len = parse_header(path, probe, size)
+    if info is None:
+        info, _ = parse_header(path, read_range(0, header_len), size)
+    return info, probe
+
+
+def tensor_from_bytes(buf: bytes | bytearray, entry: TensorEntry, rows: int) -> torch.Tensor:
+    """Decode `rows` leading rows of `entry` from raw little-endian bytes (a bytearray is used in place, no copy)."""
     shape = (rows, *entry.shape[1:])
     if rows == 0 or len(buf) == 0:
         return torch.empty(shape, dtype=entry.dtype)
-    return torch.frombuffer(bytearray(buf), dtype=entry.dtype).reshape(shape)
+    return torch.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=entry.dtype).reshape(shape)

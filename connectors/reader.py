@@ -20,12 +20,12 @@ import torch
 
 from connectors import storage
 from connectors.format import (
-    HEADER_PROBE_BYTES,
     HIDDEN_STATES,
     LOSS_MASK,
     TOKEN_IDS,
     HiddenStatesFileInfo,
     parse_header,
+    read_header,
     tensor_from_bytes,
 )
 
@@ -59,12 +59,7 @@ def _pread(fd: int, start: int, end: int) -> bytes:
 
 
 def _read_info(path: str, size: int, read) -> HiddenStatesFileInfo:
-    (probe,) = read([0], [min(size, HEADER_PROBE_BYTES)])
-    info, header_len = parse_header(path, probe, size)
-    if info is None:
-        (full,) = read([0], [header_len])
-        info, _ = parse_header(path, full, size)
-    return info
+    return read_header(path, size, lambda start, end: read([start], [end])[0])[0]
 
 
 def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
