@@ -33,7 +33,15 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import fsspec
 import torch
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
 
 from connectors.format import encode_header
 
@@ -226,15 +234,13 @@ def wait_until_readable(fs: fsspec.AbstractFileSystem, path: str, timeout: float
 
     Raises TimeoutError when a write is still pending after `timeout` seconds.
     """
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while _write_pending(fs, path):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{full_url(fs, path)} is still being written after {timeout:.1f}s (its "
-                               f"{LOCK_SUFFIX} is held). Wait longer (wait_timeout=...), or, if its writer died, "
-                               "remove it with cleanup_hidden_states()")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+    def timed_out(_state) -> None:
+        raise TimeoutError(f"{full_url(fs, path)} is still being written after {timeout:.1f}s (its {LOCK_SUFFIX} is "
+                           "held). Wait longer (wait_timeout=...), or, if its writer died, remove it with "
+                           "cleanup_hidden_states()")
+
+    Retrying(stop=stop_after_delay(timeout), wait=wait_exponential(multiplier=0.01, max=0.5),
+             retry=retry_if_result(bool), retry_error_callback=timed_out)(_write_pending, fs, path)
     fs.invalidate_cache(path)
     if not fs.exists(path):
         raise FileNotFoundError(f"no hidden-states file at {full_url(fs, path)}")
