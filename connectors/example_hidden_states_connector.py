@@ -48,7 +48,8 @@ class HiddenStatesConnectorConfig:
     num_writer_threads: int = 8
     """Threads writing files in the background."""
     max_bytes_in_flight: int = 2 << 30
-    """Bound on bytes handed to writers and not yet durable; a faster producer blocks."""
+    """Bound on the memory held by writes not yet durable; a faster producer blocks. A buffer counts whole and once:
+    the rows of one batch share their batch's tensor, which stays alive until the last of them is written."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec: endpoint_url, credentials, ... (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
     use_synchronization_lock: bool = True
@@ -100,6 +101,17 @@ class _Pending:
     include_output_tokens: bool
     token_chunks: list[torch.Tensor] = field(default_factory=list)
     state_chunks: list[torch.Tensor] = field(default_factory=list)
+
+
+def _buffers(tensors) -> dict[tuple, int]:
+    """The memory a write keeps alive: every distinct buffer its tensors view, whole. A request's rows are views of
+    its batch's tensor (no copy on the engine's thread), and that tensor stays alive, padding and the other rows
+    included, until the last write viewing it is done."""
+    out: dict[tuple, int] = {}
+    for t in tensors:
+        buf = t.untyped_storage()
+        out[(t.device.type, t.device.index, buf.data_ptr())] = buf.nbytes()
+    return out
 
 
 class ExampleHiddenStatesConnector(HiddenStatesConnector):
@@ -182,8 +194,8 @@ class ExampleHiddenStatesConnector(HiddenStatesConnector):
                         include_output_tokens="true" if pending.include_output_tokens else "false")
         if info.sample_id is not None:
             metadata["sample_id"] = str(info.sample_id)
-        nbytes = sum(c.numel() * c.element_size() for chunks in tensors.values() for c in chunks)
-        future = self._writer.submit(nbytes, self._write, pending.path, tensors, metadata)
+        buffers = _buffers(c for chunks in tensors.values() for c in chunks)
+        future = self._writer.submit(buffers, self._write, pending.path, tensors, metadata)
         with self._lock:
             self._futures[request_id] = future
         return {"hidden_states_path": pending.path}

@@ -1,16 +1,20 @@
-"""Background writes: a thread pool with a bound on bytes in flight.
+"""Background writes: a thread pool with a bound on the memory its pending writes keep alive.
 
-    submit(nbytes, fn, *args) -> Future   blocks while the bound is full (a fast producer waits, memory stays flat)
+    submit(buffers, fn, *args) -> Future  blocks while the bound is full (a fast producer waits, memory stays flat)
     drain()                               block until every submitted write has finished
     shutdown()
 
-One write larger than the whole bound is admitted alone, so nothing deadlocks.
+`buffers` is what the write keeps alive until it is done: a byte count, or {key: nbytes} of the buffers its
+tensors view. A buffer shared by several pending writes (the rows of one batch are views of one batch tensor) counts
+once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
+the bytes each file will have. A write that adds no new buffer is never held back; one larger than the whole bound
+is admitted alone, so nothing deadlocks.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 
@@ -23,6 +27,7 @@ class BackgroundWriter:
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsx-writer")
         self._max = max_bytes_in_flight
         self._in_flight = 0
+        self._held: dict[Hashable, list[int]] = {}  # buffer key -> [pending writes holding it, nbytes]
         self._pending: set[Future] = set()
         self._cond = threading.Condition()
         self.peak_bytes_in_flight = 0
@@ -32,24 +37,40 @@ class BackgroundWriter:
         with self._cond:
             return self._in_flight
 
-    def submit(self, nbytes: int, fn: Callable, *args, **kwargs) -> Future:
+    def submit(self, buffers: int | Mapping[Hashable, int], fn: Callable, *args, **kwargs) -> Future:
+        held = {object(): buffers} if isinstance(buffers, int) else dict(buffers)
+
+        def admissible() -> bool:
+            new = sum(n for key, n in held.items() if key not in self._held)
+            return new == 0 or self._in_flight == 0 or self._in_flight + new <= self._max
+
         with self._cond:
-            self._cond.wait_for(lambda: self._in_flight == 0 or self._in_flight + nbytes <= self._max)
-            self._in_flight += nbytes
+            self._cond.wait_for(admissible)
+            for key, nbytes in held.items():
+                if key in self._held:
+                    self._held[key][0] += 1
+                else:
+                    self._held[key] = [1, nbytes]
+                    self._in_flight += nbytes
             self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self._in_flight)
         try:
             future = self._pool.submit(fn, *args, **kwargs)
         except BaseException:
-            self._release(nbytes)
+            self._release(held)
             raise
         with self._cond:
             self._pending.add(future)
-        future.add_done_callback(lambda f: self._release(nbytes, f))
+        future.add_done_callback(lambda f: self._release(held, f))
         return future
 
-    def _release(self, nbytes: int, future: Future | None = None) -> None:
+    def _release(self, held: Mapping[Hashable, int], future: Future | None = None) -> None:
         with self._cond:
-            self._in_flight -= nbytes
+            for key in held:
+                entry = self._held[key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    self._in_flight -= entry[1]
+                    del self._held[key]
             self._pending.discard(future)
             self._cond.notify_all()
 

@@ -201,3 +201,81 @@ def test_request_larger_than_the_bound_is_written_alone_without_deadlock(gated_s
     assert connector.wait_for_save(timeout=30) == {}
     assert witness["concurrent"] == 1  # one at a time
     assert connector.peak_bytes_in_flight == 128 * 8 + 128 * 3 * 32 * 4
+
+
+def batch_rows(batch: int, width: int, length: int, hidden: int, fill: float) -> tuple[torch.Tensor, list[tuple]]:
+    """An engine-style batch: one [B, W, 3, H] tensor with each row's first `length` columns real (the rest padding),
+    and per request the views it hands over — rows share the batch's buffer, as the engine's do."""
+    states = torch.full((batch, width, 3, hidden), -1.0)
+    out = []
+    for b in range(batch):
+        states[b, :length] = fill + b
+        out.append((torch.full((length,), b), states[b, :length]))
+    return states, out
+
+
+def test_rows_of_one_batch_hold_its_whole_buffer_once(gated_storage, connector_factory):
+    """The bound is on memory held: a batch's buffer (padding and all rows) counts once, whole, until its last row is
+    written. Rows of an admitted batch never wait for each other; the next batch's buffer waits for room."""
+    gate, witness = gated_storage
+    batch, width, length, hidden = 4, 256, 32, 32
+    buffer_bytes = batch * width * 3 * hidden * 4  # the rows themselves are 1/8 of it
+    root = f"gatedmem://shared-{os.getpid()}-{id(gate)}/run"
+    connector = connector_factory(root, make_spec(torch.float32, hidden_size=hidden), num_writer_threads=16,
+                                  max_bytes_in_flight=int(1.5 * buffer_bytes),
+                                  storage_options={"gate": gate, "witness": witness})
+    handed: list[str] = []
+    progressed = threading.Condition()
+
+    def produce() -> None:
+        for k in range(3):
+            _, views = batch_rows(batch, width, length, hidden, fill=100.0 * k)  # the batch tensor lives on in views
+            for b, (ids, states) in enumerate(views):
+                rid = f"batch{k}-row{b}"
+                connector.start_request(RequestInfo(rid, length))
+                connector.save_hidden_states(rid, ids, states)
+                connector.request_finished(rid)
+                with progressed:
+                    handed.append(rid)
+                    progressed.notify_all()
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    with witness["cond"]:  # all four rows of batch 0 reach storage together: they share one buffer
+        assert witness["cond"].wait_for(lambda: witness["waiting"] == batch, timeout=30)
+    with progressed:
+        assert handed == [f"batch0-row{b}" for b in range(batch)]
+        # counting rows alone, batch 1 (another 1/8 of a buffer per batch) would fit many times over; its buffer
+        # does not fit beside batch 0's, so its first row waits
+        assert not progressed.wait_for(lambda: len(handed) > batch, timeout=0.5), "batch 1 was admitted"
+    assert witness["waiting"] == batch
+
+    gate.set()
+    producer.join(timeout=60)
+    assert len(handed) == 3 * batch
+    assert connector.wait_for_save() == {}
+    assert witness["concurrent"] == batch  # never two batches' buffers at once
+    for k in range(3):
+        for b in range(batch):
+            got = load_hidden_states(f"{root}/batch{k}-row{b}.safetensors",
+                                     storage_options={"gate": gate, "witness": witness})
+            assert got["hidden_states"].shape == (length, 3, hidden)
+            assert bool((got["hidden_states"] == 100.0 * k + b).all())
+
+
+def test_batch_buffer_larger_than_the_bound_is_admitted_alone_rows_together(gated_storage, connector_factory):
+    gate, witness = gated_storage
+    gate.set()
+    batch, width, length, hidden = 4, 64, 16, 32
+    root = f"gatedmem://bigbatch-{os.getpid()}-{id(gate)}/run"
+    connector = connector_factory(root, make_spec(torch.float32, hidden_size=hidden), num_writer_threads=8,
+                                  max_bytes_in_flight=1000, storage_options={"gate": gate, "witness": witness})
+    for k in range(2):
+        _, views = batch_rows(batch, width, length, hidden, fill=10.0 * k)
+        for b, (ids, states) in enumerate(views):
+            connector.start_request(RequestInfo(f"b{k}-{b}", length))
+            connector.save_hidden_states(f"b{k}-{b}", ids, states)
+            connector.request_finished(f"b{k}-{b}")
+    assert connector.wait_for_save(timeout=30) == {}
+    assert len([p for p in fsspec.filesystem("gatedmem", gate=gate, witness=witness).find(root)
+                if p.endswith(".safetensors")]) == 2 * batch
