@@ -68,6 +68,8 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 
 def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
     """Pick one token per row of `logits` [B, V]."""
+    if all(p.greedy for p in params):  # on the device: B ids cross to the host, not B x V logits
+        return logits.argmax(-1).tolist()
     logits = logits.float().cpu()
     out: list[int] = []
     for row, p, gen in zip(logits, params, generators):

@@ -14,10 +14,10 @@ from torch import nn
 _FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 
 
-def load_reference(model_dir: str, dtype: torch.dtype = torch.float32):
+def load_reference(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     no_norm = copy.deepcopy(model)
     base = no_norm.base_model
     for name in _FINAL_NORMS:
@@ -31,11 +31,11 @@ def load_reference(model_dir: str, dtype: torch.dtype = torch.float32):
 
 @torch.no_grad()
 def reference_states(ref, token_ids, layer_ids) -> torch.Tensor:
-    """[T, L, H] for `token_ids`, one standalone forward, no padding, no batching."""
+    """[T, L, H] on the CPU for `token_ids`, one standalone forward, no padding, no batching, on the model's device."""
     model, no_norm = ref
-    ids = torch.as_tensor(token_ids, dtype=torch.long)[None]
+    ids = torch.as_tensor(token_ids, dtype=torch.long)[None].to(model.device)
     n = model.config.num_hidden_layers
     hs = model(ids, output_hidden_states=True).hidden_states
     last = no_norm(ids, output_hidden_states=True).hidden_states[n] if n in layer_ids else None
     rows = [last[0] if i == n else hs[i][0] for i in layer_ids]
-    return torch.stack(rows, dim=1)
+    return torch.stack(rows, dim=1).cpu()

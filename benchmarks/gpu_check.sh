@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in one command (made to fit a single short lease of a GPU machine, ~8 minutes on an H100/H200):
+#   1. the engine's tests on CUDA: tests/extractor (every engine test runs on CUDA when one is present, plus the
+#      CUDA-only fp32/bf16 oracle tests in test_cuda.py);
+#   2. benchmarks/bench_extraction.py on the Llama-3-8B shape in bf16: tokens/s, b/a, b/c, early exit, MFU, storage,
+#      and a torch.profiler breakdown (memory section skipped: it reloads the 8B model in subprocesses).
+#
+#   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
+#
+# Needs python3 with CUDA torch, transformers, safetensors, fsspec, pyarrow, numpy, tqdm, pyyaml and pytest, and
+# tenacity. On a machine that cannot reach a package index, carry tenacity as a wheel in .whl/ (it is pure Python):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl tenacity
+# The random 8B model (16 GB) is built under $HSX_GPU_SCRATCH (default /tmp/hsx-gpu), not in RESULTS_DIR; only
+# results.{json,md}, profiles.txt, machine.txt and two logs (six files) land in RESULTS_DIR.
+set -uo pipefail
+results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR [bench_extraction.py flags]}
+shift
+scratch=${HSX_GPU_SCRATCH:-/tmp/hsx-gpu}
+cd "$(dirname "$0")/.."
+mkdir -p "$results" "$scratch"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hsx-site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/hsx-site" || exit 1
+fi
+{ nvidia-smi; python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, 'device', torch.cuda.get_device_name())"; } 2>&1 | tee "$results/machine.txt"
+
+status=0
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/extractor 2>&1 | tee "$results/tests.log" || status=1
+
+timeout 420 python3 benchmarks/bench_extraction.py --out "$scratch/bench" --model-dir "$scratch/model" \
+    --device cuda --sections extraction,early_exit,storage --repeats 2 --profile "$@" 2>&1 \
+    | tee "$results/bench.log" || status=1
+cp "$scratch"/bench/results.json "$scratch"/bench/results.md "$results"/ 2>/dev/null
+for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done \
+    > "$results/profiles.txt"
+exit $status
