@@ -84,8 +84,10 @@ class JobConfig:
     """Extraction workers; each holds one engine (one model copy) for its lifetime."""
     gpus_per_worker: float | None = None
     """GPUs per worker; default 1 when the Ray cluster has GPUs, else 0 (CPU)."""
-    cpus_per_worker: float = 1.0
-    """Logical CPUs Ray reserves per extraction worker."""
+    cpus_per_worker: float | None = None
+    """Logical CPUs Ray reserves per extraction worker; a worker on CPU runs that many torch threads (at most its
+    node's cores). Default: 1 for GPU workers; for CPU workers an equal share of the CPUs the readers and tokenizers
+    leave (at most one node's)."""
     tokenizer_workers: int = 1
     """Tokenization actors (CPU); raise when the GPUs wait on tokenization."""
     tokens_per_task: int = 32768
@@ -134,7 +136,7 @@ class JobConfig:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
-        if self.cpus_per_worker < 0:
+        if self.cpus_per_worker is not None and self.cpus_per_worker < 0:
             raise ValueError(f"--cpus-per-worker must be >= 0, got {self.cpus_per_worker}")
         if self.manifest_flush_seconds <= 0:
             raise ValueError(f"--manifest-flush-seconds must be > 0, got {self.manifest_flush_seconds}")

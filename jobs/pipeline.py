@@ -134,29 +134,39 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
         ray.shutdown()
 
 
-def _resolve_gpus(config: JobConfig, local: bool) -> float:
+def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
+    """(GPUs, CPUs) each extraction worker reserves. Raises ValueError on a local cluster they cannot fit (another
+    cluster may autoscale: a warning)."""
     import ray
 
-    available = ray.cluster_resources().get("GPU", 0)
+    resources = ray.cluster_resources()
+    available, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
     gpus = config.gpus_per_worker if config.gpus_per_worker is not None else (1.0 if available >= 1 else 0.0)
-    cpus = ray.cluster_resources().get("CPU", 0)
-    need_cpus = config.workers * config.cpus_per_worker + TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
+    others = TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
+    per_worker = config.cpus_per_worker
+    if per_worker is None:
+        per_worker = 1.0
+        if gpus == 0:  # the worker's torch threads do the model's work: give them what the other stages leave
+            largest_node = max((n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")),
+                               default=cpus)
+            per_worker = float(max(1, min(int((cpus - others) // config.workers), int(largest_node))))
+    need_cpus = config.workers * per_worker + others
     problems = []
     if gpus * config.workers > available:
         problems.append(f"--workers {config.workers} x --gpus-per-worker {gpus:g} needs {gpus * config.workers:g} "
                         f"GPUs, the cluster has {available:g}")
     if need_cpus > cpus:
-        problems.append(f"--workers {config.workers} x --cpus-per-worker {config.cpus_per_worker:g} plus tokenizers "
+        problems.append(f"--workers {config.workers} x --cpus-per-worker {per_worker:g} plus tokenizers "
                         f"needs {need_cpus:g} CPUs, the cluster has {cpus:g}")
     if problems:
         msg = "; ".join(problems) + "; lower --workers, --gpus-per-worker or --cpus-per-worker"
         if local:
             raise ValueError(msg)
         logger.warning("%s (continuing: an autoscaling cluster may add nodes)", msg)
-    return gpus
+    return gpus, per_worker
 
 
-def build_dataset(plan: JobPlan, registry, gpus_per_worker: float):
+def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float = 1.0):
     """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA)."""
     import ray.data
 
@@ -169,7 +179,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float):
         model=f.model, layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len, output=plan.output.url,
         storage_options=c.storage_options, revision=c.revision, trust_remote_code=c.trust_remote_code,
         attn_implementation=c.attn_implementation, max_num_batched_tokens=c.max_num_batched_tokens,
-        device=None if gpus_per_worker > 0 else "cpu", max_tokens=c.max_tokens, temperature=c.temperature,
+        device=None if gpus_per_worker > 0 else "cpu", cpu_threads=None if gpus_per_worker > 0 else
+        max(1, int(cpus_per_worker)), max_tokens=c.max_tokens, temperature=c.temperature,
         top_p=c.top_p, top_k=c.top_k, seed=c.seed, include_output_tokens=c.include_output_tokens,
         hidden_size=f.hidden_size, num_hidden_layers=f.num_hidden_layers)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
@@ -181,7 +192,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float):
                         num_cpus=TOKENIZER_CPUS)
     ds = ds.map_batches(ExtractionWorker, fn_constructor_args=(work,), batch_size=None, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=c.workers), num_gpus=gpus_per_worker,
-                        num_cpus=c.cpus_per_worker)
+                        num_cpus=cpus_per_worker)
     return ds
 
 
@@ -232,11 +243,12 @@ def execute_job(plan: JobPlan) -> JobResult:
     count = counter.submit(_count_corpus, plan.files, config.corpus_storage_options)
     try:
         with ray_cluster(config.address) as local:
-            gpus = _resolve_gpus(config, local)
+            gpus, cpus = _resolve_resources(config, local)
+            result.gpus_per_worker, result.cpus_per_worker = gpus, cpus
             registry = ray.remote(num_cpus=0)(SampleRegistry).remote(list(plan.done))
             try:
                 with _data_context(config.tokens_per_task):
-                    ds = build_dataset(plan, registry, gpus)
+                    ds = build_dataset(plan, registry, gpus, cpus)
                     try:
                         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                             writer.add(batch)

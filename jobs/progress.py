@@ -84,10 +84,20 @@ class JobResult:
     new_run: bool = True
     failures: list[tuple[str, str]] = field(default_factory=list)
     """(sample_id, error) of the first failures."""
+    gpus_per_worker: float | None = None
+    cpus_per_worker: float | None = None
+    """What each extraction worker reserved (a CPU worker runs that many torch threads, at most its node's cores)."""
 
     @property
     def succeeded(self) -> bool:
         return self.failed == 0
+
+    def workers_line(self) -> str:
+        if self.gpus_per_worker is None:
+            return "not started"
+        if self.gpus_per_worker > 0:
+            return f"{self.gpus_per_worker:g} GPU(s) and {self.cpus_per_worker:g} CPU(s) each"
+        return f"on CPU, {self.cpus_per_worker:g} CPU(s) each"
 
     def lines(self) -> list[str]:
         secs = max(self.seconds, 1e-9)
@@ -97,6 +107,7 @@ class JobResult:
             + (f", {self.truncated} truncated" if self.truncated else ""),
             f"  {human_count(self.tokens)} tokens, {human_bytes(self.bytes)} written; "
             f"{self.ok / secs:.1f} samples/s, {human_count(self.tokens / secs)} tokens/s",
+            f"  workers:  {self.workers_line()}",
             f"  output:   {self.output}",
             f"  manifest: {self.output.rstrip('/')}/manifest  (pyarrow.parquet.read_table)",
         ]

@@ -13,6 +13,7 @@ file is durable; the worker then reads each file's header back (size, token coun
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class WorkerSettings:
     max_num_batched_tokens: int | None = None
     device: str | None = None
     """None = CUDA when the worker has a GPU."""
+    cpu_threads: int | None = None
+    """torch threads of a CPU worker: the CPUs Ray reserved for it, at most the cores this process may run on."""
     max_tokens: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
@@ -56,6 +59,12 @@ class ExtractionWorker:
         from extractor import LLM
 
         self.settings = s = settings
+        if s.cpu_threads:
+            import torch
+
+            # Ray sets OMP_NUM_THREADS from the reservation; on a node with fewer cores than logical CPUs (a local
+            # Ray is started with at least 4) more threads than cores would only contend
+            torch.set_num_threads(max(1, min(s.cpu_threads, len(os.sched_getaffinity(0)))))
         self.output = Output(s.output, s.storage_options)
         kv = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
                               kv_connector_extra_config={"shared_storage_path": self.output.url,
