@@ -53,7 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed passes per approach; medians are reported")
     p.add_argument("--workers", type=int, default=1, help="extraction workers of the job")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per forward")
+    p.add_argument("--tokens-per-task", type=int, default=None,
+                   help="the job's --tokens-per-task (default: the job's own, 32768). A worker's memory follows its "
+                        "unit of work: compare corpora of several units each")
     p.add_argument("--memory-scale", type=int, default=10, help="the larger memory job is this many times the corpus")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
+                   help="MALLOC_MMAP_THRESHOLD_ (bytes) for Ray's processes (set before Ray starts, so its workers "
+                        "inherit it); 0 = glibc's dynamic default. As in bench_extraction.py: pinned, freed "
+                        "activations go back to the OS and peaks track live memory")
     p.add_argument("--sections", default="speed,memory", help="comma-separated subset of speed,memory")
     p.add_argument("--model-dir", default=None, help="where the random model is built or reused (default: "
                                                      "OUT/model-small-float32, shared with bench_extraction.py)")
@@ -69,8 +76,10 @@ def write_corpus(path: str, texts: list[str], copies: int = 1) -> str:
 
 
 def job_config(args, model_dir: str, corpus: str, output: str, layers) -> JobConfig:
+    extra = {"tokens_per_task": args.tokens_per_task} if args.tokens_per_task else {}
     return JobConfig(model=model_dir, corpus=(corpus,), output=output, layers=tuple(layers), dtype="float32",
-                     workers=args.workers, max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+                     workers=args.workers, max_num_batched_tokens=args.max_num_batched_tokens, progress=False,
+                     **extra)
 
 
 def run_one_job(config: JobConfig, expect_ok: int):
@@ -90,6 +99,8 @@ class ProcessPeaks:
 
         self._psutil, self._period = psutil, period
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.anon: dict[int, int] = {}  # peak sampled RssAnon: private memory, without the object store's pages
+        self.series: dict[int, list[int]] = {}  # every RssAnon sample, per process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -107,22 +118,40 @@ class ProcessPeaks:
             for proc in me.children(recursive=True):
                 try:
                     title = " ".join(proc.cmdline())[:200]
-                    hwm = _hwm(proc.pid)
+                    hwm, anon = _hwm(proc.pid), _status(proc.pid, "RssAnon")
                 except (self._psutil.Error, OSError, KeyError):
                     continue
                 self.peaks[proc.pid] = (title, max(hwm, self.peaks.get(proc.pid, ("", 0))[1]))
+                self.anon[proc.pid] = max(anon, self.anon.get(proc.pid, 0))
+                self.series.setdefault(proc.pid, []).append(anon)
             self._stop.wait(self._period)
 
-    def peak_of(self, marker: str) -> int | None:
-        found = [hwm for title, hwm in self.peaks.values() if marker in title]
+    def peak_of(self, marker: str, private: bool = False) -> int | None:
+        found = [self.anon.get(pid, 0) if private else hwm for pid, (title, hwm) in self.peaks.items()
+                 if marker in title]
         return max(found) if found else None
 
 
-def _hwm(pid: int | str = "self") -> int:
+    def drift_of(self, marker: str) -> tuple[float, float] | None:
+        """Mean private RSS over the middle and the last third of the longest-lived matching process's samples (the
+        first third holds start-up and model loading); memory that only fluctuates has no drift, a leak has."""
+        runs = [self.series[pid] for pid, (title, _) in self.peaks.items() if marker in title and pid in self.series]
+        if not runs or len(max(runs, key=len)) < 9:
+            return None
+        xs = max(runs, key=len)
+        k = len(xs) // 3
+        return statistics.fmean(xs[k:2 * k]), statistics.fmean(xs[-k:])
+
+
+def _status(pid: int | str, key: str) -> int:
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
-    raise KeyError("VmHWM")
+    raise KeyError(key)
+
+
+def _hwm(pid: int | str = "self") -> int:
+    return _status(pid, "VmHWM")
 
 
 def bench_speed(args, llm, ids: list[list[int]], corpus: str, one: str, layers, scratch: str) -> dict:
@@ -189,8 +218,13 @@ def bench_speed(args, llm, ids: list[list[int]], corpus: str, one: str, layers, 
     return res
 
 
-def bench_memory(args, model_dir: str, texts: list[str], layers, scratch: str) -> dict:
+def bench_memory(args, model_dir: str, texts: list[str], tokens: int, layers, scratch: str) -> dict:
+    """Jobs over the corpus and over it `memory_scale` times; units of work are at most a quarter of the corpus, so
+    that both sizes run several (a worker's memory follows its unit of work, not the corpus)."""
     res = {}
+    unit = min(args.tokens_per_task or 32768, max(1, tokens // 4))
+    args = argparse.Namespace(**{**vars(args), "tokens_per_task": unit})
+    res["tokens_per_task"] = unit
     for scale in (1, args.memory_scale):
         corpus = write_corpus(os.path.join(scratch, f"memory-x{scale}.jsonl"), texts, copies=scale)
         out = os.path.join(scratch, f"memory-job-x{scale}")
@@ -202,11 +236,17 @@ def bench_memory(args, model_dir: str, texts: list[str], layers, scratch: str) -
         res[f"x{scale}"] = {"samples": len(texts) * scale, "tokens": result.tokens, "wall_s": wall,
                             "driver_peak_rss_bytes": _hwm(),
                             "worker_peak_rss_bytes": peaks.peak_of("ExtractionWorker"),
-                            "tokenizer_peak_rss_bytes": peaks.peak_of("TokenizeStage")}
+                            "tokenizer_peak_rss_bytes": peaks.peak_of("TokenizeStage"),
+                            "worker_peak_private_bytes": peaks.peak_of("ExtractionWorker", private=True),
+                            "tokenizer_peak_private_bytes": peaks.peak_of("TokenizeStage", private=True),
+                            "worker_private_thirds_bytes": peaks.drift_of("ExtractionWorker")}
         shutil.rmtree(out, ignore_errors=True)
+    res["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default (dynamic)")
     k = f"x{args.memory_scale}"
-    for who in ("driver", "worker", "tokenizer"):
-        small, large = res["x1"][f"{who}_peak_rss_bytes"], res[k][f"{who}_peak_rss_bytes"]
+    for who in ("driver", "worker", "tokenizer", "worker_private", "tokenizer_private"):
+        key = f"{who}_bytes" if who.endswith("private") else f"{who}_rss_bytes"
+        key = key.replace("_private_bytes", "_peak_private_bytes").replace("_rss_bytes", "_peak_rss_bytes")
+        small, large = res["x1"][key], res[k][key]
         res[f"{who}_growth"] = (large / small - 1) if small and large else None
     return res
 
@@ -237,19 +277,34 @@ def markdown(r: dict) -> str:
     m = r.get("memory")
     if m:
         k = f"x{c['memory_scale']}"
-        lines += ["", "| memory job | samples | tokens | driver peak | tokenizer peak | worker peak | wall s |",
+        lines += ["", f"Memory: one job per size, --tokens-per-task {m['tokens_per_task']}; MALLOC_MMAP_THRESHOLD_ = "
+                  f"{m['malloc_mmap_threshold']}.", "",
+                  "| memory job | samples | tokens | driver peak | tokenizer peak | worker peak | wall s |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for key in ("x1", k):
             row = m[key]
             lines.append(f"| {key} | {row['samples']} | {row['tokens']} | {_mib(row['driver_peak_rss_bytes'])} | "
                          f"{_mib(row['tokenizer_peak_rss_bytes'])} | {_mib(row['worker_peak_rss_bytes'])} | "
                          f"{row['wall_s']:.1f} |")
-        growth = ", ".join(f"{who} {_pct(m[f'{who}_growth'])}" for who in ("driver", "tokenizer", "worker"))
+        lines += ["", "| memory job | tokenizer private peak | worker private peak | worker private, middle -> last "
+                  "third of the job |", "|---|---:|---:|---:|"]
+        for key in ("x1", k):
+            row = m[key]
+            thirds = row["worker_private_thirds_bytes"]
+            drift = (f"{_mib(thirds[0])} -> {_mib(thirds[1])} ({thirds[1] / thirds[0] - 1:+.1%})" if thirds
+                     else "n/a")
+            lines.append(f"| {key} | {_mib(row['tokenizer_peak_private_bytes'])} | "
+                         f"{_mib(row['worker_peak_private_bytes'])} | {drift} |")
+        growth = ", ".join(f"{who.replace('_', ' ')} {_pct(m[f'{who}_growth'])}"
+                           for who in ("driver", "tokenizer", "worker", "tokenizer_private", "worker_private"))
         ok = all(m[f"{who}_growth"] is not None and m[f"{who}_growth"] <= TARGETS["memory_growth"]
                  for who in ("worker", "tokenizer"))
         lines.append(f"\nPeak RSS growth x1 -> {k}: {growth} (target <= {TARGETS['memory_growth']:.0%} for the "
-                     f"actors: {'yes' if ok else 'no'}); VmHWM per process; the driver's is reset before each job "
-                     "and includes the in-process engine of the speed section.")
+                     f"actors: {'yes' if ok else 'no'}). Peaks are VmHWM per process (the driver's reset before "
+                     "each job; it includes the in-process engine of the speed section); private = RssAnon sampled "
+                     "every 0.1 s, without the object store's shared pages. A peak over a longer run also meets "
+                     "rarer coincidences (a long batch while writes are in flight); a leak shows as drift between "
+                     "the middle and the last third.")
     return "\n".join(lines) + "\n"
 
 
@@ -275,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(scratch)
     load_before = [round(x, 2) for x in os.getloadavg()]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.malloc_mmap_threshold:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(args.malloc_mmap_threshold))
     t0 = time.perf_counter()
     ray_cpus = max(4, os.cpu_count() or 1)  # what `hsx run` starts when no cluster is given
     ray.init(num_cpus=ray_cpus, include_dashboard=False, logging_level="WARNING")
@@ -301,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
             results["speed"] = bench_speed(args, llm, ids, corpus, one, layers, scratch)
         llm.shutdown()
         if "memory" in args.sections:
-            results["memory"] = bench_memory(args, bargs.model_dir, texts, layers, scratch)
+            results["memory"] = bench_memory(args, bargs.model_dir, texts, sum(map(len, ids)), layers, scratch)
     finally:
         ray.shutdown()
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
