@@ -582,8 +582,9 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _status_kb(key: str) -> int:
-    for line in open("/proc/self/status"):
+def _status_kb(key: str, pid: int | str = "self") -> int:
+    """A /proc/PID/status memory field (reported in kB), in bytes."""
+    for line in open(f"/proc/{pid}/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(key)

@@ -118,7 +118,7 @@ class ProcessPeaks:
             for proc in me.children(recursive=True):
                 try:
                     title = " ".join(proc.cmdline())[:200]
-                    hwm, anon = _hwm(proc.pid), _status(proc.pid, "RssAnon")
+                    hwm, anon = bx._status_kb("VmHWM", proc.pid), bx._status_kb("RssAnon", proc.pid)
                 except (self._psutil.Error, OSError, KeyError):
                     continue
                 self.peaks[proc.pid] = (title, max(hwm, self.peaks.get(proc.pid, ("", 0))[1]))
@@ -141,17 +141,6 @@ class ProcessPeaks:
         xs = max(runs, key=len)
         k = len(xs) // 3
         return statistics.fmean(xs[k:2 * k]), statistics.fmean(xs[-k:])
-
-
-def _status(pid: int | str, key: str) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _hwm(pid: int | str = "self") -> int:
-    return _status(pid, "VmHWM")
 
 
 def bench_speed(args, llm, ids: list[list[int]], corpus: str, one: str, layers, scratch: str) -> dict:
@@ -234,7 +223,7 @@ def bench_memory(args, model_dir: str, texts: list[str], tokens: int, layers, sc
             result = run_one_job(job_config(args, model_dir, corpus, out, layers), len(texts) * scale)
             wall = time.perf_counter() - t0
         res[f"x{scale}"] = {"samples": len(texts) * scale, "tokens": result.tokens, "wall_s": wall,
-                            "driver_peak_rss_bytes": _hwm(),
+                            "driver_peak_rss_bytes": bx._peak_rss(),
                             "worker_peak_rss_bytes": peaks.peak_of("ExtractionWorker"),
                             "tokenizer_peak_rss_bytes": peaks.peak_of("TokenizeStage"),
                             "worker_peak_private_bytes": peaks.peak_of("ExtractionWorker", private=True),

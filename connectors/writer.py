@@ -4,8 +4,7 @@
     drain()                               block until every submitted write has finished
     shutdown()
 
-`buffers` is what the write keeps alive until it is done: a byte count, or {key: nbytes} of the buffers its
-tensors view. A buffer shared by several pending writes (the rows of one batch are views of one batch tensor) counts
+`buffers` is what the write keeps alive until it is done: {key: nbytes} of the buffers its tensors view. A buffer shared by several pending writes (the rows of one batch are views of one batch tensor) counts
 once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
 the bytes each file will have. A write that adds no new buffer is never held back; one larger than the whole bound
 is admitted alone, so nothing deadlocks.
@@ -37,8 +36,8 @@ class BackgroundWriter:
         with self._cond:
             return self._in_flight
 
-    def submit(self, buffers: int | Mapping[Hashable, int], fn: Callable, *args, **kwargs) -> Future:
-        held = {object(): buffers} if isinstance(buffers, int) else dict(buffers)
+    def submit(self, buffers: Mapping[Hashable, int], fn: Callable, *args, **kwargs) -> Future:
+        held = dict(buffers)
 
         def admissible() -> bool:
             new = sum(n for key, n in held.items() if key not in self._held)
