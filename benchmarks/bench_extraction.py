@@ -727,10 +727,14 @@ def main(argv: list[str] | None = None) -> None:
     results["load_before"] = load_before
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     shutil.rmtree(scratch, ignore_errors=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    write_results(args.out, "results", results, markdown(results))
+
+
+def write_results(out: str, stem: str, results: dict, md: str) -> None:
+    """OUT/STEM.json and OUT/STEM.md, and the markdown on stdout."""
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=2)
-    md = markdown(results)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(md)
     print(md)
 

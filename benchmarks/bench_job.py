@@ -352,12 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     shutil.rmtree(scratch, ignore_errors=True)
-    with open(os.path.join(args.out, "results-job.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    md = markdown(results)
-    with open(os.path.join(args.out, "results-job.md"), "w") as f:
-        f.write(md)
-    print(md)
+    bx.write_results(args.out, "results-job", results, markdown(results))
 
 
 if __name__ == "__main__":
