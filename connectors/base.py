@@ -84,7 +84,9 @@ class HiddenStatesConnector(ABC):
 
     @classmethod
     def parse_extra_config(cls, extra: Mapping[str, Any]) -> Any:
-        """Validate `kv_connector_extra_config` for this connector."""
+        """Validate `kv_connector_extra_config` for this connector (an instance of extra_config_class passes as is)."""
         if cls.extra_config_class is None:
             return dict(extra)
+        if isinstance(extra, cls.extra_config_class):
+            return extra
         return cls.extra_config_class.from_mapping(extra)

@@ -1,7 +1,8 @@
 """`KVTransferConfig` (vLLM's name and fields) and the connector registry.
 
 Connectors are registered by name with a lazy "module:Class" target, so naming one never imports another's
-dependencies. `ExampleHiddenStatesConnector` is the name vLLM users already type; `HsxHiddenStatesConnector` is ours.
+dependencies. `SafetensorsHiddenStatesConnector` is hsx's; `ExampleHiddenStatesConnector` is the name vLLM users
+already type (and `HsxHiddenStatesConnector` an older alias) for the same class.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any
 
 from connectors.format import HiddenStatesSpec
 
+_SAFETENSORS = "connectors.safetensors_connector:SafetensorsHiddenStatesConnector"
 _REGISTRY: dict[str, str] = {
-    "ExampleHiddenStatesConnector": "connectors.example_hidden_states_connector:ExampleHiddenStatesConnector",
-    "HsxHiddenStatesConnector": "connectors.example_hidden_states_connector:ExampleHiddenStatesConnector",
+    "SafetensorsHiddenStatesConnector": _SAFETENSORS,
+    "ExampleHiddenStatesConnector": _SAFETENSORS,  # vLLM's name
+    "HsxHiddenStatesConnector": _SAFETENSORS,
 }
 KV_ROLES = ("kv_producer",)
 
@@ -45,16 +48,19 @@ class KVTransferConfig:
     """Registered connector name; see `registered_connectors()`."""
     kv_role: str = "kv_producer"
     """Only "kv_producer": hsx connectors write hidden states, they do not consume KV caches."""
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    """Connector settings, e.g. {"shared_storage_path": "s3://bucket/run", "allow_custom_save_path": True}."""
+    kv_connector_extra_config: Any = field(default_factory=dict)
+    """Connector settings: a dict, e.g. {"shared_storage_path": "s3://bucket/run", "allow_custom_save_path": True},
+    or the connector's own typed config (its `extra_config_class`), used as is."""
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role {self.kv_role!r} is not supported; hsx connectors only write hidden states, "
                              f"use one of {list(KV_ROLES)}")
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise TypeError("kv_connector_extra_config must be a dict, got "
-                            f"{type(self.kv_connector_extra_config).__name__}")
+        typed = self.connector_class.extra_config_class
+        if not isinstance(self.kv_connector_extra_config, dict) and not (
+                typed is not None and isinstance(self.kv_connector_extra_config, typed)):
+            raise TypeError("kv_connector_extra_config must be a dict" + (f" or a {typed.__name__}" if typed else "")
+                            + f", got {type(self.kv_connector_extra_config).__name__}")
         # validates the name and the extra-config keys now, not at the first request
         self.connector_class.parse_extra_config(self.kv_connector_extra_config)
 

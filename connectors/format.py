@@ -14,6 +14,7 @@ remote file costs one header read and one byte-range read per tensor.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,14 +74,7 @@ class HiddenStatesSpec:
     """Further producer facts (architecture, template, ...) copied into every file."""
 
     def __post_init__(self) -> None:
-        if not self.layer_ids:
-            raise ValueError("HiddenStatesSpec.layer_ids is empty; pass the hidden-state ids to store, e.g. (2, 16, 29, 32)")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"HiddenStatesSpec.layer_ids {list(self.layer_ids)} has duplicates; each id may appear once")
-        bad = [i for i in self.layer_ids if not 0 <= i <= self.num_hidden_layers]
-        if bad:
-            raise ValueError(f"layer ids {bad} are outside 0..{self.num_hidden_layers} (0 = embeddings, "
-                             f"{self.num_hidden_layers} = last decoder layer)")
+        object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, self.num_hidden_layers))
 
     def to_metadata(self) -> dict[str, str]:
         meta = {
@@ -97,6 +91,82 @@ class HiddenStatesSpec:
         }
         meta.update({k: str(v) for k, v in self.extra.items()})
         return meta
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str], *, hidden_size: int | None = None,
+                      dtype: str | None = None) -> HiddenStatesSpec | None:
+        """The spec recorded in a file's `__metadata__` (the inverse of `to_metadata`); None for files without hsx
+        metadata (vLLM's). `hidden_size` / `dtype` (from the tensor itself) fill keys the metadata lacks."""
+        if metadata.get("format") != FORMAT_NAME:
+            return None
+        try:
+            return cls(layer_ids=tuple(json.loads(metadata["layer_ids"])),
+                       num_hidden_layers=int(metadata["num_hidden_layers"]),
+                       hidden_size=int(metadata.get("hidden_size") or hidden_size or 0),
+                       dtype=metadata.get("dtype") or dtype or "",
+                       model=metadata.get("model", ""), model_revision=metadata.get("model_revision", ""),
+                       last_layer_normalized=metadata.get("last_layer_normalized") == "true",
+                       extra={k: metadata[k] for k in PRODUCER_KEYS if k in metadata})
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"the file's hsx metadata is unreadable ({type(e).__name__}: {e}); the file is corrupt "
+                             "or was edited") from e
+
+    def differences(self, other: HiddenStatesSpec) -> dict[str, tuple]:
+        """{field: (self's value, other's value)} over what makes two files' states interchangeable."""
+        return {f: (getattr(self, f), getattr(other, f)) for f in COMPARED_FIELDS
+                if getattr(self, f) != getattr(other, f)}
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"dtype {self.dtype!r} is not a torch dtype name; use e.g. 'bfloat16'")
+        return dt
+
+
+# Fields two producers must share for their files to mix in one dataset.
+COMPARED_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "last_layer_normalized")
+# `extra` keys a producer writes (copied back by from_metadata); the rest of the metadata is per request.
+PRODUCER_KEYS = ("architecture",)
+
+
+def check_layer_ids(layer_ids, num_hidden_layers: int | None = None, *, name: str = "layer ids",
+                    defer_range: bool = False) -> tuple[int, ...]:
+    """The one check of hidden-state ids, used by the job's flags, the engine and the file spec.
+
+    Accepts a sequence of ints or a comma-separated string ("2,16,29,32"); returns the ids as a tuple, in order.
+    Raises ValueError naming `name` (e.g. "--layers") for non-integers, an empty list, duplicates, and ids outside
+    0..N when `num_hidden_layers` (N) is known; when it is not, negative ids, unless `defer_range` (the caller checks
+    the range once N is known, with the full message).
+    """
+    items = layer_ids.split(",") if isinstance(layer_ids, str) else list(layer_ids)
+    ids: list[int] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item.strip():
+                continue
+            try:
+                item = int(item.strip())
+            except ValueError:
+                raise ValueError(f"{name} {layer_ids!r} must be comma-separated integers, e.g. 2,16,29,32") from None
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise ValueError(f"{name} must be integers, got {list(items)}")
+        ids.append(int(item))
+    if not ids:
+        raise ValueError(f"{name} is empty; give hidden-state ids such as 2,16,29,32 (or leave them out for the "
+                         "EAGLE-3 default)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} {ids} has duplicates; list each id once")
+    if num_hidden_layers is None:
+        if any(i < 0 for i in ids) and not defer_range:
+            raise ValueError(f"{name} {ids} has negative ids; ids run from 0 (embeddings) to N (last layer)")
+    else:
+        bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
+        if bad:
+            raise ValueError(f"{name} {ids}: ids {bad} are out of range for a model with {num_hidden_layers} decoder "
+                             f"layers; valid ids are 0..{num_hidden_layers} (0 = embeddings, k = output of decoder "
+                             f"layer k-1, {num_hidden_layers} = last layer, pre-norm)")
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -169,9 +239,36 @@ def encode_header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metad
             nbytes *= dim
         header[name] = {"dtype": _TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    # raw UTF-8 and compact, as safetensors itself writes headers: the same bytes for the same file
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def request_metadata(spec_metadata: dict[str, str], *, request_id: str, num_tokens: int, num_prompt_tokens: int,
+                     include_output_tokens: bool, sample_id: str | None = None) -> dict[str, str]:
+    """A file's whole `__metadata__`: the producer's spec plus the keys of one request."""
+    metadata = dict(spec_metadata)
+    metadata.update(request_id=str(request_id), num_tokens=str(num_tokens), num_prompt_tokens=str(num_prompt_tokens),
+                    include_output_tokens="true" if include_output_tokens else "false")
+    if sample_id is not None:
+        metadata["sample_id"] = str(sample_id)
+    return metadata
+
+
+def file_entries(spec: HiddenStatesSpec, num_tokens: int, *, loss_mask: bool) -> dict[str, tuple[torch.dtype, tuple]]:
+    """name -> (dtype, shape) of the tensors of a file of `num_tokens` rows, in the order the connector writes them."""
+    entries = {TOKEN_IDS: (torch.int64, (num_tokens,)),
+               HIDDEN_STATES: (spec.torch_dtype, (num_tokens, len(spec.layer_ids), spec.hidden_size))}
+    if loss_mask:
+        entries[LOSS_MASK] = (torch.uint8, (num_tokens,))
+    return entries
+
+
+def file_size(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> int:
+    """Exact bytes of the file `encode_header` + the tensors' data make (what the connector writes)."""
+    return len(encode_header(tensors, metadata)) + sum(dtype.itemsize * math.prod(shape)
+                                                       for dtype, shape in tensors.values())
 
 
 def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStatesFileInfo, int]:

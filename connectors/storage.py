@@ -2,7 +2,11 @@
 
 Everything above this module (connector, reader, dataset) works on any fsspec URL through these few functions:
     open_url(url, storage_options)        -> (fs, path)
-    write_atomic(fs, path, tensors, meta) -  whole file or nothing; transient errors retried with backoff. A tensor
+    put_atomic(fs, path, content)         -  any whole file (bytes, buffers, or a writer function), atomic and durable:
+                                             the one atomic write every file of a run goes through (data files,
+                                             manifest parts, run.json, exports)
+    write_atomic(fs, path, tensors, meta) -  a safetensors file through put_atomic; transient errors retried with
+                                             backoff. A tensor
                                              may be given as its chunks along dim 0 (prefill chunks, decode rows):
                                              they are written back to back from their own memory, never
                                              concatenated in RAM first
@@ -10,9 +14,10 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
     wait_until_readable(fs, path, timeout)
     remove(fs, path)                      -  idempotent delete of a file and its lock
 
-Atomicity: local disks get a temp file in the same directory and `os.replace`; object stores (s3, gcs, azure,
-memory) make an object visible only once its upload completes, so a single put is atomic there; any other
-filesystem gets a temp name and a move.
+Atomicity: local disks get a temp file in the same directory, fsynced, then `os.replace` and an fsync of the
+directory (a host crash leaves the old file or the whole new one, never a short one under the final name); object
+stores (s3, gcs, azure, memory) make an object visible only once its upload completes, so a single put is atomic
+there; any other filesystem gets a temp name and a move.
 
 Pending writes: a `<file>.lock` companion, as vLLM uses. On local disks the writer holds an exclusive `flock` on it
 (vLLM's readers and ours take a shared one, so either side waits for the other); on object stores the lock object's
@@ -25,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import logging
 import os
+import posixpath
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import BinaryIO
 
 import fsspec
 import torch
@@ -133,36 +141,81 @@ def _layout(tensors: Tensors, metadata: dict[str, str] | None) -> tuple[bytes, l
 
 
 def _write_once(fs, path: str, header: bytes, views: list[memoryview]) -> int:
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    size = len(header) + sum(v.nbytes for v in views)
+    return put_atomic(fs, path, [header, *views])
+
+
+Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
+"""What `put_atomic` writes: bytes, buffers written back to back (from their own memory, no join on local disks),
+or a function that writes into a binary file object (torch.save, a pyarrow stream, ...)."""
+
+
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content) -> int:
+    """Write a whole file so that readers see no file (or the old one) or all of the new one, durably. Returns bytes.
+
+    Local disks: a temp file in the same directory is written, flushed and fsynced, renamed over `path`, and the
+    directory is fsynced, so after a crash `path` is either absent/old or complete (never empty or short: the data
+    is on disk before the name points at it, and the name is on disk before this returns). The temp file is removed
+    on any failure. Object stores (s3, gcs, azure, memory): a single put, which appears whole. Other filesystems: a
+    temp name and a move. No retries here: callers that want them wrap it (see `write_atomic`).
+    """
+    parent = posixpath.dirname(path)
     if is_local(fs):
-        os.makedirs(parent or ".", exist_ok=True)
-        tmp = os.path.join(parent or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        parent = parent or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
         try:
-            with open(tmp, "wb") as f:  # straight from the tensors' memory: as fast as a raw write
-                f.write(header)
-                for view in views:
-                    f.write(view)
+            with open(tmp, "wb") as f:
+                _write_content(f, content)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
+        fsync_dir(parent)
         return size
-    data = b"".join([header, *views])  # one copy: fsspec puts take bytes
+    if isinstance(content, (bytes, bytearray)):
+        data = bytes(content)
+    elif callable(content):
+        buf = io.BytesIO()
+        content(buf)
+        data = buf.getvalue()
+    else:
+        data = b"".join(content)  # one copy: fsspec puts take bytes
     if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
         fs.pipe_file(path, data)
+        return len(data)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}"
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if fs.exists(tmp):
+                fs.rm(tmp)
+    return len(data)
+
+
+def _write_content(f: BinaryIO, content: Content) -> None:
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        f.write(content)
+    elif callable(content):
+        content(f)
     else:
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex}"
-        try:
-            fs.pipe_file(tmp, data)
-            fs.mv(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                if fs.exists(tmp):
-                    fs.rm(tmp)
-    return size
+        for chunk in content:  # straight from the tensors' memory: as fast as a raw write
+            f.write(chunk)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename (or create) inside local directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

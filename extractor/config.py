@@ -1,7 +1,12 @@
 """Engine configuration: the typed form of what `LLM(...)` accepts, validated up front.
 
-`EngineConfig.from_llm_kwargs` maps vLLM-style arguments (speculative_config dict, dtype string, ...) onto it, so
-every error names the argument to change.
+    EngineConfig                          every engine setting, checked in __post_init__
+    layer_ids_from_speculative_config     vLLM's speculative_config dict -> layer ids (None = default)
+    canonical_dtype(name)                 the one dtype-name table (aliases such as bf16), used by engine and jobs
+    resolve_dtype(name, hf_config)        "auto" -> the checkpoint's dtype, the one rule engine and jobs share
+
+`LLM(**vllm_style_kwargs)` builds an EngineConfig; `LLM.from_config(EngineConfig, ...)` takes one directly (jobs do),
+so every error names the argument to change and nothing is parsed twice.
 """
 
 from __future__ import annotations
@@ -10,9 +15,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.format import check_layer_ids
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+STORED_DTYPES = DTYPES[1:]
+# Unambiguous aliases only: "float" and "double" are refused (torch reads "float" as float32, users often mean fp16).
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 SPECULATIVE_METHOD = "extract_hidden_states"
+
+
+def canonical_dtype(name: Any, *, flag: str = "dtype") -> str:
+    """"auto" or a stored dtype name for `name` (a str, alias or torch dtype); ValueError naming `flag` otherwise."""
+    text = str(name).removeprefix("torch.")
+    text = _DTYPE_ALIASES.get(text, text)
+    if text not in DTYPES:
+        raise ValueError(f"{flag} {name!r} is not supported; use one of {', '.join(DTYPES)} (aliases: "
+                         f"{', '.join(sorted(_DTYPE_ALIASES))})")
+    return text
+
+
+def resolve_dtype(name: str, hf_config: Any) -> str:
+    """The dtype the engine runs and stores in: `name` unless "auto"; "auto" is the checkpoint's own dtype when it is
+    float32, bfloat16 or float16, else float32 (a float64 or quantised checkpoint runs in float32)."""
+    name = canonical_dtype(name)
+    if name != "auto":
+        return name
+    raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    raw = str(raw).removeprefix("torch.")
+    return raw if raw in STORED_DTYPES else "float32"
 
 
 @dataclass(frozen=True)
@@ -44,19 +74,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is empty; pass a local model folder or a hub id")
-        dtype = _DTYPE_ALIASES.get(str(self.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch."))
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {list(DTYPES)}")
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.layer_ids is not None:
-            ids = tuple(self.layer_ids)
-            if not ids:
-                raise ValueError("eagle_aux_hidden_state_layer_ids is empty; give at least one id, e.g. [2, 16, 29, 32]")
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ValueError(f"layer ids must be integers, got {list(ids)}")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"layer ids {list(ids)} contain duplicates; list each id once")
-            object.__setattr__(self, "layer_ids", ids)
+            # the range needs the model's layer count: checked again, with it, when the model's config is read
+            object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, name="eagle_aux_hidden_state_layer_ids",
+                                                                  defer_range=True))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:

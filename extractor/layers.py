@@ -32,17 +32,6 @@ def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def validate_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
-    bad = [i for i in layer_ids if not 0 <= i <= num_hidden_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} are out of range for a model with {num_hidden_layers} decoder layers: "
-                         f"valid ids are 0..{num_hidden_layers} (0 = embeddings, k = output of decoder layer k-1, "
-                         f"{num_hidden_layers} = last layer, pre-norm)")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"layer ids {list(layer_ids)} contain duplicates; list each id once")
-    return tuple(layer_ids)
-
-
 def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> nn.ModuleList:
     """The ModuleList of decoder layers of a HF causal LM, wherever the architecture keeps it."""
     base = getattr(model, "base_model", model)

@@ -91,11 +91,24 @@ class LLM:
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code")
         optional = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=str(model), layer_ids=layer_ids_from_speculative_config(speculative_config), dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code,
             **{k: v for k, v in optional.items() if v is not None})
+        self._start(config, kv_transfer_config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, kv_transfer_config: KVTransferConfig | None = None) -> LLM:
+        """An engine from typed settings (what jobs hand their workers): nothing is re-parsed."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an extractor.EngineConfig, got {type(config).__name__}")
+        llm = cls.__new__(cls)
+        llm._start(config, kv_transfer_config)
+        return llm
+
+    def _start(self, config: EngineConfig, kv_transfer_config: KVTransferConfig | None) -> None:
+        self.config = config
         self.kv_transfer_config = kv_transfer_config or KVTransferConfig()
         if not isinstance(self.kv_transfer_config, KVTransferConfig):
             raise TypeError(f"kv_transfer_config must be a connectors.KVTransferConfig, got "

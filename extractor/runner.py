@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from extractor.config import EngineConfig
-from extractor.layers import EarlyExit, LayerCapture, default_layer_ids, find_decoder_layers, validate_layer_ids
+from connectors.format import check_layer_ids
+from extractor.config import EngineConfig, resolve_dtype
+from extractor.layers import EarlyExit, LayerCapture, default_layer_ids, find_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,7 @@ class ModelRunner:
                                                trust_remote_code=config.trust_remote_code)
         if getattr(hf_config, "is_encoder_decoder", False):
             raise ValueError(f"{config.model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
-        if config.dtype == "auto":
-            dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        else:
-            dtype = getattr(torch, config.dtype)
+        dtype = getattr(torch, resolve_dtype(config.dtype, hf_config))
         if self.device.type == "cpu" and dtype == torch.float16:
             logger.warning("float16 on CPU is slow and lossy; consider dtype='bfloat16' or 'float32'")
         kwargs = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
@@ -80,8 +77,8 @@ class ModelRunner:
         self.dtype = dtype
         self.num_hidden_layers = int(self.hf_config.num_hidden_layers)
         self.hidden_size = int(self.hf_config.hidden_size)
-        self.layer_ids = validate_layer_ids(config.layer_ids or default_layer_ids(self.num_hidden_layers),
-                                            self.num_hidden_layers)
+        self.layer_ids = check_layer_ids(config.layer_ids or default_layer_ids(self.num_hidden_layers),
+                                         self.num_hidden_layers)
         self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), self.layer_ids)
         self.base = self.model.base_model
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -158,25 +158,28 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from jobs.layout import Output
+    from connectors.run import RunDir, RunFormatError, read_run_spec
     from jobs.manifest import summarize
     from jobs.progress import human_bytes, human_count
-    from jobs.runinfo import read_run_info
 
     try:
         options = json.loads(args.storage_options) if args.storage_options else {}
     except json.JSONDecodeError as e:
         raise UsageError(f"--storage-options is not valid JSON: {e}") from e
-    output = Output(args.output, options)
-    info = read_run_info(output)
-    if info is None:
-        raise UsageError(f"{output.url} holds no hsx run (no run.json); check the path")
-    s = summarize(output, max_errors=args.errors)
+    output = RunDir(args.output, options)
+    try:
+        spec = read_run_spec(output)
+        if spec is None:
+            raise UsageError(f"{output.url} holds no hsx run (no run.json); check the path")
+        s = summarize(output, max_errors=args.errors)
+    except RunFormatError as e:
+        raise UsageError(str(e)) from e
     if args.json:
-        print(json.dumps({"output": output.url, "run": info, **dataclasses.asdict(s)}, indent=2, default=str))
+        print(json.dumps({"output": output.url, "run": spec.to_json(), **dataclasses.asdict(s)}, indent=2,
+                         default=str))
         return EXIT_OK
     print(f"run:      {output.url}")
-    print(f"model:    {info.get('model')}  layers {info.get('layer_ids')}  {info.get('dtype')}")
+    print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}")
     print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.truncated} truncated" if s.truncated else ""))
     print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")

@@ -2,7 +2,9 @@
 it one to one: field `max_model_len` is flag `--max-model-len` and key `max_model_len`, with the field's docstring
 as its help text.
 
-    JobConfig(...)                     validated in __post_init__; errors name the flag to change
+    JobConfig(...)                     validated in __post_init__; errors name the flag to change. Engine and
+                                       storage settings are checked by building the engine's own typed configs
+                                       (engine_config, sampling_params, connector_config), the ones workers get
     load_config_file(path) -> dict     a YAML or JSON job file, keys checked against the fields
     field_docs(JobConfig) -> {name: doc}
 """
@@ -18,7 +20,6 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 OVERLENGTH_POLICIES = ("truncate", "skip")
 
 
@@ -109,11 +110,14 @@ class JobConfig:
     """Show a progress bar (samples/s, tokens/s, bytes, ETA) on stderr."""
 
     def __post_init__(self) -> None:
+        from connectors.format import check_layer_ids
+        from extractor.config import canonical_dtype
+
         if isinstance(self.corpus, str):
             object.__setattr__(self, "corpus", (self.corpus,))
         object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
         if self.layers is not None:
-            object.__setattr__(self, "layers", _parse_layers(self.layers))
+            object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
         for name in ("storage_options", "corpus_storage_options"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -121,18 +125,11 @@ class JobConfig:
             if not isinstance(value, dict):
                 raise ValueError(f"{flag(name)} must be a JSON object, got {type(value).__name__}")
             object.__setattr__(self, name, value)
-        dtype = str(self.dtype).removeprefix("torch.")
-        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}.get(dtype, dtype)
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
         for name in ("workers", "tokenizer_workers", "tokens_per_task", "manifest_flush_rows"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
@@ -140,28 +137,54 @@ class JobConfig:
             raise ValueError(f"--cpus-per-worker must be >= 0, got {self.cpus_per_worker}")
         if self.manifest_flush_seconds <= 0:
             raise ValueError(f"--manifest-flush-seconds must be > 0, got {self.manifest_flush_seconds}")
-        if self.max_tokens < 0:
-            raise ValueError(f"--max-tokens must be >= 0 (0 = prompt only), got {self.max_tokens}")
         if self.include_output_tokens and self.max_tokens == 0:
             raise ValueError("--include-output-tokens needs generated tokens; pass --max-tokens K (K > 0) as well")
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no room for a prompt within --max-model-len "
                              f"{self.max_model_len}; lower --max-tokens or raise --max-model-len")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not self.id_field:
             raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
+        # the engine's and the connector's own checks, on the objects the workers will get
+        self.sampling_params()
+        if self.model:
+            self.engine_config()
+        if self.output:
+            self.connector_config()
+
+    # -- the typed configs a worker's engine is built from ---------------------------------------------------------
+    def engine_config(self, *, layer_ids: tuple[int, ...] | None = None, dtype: str | None = None,
+                      max_model_len: int | None = None, device: str | None = None):
+        """The engine's EngineConfig for this job; the keyword arguments override with values the driver resolved
+        from the model's config (so every worker runs exactly what run.json records)."""
+        from extractor.config import EngineConfig
+
+        kwargs: dict[str, Any] = {}
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return _flag_errors(EngineConfig, model=self.model, layer_ids=layer_ids or self.layers,
+                            dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
+                            device=device, attn_implementation=self.attn_implementation, revision=self.revision,
+                            trust_remote_code=self.trust_remote_code, **kwargs)
+
+    def sampling_params(self):
+        """The SamplingParams every sample runs with (each gets its own kv_transfer_params on top)."""
+        from extractor.sampling import SamplingParams
+
+        return _flag_errors(SamplingParams, max_tokens=self.max_tokens, temperature=self.temperature,
+                            top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    def connector_config(self):
+        """The hidden-states connector's settings for this job's output (custom paths: one file per sample id)."""
+        from connectors.safetensors_connector import HiddenStatesConnectorConfig
+
+        return _flag_errors(HiddenStatesConnectorConfig, shared_storage_path=self.output, allow_custom_save_path=True,
+                            storage_options=dict(self.storage_options))
 
     def check_required(self, names: tuple[str, ...] = ("model", "corpus", "output")) -> None:
         """Raise ValueError naming the first missing required setting (flag or job-file key)."""
         for name in names:
             if not getattr(self, name):
                 raise ValueError(f"{flag(name)} is required (or key {name!r} in the --config file)")
-
-    def replace(self, **changes: Any) -> JobConfig:
-        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values, keyed by field name (the job-file format)."""
@@ -172,19 +195,24 @@ class JobConfig:
         return out
 
 
-def _parse_layers(value: Any) -> tuple[int, ...]:
-    items = value.split(",") if isinstance(value, str) else list(value)
+# engine / connector argument -> the JobConfig field (flag) that sets it, where the names differ
+_FLAG_OF = {"layer_ids": "layers", "eagle_aux_hidden_state_layer_ids": "layers", "shared_storage_path": "output"}
+
+
+def _flag_errors(cls: type, **kwargs: Any) -> Any:
+    """cls(**kwargs), with the argument names in its errors rewritten as the flags that set them."""
+    import re
+
     try:
-        ids = tuple(int(str(i).strip()) for i in items if str(i).strip() != "")
-    except ValueError as e:
-        raise ValueError(f"--layers {value!r} must be comma-separated integers, e.g. 2,16,29,32") from e
-    if not ids:
-        raise ValueError("--layers is empty; pass hidden-state ids such as 2,16,29,32 or leave it out for the default")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"--layers {list(ids)} has duplicates; list each id once")
-    if any(i < 0 for i in ids):
-        raise ValueError(f"--layers {list(ids)} has negative ids; ids run from 0 (embeddings) to N (last layer)")
-    return ids
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        names = {f.name for f in dataclasses.fields(JobConfig)} | set(_FLAG_OF)
+        # argument names: the message's first word, and any snake_case name in it ("top_k must be ...")
+        pattern = r"(?<![\w-])(" + "|".join(sorted(names, key=len, reverse=True)) + r")(?![\w-])"
+        text = re.sub(r"kv_connector_extra_config\[['\"](\w+)['\"]\]", r"\1", str(e))
+        text = re.sub(pattern, lambda m: flag(_FLAG_OF.get(m.group(1), m.group(1)))
+                      if "_" in m.group(1) or m.start() == 0 else m.group(1), text)
+        raise ValueError(text) from e
 
 
 def _parse_json_object(text: str, name: str) -> dict:

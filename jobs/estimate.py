@@ -3,31 +3,24 @@
     estimate(config, limit=None) -> Estimate
 
 Reads and tokenizes the corpus exactly as the job does (same reader, same tokenizer stage, same length policy; no
-model weights, no Ray), then sizes each file exactly as the connector writes it:
-
-    8 (header length) + header JSON padded to 8 bytes + T*8 (token_ids) + T*L*H*dtype (hidden_states) + T (loss_mask)
-
-The header is the safetensors JSON of the three tensors plus the file's metadata (the engine's HiddenStatesSpec and
-the per-request keys), so prompt-only estimates match the written bytes to the byte. With generation and
+model weights, no Ray), then sizes each file with the connector's own header encoding (`connectors.format`: the same
+tensors, metadata and JSON the writer produces), so prompt-only estimates match the written bytes to the byte. With generation and
 --include-output-tokens the generated length is unknown; every sample is assumed to generate --max-tokens (an upper
 bound). With --limit the first N records are measured and the totals scaled to the corpus's record count.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from connectors.format import HiddenStatesSpec
+from connectors.format import HiddenStatesSpec, file_entries, file_size, request_metadata
 from jobs.config import JobConfig
 from jobs.corpus import count_records, expand_corpus, read_records
 from jobs.manifest import error_kind
 from jobs.model import ModelFacts
 from jobs.progress import human_bytes, human_count
 from jobs.tokenization import SampleError, SampleTokenizer, TokenizeSettings
-
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 @dataclass
@@ -75,42 +68,13 @@ class Estimate:
         return out
 
 
-def header_bytes(metadata: dict[str, str], tensors: list[tuple[str, str, list[int], int]]) -> int:
-    """Size of a safetensors header (8-byte length + JSON padded to a multiple of 8).
-
-    `tensors`: (name, safetensors dtype, shape, itemsize). safetensors lays tensors out by descending alignment
-    (itemsize), then name, and writes the JSON compactly with raw UTF-8.
-    """
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, itemsize in sorted(tensors, key=lambda t: (-t[3], t[0])):
-        nbytes = itemsize
-        for d in shape:
-            nbytes *= d
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    n = len(json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
-    return 8 + n + (-n % 8)
-
-
-def file_bytes(spec_metadata: dict[str, str], facts: ModelFacts, sample_id: str, num_prompt_tokens: int,
-               num_tokens: int, include_output_tokens: bool) -> int:
-    """Exact size of the file the connector writes for one sample (see module docstring)."""
-    metadata = dict(spec_metadata)
-    metadata.update(request_id=sample_id, num_tokens=str(num_tokens), num_prompt_tokens=str(num_prompt_tokens),
-                    include_output_tokens="true" if include_output_tokens else "false", sample_id=sample_id)
-    t, layers, h, b = num_tokens, len(facts.layer_ids), facts.hidden_size, facts.dtype_bytes
-    tensors = [("token_ids", "I64", [t], 8), ("hidden_states", _ST_DTYPES[facts.dtype], [t, layers, h], b),
-               ("loss_mask", "U8", [t], 1)]
-    return header_bytes(metadata, tensors) + t * 8 + t * layers * h * b + t
-
-
-def spec_metadata(facts: ModelFacts) -> dict[str, str]:
-    """The metadata every file of this model carries — the spec the engine builds (extractor.LLM.__init__)."""
-    return HiddenStatesSpec(layer_ids=facts.layer_ids, num_hidden_layers=facts.num_hidden_layers,
-                            hidden_size=facts.hidden_size, dtype=facts.dtype, model=facts.model,
-                            model_revision=facts.revision, last_layer_normalized=False,
-                            extra={"architecture": facts.architecture}).to_metadata()
+def file_bytes(spec: HiddenStatesSpec, sample_id: str, num_prompt_tokens: int, num_tokens: int,
+               include_output_tokens: bool) -> int:
+    """Exact size of the file the connector writes for one sample of a job (every job sample has a loss mask)."""
+    metadata = request_metadata(spec.to_metadata(), request_id=sample_id, num_tokens=num_tokens,
+                                num_prompt_tokens=num_prompt_tokens, include_output_tokens=include_output_tokens,
+                                sample_id=sample_id)
+    return file_size(file_entries(spec, num_tokens, loss_mask=True), metadata)
 
 
 def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
@@ -124,16 +88,15 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     override, _, _ = load_chat_template(config, facts)
     done: set[str] = set()
     if config.output:
-        from jobs.layout import Output
-        from jobs.manifest import committed_ids
+        from connectors.run import RUN_JSON, RunDir, committed_ids
 
-        output = Output(config.output, config.storage_options)
-        if output.exists("run.json"):
+        output = RunDir(config.output, config.storage_options)
+        if output.exists(RUN_JSON):
             done = committed_ids(output)
     tokenizer = SampleTokenizer(TokenizeSettings(
         tokenizer=facts.model, max_prompt_tokens=facts.max_model_len - config.max_tokens, overlength=config.overlength,
         chat_template=override, revision=config.revision, trust_remote_code=config.trust_remote_code))
-    meta = spec_metadata(facts)
+    spec = facts.file_spec()
     generated = max(config.max_tokens - 1, 0) if config.include_output_tokens else 0
     est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=facts.dtype,
                    assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0)
@@ -165,7 +128,7 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
                     kinds[error_kind(error)] += 1
                     continue
                 n = len(out.ids)
-                size = file_bytes(meta, facts, record.sample_id, n, n + generated, config.include_output_tokens)
+                size = file_bytes(spec, record.sample_id, n, n + generated, config.include_output_tokens)
                 est.samples += 1
                 est.truncated += out.truncated
                 est.tokens += n + generated

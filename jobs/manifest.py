@@ -1,63 +1,33 @@
-"""The manifest: a Parquet dataset under OUTPUT/manifest/, one row per sample attempt. It is authoritative.
+"""The job's side of the manifest (its format — schema, part files, readers — is `connectors.run`'s).
 
-    ManifestWriter(output, attempt)     add(rows) / maybe_flush() / flush(): each flush commits one part file
-    read_manifest(output) -> pa.Table   `pyarrow.parquet.read_table("OUTPUT/manifest")` reads the same thing
-    committed_ids(output) -> set        sample ids with an "ok" row: a resume skips them
-    summarize(output) -> Summary        counts by sample for `hsx status`
+    ManifestWriter(run, attempt)   add(rows) / maybe_flush() / flush(): each flush commits one part file
+    summarize(run) -> Summary      counts by sample for `hsx status`
+    error_kind(error) -> str       a short category for grouping failure reasons
 
-Exactly-once rests on two orderings. A sample's data file is durable before the worker reports it (the engine
-returns only after its writes complete, and the worker re-reads the file's header), and its "ok" row is written only
-after that, in a part file that appears atomically (temp + rename locally, a single put on object stores). So an
-"ok" row always points at a complete file; a file with no row (the job died in between) is an orphan that no reader
-counts and the next run overwrites; a resume skips exactly the ids with "ok" rows. Failed samples are retried on
-resume; a sample's status is "ok" if any of its rows is ok, else "failed".
+Failed samples are retried on resume; a sample's status is "ok" if any of its rows is ok, else "failed".
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from jobs.layout import MANIFEST_DIR, Output
+from connectors.run import FAILED, OK, RunDir, manifest_parts, manifest_rows, read_manifest, write_manifest_part
 
 logger = logging.getLogger(__name__)
-
-# Rows produced by workers; the writer adds `attempt` and `committed_at`.
-RESULT_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("status", pa.string()),            # "ok" | "failed"
-    ("path", pa.string()),              # data file relative to OUTPUT; null when failed
-    ("num_tokens", pa.int64()),         # rows stored (prompt, plus generated tokens when included)
-    ("num_prompt_tokens", pa.int64()),
-    ("bytes", pa.int64()),              # file size
-    ("error", pa.string()),             # why it failed; null when ok
-    ("source", pa.string()),            # corpus file and line/row
-    ("truncated", pa.bool_()),          # over-length sample cut to the limit
-])
-MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
-    pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
-OK, FAILED = "ok", "failed"
-
-
-def new_attempt_id() -> str:
-    """Sorts by start time; unique across concurrent or repeated runs."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
 
 class ManifestWriter:
     """Buffers result rows and commits them as atomic Parquet parts."""
 
-    def __init__(self, output: Output, attempt: str, flush_rows: int = 1000, flush_seconds: float = 30.0) -> None:
-        self.output = output
+    def __init__(self, run: RunDir, attempt: str, flush_rows: int = 1000, flush_seconds: float = 30.0) -> None:
+        self.run = run
         self.attempt = attempt
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
@@ -65,11 +35,10 @@ class ManifestWriter:
         self._pending_rows = 0
         self._seq = 0
         self._last_flush = time.monotonic()
-        self.rows_committed = 0
 
     def add(self, rows: pa.Table) -> None:
         if rows.num_rows:
-            self._pending.append(rows.select(RESULT_SCHEMA.names).cast(RESULT_SCHEMA))
+            self._pending.append(manifest_rows(rows))
             self._pending_rows += rows.num_rows
 
     def maybe_flush(self) -> bool:
@@ -83,40 +52,10 @@ class ManifestWriter:
         self._last_flush = time.monotonic()
         if not self._pending_rows:
             return
-        table = pa.concat_tables(self._pending)
-        n = table.num_rows
-        now = pa.array([int(time.time() * 1000)] * n, pa.timestamp("ms", tz="UTC"))
-        table = table.append_column("attempt", pa.array([self.attempt] * n, pa.string())).append_column(
-            "committed_at", now)
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        name = f"{MANIFEST_DIR}/part-{self.attempt}-{self._seq:06d}.parquet"
-        self.output.put_atomic(name, buf.getvalue())
+        name = write_manifest_part(self.run, pa.concat_tables(self._pending), self.attempt, self._seq)
+        logger.debug("committed %d manifest rows to %s", self._pending_rows, name)
         self._seq += 1
         self._pending, self._pending_rows = [], 0
-        self.rows_committed += n
-        logger.debug("committed %d manifest rows to %s", n, name)
-
-
-def read_manifest(output: Output, columns: list[str] | None = None) -> pa.Table:
-    """Every committed row (empty table when there is no manifest yet)."""
-    parts = [n for n in output.list(MANIFEST_DIR) if n.endswith(".parquet")]
-    if not parts:
-        schema = MANIFEST_SCHEMA if columns is None else pa.schema([MANIFEST_SCHEMA.field(c) for c in columns])
-        return schema.empty_table()
-    tables = []
-    for name in parts:
-        with output.fs.open(output.path(f"{MANIFEST_DIR}/{name}"), "rb") as f:
-            tables.append(pq.read_table(f, columns=columns))
-    return pa.concat_tables(tables, promote_options="default")
-
-
-def committed_ids(output: Output) -> set[str]:
-    table = read_manifest(output, columns=["sample_id", "status"])
-    ok = table.filter(pc.equal(table["status"], OK))
-    return set(ok["sample_id"].to_pylist())
-
-
 @dataclass
 class Summary:
     ok: int = 0
@@ -136,9 +75,9 @@ class Summary:
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
-def summarize(output: Output, max_errors: int = 10) -> Summary:
-    table = read_manifest(output)
-    s = Summary(rows=table.num_rows, parts=len([n for n in output.list(MANIFEST_DIR) if n.endswith(".parquet")]))
+def summarize(run: RunDir, max_errors: int = 10) -> Summary:
+    table = read_manifest(run)
+    s = Summary(rows=table.num_rows, parts=len(manifest_parts(run)))
     if not table.num_rows:
         return s
     s.attempts = len(pc.unique(table["attempt"]))

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from connectors.format import HiddenStatesSpec, check_layer_ids
 from jobs.config import JobConfig
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -34,14 +35,18 @@ class ModelFacts:
     """Resolved torch dtype name (never "auto")."""
     max_model_len: int
 
-    @property
-    def dtype_bytes(self) -> int:
-        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+    def file_spec(self) -> HiddenStatesSpec:
+        """The spec every file of this model carries: the one the engine builds (extractor.LLM)."""
+        return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
+                                hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
+                                model_revision=self.revision, last_layer_normalized=False,
+                                extra={"architecture": self.architecture})
 
     @classmethod
     def resolve(cls, config: JobConfig) -> ModelFacts:
         from transformers import AutoConfig
 
+        from extractor.config import resolve_dtype
         from extractor.layers import default_layer_ids
 
         model = os.path.abspath(os.path.expanduser(config.model)) if os.path.isdir(
@@ -53,17 +58,9 @@ class ModelFacts:
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
         n, h = int(hf.num_hidden_layers), int(hf.hidden_size)
-        layer_ids = tuple(config.layers) if config.layers is not None else default_layer_ids(n)
-        bad = [i for i in layer_ids if not 0 <= i <= n]
-        if bad:
-            raise ValueError(f"--layers {list(layer_ids)}: ids {bad} are out of range for {config.model} with {n} "
-                             f"decoder layers; valid ids are 0..{n} (0 = embeddings, {n} = last layer, pre-norm)")
-        dtype = config.dtype
-        if dtype == "auto":  # the engine's rule: the checkpoint's dtype, else float32
-            raw = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
-            dtype = str(raw).removeprefix("torch.")
-            if dtype not in ("float32", "bfloat16", "float16"):
-                dtype = "float32"
+        layer_ids = check_layer_ids(config.layers if config.layers is not None else default_layer_ids(n), n,
+                                    name=f"--layers (for {config.model})")
+        dtype = resolve_dtype(config.dtype, hf)  # the engine's own rule
         max_len = config.max_model_len or getattr(hf, "max_position_embeddings", None) or 2048
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "

@@ -1,8 +1,10 @@
 """The extraction job on Ray: plan it (no Ray yet), then stream the corpus through a Ray Data pipeline.
 
-    prepare_job(config) -> JobPlan      model facts, corpus files, run.json written or checked, resume set.
-                                        Raises ValueError for anything the user must fix (the CLI exits 2).
-    execute_job(plan) -> JobResult      runs on Ray; raises JobFailed when the job as a whole fails (exit 1).
+    prepare_job(config) -> JobPlan      model facts, corpus files, run.json written or checked, resume set, and
+                                        whether anything is left to do. Raises ValueError for anything the user
+                                        must fix (the CLI exits 2).
+    execute_job(plan) -> JobResult      runs on Ray (not started when nothing is left); raises JobFailed when the
+                                        job as a whole fails (exit 1).
     run_job(config) -> JobResult        both
 
 The pipeline (Ray Data, streaming; every stage bounded by Ray Data's backpressure, so memory stays flat):
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -32,14 +35,14 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id
 from jobs.config import JobConfig
-from jobs.corpus import CorpusFile, count_records, expand_corpus, read_stage
-from jobs.layout import Output
-from jobs.manifest import FAILED, ManifestWriter, committed_ids, new_attempt_id
+from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
+from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress
 from jobs.registry import SampleRegistry
-from jobs.runinfo import build_run_info, ensure_run_info
+from jobs.runinfo import build_run_spec, ensure_run_spec
 from jobs.tokenization import TokenizeSettings, TokenizeStage
 from jobs.worker import ExtractionWorker, WorkerSettings
 
@@ -61,14 +64,17 @@ class JobFailed(RuntimeError):
 class JobPlan:
     config: JobConfig
     facts: ModelFacts
-    output: Output
+    output: RunDir
     files: list[CorpusFile]
     chat_template: str | None
     """Template text replacing the tokenizer's, or None."""
-    run_info: dict
+    spec: RunSpec
+    """run.json as written (new run) or checked (resume)."""
     new_run: bool
     done: set[str]
     """Sample ids already committed ("ok" rows)."""
+    nothing_left: bool = False
+    """Every record of the corpus has an "ok" row: the job finishes without starting Ray."""
 
 
 def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
@@ -97,14 +103,32 @@ def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None
 def prepare_job(config: JobConfig) -> JobPlan:
     """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
     config.check_required()
-    output = Output(config.output, config.storage_options)
+    output = RunDir(config.output, config.storage_options)
     facts = ModelFacts.resolve(config)
     files = expand_corpus(config.corpus, config.corpus_storage_options)
     override, template, template_source = load_chat_template(config, facts)
-    info = build_run_info(config, facts, files, template, template_source)
-    new_run = ensure_run_info(output, info)
+    spec = build_run_spec(config, facts, files, template, template_source)
+    new_run = ensure_run_spec(output, spec)
     done = set() if new_run else committed_ids(output)
-    return JobPlan(config, facts, output, files, override, info, new_run, done)
+    plan = JobPlan(config, facts, output, files, override, spec, new_run, done)
+    plan.nothing_left = _nothing_left(plan)
+    return plan
+
+
+def _nothing_left(plan: JobPlan) -> bool:
+    """True when every record of the corpus already has an "ok" row (reads the corpus's ids, not its samples).
+
+    Stops at the first record still to do. Remote JSONL is not read here (the job would read it again): such a
+    resume starts Ray and lets the read stage skip what is done.
+    """
+    if plan.new_run or not plan.done or any(f.format == "jsonl" and "://" in f.url for f in plan.files):
+        return False
+    c = plan.config
+    for file in plan.files:
+        for block in read_records(file, c.id_field, c.corpus_storage_options):
+            if any(r.error is not None or r.sample_id not in plan.done for r in block):
+                return False
+    return True
 
 
 def run_job(config: JobConfig) -> JobResult:
@@ -176,13 +200,11 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
                                 overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
                                 trust_remote_code=c.trust_remote_code)
     work = WorkerSettings(
-        model=f.model, layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len, output=plan.output.url,
-        storage_options=c.storage_options, revision=c.revision, trust_remote_code=c.trust_remote_code,
-        attn_implementation=c.attn_implementation, max_num_batched_tokens=c.max_num_batched_tokens,
-        device=None if gpus_per_worker > 0 else "cpu", cpu_threads=None if gpus_per_worker > 0 else
-        max(1, int(cpus_per_worker)), max_tokens=c.max_tokens, temperature=c.temperature,
-        top_p=c.top_p, top_k=c.top_k, seed=c.seed, include_output_tokens=c.include_output_tokens,
-        hidden_size=f.hidden_size, num_hidden_layers=f.num_hidden_layers)
+        engine=c.engine_config(layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len,
+                               device=None if gpus_per_worker > 0 else "cpu"),
+        sampling=c.sampling_params(),
+        connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
+        run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)))
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
@@ -237,6 +259,10 @@ def execute_job(plan: JobPlan) -> JobResult:
     attempt = new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()
+    if plan.nothing_left:
+        result.skipped = len(plan.done)
+        result.seconds = time.monotonic() - started
+        return result
     writer = ManifestWriter(plan.output, attempt, config.manifest_flush_rows, config.manifest_flush_seconds)
     progress = Progress(config.progress)
     counter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-count")

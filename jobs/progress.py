@@ -88,13 +88,9 @@ class JobResult:
     cpus_per_worker: float | None = None
     """What each extraction worker reserved (a CPU worker runs that many torch threads, at most its node's cores)."""
 
-    @property
-    def succeeded(self) -> bool:
-        return self.failed == 0
-
     def workers_line(self) -> str:
         if self.gpus_per_worker is None:
-            return "not started"
+            return "not started (nothing left to do)"
         if self.gpus_per_worker > 0:
             return f"{self.gpus_per_worker:g} GPU(s) and {self.cpus_per_worker:g} CPU(s) each"
         return f"on CPU, {self.cpus_per_worker:g} CPU(s) each"

@@ -1,9 +1,11 @@
 """The extraction worker: one engine (`extractor.LLM`) for the actor's lifetime, a batch of samples in, manifest
 rows out.
 
-    WorkerSettings          everything a worker needs (picklable; the driver resolves it once)
-    ExtractionWorker        Ray Data callable class: __call__(samples: pa.Table) -> results (manifest.RESULT_SCHEMA)
+    WorkerSettings          the typed configs the driver built and checked (engine, sampling, connector) and the
+                            file spec it recorded in run.json
+    ExtractionWorker        Ray Data callable class: __call__(samples: pa.Table) -> results (RESULT_SCHEMA)
 
+The model loads on the first batch that has work (a worker that only sees skipped or failed records never loads it).
 Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; the rest go to one
 `llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. `generate` returns once every
 file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
@@ -12,15 +14,18 @@ file is durable; the worker then reads each file's header back (size, token coun
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from jobs.layout import Output, data_path
-from jobs.manifest import FAILED, OK, RESULT_SCHEMA
+from connectors import KVTransferConfig
+from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, RunSpec
+from connectors.safetensors_connector import HiddenStatesConnectorConfig
+from extractor import EngineConfig, SamplingParams
 from jobs.tokenization import SAMPLE_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -28,68 +33,49 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    model: str
-    layer_ids: tuple[int, ...]
-    dtype: str
-    max_model_len: int
-    output: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    revision: str | None = None
-    trust_remote_code: bool = False
-    attn_implementation: str | None = None
-    max_num_batched_tokens: int | None = None
-    device: str | None = None
-    """None = CUDA when the worker has a GPU."""
+    engine: EngineConfig
+    """What the engine loads and captures (layer ids, dtype and length limit as the driver resolved them)."""
+    sampling: SamplingParams
+    """Every sample's sampling; each gets its own kv_transfer_params (its file) on top."""
+    connector: HiddenStatesConnectorConfig
+    """Where files go: the run's root, with custom paths allowed (one per sample id)."""
+    run: RunSpec
+    """run.json: the file spec the loaded engine must produce exactly, the data layout, include_output_tokens."""
     cpu_threads: int | None = None
     """torch threads of a CPU worker: the CPUs Ray reserved for it, at most the cores this process may run on."""
-    max_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    include_output_tokens: bool = False
-    hidden_size: int = 0
-    """Expected engine facts (from the driver's model config), checked when the engine loads."""
-    num_hidden_layers: int = 0
 
 
 class ExtractionWorker:
     def __init__(self, settings: WorkerSettings) -> None:
-        from connectors import KVTransferConfig
+        self.settings = settings
+        self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
+        self.llm = None
+
+    def _engine(self):
+        """The engine, loaded on first use and checked against the run's file spec."""
+        if self.llm is not None:
+            return self.llm
         from extractor import LLM
 
-        self.settings = s = settings
+        s = self.settings
         if s.cpu_threads:
             import torch
 
             # Ray sets OMP_NUM_THREADS from the reservation; on a node with fewer cores than logical CPUs (a local
             # Ray is started with at least 4) more threads than cores would only contend
             torch.set_num_threads(max(1, min(s.cpu_threads, len(os.sched_getaffinity(0)))))
-        self.output = Output(s.output, s.storage_options)
-        kv = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
-                              kv_connector_extra_config={"shared_storage_path": self.output.url,
-                                                         "allow_custom_save_path": True,
-                                                         "storage_options": dict(s.storage_options)})
-        self.llm = LLM(model=s.model, speculative_config={
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(s.layer_ids)}}},
-            kv_transfer_config=kv, dtype=s.dtype, max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.max_num_batched_tokens, device=s.device,
-            attn_implementation=s.attn_implementation, revision=s.revision, trust_remote_code=s.trust_remote_code)
-        spec = self.llm.spec
-        expected = (tuple(s.layer_ids), s.dtype, s.hidden_size, s.num_hidden_layers)
-        actual = (tuple(spec.layer_ids), spec.dtype, spec.hidden_size, spec.num_hidden_layers)
-        if expected != actual:
-            raise RuntimeError(f"the engine loaded (layer_ids, dtype, hidden_size, layers) = {actual}, but the job "
-                               f"planned {expected} from the model's config; the model changed under the job?")
+        self.llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
+                                                               kv_connector_extra_config=s.connector))
+        diff = s.run.file_spec().differences(self.llm.spec)
+        if diff:
+            raise RuntimeError(f"the engine loaded {diff} (run.json's value, the engine's), not what the job planned "
+                               "from the model's config; the model changed under the job?")
+        return self.llm
 
-    def _sampling_params(self, rel_path: str):
-        from extractor import SamplingParams
-
-        s = self.settings
-        kv = {"hidden_states_path": self.output.url_of(rel_path), "include_output_tokens": s.include_output_tokens}
-        return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              seed=s.seed, extra_args={"kv_transfer_params": kv})
+    def _sampling_params(self, rel_path: str) -> SamplingParams:
+        kv = {"hidden_states_path": self.output.url_of(rel_path),
+              "include_output_tokens": self.settings.run.include_output_tokens}
+        return dataclasses.replace(self.settings.sampling, extra_args={"kv_transfer_params": kv})
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.select(SAMPLE_SCHEMA.names).to_pylist()
@@ -108,10 +94,11 @@ class ExtractionWorker:
     def _extract(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
                     "sample_id": r["sample_id"]} for r in rows]
-        paths = [data_path(r["sample_id"]) for r in rows]
+        paths = [self.settings.run.data_path(r["sample_id"]) for r in rows]
         params = [self._sampling_params(p) for p in paths]
+        llm = self._engine()
         try:
-            outputs = self.llm.generate(prompts, params, request_ids=[r["sample_id"] for r in rows])
+            outputs = llm.generate(prompts, params, request_ids=[r["sample_id"] for r in rows])
         except Exception:  # noqa: BLE001 - the engine isolates requests; if a call still fails, isolate them here
             logger.exception("generate() failed for a batch of %d; retrying its samples one by one", len(rows))
             return [self._extract_one(r, prompt, path, param) for r, prompt, path, param in
@@ -131,7 +118,7 @@ class ExtractionWorker:
         if out.error is not None:
             return _failed(row, f"{row['source']}: {out.error}")
         generated = len(out.outputs[0].token_ids) if out.outputs else 0
-        expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.include_output_tokens else 0)
+        expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.run.include_output_tokens else 0)
         try:
             info = read_hidden_states_info(self.output.url_of(rel_path), storage_options=self.output.storage_options)
         except (OSError, ValueError, TimeoutError) as e:

@@ -12,11 +12,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from connectors.format import encode_header
+from connectors.run import RESULT_SCHEMA, RunDir, RunSpec, Sampling, committed_ids, data_path, read_manifest
 from jobs.config import JobConfig
-from jobs.estimate import header_bytes
-from jobs.layout import Output, data_path
-from jobs.manifest import RESULT_SCHEMA, ManifestWriter, committed_ids, read_manifest, summarize
-from jobs.runinfo import RunMismatch, ensure_run_info
+from jobs.manifest import ManifestWriter, summarize
+from jobs.runinfo import RunMismatch, ensure_run_spec
 
 
 def _rows(*rows):
@@ -31,7 +31,7 @@ def _rows(*rows):
 
 
 def test_parts_appear_whole_and_pyarrow_reads_the_folder_as_the_manifest(tmp_path):
-    out = Output(str(tmp_path / "run"))
+    out = RunDir(str(tmp_path / "run"))
     w = ManifestWriter(out, "A", flush_rows=2, flush_seconds=3600)
     w.add(_rows(("a", "ok")))
     assert not w.maybe_flush() and not os.path.exists(tmp_path / "run" / "manifest")
@@ -49,7 +49,7 @@ def test_parts_appear_whole_and_pyarrow_reads_the_folder_as_the_manifest(tmp_pat
 
 
 def test_summary_counts_samples_with_ok_winning_over_earlier_failures(tmp_path):
-    out = Output(str(tmp_path))
+    out = RunDir(str(tmp_path))
     w = ManifestWriter(out, "A")
     w.add(_rows(("a", "ok"), ("b", "failed"), ("c", "failed")))
     w.flush()
@@ -71,23 +71,25 @@ def test_data_paths_spread_over_256_subfolders_with_safe_names():
 
 
 def _info(**over):
-    base = {"format": "hsx.run", "model": "/m", "model_revision": "", "model_fingerprint": "f", "layer_ids": [2, 4],
-            "dtype": "float32", "chat_template_sha256": "t", "max_tokens": 0, "include_output_tokens": False,
-            "sampling": None, "id_field": "id", "corpus": {"files": ["a"]}}
+    base = {"model": "/m", "model_revision": "", "model_fingerprint": "f", "layer_ids": (2, 4), "num_hidden_layers": 4,
+            "hidden_size": 8, "dtype": "float32", "chat_template_sha256": "t", "max_tokens": 0,
+            "include_output_tokens": False, "sampling": None, "id_field": "id", "corpus": ("a",)}
     base.update(over)
-    return base
+    return RunSpec(**base)
 
 
 def test_resume_into_a_run_made_with_other_settings_is_refused(tmp_path):
-    out = Output(str(tmp_path))
-    assert ensure_run_info(out, _info()) is True
-    assert ensure_run_info(out, _info(corpus={"files": ["a", "b"]})) is False  # more corpus: fine
+    out = RunDir(str(tmp_path))
+    assert ensure_run_spec(out, _info()) is True
+    assert ensure_run_spec(out, _info(corpus=("a", "b"))) is False  # more corpus: fine
     with pytest.raises(RunMismatch, match=r"layer_ids: run has \[2, 4\], this job has \[1, 4\] \(--layers\)"):
-        ensure_run_info(out, _info(layer_ids=[1, 4]))
+        ensure_run_spec(out, _info(layer_ids=(1, 4)))
     with pytest.raises(RunMismatch, match="--dtype"):
-        ensure_run_info(out, _info(dtype="bfloat16"))
+        ensure_run_spec(out, _info(dtype="bfloat16"))
     with pytest.raises(RunMismatch, match="--model"):
-        ensure_run_info(out, _info(model="/other"))
+        ensure_run_spec(out, _info(model="/other"))
+    with pytest.raises(RunMismatch, match="--temperature"):
+        ensure_run_spec(out, _info(max_tokens=0, sampling=Sampling(temperature=0.5)))
     assert json.loads((tmp_path / "run.json").read_text())["layer_ids"] == [2, 4]
 
 
@@ -98,10 +100,11 @@ def test_header_size_matches_safetensors_exactly(dtype, t):
     tensors = {"token_ids": torch.zeros(t, dtype=torch.int64), "hidden_states": torch.zeros(t, 3, 5, dtype=dtype),
                "loss_mask": torch.zeros(t, dtype=torch.uint8)}
     blob = safetensors.torch.save(tensors, metadata=meta)
-    st = {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
     size = torch.finfo(dtype).bits // 8
-    predicted = header_bytes(meta, [("token_ids", "I64", [t], 8), ("hidden_states", st, [t, 3, 5], size),
-                                    ("loss_mask", "U8", [t], 1)]) + t * 8 + t * 15 * size + t
+    # the connector's own header encoding: as long as safetensors' own, non-ASCII metadata included
+    header = encode_header({"token_ids": (torch.int64, (t,)), "hidden_states": (dtype, (t, 3, 5)),
+                            "loss_mask": (torch.uint8, (t,))}, meta)
+    predicted = len(header) + t * 8 + t * 15 * size + t
     assert predicted == len(blob)
 
 

@@ -1,0 +1,415 @@
+"""The run format: what an extraction run's OUTPUT holds. The one owner of it — the job writes through this module,
+and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples) reads through it.
+
+    OUTPUT/run.json                                    RunSpec: what produced the run (versioned JSON)
+    OUTPUT/data/<2 hex>/<safe sample id>.safetensors   data_path(sample_id): one file per sample (see format.py)
+    OUTPUT/manifest/part-<attempt>-<seq>.parquet       MANIFEST_SCHEMA rows, one part per commit; authoritative: a
+                                                       data file counts only with an "ok" row
+
+    RunDir(url, storage_options)         the output root: url_of(rel), exists, read_bytes, put (atomic), list
+    RunSpec                              frozen; to_json() / from_json(doc) / file_spec() / from_file_spec(spec)
+    read_run_spec(run) / write_run_spec(run, spec)
+    data_path(sample_id)
+    RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, new_attempt_id()
+    write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer)
+    read_manifest(run, columns)                    every committed row
+    ok_rows(run)                                   one "ok" row per sample (the last written), sorted by sample id
+    committed_ids(run)                             sample ids with an "ok" row: a resume skips them
+
+Exactly-once rests on two orderings. A sample's data file is durable (written, fsynced, renamed, directory fsynced)
+before its "ok" row is written, and that row is committed in a part file that appears atomically and durably (the
+same `storage.put_atomic`). So an "ok" row always points at a complete file; a file with no row (the job died in
+between) is an orphan no reader counts and the next run overwrites.
+
+Versions of run.json: 2 (written now) adds `data_layout`, the name of the data-file naming scheme, so a later layout
+can change names without guessing; 1 (hsx 0.1's first round) is read as layout "sha1-shard/safe-stem". Other
+versions are refused with a message naming the versions this hsx reads. This module never imports transformers or
+ray.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import posixpath
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from connectors import storage
+from connectors.format import FORMAT_NAME, FORMAT_VERSION, LAYER_ID_CONVENTION, HiddenStatesSpec, check_layer_ids
+from connectors.paths import FILE_SUFFIX, safe_file_stem
+
+RUN_JSON = "run.json"
+DATA_DIR = "data"
+MANIFEST_DIR = "manifest"
+RUN_FORMAT = "hsx.run"
+RUN_FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
+DATA_LAYOUT = "sha1-shard/safe-stem"
+"""data/<first 2 hex of sha1(id)>/<safe_file_stem(id)>.safetensors"""
+DATA_LAYOUTS = (DATA_LAYOUT,)
+
+
+class RunFormatError(ValueError):
+    """run.json (or the manifest) is not something this hsx can read: not a run, corrupt, or a newer version."""
+
+
+# -- the output root ----------------------------------------------------------------------------------------------
+
+
+class RunDir:
+    """An output root (local folder or any fsspec URL): relative paths to URLs, whole-file atomic writes."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        if not url:
+            raise ValueError("--output is required: a local folder or a URL such as s3://bucket/run")
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = storage.open_url(url, self.storage_options)
+        self.local = storage.is_local(self.fs)
+        self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+        self.url = storage.full_url(self.fs, self.root)
+
+    def path(self, rel: str) -> str:
+        """Protocol-less path for this filesystem."""
+        return posixpath.join(self.root, rel)
+
+    def url_of(self, rel: str) -> str:
+        """URL of `rel` that storage.open_url maps back here (plain path for local roots)."""
+        return storage.full_url(self.fs, self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache(self.path(rel))
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Write `rel` whole and durably: readers see the old state or the whole new file (storage.put_atomic)."""
+        storage.put_atomic(self.fs, self.path(rel), data)
+
+    def list(self, rel: str) -> list[str]:
+        """Names directly under `rel` (not starting with "."), or [] when it does not exist."""
+        path = self.path(rel)
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [posixpath.basename(e.rstrip("/")) for e in entries]
+        return sorted(n for n in names if not n.startswith("."))
+
+
+def as_run_dir(run: RunDir | str, storage_options: dict | None = None) -> RunDir:
+    return run if isinstance(run, RunDir) else RunDir(str(run), storage_options)
+
+
+def data_path(sample_id: str, layout: str = DATA_LAYOUT) -> str:
+    """A sample's file, relative to the output root, in the run's `data_layout`."""
+    if layout != DATA_LAYOUT:
+        raise RunFormatError(f"data layout {layout!r} is unknown to this hsx (it knows {list(DATA_LAYOUTS)})")
+    shard = hashlib.sha1(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:2]
+    return f"{DATA_DIR}/{shard}/{safe_file_stem(sample_id)}{FILE_SUFFIX}"
+
+
+# -- run.json -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How generated tokens were drawn (runs with max_tokens > 0)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """run.json: what produced a run. Written once when a run starts; every resume and every reader checks it.
+
+    The first block is what every data file shares (the file spec, also in each file's metadata); the rest records
+    how the job made them. Runs written with the offline API alone (examples, fixtures) fill the first block only.
+    """
+
+    layer_ids: tuple[int, ...]
+    """Stored hidden-state ids, in row order, in `layer_id_convention` (vLLM's: 0 = embeddings, N = last layer)."""
+    num_hidden_layers: int
+    """N, the target model's decoder layer count."""
+    hidden_size: int
+    """H, the width of every stored row."""
+    dtype: str
+    """torch dtype name of the stored hidden states, e.g. "bfloat16"."""
+    model: str = ""
+    """The target model: an absolute local folder or a hub id."""
+    model_revision: str = ""
+    """Commit or revision of a hub model ("" for local folders)."""
+    architecture: str = ""
+    """The model's `architectures`, comma-separated."""
+    last_layer_normalized: bool = False
+    """Whether id N was stored after the model's final norm (hsx and vLLM store it pre-norm)."""
+    layer_id_convention: str = LAYER_ID_CONVENTION
+    """How `layer_ids` count; hsx writes "vllm"."""
+
+    model_fingerprint: str = ""
+    """sha256 prefix of the model's config and weight files' names and sizes."""
+    chat_template_source: str = "none"
+    """Where the chat template came from: "tokenizer", a file, or "none"."""
+    chat_template_sha256: str | None = None
+    max_model_len: int | None = None
+    """Longest sample in tokens the job allowed."""
+    overlength: str = "truncate"
+    max_tokens: int = 0
+    """Tokens generated after each prompt (0 = prompt-only extraction)."""
+    include_output_tokens: bool = False
+    sampling: Sampling | None = None
+    """How generated tokens were drawn; None for prompt-only runs."""
+    id_field: str = "id"
+    corpus: tuple[str, ...] = ()
+    """Corpus files of the first attempt (recorded, not compared: a resume may add files)."""
+    corpus_fingerprint: str = ""
+    data_layout: str = DATA_LAYOUT
+    """Naming scheme of the data files (see data_path)."""
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Package versions of the first attempt."""
+    created_at: str = ""
+    format_version: str = RUN_FORMAT_VERSION
+    """The run.json version this spec was read from (always RUN_FORMAT_VERSION when written)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, self.num_hidden_layers,
+                                                              name="run.json layer_ids"))
+        object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
+        if isinstance(self.sampling, Mapping):
+            object.__setattr__(self, "sampling", Sampling(**self.sampling))
+        if self.data_layout not in DATA_LAYOUTS:
+            raise RunFormatError(f"run.json names data layout {self.data_layout!r}, unknown to this hsx (it reads "
+                                 f"{list(DATA_LAYOUTS)}); upgrade hsx to read this run")
+
+    # -- the file spec ------------------------------------------------------------------------------------------
+    def file_spec(self) -> HiddenStatesSpec:
+        """The HiddenStatesSpec every data file of the run carries."""
+        return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
+                                hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
+                                model_revision=self.model_revision, last_layer_normalized=self.last_layer_normalized,
+                                extra={"architecture": self.architecture} if self.architecture else {})
+
+    @classmethod
+    def from_file_spec(cls, spec: HiddenStatesSpec, **job: Any) -> RunSpec:
+        """A RunSpec for files made with `spec`; `job` sets the job fields (model_fingerprint=..., max_tokens=...)."""
+        return cls(layer_ids=spec.layer_ids, num_hidden_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size,
+                   dtype=spec.dtype, model=spec.model, model_revision=spec.model_revision,
+                   architecture=spec.extra.get("architecture", ""), last_layer_normalized=spec.last_layer_normalized,
+                   **job)
+
+    @property
+    def torch_dtype(self):
+        return self.file_spec().torch_dtype
+
+    def data_path(self, sample_id: str) -> str:
+        return data_path(sample_id, self.data_layout)
+
+    def differences(self, other: RunSpec, names: Sequence[str]) -> dict[str, tuple[Any, Any]]:
+        """{field: (self's value, other's value)} over `names`."""
+        return {n: (getattr(self, n), getattr(other, n)) for n in names if getattr(self, n) != getattr(other, n)}
+
+    # -- JSON ---------------------------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """The run.json document (version RUN_FORMAT_VERSION)."""
+        doc: dict[str, Any] = {"format": RUN_FORMAT, "format_version": RUN_FORMAT_VERSION,
+                               "file_format": FORMAT_NAME, "file_format_version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name in ("format_version", "corpus", "corpus_fingerprint"):
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Sampling):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            doc[f.name] = value
+        doc["corpus"] = {"files": list(self.corpus), "fingerprint": self.corpus_fingerprint}
+        return doc
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str = RUN_JSON) -> RunSpec:
+        """Parse a run.json document of any readable version; RunFormatError says what is wrong and what to do."""
+        if not isinstance(doc, Mapping) or doc.get("format") != RUN_FORMAT:
+            raise RunFormatError(f"{where} is not an hsx run file (no \"format\": \"{RUN_FORMAT}\"); it was not "
+                                 "written by hsx — use a new --output, or pass the OUTPUT folder of an hsx run")
+        version = str(doc.get("format_version"))
+        if version not in READABLE_VERSIONS:
+            raise RunFormatError(f"{where} has format_version {doc.get('format_version')!r}; this hsx reads versions "
+                                 f"{', '.join(READABLE_VERSIONS)}. It was written by a newer hsx: upgrade hsx "
+                                 "(pip install -U hsx) to read or resume this run")
+        values = {f.name: doc[f.name] for f in dataclasses.fields(cls)
+                  if f.name in doc and f.name not in ("corpus", "format_version")}
+        corpus = doc.get("corpus") or {}
+        if isinstance(corpus, Mapping):
+            values["corpus"] = tuple(corpus.get("files") or ())
+            values["corpus_fingerprint"] = str(corpus.get("fingerprint") or "")
+        if version == "1":
+            values["data_layout"] = DATA_LAYOUT  # version 1 had one layout and described it in prose
+        missing = [n for n in ("layer_ids", "num_hidden_layers", "hidden_size", "dtype") if n not in values]
+        if missing:
+            raise RunFormatError(f"{where} lacks {missing}; it is damaged or was edited by hand — restore it, or "
+                                 "re-extract into a new --output")
+        try:
+            return cls(**values, format_version=version)
+        except (TypeError, ValueError) as e:
+            raise RunFormatError(f"{where} holds an unreadable value: {e}") from e
+
+
+def read_run_spec(run: RunDir | str, storage_options: dict | None = None) -> RunSpec | None:
+    """The run's RunSpec, or None when it has no run.json."""
+    run = as_run_dir(run, storage_options)
+    if not run.exists(RUN_JSON):
+        return None
+    where = run.url_of(RUN_JSON)
+    try:
+        doc = json.loads(run.read_bytes(RUN_JSON))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunFormatError(f"{where} is not valid JSON ({e}); it was not written by hsx, or was damaged — restore "
+                             "it, or use a new --output") from e
+    return RunSpec.from_json(doc, where)
+
+
+def write_run_spec(run: RunDir | str, spec: RunSpec, storage_options: dict | None = None) -> None:
+    as_run_dir(run, storage_options).put(RUN_JSON, spec.to_bytes())
+
+
+# -- the manifest ---------------------------------------------------------------------------------------------------
+
+# Rows produced by workers; the part writer adds `attempt` and `committed_at`.
+RESULT_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("status", pa.string()),            # "ok" | "failed"
+    ("path", pa.string()),              # data file relative to OUTPUT; null when failed
+    ("num_tokens", pa.int64()),         # rows stored (prompt, plus generated tokens when included)
+    ("num_prompt_tokens", pa.int64()),
+    ("bytes", pa.int64()),              # file size
+    ("error", pa.string()),             # why it failed; null when ok
+    ("source", pa.string()),            # corpus file and line/row
+    ("truncated", pa.bool_()),          # over-length sample cut to the limit
+])
+MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
+    pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
+OK, FAILED = "ok", "failed"
+REQUIRED_COLUMNS = ("sample_id", "path", "num_tokens", "status")
+"""What a reader of "ok" samples needs; the rest may be null."""
+
+
+def new_attempt_id() -> str:
+    """Sorts by start time; unique across concurrent or repeated runs."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
+def manifest_rows(rows: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows in RESULT_SCHEMA: a table or dicts; columns other than sample_id and status may be left out (null)."""
+    if not isinstance(rows, pa.Table):
+        rows = pa.Table.from_pylist([dict(r) for r in rows]) if len(rows) else RESULT_SCHEMA.empty_table()
+    missing = [n for n in ("sample_id", "status") if n not in rows.column_names]
+    if missing:
+        raise ValueError(f"manifest rows lack {missing}; every row needs a sample_id and a status ('ok'/'failed')")
+    columns = [rows[f.name].cast(f.type) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type)
+               for f in RESULT_SCHEMA]
+    return pa.Table.from_arrays(columns, schema=RESULT_SCHEMA)
+
+
+def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str, Any]], attempt: str, seq: int, *,
+                        storage_options: dict | None = None) -> str:
+    """Commit `rows` as one part file (atomic and durable); returns its name relative to the root."""
+    run = as_run_dir(run, storage_options)
+    table = manifest_rows(rows)
+    n = table.num_rows
+    now = pa.array([int(time.time() * 1000)] * n, pa.timestamp("ms", tz="UTC"))
+    table = table.append_column("attempt", pa.array([attempt] * n, pa.string())).append_column("committed_at", now)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    name = f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}.parquet"
+    run.put(name, sink.getvalue().to_pybytes())
+    return name
+
+
+def manifest_parts(run: RunDir) -> list[str]:
+    return [n for n in run.list(MANIFEST_DIR) if n.endswith(".parquet")]
+
+
+def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
+                  storage_options: dict | None = None) -> pa.Table:
+    """Every committed row (an empty table when there is no manifest yet). Columns a part lacks read as null."""
+    run = as_run_dir(run, storage_options)
+    parts = manifest_parts(run)
+    schema = MANIFEST_SCHEMA if columns is None else pa.schema([MANIFEST_SCHEMA.field(c) for c in columns])
+    if not parts:
+        return schema.empty_table()
+
+    def read_part(name: str) -> pa.Table:
+        where = run.url_of(f"{MANIFEST_DIR}/{name}")
+        try:
+            with run.fs.open(run.path(f"{MANIFEST_DIR}/{name}"), "rb") as f:
+                part = pq.ParquetFile(f)
+                names = part.schema_arrow.names
+                missing = [c for c in REQUIRED_COLUMNS if c not in names]
+                if missing:
+                    raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
+                                         f"{names}); it was not written by an hsx extraction job")
+                table = part.read(columns=[c for c in schema.names if c in names])
+        except (pa.ArrowInvalid, OSError) as e:
+            raise RunFormatError(f"cannot read manifest part {where} as Parquet: {e}") from e
+        return pa.Table.from_arrays(
+            [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+             for f in schema], schema=schema)
+
+    if len(parts) == 1:
+        tables = [read_part(parts[0])]
+    else:  # many small parts on an object store: fetch them concurrently
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts)), thread_name_prefix="hsx-manifest") as pool:
+            tables = list(pool.map(read_part, parts))
+    return pa.concat_tables(tables)
+
+
+def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Table:
+    """One "ok" row per sample — the last written, when a resume wrote a sample twice — sorted by sample_id.
+
+    Columns sample_id, path, num_tokens. Raises FileNotFoundError when `run` has no manifest and ValueError when
+    it has no "ok" row, both saying what to pass instead.
+    """
+    run = as_run_dir(run, storage_options)
+    if not run.exists(MANIFEST_DIR):
+        raise FileNotFoundError(f"no manifest at {run.url_of(MANIFEST_DIR)}; pass the OUTPUT folder of an "
+                                f"extraction run (it holds {RUN_JSON} and {MANIFEST_DIR}/)")
+    table = read_manifest(run, columns=list(REQUIRED_COLUMNS))
+    total = table.num_rows
+    table = table.filter(pc.equal(table["status"], OK))
+    if table.num_rows == 0:
+        raise ValueError(f"manifest at {run.url_of(MANIFEST_DIR)} has {total} rows and none with status 'ok'; the "
+                         "run has no usable samples (see its 'error' column for why they failed)")
+    table = table.select(["sample_id", "path", "num_tokens"]).append_column(
+        "_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    if pc.count_distinct(table["sample_id"]).as_py() != table.num_rows:
+        keep = table.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"]
+        table = table.take(keep)
+    table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
+    return table.drop_columns(["_row"]).combine_chunks()
+
+
+def committed_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:
+    table = read_manifest(run, columns=["sample_id", "status"], storage_options=storage_options)
+    return set(table.filter(pc.equal(table["status"], OK))["sample_id"].to_pylist())

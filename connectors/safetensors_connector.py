@@ -1,0 +1,224 @@
+"""`SafetensorsHiddenStatesConnector`: hsx's connector, one safetensors file per request on any fsspec storage.
+
+Writes `token_ids` [T], `hidden_states` [T, L, H], optional `loss_mask` [T], and metadata from the producer's
+`HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
+the bytes in flight, retries, durable atomic files).
+
+Registered as "SafetensorsHiddenStatesConnector", and under vLLM's name "ExampleHiddenStatesConnector" (plus the
+older "HsxHiddenStatesConnector"); `connectors.example_hidden_states_connector` is the vLLM-compatible module alias
+that also offers `load_hidden_states` / `cleanup_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors import storage
+from connectors.base import HiddenStatesConnector, RequestInfo
+from connectors.format import HIDDEN_STATES, LOSS_MASK, TOKEN_IDS, HiddenStatesSpec, request_metadata
+from connectors.paths import PathPolicy
+from connectors.writer import BackgroundWriter
+
+__all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HiddenStatesConnectorConfig:
+    """`kv_connector_extra_config` of the hidden-states connector."""
+
+    shared_storage_path: str = field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "hsx"))
+    """Where files go: a local folder or any fsspec URL (s3://bucket/prefix, gs://..., memory://...)."""
+    allow_custom_save_path: bool = False
+    """Honour per-request `hidden_states_path`. When off, a custom path is ignored with a warning (as vLLM)."""
+    allowed_roots: tuple[str, ...] | None = None
+    """Roots under which custom paths may land; default: shared_storage_path alone."""
+    num_writer_threads: int = 8
+    """Threads writing files in the background."""
+    max_bytes_in_flight: int = 2 << 30
+    """Bound on the memory held by writes not yet durable; a faster producer blocks. A buffer counts whole and once:
+    the rows of one batch share their batch's tensor, which stays alive until the last of them is written."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec: endpoint_url, credentials, ... (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
+    use_synchronization_lock: bool = True
+    """Hold `<file>.lock` while writing so readers wait for complete files (vLLM's key)."""
+    max_write_attempts: int = 5
+    """Attempts per file on transient storage errors, with exponential backoff."""
+    write_retry_backoff_s: float = 0.2
+    """First backoff between write attempts, in seconds; doubles per attempt (plus as much jitter), capped at 10 s."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool),
+                           ("num_writer_threads", int), ("max_bytes_in_flight", int), ("max_write_attempts", int),
+                           ("write_retry_backoff_s", (int, float)), ("storage_options", dict)):
+            value = getattr(self, name)
+            # a YAML/JSON "false" is a non-empty string, hence truthy: refuse it rather than enable custom paths
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                expected = kind.__name__ if isinstance(kind, type) else "a number"
+                raise TypeError(f"kv_connector_extra_config[{name!r}] must be {expected}, got "
+                                f"{type(value).__name__} {value!r}")
+        if not str(self.shared_storage_path):
+            raise ValueError("shared_storage_path is empty; pass a local folder or URL such as s3://bucket/run")
+        if self.num_writer_threads < 1:
+            raise ValueError(f"num_writer_threads must be >= 1, got {self.num_writer_threads}")
+        if self.max_bytes_in_flight < 1:
+            raise ValueError(f"max_bytes_in_flight must be >= 1 byte, got {self.max_bytes_in_flight}")
+        if self.max_write_attempts < 1:
+            raise ValueError(f"max_write_attempts must be >= 1, got {self.max_write_attempts}")
+        if self.write_retry_backoff_s < 0:
+            raise ValueError(f"write_retry_backoff_s must be >= 0, got {self.write_retry_backoff_s}")
+        if isinstance(self.allowed_roots, str):
+            object.__setattr__(self, "allowed_roots", (self.allowed_roots,))
+
+    @classmethod
+    def from_mapping(cls, extra: Mapping[str, Any]) -> HiddenStatesConnectorConfig:
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(extra) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; valid keys: {valid}")
+        kwargs = dict(extra)
+        if kwargs.get("allowed_roots") is not None and not isinstance(kwargs["allowed_roots"], str):
+            kwargs["allowed_roots"] = tuple(str(r) for r in kwargs["allowed_roots"])
+        return cls(**kwargs)
+
+
+@dataclass
+class _Pending:
+    info: RequestInfo
+    path: str
+    include_output_tokens: bool
+    token_chunks: list[torch.Tensor] = field(default_factory=list)
+    state_chunks: list[torch.Tensor] = field(default_factory=list)
+
+
+def _buffers(tensors) -> dict[tuple, int]:
+    """The memory a write keeps alive: every distinct buffer its tensors view, whole. A request's rows are views of
+    its batch's tensor (no copy on the engine's thread), and that tensor stays alive, padding and the other rows
+    included, until the last write viewing it is done."""
+    out: dict[tuple, int] = {}
+    for t in tensors:
+        buf = t.untyped_storage()
+        out[(t.device.type, t.device.index, buf.data_ptr())] = buf.nbytes()
+    return out
+
+
+class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
+    extra_config_class = HiddenStatesConnectorConfig
+
+    def __init__(self, extra_config: HiddenStatesConnectorConfig, spec: HiddenStatesSpec) -> None:
+        super().__init__(extra_config, spec)
+        cfg = extra_config
+        self._fs, self._root = storage.open_url(cfg.shared_storage_path, cfg.storage_options)
+        self._paths = PathPolicy(cfg.shared_storage_path, list(cfg.allowed_roots) if cfg.allowed_roots else None)
+        self._writer = BackgroundWriter(cfg.num_writer_threads, cfg.max_bytes_in_flight)
+        self._requests: dict[str, _Pending] = {}
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._spec_metadata = spec.to_metadata()
+        self._dtype = spec.torch_dtype
+
+    @property
+    def peak_bytes_in_flight(self) -> int:
+        return self._writer.peak_bytes_in_flight
+
+    # -- engine, per request ------------------------------------------------------------------------------------
+    def start_request(self, request: RequestInfo) -> None:
+        params = dict(request.kv_transfer_params or {})
+        custom = params.get("hidden_states_path")
+        if custom is not None and not self.extra_config.allow_custom_save_path:
+            logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; "
+                           "writing to the default path instead", request.request_id, custom)
+            custom = None
+        path = self._paths.resolve(custom) if custom is not None else self._paths.default_path(request.request_id)
+        if request.loss_mask is not None and request.loss_mask.shape != (request.num_prompt_tokens,):
+            raise ValueError(f"request {request.request_id}: loss_mask has shape {list(request.loss_mask.shape)}, "
+                             f"expected [{request.num_prompt_tokens}] (one value per prompt token)")
+        with self._lock:
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already in flight; request ids must be unique")
+            self._requests[request.request_id] = _Pending(request, path, bool(params.get("include_output_tokens")))
+
+    def _pending(self, request_id: str) -> _Pending:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in flight: call start_request first (a request whose "
+                           "start_request raised, or that already finished, takes no rows)") from None
+
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        pending = self._pending(request_id)
+        num_layers, hidden_size = len(self.spec.layer_ids), self.spec.hidden_size
+        if (hidden_states.dim() != 3 or hidden_states.shape[0] != token_ids.reshape(-1).shape[0]
+                or tuple(hidden_states.shape[1:]) != (num_layers, hidden_size)):
+            raise ValueError(f"request {request_id}: expected token_ids [t] and hidden_states [t, {num_layers}, "
+                             f"{hidden_size}] (L from the spec's layer_ids, H = hidden_size), got "
+                             f"{list(token_ids.shape)} and {list(hidden_states.shape)}")
+        if hidden_states.dtype != self._dtype:
+            raise ValueError(f"request {request_id}: hidden_states are {hidden_states.dtype}, but the spec (and so "
+                             f"every file's metadata) says {self.spec.dtype}; capture in the spec's dtype")
+        pending.token_chunks.append(token_ids.reshape(-1).to(torch.int64))
+        pending.state_chunks.append(hidden_states)
+
+    def request_finished(self, request_id: str) -> dict[str, Any]:
+        with self._lock:
+            pending = self._pending(request_id)
+            del self._requests[request_id]
+        # the chunks go to storage as they are, back to back: no concatenated copy on the engine's thread
+        token_chunks = pending.token_chunks or [torch.empty(0, dtype=torch.int64)]
+        state_chunks = pending.state_chunks or [
+            torch.empty(0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)]
+        num_tokens = sum(c.shape[0] for c in token_chunks)
+        tensors: dict[str, list[torch.Tensor]] = {TOKEN_IDS: token_chunks, HIDDEN_STATES: state_chunks}
+        info = pending.info
+        if info.loss_mask is not None:
+            extra = max(0, num_tokens - info.num_prompt_tokens)
+            mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
+            tensors[LOSS_MASK] = [mask[:num_tokens]]
+        metadata = request_metadata(self._spec_metadata, request_id=request_id, num_tokens=num_tokens,
+                                    num_prompt_tokens=info.num_prompt_tokens,
+                                    include_output_tokens=pending.include_output_tokens, sample_id=info.sample_id)
+        buffers = _buffers(c for chunks in tensors.values() for c in chunks)
+        future = self._writer.submit(buffers, self._write, pending.path, tensors, metadata)
+        with self._lock:
+            self._futures[request_id] = future
+        return {"hidden_states_path": pending.path}
+
+    def _write(self, url: str, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
+        fs, path = (self._fs, url) if storage.is_local(self._fs) else (self._fs, self._fs._strip_protocol(url))
+        cfg = self.extra_config
+        retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}
+        with storage.pending_write(fs, path, enabled=cfg.use_synchronization_lock, **retry):
+            return storage.write_atomic(fs, path, tensors, metadata, **retry)
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    # -- engine, per batch / lifetime ---------------------------------------------------------------------------
+    def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:
+        self._writer.drain(timeout)
+        failures: dict[str, BaseException] = {}
+        with self._lock:
+            done = {rid: f for rid, f in self._futures.items() if f.done()}
+            for rid, future in done.items():
+                del self._futures[rid]
+                if future.exception() is not None:
+                    failures[rid] = future.exception()
+        for rid, err in failures.items():
+            logger.error("hidden states of request %s were not saved: %s", rid, err)
+        return failures
+
+    def shutdown(self) -> None:
+        self._writer.drain()
+        self._writer.shutdown()
