@@ -140,7 +140,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def model_config(args: argparse.Namespace):
     from transformers import LlamaConfig
 
-    from extractor.tiny_models import build_tokenizer
+    from jobs.tiny_models import build_tokenizer
 
     shape = dict(SHAPES[args.shape])
     if args.vocab_size:
@@ -175,7 +175,7 @@ def build_model(args: argparse.Namespace) -> None:
 
 def make_corpus(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     """n samples of real-ish text; lengths log-uniform in [min_len, max_len], cut from one token stream."""
-    from extractor.tiny_models import sample_text
+    from jobs.tiny_models import sample_text
 
     rng = random.Random(seed)
     lengths = [int(round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))) for _ in range(n)]

@@ -2,14 +2,16 @@
 
     config.py                          KVTransferConfig, the connector registry
     base.py                            HiddenStatesConnector (the interface), RequestInfo
-    example_hidden_states_connector.py the safetensors connector on fsspec storage (+ vLLM-compatible load/cleanup)
-    format.py                          the file format and its metadata (HiddenStatesSpec)
+    safetensors_connector.py           SafetensorsHiddenStatesConnector: one safetensors file per request on fsspec
+    example_hidden_states_connector.py vLLM's module name: the connector under vLLM's name + load/cleanup
+    format.py                          the file format: HiddenStatesSpec, header encoding/parsing, layer-id check
+    run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
     paths.py                           default file names, custom-path containment
-    storage.py                         fsspec primitives: atomic writes, pending-write locks, retries
+    storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
     writer.py                          background writes with a bound on bytes in flight
     reader.py                          load_hidden_states / read_hidden_states_info / cleanup_hidden_states
 
-This package never imports transformers or ray.
+This package never imports transformers or ray. The training feed built on it is the `training` package.
 """
 
 from connectors.base import HiddenStatesConnector, RequestInfo
@@ -36,13 +38,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # lazy: the connector module and the torch Dataset load only when asked for
+    # lazy: the connector module loads only when asked for
     if name == "example_hidden_states_connector":
         import importlib
 
         return importlib.import_module("connectors.example_hidden_states_connector")
-    if name in ("HiddenStatesDataset", "HiddenStatesDatasetConfig", "ShardSampler"):
-        from connectors import dataset
-
-        return getattr(dataset, name)
     raise AttributeError(f"module 'connectors' has no attribute {name!r}")

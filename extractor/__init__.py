@@ -6,7 +6,6 @@
     runner.py       ModelRunner: model loading, chunked prefill, decode steps
     layers.py       layer-id semantics, the capture hooks, early exit
     batching.py     token-budget batches grouped by length
-    tiny_models.py  small random models + a local tokenizer for tests, demos and benchmarks
 """
 
 from extractor.config import EngineConfig

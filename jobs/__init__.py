@@ -9,14 +9,14 @@ The only package that knows both the engine (extractor) and the storage side (co
     chat.py          chat records -> ids + assistant loss mask, for any chat template
     tokenization.py  records -> token ids + loss mask (the CPU stage)
     worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows
-    layout.py        OUTPUT layout (run.json, data/<shard>/, manifest/) and atomic small writes
-    runinfo.py       run.json: written once, checked on every resume
-    manifest.py      the Parquet manifest: atomic parts, committed ids, summaries
+    runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
+    manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run
     submit.py        `hsx submit`: Ray's job submission API
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
+    tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
     cli.py           the `hsx` command
     export.py        `hsx export`: rewrite a run for another trainer's layout
 """

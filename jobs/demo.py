@@ -19,7 +19,7 @@ DEMO_RECORDS = 48
 
 
 def build_demo(root: str) -> tuple[str, list[str]]:
-    from extractor.tiny_models import build_tiny_model, sample_text
+    from jobs.tiny_models import build_tiny_model, sample_text
 
     root = os.path.abspath(root)
     model = os.path.join(root, "model")

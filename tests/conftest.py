@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """build(family, **config_overrides) -> model dir; each distinct model is built once per session."""
-    from extractor.tiny_models import build_tiny_model
+    from jobs.tiny_models import build_tiny_model
 
     built: dict[tuple, str] = {}
 

@@ -35,7 +35,7 @@ REWRITING_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from extractor.tiny_models import build_tokenizer
+    from jobs.tiny_models import build_tokenizer
 
     return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
@@ -158,7 +158,7 @@ def test_bad_records_raise_sample_errors(sample_tokenizer, record, msg):
 
 
 def test_chat_records_without_any_template_fail_with_the_flag_to_use(sample_tokenizer, tmp_path):
-    from extractor.tiny_models import build_tokenizer
+    from jobs.tiny_models import build_tokenizer
 
     tok = build_tokenizer(str(tmp_path))
     tok.chat_template = None

@@ -35,7 +35,7 @@ def oracle_model(tiny_llama):
 @pytest.fixture(scope="session")
 def oracle_run(tmp_path_factory, tiny_llama, oracle_model):
     """(output, samples, spec): texts through the tiny Llama, layers ORACLE_LAYERS, last one pre-norm."""
-    from extractor.tiny_models import sample_text
+    from jobs.tiny_models import sample_text
 
     model, tokenizer = oracle_model
     spec = HiddenStatesSpec(layer_ids=ORACLE_LAYERS, num_hidden_layers=model.config.num_hidden_layers,
