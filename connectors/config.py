@@ -59,8 +59,9 @@ class KVTransferConfig:
         typed = self.connector_class.extra_config_class
         if not isinstance(self.kv_connector_extra_config, dict) and not (
                 typed is not None and isinstance(self.kv_connector_extra_config, typed)):
-            raise TypeError("kv_connector_extra_config must be a dict" + (f" or a {typed.__name__}" if typed else "")
-                            + f", got {type(self.kv_connector_extra_config).__name__}")
+            raise TypeError(f"kv_connector_extra_config must be a dict, got "
+                            f"{type(self.kv_connector_extra_config).__name__}"
+                            + (f" (or pass a {typed.__name__})" if typed else ""))
         # validates the name and the extra-config keys now, not at the first request
         self.connector_class.parse_extra_config(self.kv_connector_extra_config)
 

@@ -243,7 +243,8 @@ def test_rows_of_one_batch_hold_its_whole_buffer_once(gated_storage, connector_f
     producer.start()
     with witness["cond"]:  # all four rows of batch 0 reach storage together: they share one buffer
         assert witness["cond"].wait_for(lambda: witness["waiting"] == batch, timeout=30)
-    with progressed:
+    with progressed:  # the producer notes a row after request_finished returns, which may be after it is stored
+        progressed.wait_for(lambda: len(handed) >= batch, timeout=5)
         assert handed == [f"batch0-row{b}" for b in range(batch)]
         # counting rows alone, batch 1 (another 1/8 of a buffer per batch) would fit many times over; its buffer
         # does not fit beside batch 0's, so its first row waits

@@ -21,8 +21,7 @@ from connectors import load_hidden_states, read_hidden_states_info
 from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from jobs.config import JobConfig
 from jobs.estimate import estimate
-from jobs.layout import Output
-from jobs.manifest import committed_ids
+from connectors.run import RunDir, committed_ids
 from jobs.pipeline import run_job
 from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 
@@ -240,7 +239,7 @@ def test_s3_corpus_and_s3_output_with_generated_tokens(ray_cluster, tiny_llama, 
         assert obj["loss_mask"][row["num_prompt_tokens"]:].tolist() == [1] * generated
     assert json.loads(fs.cat_file(f"{url}/run/run.json"))["max_tokens"] == 3
     # what a resume on S3 skips: every committed id, read back from the S3 manifest
-    assert committed_ids(Output(f"{url}/run", options)) == set(table["sample_id"].to_pylist())
+    assert committed_ids(RunDir(f"{url}/run", options)) == set(table["sample_id"].to_pylist())
 
 
 # -- kill -9 -----------------------------------------------------------------------------------------------------------

@@ -45,14 +45,23 @@ def test_gpu_workers_reserve_one_cpu_and_another_cluster_only_warns(ray_cluster,
 
 
 def test_a_cpu_worker_runs_as_many_torch_threads_as_it_reserved_at_most_its_cores(tiny_llama, tmp_path):
+    from connectors.run import RunSpec
+    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from extractor import EngineConfig, SamplingParams
     from jobs.worker import ExtractionWorker, WorkerSettings
 
     saved = torch.get_num_threads()
     try:
         for reserved, expected in ((1, 1), (10_000, len(os.sched_getaffinity(0)))):
             worker = ExtractionWorker(WorkerSettings(
-                model=tiny_llama, layer_ids=(1, 4), dtype="float32", max_model_len=64, output=str(tmp_path),
-                device="cpu", cpu_threads=reserved, hidden_size=64, num_hidden_layers=4))
+                engine=EngineConfig(model=tiny_llama, layer_ids=(1, 4), dtype="float32", max_model_len=64,
+                                    device="cpu"),
+                sampling=SamplingParams(max_tokens=0),
+                connector=HiddenStatesConnectorConfig(shared_storage_path=str(tmp_path), allow_custom_save_path=True),
+                run=RunSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama),
+                cpu_threads=reserved))
+            assert worker.llm is None  # the model loads with the first work, not when the actor starts
+            worker._engine()
             assert torch.get_num_threads() == expected
             worker.llm.shutdown()
     finally:

@@ -1,0 +1,261 @@
+"""The seams between the packages: durable commits (a host-crash simulation over the real worker and manifest writer),
+one validation path (bad flags exit 2 before anything is written), runs written by the previous run.json format,
+estimates that match real files, a finished job that re-runs without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+
+import pyarrow as pa
+import pytest
+
+from connectors.run import (
+    RUN_JSON,
+    RunDir,
+    RunFormatError,
+    RunSpec,
+    data_path,
+    read_manifest,
+    read_run_spec,
+    write_run_spec,
+)
+from jobs.cli import EXIT_USAGE, main
+
+
+# -- durability: no "ok" row may point at bytes that were not on disk first ---------------------------------------
+class _SyscallLog:
+    """Records fsync (file or directory, by path) and rename calls in order: what a crash could lose."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            real_fsync(fd)
+            self.events.append(("fsync", path))
+
+        def replace(src, dst):
+            self.on_replace(os.fspath(src), os.fspath(dst))
+            real_replace(src, dst)
+            self.events.append(("replace", os.fspath(src), os.fspath(dst)))
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+        self.checked_commits = 0
+
+    def durable(self, path: str) -> bool:
+        """`path` names complete bytes after a crash now: its content was fsynced under the temp name before the
+        rename, and its directory was fsynced after the rename."""
+        renamed = None
+        for i, e in enumerate(self.events):
+            if e[0] == "replace" and e[2] == path:
+                renamed = i
+        if renamed is None:
+            return False
+        src = self.events[renamed][1]
+        content = any(e == ("fsync", src) for e in self.events[:renamed])
+        directory = any(e == ("fsync", os.path.dirname(path)) for e in self.events[renamed + 1:])
+        return content and directory
+
+    def on_replace(self, src: str, dst: str) -> None:
+        """A manifest part is about to get its name (it may reach the disk any moment after): every "ok" row in it
+        must reference a file that is already durable."""
+        if "/manifest/" not in dst:
+            return
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(src).to_pylist()
+        root = dst.rsplit("/manifest/", 1)[0]
+        for row in rows:
+            if row["status"] == "ok":
+                assert self.durable(posixpath.join(root, row["path"])), f"ok row for {row['path']} before its bytes"
+        self.checked_commits += 1
+
+
+def test_an_ok_row_is_committed_only_after_its_data_file_is_durable(tiny_llama, tmp_path, monkeypatch):
+    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from extractor import EngineConfig, SamplingParams
+    from jobs.manifest import ManifestWriter
+    from jobs.tokenization import SAMPLE_SCHEMA
+    from jobs.worker import ExtractionWorker, WorkerSettings
+
+    out = RunDir(str(tmp_path / "run"))
+    spec = RunSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    write_run_spec(out, spec)
+    worker = ExtractionWorker(WorkerSettings(
+        engine=EngineConfig(model=tiny_llama, layer_ids=(1, 4), dtype="float32", device="cpu"),
+        sampling=SamplingParams(max_tokens=0),
+        connector=HiddenStatesConnectorConfig(shared_storage_path=out.url, allow_custom_save_path=True),
+        run=spec))
+    log = _SyscallLog(monkeypatch)
+    samples = pa.Table.from_pylist([
+        {"sample_id": f"s{i}", "source": f"c.jsonl:{i}", "prompt_token_ids": list(range(5, 9 + i)),
+         "loss_mask": [1] * (4 + i), "num_prompt_tokens": 4 + i, "truncated": False, "error": None}
+        for i in range(5)], schema=SAMPLE_SCHEMA)
+    writer = ManifestWriter(out, "A")
+    writer.add(worker(samples))
+    writer.flush()
+    worker.llm.shutdown()
+    assert log.checked_commits == 1
+    table = read_manifest(out)
+    assert table["status"].to_pylist() == ["ok"] * 5
+    for rel in table["path"].to_pylist():
+        assert log.durable(out.path(rel))
+    assert log.durable(out.path("manifest/" + os.listdir(out.path("manifest"))[0]))
+
+
+def test_the_durability_check_catches_a_data_file_renamed_before_its_fsync(tmp_path, monkeypatch):
+    """The simulation can fail: a writer that renames first and fsyncs never makes its file durable."""
+    log = _SyscallLog(monkeypatch)
+    path = str(tmp_path / "x.safetensors")
+    with open(path + ".tmp", "wb") as f:
+        f.write(b"data")
+    os.replace(path + ".tmp", path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    assert not log.durable(path)
+
+
+# -- one validation path: bad flags exit 2 before run.json exists, Ray starts or a model loads ----------------------
+@pytest.mark.parametrize("argv, named", [
+    (["--top-k", "-5"], "--top-k"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--dtype", "float"], "--dtype"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--layers", "2,2"], "--layers"),
+    (["--layers", "-1,2"], "--layers"),
+    (["--layers", "a,b"], "--layers"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+])
+def test_bad_flags_exit_2_naming_the_flag_before_anything_is_written(argv, named, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", str(tmp_path / "no-model-needed"), "--corpus", "c.jsonl", "--output", str(out), *argv])
+    assert e.value.code == EXIT_USAGE
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_layer_ids_beyond_the_model_exit_2_before_run_json(tiny_llama, tmp_path, capsys):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"prompt": "hello"}\n')
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", tiny_llama, "--corpus", str(corpus), "--output", str(out), "--layers", "2,9"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--layers" in err and "0..4" in err
+    assert not (out / RUN_JSON).exists()
+
+
+def test_engine_and_job_share_one_dtype_rule_for_a_float64_checkpoint(tiny_model_factory):
+    from transformers import AutoConfig
+
+    from extractor.config import resolve_dtype
+    from jobs.config import JobConfig
+    from jobs.model import ModelFacts
+
+    model = tiny_model_factory("llama", torch_dtype="float64")
+    assert ModelFacts.resolve(JobConfig(model=model, corpus=("c",), output="o")).dtype == "float32"
+    assert resolve_dtype("auto", AutoConfig.from_pretrained(model)) == "float32"
+
+
+# -- the previous run.json format still opens; unknown versions are refused -----------------------------------------
+V1_RUN_JSON = {
+    "format": "hsx.run", "format_version": "1", "file_format": "hsx.hidden_states", "file_format_version": "1",
+    "model": "/models/tiny", "model_revision": "", "model_fingerprint": "0123456789abcdef",
+    "architecture": "LlamaForCausalLM", "layer_ids": [1, 2, 4], "layer_id_convention": "vllm",
+    "last_layer_normalized": False, "num_hidden_layers": 4, "hidden_size": 64, "dtype": "float32",
+    "chat_template_source": "tokenizer", "chat_template_sha256": "ab" * 32, "max_model_len": 4096,
+    "overlength": "truncate", "max_tokens": 3, "include_output_tokens": True,
+    "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}, "id_field": "id",
+    "corpus": {"files": ["/data/a.jsonl"], "fingerprint": "fedcba9876543210"},
+    "layout": {"data": "data/<sha1(sample_id)[:2]>/<safe sample id>.safetensors",
+               "manifest": "manifest/ (Parquet; authoritative: a file counts only with an 'ok' row)"},
+    "versions": {"python": "3.11.7", "hsx": "0.1.0"}, "created_at": "2026-11-20T10:00:00Z",
+}
+
+
+def test_a_run_json_of_the_previous_format_still_opens(tmp_path):
+    (tmp_path / RUN_JSON).write_text(json.dumps(V1_RUN_JSON))
+    spec = read_run_spec(str(tmp_path))
+    assert spec.format_version == "1"
+    assert spec.layer_ids == (1, 2, 4) and spec.max_tokens == 3 and spec.sampling.temperature == 0.0
+    assert spec.corpus == ("/data/a.jsonl",) and spec.corpus_fingerprint == "fedcba9876543210"
+    assert spec.data_path("s-1") == data_path("s-1")
+    # written back, it is the current version and reads back equal
+    again = RunSpec.from_json(spec.to_json())
+    assert again.format_version == "2" and again.to_json() == spec.to_json()
+
+
+def test_a_job_resumes_a_run_of_the_previous_format_with_the_same_settings(tmp_path):
+    from jobs.runinfo import RunMismatch, ensure_run_spec
+
+    (tmp_path / RUN_JSON).write_text(json.dumps(V1_RUN_JSON))
+    old = read_run_spec(str(tmp_path))
+    assert ensure_run_spec(RunDir(str(tmp_path)), old) is False  # same settings: a resume, nothing rewritten
+    with pytest.raises(RunMismatch, match="--max-tokens"):
+        ensure_run_spec(RunDir(str(tmp_path)), RunSpec(**{**old.__dict__, "max_tokens": 4}))
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({**V1_RUN_JSON, "format_version": "9"}, r"format_version '9'.*reads versions 1, 2.*upgrade hsx"),
+    ({"model": "m", "layer_ids": [1]}, "not an hsx run file"),
+    ({k: v for k, v in V1_RUN_JSON.items() if k != "hidden_size"}, r"lacks \['hidden_size'\]"),
+    ({**V1_RUN_JSON, "layer_ids": [1, 9]}, "out of range"),
+])
+def test_unreadable_run_json_is_refused_with_the_reason(tmp_path, doc, match, capsys):
+    (tmp_path / RUN_JSON).write_text(json.dumps(doc))
+    with pytest.raises(RunFormatError, match=match):
+        read_run_spec(str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path)])
+    assert e.value.code == EXIT_USAGE
+
+
+# -- estimate = the writer's own bytes -------------------------------------------------------------------------------
+@pytest.mark.ray
+def test_estimate_matches_the_files_a_run_writes_with_non_ascii_ids(ray_cluster, tiny_llama, tmp_path):
+    from jobs.config import JobConfig
+    from jobs.estimate import estimate
+    from jobs.pipeline import run_job
+    from tests.jobs.conftest import write_jsonl
+
+    ids = ["é-1", "日本語", "emoji-🙂", "plain"]
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": i, "prompt": f"text number {n} for {i}"}
+                                                for n, i in enumerate(ids)])
+    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), layers=(1, 4),
+                       progress=False)
+    est = estimate(config)
+    result = run_job(config)
+    assert result.ok == len(ids)
+    table = read_manifest(str(tmp_path / "out"))
+    written = sum(os.path.getsize(os.path.join(tmp_path, "out", p)) for p in table["path"].to_pylist())
+    assert est.bytes == written == sum(table["bytes"].to_pylist())
+
+
+# -- a finished job re-runs without Ray ---------------------------------------------------------------------------
+@pytest.mark.ray
+def test_rerunning_a_finished_job_returns_without_starting_ray(ray_cluster, tiny_llama, tmp_path):
+    from jobs.config import JobConfig
+    from jobs.pipeline import execute_job, prepare_job, run_job
+    from tests.jobs.conftest import write_jsonl
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(6)])
+    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), progress=False)
+    assert run_job(config).ok == 6
+    plan = prepare_job(config)
+    assert plan.nothing_left
+    result = execute_job(plan)
+    assert (result.ok, result.skipped, result.gpus_per_worker) == (0, 6, None)  # no worker was ever placed
+    assert len(read_manifest(str(tmp_path / "out"))) == 6  # and no row was added
+    # one new record: there is work again, and only it is extracted
+    write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(7)])
+    plan = prepare_job(config)
+    assert not plan.nothing_left
+    assert execute_job(plan).ok == 1
