@@ -144,25 +144,20 @@ class RunSpec:
     how the job made them. Runs written with the offline API alone (examples, fixtures) fill the first block only.
     """
 
+    # what every data file shares: HiddenStatesSpec's fields (see format.py), flat, plus the id convention
     layer_ids: tuple[int, ...]
-    """Stored hidden-state ids, in row order, in `layer_id_convention` (vLLM's: 0 = embeddings, N = last layer)."""
     num_hidden_layers: int
-    """N, the target model's decoder layer count."""
     hidden_size: int
-    """H, the width of every stored row."""
     dtype: str
-    """torch dtype name of the stored hidden states, e.g. "bfloat16"."""
     model: str = ""
-    """The target model: an absolute local folder or a hub id."""
     model_revision: str = ""
-    """Commit or revision of a hub model ("" for local folders)."""
     architecture: str = ""
-    """The model's `architectures`, comma-separated."""
+    """The model's `architectures`, comma-separated (HiddenStatesSpec.extra["architecture"])."""
     last_layer_normalized: bool = False
-    """Whether id N was stored after the model's final norm (hsx and vLLM store it pre-norm)."""
     layer_id_convention: str = LAYER_ID_CONVENTION
-    """How `layer_ids` count; hsx writes "vllm"."""
+    """How `layer_ids` count; hsx writes "vllm" (0 = embeddings, k = output of decoder layer k-1, N pre-norm)."""
 
+    # how the job made them
     model_fingerprint: str = ""
     """sha256 prefix of the model's config and weight files' names and sizes."""
     chat_template_source: str = "none"

@@ -4,8 +4,8 @@
     drain()                               block until every submitted write has finished
     shutdown()
 
-`buffers` is what the write keeps alive until it is done: {key: nbytes} of the buffers its tensors view. A buffer shared by several pending writes (the rows of one batch are views of one batch tensor) counts
-once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
+`buffers` is what the write keeps alive until it is done: {key: nbytes} of the buffers its tensors view. A buffer
+shared by several pending writes (the rows of one batch are views of one batch tensor) counts once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
 the bytes each file will have. A write that adds no new buffer is never held back; one larger than the whole bound
 is admitted alone, so nothing deadlocks.
 """
@@ -30,11 +30,6 @@ class BackgroundWriter:
         self._pending: set[Future] = set()
         self._cond = threading.Condition()
         self.peak_bytes_in_flight = 0
-
-    @property
-    def bytes_in_flight(self) -> int:
-        with self._cond:
-            return self._in_flight
 
     def submit(self, buffers: Mapping[Hashable, int], fn: Callable, *args, **kwargs) -> Future:
         held = dict(buffers)

@@ -310,6 +310,8 @@ def _root_cause(error: BaseException) -> str:
     if not lines:
         return type(error).__name__
     causes = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
+    # Ray's own wrappers ("UserCodeException: UDF failed to process a data block") name no cause: skip them
+    causes = [c for c in causes if not c.startswith("ray.exceptions.")] or causes
     head = re.sub(r"\x1b\[[0-9;]*m", "", lines[0])
     return head if not causes or causes[-1] in head else f"{head} ... {causes[-1]}"
 

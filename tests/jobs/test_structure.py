@@ -160,7 +160,7 @@ def test_engine_and_job_share_one_dtype_rule_for_a_float64_checkpoint(tiny_model
     from jobs.config import JobConfig
     from jobs.model import ModelFacts
 
-    model = tiny_model_factory("llama", torch_dtype="float64")
+    model = tiny_model_factory("llama", dtype="float64")
     assert ModelFacts.resolve(JobConfig(model=model, corpus=("c",), output="o")).dtype == "float32"
     assert resolve_dtype("auto", AutoConfig.from_pretrained(model)) == "float32"
 
