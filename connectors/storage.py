@@ -36,7 +36,7 @@ import os
 import posixpath
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import fsspec

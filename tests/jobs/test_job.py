@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from connectors import load_hidden_states, read_hidden_states_info
+from connectors.run import RunDir, committed_ids
 from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from jobs.config import JobConfig
 from jobs.estimate import estimate
-from connectors.run import RunDir, committed_ids
 from jobs.pipeline import run_job
 from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 
