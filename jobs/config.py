@@ -152,8 +152,8 @@ class JobConfig:
             self.connector_config()
 
     # -- the typed configs a worker's engine is built from ---------------------------------------------------------
-    def engine_config(self, *, layer_ids: tuple[int, ...] | None = None, dtype: str | None = None,
-                      max_model_len: int | None = None, device: str | None = None):
+    def engine_config(self, *, model: str | None = None, layer_ids: tuple[int, ...] | None = None,
+                      dtype: str | None = None, max_model_len: int | None = None, device: str | None = None):
         """The engine's EngineConfig for this job; the keyword arguments override with values the driver resolved
         from the model's config (so every worker runs exactly what run.json records)."""
         from extractor.config import EngineConfig
@@ -161,7 +161,7 @@ class JobConfig:
         kwargs: dict[str, Any] = {}
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
-        return _flag_errors(EngineConfig, model=self.model, layer_ids=layer_ids or self.layers,
+        return _flag_errors(EngineConfig, model=model or self.model, layer_ids=layer_ids or self.layers,
                             dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
                             device=device, attn_implementation=self.attn_implementation, revision=self.revision,
                             trust_remote_code=self.trust_remote_code, **kwargs)

@@ -200,7 +200,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
                                 overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
                                 trust_remote_code=c.trust_remote_code)
     work = WorkerSettings(
-        engine=c.engine_config(layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len,
+        engine=c.engine_config(model=f.model, layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len,
                                device=None if gpus_per_worker > 0 else "cpu"),
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),

@@ -241,13 +241,15 @@ def test_estimate_matches_the_files_a_run_writes_with_non_ascii_ids(ray_cluster,
 
 # -- a finished job re-runs without Ray ---------------------------------------------------------------------------
 @pytest.mark.ray
-def test_rerunning_a_finished_job_returns_without_starting_ray(ray_cluster, tiny_llama, tmp_path):
+def test_rerunning_a_finished_job_returns_without_starting_ray(ray_cluster, tiny_llama, tmp_path, monkeypatch):
     from jobs.config import JobConfig
     from jobs.pipeline import execute_job, prepare_job, run_job
     from tests.jobs.conftest import write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(6)])
-    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), progress=False)
+    monkeypatch.chdir(tmp_path)  # a relative --model: workers load the folder the driver resolved
+    config = JobConfig(model=os.path.relpath(tiny_llama), corpus=(corpus,), output=str(tmp_path / "out"),
+                       progress=False)
     assert run_job(config).ok == 6
     plan = prepare_job(config)
     assert plan.nothing_left
