@@ -8,7 +8,8 @@
     hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
-`max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win.
+`max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win. `hsx
+export`'s arguments map onto `training.export.ExportConfig` by the same rule (OUTPUT and DEST positional).
 
 Exit codes: 0 success; 1 the job failed, or samples failed with --fail-on-error; 2 usage errors (bad flags, bad
 settings, a refused resume); 130 interrupted.
@@ -22,6 +23,7 @@ import json
 import logging
 import shlex
 import sys
+import time
 import types
 import typing
 from typing import Any
@@ -38,7 +40,7 @@ class UsageError(ValueError):
     """Bad command-line input; exit status 2."""
 
 
-# -- JobConfig <-> flags -------------------------------------------------------------------------------------------
+# -- config dataclasses <-> flags ----------------------------------------------------------------------------------
 def _base_type(hint: Any) -> Any:
     """int for `int | None`, tuple for `tuple[int, ...] | None`, ..."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -47,22 +49,34 @@ def _base_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per JobConfig field (help = the field's docstring), plus --config. Defaults stay unset (SUPPRESS)
-    so that a job file's values are only overridden by flags actually given."""
-    parser.add_argument("--config", metavar="JOB.yaml", default=argparse.SUPPRESS,
-                        help="load settings from a YAML or JSON job file (keys = field names); flags override it")
-    docs = field_docs(JobConfig)
-    hints = typing.get_type_hints(JobConfig)
-    for f in dataclasses.fields(JobConfig):
-        if f.name in exclude:
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = JobConfig, *, exclude: tuple[str, ...] = (),
+                         positional: tuple[str, ...] = (), choices: dict[str, tuple[str, ...]] | None = None,
+                         config_file: bool = True) -> None:
+    """One flag per field of the config dataclass `cls` (help = the field's docstring): field `max_model_len` is flag
+    `--max-model-len`; fields in `positional` are positional arguments (metavar = the name upper-cased), in that
+    order. `choices` (field -> allowed values) adds to _CHOICES. A field without a default is a required flag.
+    Defaults stay unset (SUPPRESS), so a job file's values are only overridden by flags actually given; with
+    `config_file`, --config loads such a file (JobConfig's keys)."""
+    if config_file:
+        parser.add_argument("--config", metavar="JOB.yaml", default=argparse.SUPPRESS,
+                            help="load settings from a YAML or JSON job file (keys = field names); flags override it")
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    allowed = {**_CHOICES, **(choices or {})}
+    for name in positional:
+        parser.add_argument(name, metavar=name.upper(), help=docs.get(name, "").replace("%", "%%"))
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or f.name in positional:
             continue
         base = _base_type(hints[f.name])
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = docs.get(f.name, "")
         if default not in (None, "", ()) and base is not dict:
             help_text += f" [default: {default}]"
+        if required:
+            kwargs["required"] = True
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.name == "corpus":
@@ -71,21 +85,24 @@ def add_config_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ..
             kwargs.update(type=base, metavar=f.name.upper().split("_")[-1] if base is int else "X")
         else:
             kwargs.update(type=str, metavar=_METAVARS.get(f.name, f.name.split("_")[-1].upper()))
-        if f.name in _CHOICES:
-            kwargs["choices"] = _CHOICES[f.name]
+        if f.name in allowed:
+            kwargs["choices"] = allowed[f.name]
             kwargs.pop("metavar", None)
         parser.add_argument(flag(f.name), help=help_text.replace("%", "%%"), **kwargs)
 
 
-def config_from_args(args: argparse.Namespace, required: tuple[str, ...] = ("model", "corpus", "output")) -> JobConfig:
-    """Job file (if any) overlaid with the flags given; raises UsageError naming the setting to fix."""
+def config_from_args(args: argparse.Namespace, cls: type = JobConfig,
+                     required: tuple[str, ...] = ("model", "corpus", "output")) -> Any:
+    """`cls` built from the job file (if any) overlaid with the flags given; raises UsageError naming the setting to
+    fix. `required`: settings `cls.check_required` must find set (JobConfig's); pass () for configs without one."""
     try:
         values = load_config_file(args.config) if getattr(args, "config", None) else {}
-        for f in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(cls):
             if hasattr(args, f.name):
                 values[f.name] = getattr(args, f.name)
-        config = JobConfig(**values)
-        config.check_required(required)
+        config = cls(**values)
+        if required:
+            config.check_required(required)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
     return config
@@ -210,6 +227,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, workers=args.workers, progress=args.progress)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from training.export import ExportConfig, export_run
+
+    config: ExportConfig = config_from_args(args, ExportConfig, required=())
+    last = [time.monotonic()]  # report every 5 s, not at the first sample
+
+    def progress(s) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 5:
+            last[0] = now
+            print(f"  {s.written + s.skipped}/{s.samples} samples", file=sys.stderr, flush=True)
+
+    try:
+        s = export_run(config.output, config.dest, config.format, model_dir=config.model_dir,
+                       storage_options=config.storage_options, num_workers=config.num_workers, progress=progress)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
+          f"{s.skipped} already done, {s.seconds:.1f}s")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hsx", description="Extract hidden states of a causal LM over a corpus "
                                      "for EAGLE drafter training, on Ray.",
@@ -262,9 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress")
     demo.set_defaults(func=_cmd_demo)
 
-    from jobs import export
+    from training.export import FORMATS, ExportConfig
 
-    export.register(sub)
+    export = sub.add_parser("export", help="write a run in the layout of speculators, SpecForge or ModelOpt",
+                            description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in "
+                                        "the on-disk layout another drafter trainer reads. Streaming (one sample at a "
+                                        "time) and resumable (re-run the same command after an interruption: "
+                                        "finished samples are skipped).")
+    add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS},
+                         config_file=False)
+    export.set_defaults(func=_cmd_export)
     return parser
 
 

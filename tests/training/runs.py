@@ -4,21 +4,21 @@
     random_samples(n, spec, ...)    random states of varied lengths (a loss mask on some, none on others)
     oracle_samples(model_dir, ...)  states from a plain transformers forward of a tiny model (the oracle)
     write_run(output, samples, spec, ...)   files via KVTransferConfig(...).create_connector(spec), the manifest
-                                            with pyarrow, and run.json: the layout of an `hsx run` OUTPUT
+                                            and run.json via connectors.run: the layout of an `hsx run` OUTPUT
+    spec_run_json(spec) -> RunSpec          the run.json of a run whose files carry `spec`
+    write_manifest(output, rows, parts=)    rows as manifest parts (connectors.run.write_manifest_part)
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.run import RunDir, RunSpec, write_manifest_part, write_run_spec
 from connectors.storage import open_url
 
 
@@ -76,11 +76,11 @@ def oracle_samples(model, texts: Sequence[str], tokenizer, layer_ids: Sequence[i
 
 
 def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
-              storage_options: dict | None = None, run_json: bool | dict = True,
+              storage_options: dict | None = None, run_json: bool | RunSpec = True,
               extra_rows: Sequence[dict] = (), files_per_folder: int = 4, manifest_parts: int = 1) -> list[dict]:
     """Write `samples` as an hsx run at `output`; return the manifest rows written.
 
-    run_json: True writes the spec's keys; a dict is written as is; False writes none.
+    run_json: True writes spec_run_json(spec); a RunSpec is written as is; False writes none.
     extra_rows: further manifest rows (e.g. failed samples, duplicates) appended after the ok rows.
     """
     options = dict(storage_options or {})
@@ -109,31 +109,20 @@ def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
     rows += list(extra_rows)
     write_manifest(output, rows, storage_options=options, parts=manifest_parts)
     if run_json is not False:
-        doc = run_json if isinstance(run_json, dict) else spec_run_json(spec)
-        fs.pipe_file(posixpath.join(root, "run.json"), json.dumps(doc).encode())
+        write_run_spec(RunDir(output, options), run_json if isinstance(run_json, RunSpec) else spec_run_json(spec))
     return rows
 
 
-def spec_run_json(spec: HiddenStatesSpec) -> dict:
-    return {"model": spec.model, "model_revision": spec.model_revision, "layer_ids": list(spec.layer_ids),
-            "layer_id_convention": "vllm", "num_hidden_layers": spec.num_hidden_layers,
-            "hidden_size": spec.hidden_size, "dtype": spec.dtype,
-            "last_layer_normalized": spec.last_layer_normalized}
+def spec_run_json(spec: HiddenStatesSpec) -> RunSpec:
+    """The run.json of a run whose files carry `spec` (what the offline API alone knows: no job fields)."""
+    return RunSpec.from_file_spec(spec)
 
 
-MANIFEST_SCHEMA = pa.schema([("sample_id", pa.string()), ("path", pa.string()), ("num_tokens", pa.int64()),
-                             ("num_prompt_tokens", pa.int64()), ("status", pa.string()), ("error", pa.string()),
-                             ("bytes", pa.int64())])
-
-
-def write_manifest(output: str, rows: Sequence[dict], *, storage_options: dict | None = None, parts: int = 1) -> None:
-    """The manifest as `parts` Parquet files under OUTPUT/manifest/ (rows split in order)."""
-    fs, root = open_url(output, storage_options)
-    mdir = posixpath.join(root, "manifest")
-    fs.makedirs(mdir, exist_ok=True)
+def write_manifest(output: str, rows: Sequence[dict], *, storage_options: dict | None = None, parts: int = 1,
+                   attempt: str = "test") -> None:
+    """The manifest as `parts` part files under OUTPUT/manifest/ (rows split in order), through the job's own part
+    writer; a second call with the same `attempt` replaces the parts of the first."""
+    run = RunDir(output, storage_options)
     per = -(-len(rows) // parts) if rows else 0
     for p in range(parts):
-        chunk = rows[p * per:(p + 1) * per]
-        table = pa.Table.from_pylist(list(chunk), schema=MANIFEST_SCHEMA)
-        with fs.open(posixpath.join(mdir, f"part-{p:05d}.parquet"), "wb") as f:
-            pq.write_table(table, f)
+        write_manifest_part(run, list(rows[p * per:(p + 1) * per]), attempt, p)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors import HiddenStatesDataset
-from connectors.collate import PackCollator, PadCollator
+from training.collate import PackCollator, PadCollator
+from training.dataset import HiddenStatesDataset
 
 
 def _items(lengths, h=4, seed=0):

@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from connectors import HiddenStatesDataset, HiddenStatesSpec, load_hidden_states
-from connectors.dataset import FinalNorm, read_run_info
+from connectors import HiddenStatesSpec, load_hidden_states
+from connectors.run import write_manifest_part, write_run_spec
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import random_samples, spec_run_json, write_manifest, write_run
+from training.dataset import HiddenStatesDataset, read_run_info
+from training.norm import FinalNorm
 
 
 def test_items_equal_the_stored_tensors(random_run):
@@ -133,8 +135,8 @@ def test_final_norm_refuses_unknown_models_and_missing_folders(tmp_path, random_
 def test_final_norm_needs_a_model_folder_when_the_run_names_none(tmp_path, oracle_run):
     out, samples, spec = oracle_run
     run2 = str(tmp_path / "run")
-    doc = spec_run_json(spec) | {"model": "org/not-a-folder"}
-    write_run(run2, samples[:2], HiddenStatesSpec(**{**spec.__dict__, "model": "org/not-a-folder"}), run_json=doc)
+    remote = HiddenStatesSpec(**{**spec.__dict__, "model": "org/not-a-folder"})
+    write_run(run2, samples[:2], remote, run_json=spec_run_json(remote))
     with pytest.raises(ValueError, match="Pass model_dir"):
         HiddenStatesDataset(run2, normalize_last_layer=True)
     ds = HiddenStatesDataset(run2, normalize_last_layer=True, model_dir=spec.model, layout="eagle3")
@@ -179,9 +181,8 @@ def test_opening_a_million_row_manifest_reads_no_data_file(tmp_path):
                       "num_tokens": pa.array(range(n), pa.int64()), "num_prompt_tokens": pa.array(range(n), pa.int64()),
                       "status": pa.array(["ok"] * n), "error": pa.nulls(n, pa.string()),
                       "bytes": pa.array([1] * n, pa.int64())})
-    (tmp_path / "manifest").mkdir()
-    pq.write_table(table, tmp_path / "manifest" / "part-0.parquet")
-    (tmp_path / "run.json").write_text(json.dumps(spec_run_json(spec)))
+    write_manifest_part(str(tmp_path), table, "test", 0)
+    write_run_spec(str(tmp_path), spec_run_json(spec))
     start = time.perf_counter()
     ds = HiddenStatesDataset(str(tmp_path), layout="eagle3")
     elapsed = time.perf_counter() - start

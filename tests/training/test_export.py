@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -13,10 +12,11 @@ import torch
 
 from connectors import HiddenStatesSpec
 from connectors.paths import safe_file_stem
-from jobs import export
-from jobs.export import export_run
+from jobs.cli import EXIT_OK, EXIT_USAGE, build_parser, main
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import spec_run_json, write_run
+from training import export
+from training.export import export_run
 
 
 def _oracle(model, input_ids):
@@ -180,13 +180,13 @@ def test_refusals_name_the_fix(oracle_run, tmp_path):
 
 def test_cli_export_subcommand(oracle_run, tmp_path, capsys):
     out, samples, spec = oracle_run
-    parser = argparse.ArgumentParser(prog="hsx")
-    export.register(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(["export", "--format", "modelopt", "--model-dir", spec.model, out, str(tmp_path / "x")])
-    assert args.func(args) == 0
+    assert args.func(args) == EXIT_OK == 0
     assert f"exported {len(samples)} samples" in capsys.readouterr().out
-    bad = parser.parse_args(["export", "--format", "speculators", str(tmp_path / "nothing"), str(tmp_path / "y")])
-    assert bad.func(bad) == 2
+    with pytest.raises(SystemExit) as bad:
+        main(["export", "--format", "speculators", str(tmp_path / "nothing"), str(tmp_path / "y")])
+    assert bad.value.code == EXIT_USAGE == 2
     assert "no manifest" in capsys.readouterr().err
 
 
@@ -204,3 +204,55 @@ def test_export_reads_an_s3_run(s3_bucket, tmp_path):
     for i, s in enumerate(samples):
         f = safetensors.torch.load_file(os.path.join(dest, "hidden_states", f"hs_{i}.safetensors"))
         assert torch.equal(f["hidden_states"], s.hidden_states) and torch.equal(f["token_ids"], s.token_ids)
+
+
+def _files_under(dest):
+    return sorted(os.path.relpath(os.path.join(d, f), dest) for d, _, names in os.walk(dest) for f in names)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "specforge", "modelopt"])
+def test_every_exported_file_is_written_through_put_atomic_and_no_temp_file_is_left(oracle_run, tmp_path, fmt,
+                                                                                    monkeypatch):
+    from connectors import storage
+
+    out, samples, _ = oracle_run
+    dest = str(tmp_path / fmt)
+    put_atomic, written = storage.put_atomic, []
+
+    def recording_put_atomic(fs, path, content):
+        written.append(os.path.relpath(path, dest))
+        return put_atomic(fs, path, content)
+
+    monkeypatch.setattr(storage, "put_atomic", recording_put_atomic)
+    export_run(out, dest, fmt)
+    on_disk = _files_under(dest)
+    assert sorted(written) == on_disk  # each file once, and nothing written another way
+    assert len(on_disk) >= len(samples) + 1
+    assert not [f for f in on_disk if ".tmp-" in f or os.path.basename(f).startswith(".")]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
+def test_an_export_interrupted_inside_a_write_leaves_no_partial_file(oracle_run, tmp_path, fmt, monkeypatch):
+    out, samples, _ = oracle_run
+    dest = str(tmp_path / fmt)
+    save, calls = torch.save, []
+
+    def save_that_dies_on_the_third_sample(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            f.write(b"PK\x03\x04 half a zip")  # bytes reach the file, then the writer dies
+            raise OSError("disk full")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_that_dies_on_the_third_sample)
+    with pytest.raises(OSError, match="disk full"):
+        export_run(out, dest, fmt)
+    monkeypatch.setattr(torch, "save", save)
+    layout = export._LAYOUTS[fmt](dest, None)
+    paths = [os.path.join(dest, layout.relpath(i, s.sample_id)) for i, s in enumerate(samples)]
+    assert [os.path.exists(p) for p in paths] == [True, True] + [False] * (len(samples) - 2)
+    assert not [f for f in _files_under(dest) if ".tmp-" in f]  # the temp file went with the failure
+    for p, s in zip(paths[:2], samples):
+        assert torch.equal(torch.load(p, weights_only=True)["input_ids"], s.token_ids)  # whole files only
+    resumed = export_run(out, dest, fmt)
+    assert (resumed.written, resumed.skipped) == (len(samples) - 2, 2)

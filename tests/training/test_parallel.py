@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from connectors import HiddenStatesDataset, HiddenStatesSpec
-from connectors.collate import PackCollator, PadCollator
-from connectors.dataset import ShardSampler
+from connectors import HiddenStatesSpec
 from tests.training.runs import random_samples, write_run
+from training.collate import PackCollator, PadCollator
+from training.dataset import HiddenStatesDataset
+from training.sampler import ShardSampler
 
 
 @pytest.fixture

@@ -1,0 +1,336 @@
+"""The training feed: a torch Dataset over an extraction run, opened from its manifest alone.
+
+    HiddenStatesDataset(output, ...)   one item per "ok" sample of a run (or of several runs with the same spec):
+                                         raw:    input_ids [T], loss_mask [T], hidden_states [T, L, H]
+                                         eagle3: input_ids [T], loss_mask [T],
+                                                 aux_hidden_states [T, (L-1)*H], target_hidden_states [T, H]
+    HiddenStatesDatasetConfig          what an item holds: layout, final norm, truncation, local cache
+    ds.run_info                        the run's `connectors.run.RunSpec` (layers, dtype, model, norm status, ...)
+    read_run_info(output)              that RunSpec: `connectors.run.read_run_spec`, or, for a run without run.json,
+                                       the spec in its first "ok" file's header
+
+A run is the folder (or URL) an extraction job writes; `connectors.run` owns its format (run.json, data/,
+manifest/). Opening reads run.json and the manifest (`connectors.run.ok_rows`: one "ok" row per sample, the last
+written when a resume wrote it twice), never the data files — unless the run has no run.json, which costs one header
+read of the first file. Items are read with one small request for a small file (header and data together), or
+header + byte ranges for a large one, so `max_length` fetches only the leading tokens; local files are memory-mapped.
+The filesystem is opened lazily in each process, so the dataset pickles into DataLoader workers (fork or spawn).
+
+Every file is checked against the run's spec when it is read (`HiddenStatesSpec.differences`): a file from another
+model, other layers or another dtype fails loudly instead of training on a mixed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import mmap
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from connectors import storage
+from connectors.format import (
+    COMPARED_FIELDS,
+    HIDDEN_STATES,
+    LAYER_ID_CONVENTION,
+    LOSS_MASK,
+    TOKEN_IDS,
+    HiddenStatesFileInfo,
+    HiddenStatesSpec,
+    read_header,
+    tensor_from_bytes,
+)
+from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec
+from training.norm import FinalNorm
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("raw", "eagle3")
+RUN_COMPARED = (*COMPARED_FIELDS, "layer_id_convention")
+"""RunSpec fields two runs must share to be read as one dataset."""
+
+
+# -- the run's spec ---------------------------------------------------------------------------------------------
+
+
+def read_run_info(output: str | RunDir, *, storage_options: dict | None = None) -> RunSpec:
+    """The RunSpec of the run at `output`: `connectors.run.read_run_spec`, with one fallback — a run without
+    run.json (written with the offline API alone) gets the spec recorded in its first "ok" file's header."""
+    run = output if isinstance(output, RunDir) else RunDir(str(output), storage_options)
+    return _run_spec(run, ok_rows(run))
+
+
+def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
+    spec = read_run_spec(run)
+    if spec is not None:
+        return spec
+    first = run.path(rows["path"][0].as_py())
+    header = _read_header(run.fs, first)
+    file_spec = HiddenStatesSpec.from_metadata(header.metadata, hidden_size=header.hidden_size,
+                                               dtype=str(header.dtype).removeprefix("torch."))
+    if file_spec is None:
+        raise ValueError(f"{run.url}: cannot tell the run's spec — it has no run.json, and its first data file "
+                         f"{storage.full_url(run.fs, first)} carries no hsx metadata. Is this an hsx run? (files "
+                         "written by vLLM carry no metadata; load them with load_hidden_states instead)")
+    return RunSpec.from_file_spec(file_spec)
+
+
+# -- reading one file -------------------------------------------------------------------------------------------
+
+
+def _read_header(fs, path: str) -> HiddenStatesFileInfo:
+    return read_header(storage.full_url(fs, path), lambda: fs.size(path),
+                       lambda start, end: fs.cat_file(path, start=start, end=end))[0]
+
+
+def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[HiddenStatesFileInfo, dict]:
+    """Header and the leading `max_rows` rows of every tensor (all rows when None)."""
+    if local:
+        # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise ValueError(f"{path}: {size} bytes is too short for a safetensors file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        info, _ = read_header(path, size, lambda start, end: mm[start:end])
+        rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
+        out = {}
+        for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
+            if name in info.tensors:
+                e = info.tensors[name]
+                shape = (rows, *e.shape[1:])
+                count = math.prod(shape)
+                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.start).reshape(shape)
+                             if count else torch.empty(shape, dtype=e.dtype))
+        return info, out
+
+    url = storage.full_url(fs, path)
+    info, probe = read_header(url, lambda: fs.size(path), lambda start, end: fs.cat_file(path, start=start, end=end))
+    whole = len(probe) == info.size  # a small file arrives whole with its header
+    rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
+    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
+    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
+    if whole:
+        blobs = [probe[a:b] for a, b in spans]
+    else:
+        todo = [i for i, (a, b) in enumerate(spans) if b > a]
+        fetched = fs.cat_ranges([path] * len(todo), [spans[i][0] for i in todo], [spans[i][1] for i in todo],
+                                on_error="raise") if todo else []
+        blobs = [b""] * len(spans)
+        for i, blob in zip(todo, fetched):
+            blobs[i] = blob
+    out = {}
+    for n, (a, b), blob in zip(names, spans, blobs):
+        if len(blob) != b - a:
+            raise ValueError(f"{url}: got {len(blob)} bytes of tensor {n!r}, expected {b - a}; the file is truncated")
+        out[n] = tensor_from_bytes(bytearray(blob), info.tensors[n], rows)
+    return info, out
+
+
+# -- the dataset ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HiddenStatesDatasetConfig:
+    """What a `HiddenStatesDataset` item holds and how files are read."""
+
+    layout: str = "raw"
+    """"raw": hidden_states [T, L, H]; "eagle3": aux_hidden_states [T, (L-1)*H] (every stored layer but the last,
+    concatenated in stored order) and target_hidden_states [T, H] (the last stored layer)."""
+    normalize_last_layer: bool = False
+    """Apply the target model's final norm to the last stored layer when the run stored it pre-norm (a no-op for
+    runs that stored it normalised). Needs the last stored id to be N and the model's folder (`model_dir`)."""
+    model_dir: str | None = None
+    """Local folder of the target model, for its final norm; default: the run's `model` when that is a folder."""
+    max_length: int | None = None
+    """Keep at most this many leading tokens per sample; only those bytes are read."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for the run's URL (endpoint_url, credentials, ...)."""
+    cache_dir: str | None = None
+    """Remote runs only: download each file whole into this folder on first read and read it from there after
+    (fsspec's filecache). Off by default: remote reads fetch byte ranges."""
+    include_sample_id: bool = True
+    """Add the sample's id (a str) to each item as "sample_id"."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {list(LAYOUTS)}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1 (or None for whole samples), got {self.max_length}")
+
+
+class HiddenStatesDataset(Dataset):
+    """A map-style dataset over one or more extraction runs. See the module docstring for the item layout.
+
+        ds = HiddenStatesDataset("s3://bucket/run", layout="eagle3", storage_options={...})
+        ds[0]["aux_hidden_states"].shape    # [T, (L-1)*H]
+        ds.run_info.layer_ids               # the run's RunSpec (connectors.run)
+    """
+
+    def __init__(self, output: str | Sequence[str], config: HiddenStatesDatasetConfig | None = None,
+                 **overrides: Any) -> None:
+        config = dataclasses.replace(config or HiddenStatesDatasetConfig(), **overrides)
+        self.config = config
+        outputs = [output] if isinstance(output, (str, os.PathLike)) else list(output)
+        if not outputs:
+            raise ValueError("no run given; pass an OUTPUT folder or URL (or a list of them)")
+        self._outputs = [str(o) for o in outputs]
+
+        runs = [RunDir(out, config.storage_options) for out in self._outputs]
+        self._local = runs[0].local
+        tables, specs = [], []
+        for out, run in zip(self._outputs, runs):
+            if type(run.fs) is not type(runs[0].fs):
+                raise ValueError(f"runs {self._outputs[0]} and {out} are on different filesystems; open them as "
+                                 "separate datasets (torch.utils.data.ConcatDataset joins them)")
+            table = ok_rows(run)
+            spec = _run_spec(run, table)
+            diff = specs[0].differences(spec, RUN_COMPARED) if specs else {}
+            if diff:
+                raise ValueError(f"runs {self._outputs[0]} and {out} differ in {_describe(diff)}; mixed runs cannot "
+                                 "be read as one dataset — open them separately")
+            tables.append(table)
+            specs.append(spec)
+        self.run_info: RunSpec = specs[0]  # run.json, or the first file's header for a run without one
+        self._file_spec = self.run_info.file_spec()
+        self._roots = [run.root for run in runs]
+        self._sample_ids = pa.concat_arrays([t["sample_id"].combine_chunks() for t in tables])
+        self._paths = pa.concat_arrays([t["path"].combine_chunks() for t in tables])
+        self._num_tokens = np.concatenate([t["num_tokens"].to_numpy() for t in tables]).astype(np.int64)
+        self._run_of = np.repeat(np.arange(len(tables), dtype=np.int32), [t.num_rows for t in tables])
+
+        info = self.run_info
+        if config.layout == "eagle3" and len(info.layer_ids) < 2:
+            raise ValueError(f"layout='eagle3' needs at least 2 stored layers (aux + target); the run stores "
+                             f"{list(info.layer_ids)}. Use layout='raw'")
+        self._norm: FinalNorm | None = None
+        if config.normalize_last_layer and not info.last_layer_normalized:
+            self._norm = _load_norm(info, config.model_dir)
+        self._fs = None
+        self._fs_pid: int | None = None
+
+    # -- size and per-sample facts (from the manifest) --------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        """[N] int64 token counts from the manifest (before `max_length`), for token-budget batching."""
+        return self._num_tokens
+
+    @property
+    def sample_ids(self) -> pa.Array:
+        """[N] sample ids (a pyarrow string array), in dataset order."""
+        return self._sample_ids
+
+    def sample_id(self, index: int) -> str:
+        return self._sample_ids[index].as_py()
+
+    def path(self, index: int) -> str:
+        """The URL (or local path) of sample `index`'s file."""
+        fs, _ = storage.open_url(self._outputs[0], self.config.storage_options)
+        return storage.full_url(fs, self._abs_path(index))
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
+        fs = self._filesystem()
+        path = self._abs_path(index)
+        info, tensors = _read_rows(fs, path, self._local and self.config.cache_dir is None, self.config.max_length)
+        self._check_file(info, index)
+        ids = tensors[TOKEN_IDS]  # [T]
+        states = tensors[HIDDEN_STATES]  # [T, L, H]
+        mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)  # [T]
+        item: dict[str, Any] = {"input_ids": ids, "loss_mask": mask}
+        if self.config.layout == "raw":
+            if self._norm is not None:
+                states[:, -1] = self._norm(states[:, -1])
+            item["hidden_states"] = states
+        else:
+            t, n_layers, h = states.shape
+            item["aux_hidden_states"] = states[:, :-1].reshape(t, (n_layers - 1) * h)  # [T, (L-1)*H]
+            target = states[:, -1].contiguous()  # [T, H]
+            item["target_hidden_states"] = self._norm(target) if self._norm is not None else target
+        if self.config.include_sample_id:
+            item["sample_id"] = self.sample_id(index)
+        return item
+
+    def _abs_path(self, index: int) -> str:
+        return posixpath.join(self._roots[self._run_of[index]], self._paths[index].as_py())
+
+    def _check_file(self, info: HiddenStatesFileInfo, index: int) -> None:
+        run = self.run_info
+        where = f"{info.path} (sample {self.sample_id(index)!r})"
+        theirs = HiddenStatesSpec.from_metadata(info.metadata, hidden_size=info.hidden_size,
+                                                dtype=str(info.dtype).removeprefix("torch."))
+        if theirs is not None:  # files without hsx metadata (vLLM's) are checked by shape and dtype only
+            diff = self._file_spec.differences(theirs)
+            if diff:
+                raise ValueError(f"{where} differs from its run in {_describe(diff)}; the run is mixed (files from "
+                                 "another extraction were copied in?) — re-extract it or drop those samples")
+        if info.num_layers != len(run.layer_ids) or info.hidden_size != run.hidden_size or info.dtype != self._file_spec.torch_dtype:
+            raise ValueError(f"{where} stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, "
+                             f"but the run stores [T, {len(run.layer_ids)}, {run.hidden_size}] {run.dtype}; the run "
+                             "is mixed")
+        expected = int(self._num_tokens[index])
+        if info.num_tokens != expected:
+            raise ValueError(f"{where} holds {info.num_tokens} tokens but the manifest says {expected}; the file was "
+                             "replaced after the manifest was written — re-run the extraction to repair the run")
+
+    # -- per-process filesystem -------------------------------------------------------------------------------
+    def _filesystem(self):
+        if self._fs is None or self._fs_pid != os.getpid():
+            fs, _ = storage.open_url(self._outputs[0], self.config.storage_options)
+            if self.config.cache_dir is not None and not storage.is_local(fs):
+                import fsspec
+
+                fs = fsspec.filesystem("filecache", fs=fs, cache_storage=self.config.cache_dir,
+                                       same_names=False, check_files=False)
+            self._fs, self._fs_pid = fs, os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fs"] = None  # filesystems (event loops, sockets) are opened afresh in each worker
+        state["_fs_pid"] = None
+        return state
+
+    def __repr__(self) -> str:
+        info = self.run_info
+        return (f"HiddenStatesDataset({len(self)} samples, {int(self._num_tokens.sum())} tokens, layers "
+                f"{list(info.layer_ids)} of {info.model or '?'}, {info.dtype}, layout={self.config.layout!r})")
+
+
+def _describe(diff: Mapping[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items())
+
+
+def _load_norm(run: RunSpec, model_dir: str | None) -> FinalNorm:
+    last = run.layer_ids[-1]
+    if last != run.num_hidden_layers:
+        raise ValueError(f"normalize_last_layer applies the final norm to id {run.num_hidden_layers} (the last "
+                         f"decoder layer), but the run's last stored id is {last}; drop the option or extract id "
+                         f"{run.num_hidden_layers}")
+    if run.layer_id_convention != LAYER_ID_CONVENTION:
+        raise ValueError(f"the run counts layers in the {run.layer_id_convention!r} convention; normalize_last_layer "
+                         f"supports {LAYER_ID_CONVENTION!r} runs only")
+    if model_dir is None:
+        if run.model and os.path.isfile(os.path.join(run.model, "config.json")):
+            model_dir = run.model
+        else:
+            raise ValueError(f"normalize_last_layer needs the target model's local folder for its final norm; the run "
+                             f"records model {run.model!r}, which is not a local folder. Pass model_dir=...")
+    # as the engine ran it: the model's weights in the run's dtype
+    return FinalNorm.from_model_dir(model_dir).to(run.torch_dtype)

@@ -1,0 +1,238 @@
+"""Export: rewrite an extraction run into the on-disk layout another drafter trainer reads (`hsx export`).
+
+    ExportConfig                              one export: OUTPUT, DEST, format, model dir, storage options, workers
+    ExportSummary                             what an export did: samples, written, skipped, tokens, seconds
+    export_run(output, dest, fmt, ...)        the export -> ExportSummary; resumes a partial one
+    FORMATS                                   the layouts, one module each:
+        speculators.py   SpeculatorsLayout    hidden_states/hs_{i}.safetensors (last layer PRE-norm) + Arrow dataset
+        specforge.py     SpecForgeLayout      rows_{a}-{b}/data_{i}.ckpt (hidden_state POST-norm)
+        modelopt.py      ModelOptLayout       {sample_id}.pt (hidden_states POST-norm)
+    files.py                                  put (the one atomic durable write, on the local disk), read-back checks
+
+The run stores id N pre-norm, as vLLM does. For the post-norm formats a pre-norm run needs the target model's final
+norm: from --model-dir, else the run's model when it is a local folder; otherwise the export is refused (never a
+silent pre-norm "hidden_state"). A run that stored the last layer post-norm cannot be exported for speculators (the
+norm cannot be undone). Every format needs the last stored id to be N.
+
+Streaming: one sample in memory at a time (`num_workers` reads ahead in DataLoader workers, bounded). Resumable:
+every file is written through `files.put` (temp name in its folder, fsync, rename), so a file under its final name
+is complete; a re-run skips samples whose file exists with the right token count and rewrites only the rest.
+DEST/hsx_export.json records what was exported; resuming a DEST from another run, format or sample set is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from connectors.paths import safe_file_stem
+from connectors.run import RunSpec
+from training.dataset import RUN_COMPARED, HiddenStatesDataset
+from training.export import files
+from training.export.modelopt import ModelOptLayout
+from training.export.specforge import SpecForgeLayout
+from training.export.speculators import SpeculatorsLayout
+from training.norm import FinalNorm
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("speculators", "specforge", "modelopt")
+STATE_FILE = "hsx_export.json"
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """One export (`hsx export OUTPUT DEST --format ...`); the CLI's flags map one to one onto these fields."""
+
+    output: str
+    """The run: an extraction OUTPUT folder or URL (holds run.json and manifest/)."""
+    dest: str
+    """Local folder to write the trainer's layout into; created if missing, resumed if it holds a partial export."""
+    format: str
+    """Target trainer's layout: speculators, specforge or modelopt."""
+    model_dir: str | None = None
+    """Target model's local folder, for its final norm (specforge/modelopt need the last layer post-norm; default:
+    the run's model when it is a local folder)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for reading OUTPUT, as JSON (e.g. {"client_kwargs": {"endpoint_url": "http://..."}})."""
+    num_workers: int = 0
+    """DataLoader worker processes reading samples ahead of the writer (0: read in the writing process)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown export format {self.format!r}; choose one of {list(FORMATS)} (--format)")
+        if not self.output:
+            raise ValueError("OUTPUT is empty; pass the run's output folder or URL (it holds run.json and manifest/)")
+        if not self.dest or "://" in str(self.dest):
+            raise ValueError(f"DEST {self.dest!r} must be a local folder (trainers read these layouts from disk)")
+        options = self.storage_options
+        if isinstance(options, str):
+            try:
+                options = json.loads(options) if options.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--storage-options is not valid JSON ({e}); pass an object such as "
+                                 '\'{"client_kwargs": {"endpoint_url": "http://..."}}\'') from e
+        if not isinstance(options, dict):
+            raise ValueError(f"--storage-options must be a JSON object, got {type(options).__name__}")
+        object.__setattr__(self, "storage_options", dict(options))
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class ExportSummary:
+    """What one export_run call did."""
+
+    format: str
+    """The layout written."""
+    dest: str
+    """Where it was written."""
+    samples: int = 0
+    """Samples in the export (all "ok" samples of the run)."""
+    written: int = 0
+    """Files written by this invocation."""
+    skipped: int = 0
+    """Files already complete from an earlier invocation."""
+    tokens: int = 0
+    """Tokens over all samples."""
+    seconds: float = 0.0
+    """Wall time of the call."""
+
+
+class Layout(Protocol):
+    """One trainer's on-disk layout. Called in this order:
+
+        relpath(index, sample_id)   where sample `index` goes, relative to DEST
+        is_complete(path, n)        whether an existing file there already holds that sample (n tokens)
+        write(path, item)           write one sample (an EAGLE-3 item of HiddenStatesDataset; hidden_states for
+                                    speculators) — through files.put, so a file under its final name is complete
+        on_export_complete(ds)      after every sample file exists: write the index files, if the layout has any
+    """
+
+    dataset_layout: str
+    needs_post_norm: bool
+
+    def relpath(self, index: int, sample_id: str) -> str: ...
+    def is_complete(self, path: str, num_tokens: int) -> bool: ...
+    def write(self, path: str, item: dict[str, Any]) -> None: ...
+    def on_export_complete(self, ds: HiddenStatesDataset) -> None: ...
+
+
+_LAYOUTS: dict[str, Callable[[str, RunSpec], Layout]] = {
+    "speculators": SpeculatorsLayout, "specforge": SpecForgeLayout, "modelopt": ModelOptLayout}
+
+
+# -- the export -------------------------------------------------------------------------------------------------
+
+
+def _check_run(config: ExportConfig, run: RunSpec, layout: Layout) -> str | None:
+    """Refuse runs the format cannot represent; return the model dir for the final norm, if one is needed."""
+    n, last = run.num_hidden_layers, run.layer_ids[-1]
+    if len(run.layer_ids) < 2:
+        raise ValueError(f"the run stores only layer {list(run.layer_ids)}; {config.format} needs aux layers and the "
+                         "last layer (extract e.g. --layers 2,N/2,N-3,N)")
+    if last != n:
+        raise ValueError(f"{config.format} trains against the last layer (id {n}), but the run's last stored id is "
+                         f"{last} (layers {list(run.layer_ids)}); extract with id {n} last")
+    if not layout.needs_post_norm:
+        if run.last_layer_normalized:
+            raise ValueError(f"{config.format} expects the last layer pre-norm, but this run stored it after the "
+                             "final norm, which cannot be undone; re-extract without normalising the last layer")
+        return None
+    if run.last_layer_normalized:
+        return None
+    if config.model_dir is not None:
+        return config.model_dir
+    if run.model and os.path.isfile(os.path.join(run.model, "config.json")):
+        return run.model
+    raise ValueError(f"{config.format} stores the last layer after the model's final norm, and this run stored it "
+                     f"pre-norm; pass --model-dir with the target model's local folder (the run records model "
+                     f"{run.model!r}, which is not a local folder) so hsx can apply the norm")
+
+
+def _check_state(config: ExportConfig, ds: HiddenStatesDataset) -> dict[str, Any]:
+    """DEST's record of this export; refuses a DEST holding an export of another run, format or sample set."""
+    ids_digest = hashlib.sha256()
+    for i in range(0, len(ds), 65536):
+        chunk = ds.sample_ids.slice(i, 65536)
+        ids_digest.update("\n".join(chunk.to_pylist()).encode())
+    ids_digest.update(ds.num_tokens.tobytes())
+    run = {name: getattr(ds.run_info, name) for name in RUN_COMPARED}
+    state = {"format": config.format, "source": config.output, "samples": len(ds),
+             "sample_set_sha256": ids_digest.hexdigest(), "run": {**run, "layer_ids": list(run["layer_ids"])}}
+    path = os.path.join(config.dest, STATE_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        clash = {k: (old.get(k), v) for k, v in state.items() if k != "source" and old.get(k) != v}
+        if clash:
+            raise ValueError(f"{config.dest} holds an export that differs from this one in {sorted(clash)} "
+                             f"({ {k: v[0] for k, v in clash.items() if k != 'run'} } before); the run or format "
+                             "changed since it began — export into an empty DEST, or remove this one")
+    return state
+
+
+def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None,
+               storage_options: dict | None = None, num_workers: int = 0,
+               progress: Callable[[ExportSummary], None] | None = None) -> ExportSummary:
+    """Write the run at `output` into `dest` in `fmt`'s layout; resumes a partial export. See the module docstring.
+
+    `progress(summary)` is called after every file written."""
+    config = ExportConfig(output=output, dest=dest, format=fmt, model_dir=model_dir,
+                          storage_options=dict(storage_options or {}), num_workers=num_workers)
+    start = time.perf_counter()
+    probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False)
+    layout = _LAYOUTS[fmt](dest, probe.run_info)
+    norm_dir = _check_run(config, probe.run_info, layout)
+    if norm_dir is not None:
+        FinalNorm.from_model_dir(norm_dir)  # fail before writing anything
+    ds = HiddenStatesDataset(output, storage_options=config.storage_options, layout=layout.dataset_layout,
+                             normalize_last_layer=layout.needs_post_norm, model_dir=norm_dir)
+    if fmt == "modelopt":
+        stems: dict[str, int] = {}
+        for i in range(len(ds)):
+            stem = safe_file_stem(ds.sample_id(i))
+            if stem in stems:
+                raise ValueError(f"sample ids {ds.sample_id(stems[stem])!r} and {ds.sample_id(i)!r} map to the same "
+                                 f"file name {stem}.pt")
+            stems[stem] = i
+
+    os.makedirs(dest, exist_ok=True)
+    state = _check_state(config, ds)
+    files.put(os.path.join(dest, STATE_FILE), json.dumps(state, indent=2).encode())
+
+    summary = ExportSummary(format=fmt, dest=dest, samples=len(ds), tokens=int(ds.num_tokens.sum()))
+    todo = []
+    for i in range(len(ds)):
+        path = os.path.join(dest, layout.relpath(i, ds.sample_id(i)))
+        if os.path.exists(path) and layout.is_complete(path, int(ds.num_tokens[i])):
+            summary.skipped += 1
+        else:
+            todo.append(i)
+    logger.info("export %s -> %s (%s): %d samples, %d already done", output, dest, fmt, len(ds), summary.skipped)
+    for i, item in zip(todo, _read_ahead(ds, todo, config.num_workers)):
+        layout.write(os.path.join(dest, layout.relpath(i, ds.sample_id(i))), item)
+        summary.written += 1
+        if progress is not None:
+            progress(summary)
+    layout.on_export_complete(ds)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _read_ahead(ds: HiddenStatesDataset, indices: list[int], num_workers: int) -> Iterator[dict[str, Any]]:
+    """Items in `indices` order, read by `num_workers` DataLoader workers (bounded prefetch) or inline."""
+    if num_workers == 0:
+        for i in indices:
+            yield ds[i]
+        return
+    from torch.utils.data import DataLoader, Subset
+
+    loader = DataLoader(Subset(ds, indices), batch_size=None, num_workers=num_workers, prefetch_factor=2)
+    yield from loader
