@@ -2,8 +2,9 @@
 
     python benchmarks/bench_dataset.py [--rows 100000] [--walk-files 100000] [--samples 300] [--out DIR]
 
-1. Open time: HiddenStatesDataset over manifests of 10k and --rows rows (run.json + Parquet; no data file is
-   touched), next to a walk (os.walk, what loaders that discover files do) of --walk-files files in sub-folders.
+1. Open time: HiddenStatesDataset over manifests of 10k and --rows rows (run.json + Parquet, written through
+   connectors.run; no data file is touched), next to a walk (os.walk, what loaders that discover files do) of
+   --walk-files files in sub-folders.
 2. Read throughput from local disk: --samples files written by the connector (bf16, T ~ U[64, 512], L=4, H=1024 by
    default), read as dataset items (raw and EAGLE-3 layouts) vs `safetensors.torch.load_file` in a loop over the same
    files. Every pass runs after a warm-up pass, so all read from the page cache: this compares the code paths, not
@@ -25,27 +26,24 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from connectors import HiddenStatesDataset, HiddenStatesSpec, KVTransferConfig, RequestInfo  # noqa: E402
-from connectors.collate import PadCollator  # noqa: E402
+from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo  # noqa: E402
+from connectors.run import OK, RunSpec, new_attempt_id, write_manifest_part, write_run_spec  # noqa: E402
+from training.collate import PadCollator  # noqa: E402
+from training.dataset import HiddenStatesDataset  # noqa: E402
 
 
 def write_manifest(root: str, n: int, spec: HiddenStatesSpec) -> None:
+    """A run of `n` manifest rows (one part) and its run.json, without data files: what opening costs."""
     ids = pa.array([f"sample-{i:08d}" for i in range(n)])
     paths = pa.array([f"data/{i // 1000:05d}/sample-{i:08d}.safetensors" for i in range(n)])
     lengths = pa.array([(i * 7919) % 2048 + 1 for i in range(n)], pa.int64())
     table = pa.table({"sample_id": ids, "path": paths, "num_tokens": lengths, "num_prompt_tokens": lengths,
-                      "status": pa.array(["ok"] * n), "error": pa.nulls(n, pa.string()),
-                      "bytes": pa.array([0] * n, pa.int64())})
-    os.makedirs(os.path.join(root, "manifest"), exist_ok=True)
-    pq.write_table(table, os.path.join(root, "manifest", "part-00000.parquet"))
-    with open(os.path.join(root, "run.json"), "w") as f:
-        json.dump({"model": spec.model, "layer_ids": list(spec.layer_ids), "layer_id_convention": "vllm",
-                   "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
-                   "dtype": spec.dtype, "last_layer_normalized": False}, f)
+                      "status": pa.array([OK] * n), "bytes": pa.array([0] * n, pa.int64())})
+    write_run_spec(root, RunSpec.from_file_spec(spec))
+    write_manifest_part(root, table, new_attempt_id(), 0)
 
 
 def best_of(fn, repeats: int) -> float:
@@ -101,8 +99,8 @@ def bench_read(tmp: str, samples: int, hidden: int, layers: int, repeats: int) -
         connector.save_hidden_states(rid, torch.randint(0, 32000, (t,)),
                                      torch.randn(t, layers, hidden, generator=g).to(torch.bfloat16))
         connector.request_finished(rid)
-        rows.append({"sample_id": f"s{i:06d}", "path": rel, "num_tokens": t, "num_prompt_tokens": t, "status": "ok",
-                     "error": None, "bytes": 0})
+        rows.append({"sample_id": f"s{i:06d}", "path": rel, "num_tokens": t, "num_prompt_tokens": t, "status": OK,
+                     "bytes": 0})
         total_tokens += t
     assert not connector.wait_for_save()
     connector.shutdown()
@@ -111,11 +109,8 @@ def bench_read(tmp: str, samples: int, hidden: int, layers: int, repeats: int) -
         row["bytes"] = os.path.getsize(path)
         total_bytes += row["bytes"]
         files.append(path)
-    os.makedirs(os.path.join(root, "manifest"))
-    pq.write_table(pa.Table.from_pylist(rows), os.path.join(root, "manifest", "part-00000.parquet"))
-    with open(os.path.join(root, "run.json"), "w") as f:
-        json.dump({"model": spec.model, "layer_ids": list(spec.layer_ids), "num_hidden_layers": layers,
-                   "hidden_size": hidden, "dtype": "bfloat16", "last_layer_normalized": False}, f)
+    write_manifest_part(root, rows, new_attempt_id(), 0)
+    write_run_spec(root, RunSpec.from_file_spec(spec))
 
     raw = HiddenStatesDataset(root, include_sample_id=False)
     eagle3 = HiddenStatesDataset(root, layout="eagle3", include_sample_id=False)

@@ -4,8 +4,8 @@
 
 1. builds a random 8-layer Llama + tokenizer locally (no downloads),
 2. extracts EAGLE-3's layers — aux ids [2, N/2, N-3] and the last layer N (pre-norm, vLLM's convention) — with the
-   hsx engine and the safetensors connector, then writes the run's run.json and manifest/ (what `hsx run` writes
-   for a real corpus),
+   hsx engine and the safetensors connector, then writes the run's run.json and manifest/ through connectors.run
+   (what `hsx run` writes for a real corpus),
 3. opens the run with HiddenStatesDataset(layout="eagle3", normalize_last_layer=True): aux_hidden_states [T, 3H],
    target_hidden_states [T, H] after the model's final norm,
 4. trains a single decoder layer over fc(aux states) + the next token's embedding to predict the next target
@@ -17,31 +17,35 @@ It documents the data contract; it is not a trainer (no RoPE, no test-time-train
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from connectors import HiddenStatesDataset, KVTransferConfig
-from connectors.collate import PadCollator
+from connectors import KVTransferConfig
+from connectors.run import OK, RunSpec, data_path, new_attempt_id, write_manifest_part, write_run_spec
+from training.collate import PadCollator
+from training.dataset import HiddenStatesDataset
 
 
 def extract(model_dir: str, output: str, num_samples: int, seed: int) -> None:
-    """Run the engine over generated prompts; write files under OUTPUT/data/, then run.json and the manifest."""
+    """Write run.json, run the engine over generated prompts (files under OUTPUT/data/), commit the manifest."""
     from transformers import AutoConfig, AutoTokenizer
 
     from extractor import LLM, SamplingParams
     from extractor.layers import default_layer_ids
     from jobs.tiny_models import sample_text
 
-    n = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    config = AutoConfig.from_pretrained(model_dir)
+    n = config.num_hidden_layers
     layer_ids = list(default_layer_ids(n))  # [2, N/2, N-3, N]
+    # run.json first, as `hsx run` writes it when a run starts
+    write_run_spec(output, RunSpec(layer_ids=tuple(layer_ids), num_hidden_layers=n, hidden_size=config.hidden_size,
+                                   dtype="float32", model=model_dir,
+                                   architecture=",".join(config.architectures or ())))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     llm = LLM(model=model_dir, dtype="float32",
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -54,22 +58,17 @@ def extract(model_dir: str, output: str, num_samples: int, seed: int) -> None:
         ids = tokenizer(text).input_ids
         mask = [0] * min(3, len(ids) - 1) + [1] * (len(ids) - min(3, len(ids) - 1))  # learn all but a short prefix
         sid = f"sample-{i:05d}"
-        rel = f"data/{i // 1000:03d}/{sid}.safetensors"
+        rel = data_path(sid)  # OUTPUT/data/<2 hex>/<sid>.safetensors, as `hsx run` names it
         prompts.append({"prompt_token_ids": ids, "loss_mask": mask, "sample_id": sid})
         params.append(SamplingParams(max_tokens=0, extra_args={"kv_transfer_params": {"hidden_states_path": rel}}))
         rows.append({"sample_id": sid, "path": rel, "num_tokens": len(ids), "num_prompt_tokens": len(ids),
-                     "status": "ok", "error": None, "bytes": 0})
+                     "status": OK, "bytes": 0})
     outputs = llm.generate(prompts, params)
     for row, out in zip(rows, outputs):
         path = out.kv_transfer_params["hidden_states_path"]
         row["bytes"] = os.path.getsize(path)
-    os.makedirs(os.path.join(output, "manifest"), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), os.path.join(output, "manifest", "part-00000.parquet"))
-    config = AutoConfig.from_pretrained(model_dir)
-    with open(os.path.join(output, "run.json"), "w") as f:
-        json.dump({"model": model_dir, "layer_ids": layer_ids, "layer_id_convention": "vllm",
-                   "num_hidden_layers": n, "hidden_size": config.hidden_size, "dtype": "float32",
-                   "last_layer_normalized": False}, f)
+    # the data files are durable: commit the manifest part that makes them count
+    write_manifest_part(output, rows, attempt=new_attempt_id(), seq=0)
 
 
 class DecoderLayer(nn.Module):
