@@ -2,6 +2,7 @@
 
 Everything above this module (connector, reader, dataset) works on any fsspec URL through these few functions:
     open_url(url, storage_options)        -> (fs, path)
+    parse_storage_options(value, flag)    -  fsspec options from a dict or JSON text (flags, job files)
     put_atomic(fs, path, content)         -  any whole file (bytes, buffers, or a writer function), atomic and durable:
                                              the one atomic write every file of a run goes through (data files,
                                              manifest parts, run.json, exports)
@@ -31,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import io
+import json
 import logging
 import os
 import posixpath
@@ -69,6 +71,19 @@ def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.Abst
         protocol = str(url).split("://", 1)[0]
         hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation for {protocol!r}")
         raise ImportError(f"cannot open {url!r}: {e}. Fix: {hint}") from e
+
+
+def parse_storage_options(value: object, flag: str = "--storage-options") -> dict:
+    """fsspec options given as a dict or as JSON text (a flag, a job file); ValueError naming `flag` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON ({e}); pass an object such as "
+                             '\'{"client_kwargs": {"endpoint_url": "http://..."}}\'') from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    return dict(value)
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

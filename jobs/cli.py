@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress")
     demo.set_defaults(func=_cmd_demo)
 
-    from training.export import FORMATS, ExportConfig
+    from training.export.config import FORMATS, ExportConfig
 
     export = sub.add_parser("export", help="write a run in the layout of speculators, SpecForge or ModelOpt",
                             description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in "

@@ -111,6 +111,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         from connectors.format import check_layer_ids
+        from connectors.storage import parse_storage_options
         from extractor.config import canonical_dtype
 
         if isinstance(self.corpus, str):
@@ -119,12 +120,7 @@ class JobConfig:
         if self.layers is not None:
             object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
         for name in ("storage_options", "corpus_storage_options"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = _parse_json_object(value, name)
-            if not isinstance(value, dict):
-                raise ValueError(f"{flag(name)} must be a JSON object, got {type(value).__name__}")
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, parse_storage_options(getattr(self, name), flag(name)))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
@@ -213,17 +209,6 @@ def _flag_errors(cls: type, **kwargs: Any) -> Any:
         text = re.sub(pattern, lambda m: flag(_FLAG_OF.get(m.group(1), m.group(1)))
                       if "_" in m.group(1) or m.start() == 0 else m.group(1), text)
         raise ValueError(text) from e
-
-
-def _parse_json_object(text: str, name: str) -> dict:
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag(name)} is not valid JSON ({e}); pass an object such as "
-                         '\'{"client_kwargs": {"endpoint_url": "http://..."}}\'') from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag(name)} must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 @functools.cache

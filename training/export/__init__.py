@@ -1,6 +1,7 @@
 """Export: rewrite an extraction run into the on-disk layout another drafter trainer reads (`hsx export`).
 
-    ExportConfig                              one export: OUTPUT, DEST, format, model dir, storage options, workers
+    ExportConfig (config.py)                  one export: OUTPUT, DEST, format, model dir, storage options, workers
+                                              (no torch import: the CLI builds its flags from it)
     ExportSummary                             what an export did: samples, written, skipped, tokens, seconds
     export_run(output, dest, fmt, ...)        the export -> ExportSummary; resumes a partial one
     FORMATS                                   the layouts, one module each:
@@ -28,61 +29,24 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from connectors.paths import safe_file_stem
 from connectors.run import RunSpec
 from training.dataset import RUN_COMPARED, HiddenStatesDataset
 from training.export import files
+from training.export.config import FORMATS, ExportConfig
 from training.export.modelopt import ModelOptLayout
 from training.export.specforge import SpecForgeLayout
 from training.export.speculators import SpeculatorsLayout
 from training.norm import FinalNorm
 
+__all__ = ["FORMATS", "ExportConfig", "ExportSummary", "export_run"]
+
 logger = logging.getLogger(__name__)
 
-FORMATS = ("speculators", "specforge", "modelopt")
 STATE_FILE = "hsx_export.json"
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """One export (`hsx export OUTPUT DEST --format ...`); the CLI's flags map one to one onto these fields."""
-
-    output: str
-    """The run: an extraction OUTPUT folder or URL (holds run.json and manifest/)."""
-    dest: str
-    """Local folder to write the trainer's layout into; created if missing, resumed if it holds a partial export."""
-    format: str
-    """Target trainer's layout: speculators, specforge or modelopt."""
-    model_dir: str | None = None
-    """Target model's local folder, for its final norm (specforge/modelopt need the last layer post-norm; default:
-    the run's model when it is a local folder)."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec options for reading OUTPUT, as JSON (e.g. {"client_kwargs": {"endpoint_url": "http://..."}})."""
-    num_workers: int = 0
-    """DataLoader worker processes reading samples ahead of the writer (0: read in the writing process)."""
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown export format {self.format!r}; choose one of {list(FORMATS)} (--format)")
-        if not self.output:
-            raise ValueError("OUTPUT is empty; pass the run's output folder or URL (it holds run.json and manifest/)")
-        if not self.dest or "://" in str(self.dest):
-            raise ValueError(f"DEST {self.dest!r} must be a local folder (trainers read these layouts from disk)")
-        options = self.storage_options
-        if isinstance(options, str):
-            try:
-                options = json.loads(options) if options.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--storage-options is not valid JSON ({e}); pass an object such as "
-                                 '\'{"client_kwargs": {"endpoint_url": "http://..."}}\'') from e
-        if not isinstance(options, dict):
-            raise ValueError(f"--storage-options must be a JSON object, got {type(options).__name__}")
-        object.__setattr__(self, "storage_options", dict(options))
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass
