@@ -176,13 +176,14 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from connectors.run import RunDir, RunFormatError, read_run_spec
+    from connectors.storage import parse_storage_options
     from jobs.manifest import summarize
     from jobs.progress import human_bytes, human_count
 
     try:
-        options = json.loads(args.storage_options) if args.storage_options else {}
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--storage-options is not valid JSON: {e}") from e
+        options = parse_storage_options(args.storage_options or {})
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     output = RunDir(args.output, options)
     try:
         spec = read_run_spec(output)
