@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from connectors import storage
-from connectors.format import FORMAT_NAME, FORMAT_VERSION, LAYER_ID_CONVENTION, HiddenStatesSpec, check_layer_ids
+from connectors.format import FORMAT_NAME, FORMAT_VERSION, LAYER_ID_CONVENTION, HiddenStatesSpec
 from connectors.paths import FILE_SUFFIX, safe_file_stem
 
 RUN_JSON = "run.json"
@@ -136,28 +136,25 @@ class Sampling:
     seed: int | None = None
 
 
+# the file spec's fields, read through RunSpec as its own (spec.layer_ids, spec.dtype, ...) and stored flat in JSON
+FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "model_revision",
+               "last_layer_normalized")
+_JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """run.json: what produced a run. Written once when a run starts; every resume and every reader checks it.
 
-    The first block is what every data file shares (the file spec, also in each file's metadata); the rest records
-    how the job made them. Runs written with the offline API alone (examples, fixtures) fill the first block only.
+    `files` is what every data file shares (the HiddenStatesSpec in each file's metadata; its fields read as the
+    run's own: `spec.layer_ids`, `spec.dtype`, `spec.architecture`, ...); the rest records how the job made them.
+    Runs written with the offline API alone (examples, fixtures) set `files` only. run.json stores it all flat.
     """
 
-    # what every data file shares: HiddenStatesSpec's fields (see format.py), flat, plus the id convention
-    layer_ids: tuple[int, ...]
-    num_hidden_layers: int
-    hidden_size: int
-    dtype: str
-    model: str = ""
-    model_revision: str = ""
-    architecture: str = ""
-    """The model's `architectures`, comma-separated (HiddenStatesSpec.extra["architecture"])."""
-    last_layer_normalized: bool = False
+    files: HiddenStatesSpec
+    """The file spec: layer ids, layer count, hidden size, dtype, model, revision, norm status, architecture."""
     layer_id_convention: str = LAYER_ID_CONVENTION
     """How `layer_ids` count; hsx writes "vllm" (0 = embeddings, k = output of decoder layer k-1, N pre-norm)."""
-
-    # how the job made them
     model_fingerprint: str = ""
     """sha256 prefix of the model's config and weight files' names and sizes."""
     chat_template_source: str = "none"
@@ -184,8 +181,8 @@ class RunSpec:
     """The run.json version this spec was read from (always RUN_FORMAT_VERSION when written)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, self.num_hidden_layers,
-                                                              name="run.json layer_ids"))
+        if not isinstance(self.files, HiddenStatesSpec):
+            raise TypeError(f"RunSpec.files must be a HiddenStatesSpec, got {type(self.files).__name__}")
         object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
         if isinstance(self.sampling, Mapping):
             object.__setattr__(self, "sampling", Sampling(**self.sampling))
@@ -193,45 +190,51 @@ class RunSpec:
             raise RunFormatError(f"run.json names data layout {self.data_layout!r}, unknown to this hsx (it reads "
                                  f"{list(DATA_LAYOUTS)}); upgrade hsx to read this run")
 
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not RunSpec's own fields: the file spec's, read as the run's
+        if name in FILE_FIELDS and "files" in self.__dict__:
+            return getattr(self.files, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- the file spec ------------------------------------------------------------------------------------------
     def file_spec(self) -> HiddenStatesSpec:
         """The HiddenStatesSpec every data file of the run carries."""
-        return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
-                                hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
-                                model_revision=self.model_revision, last_layer_normalized=self.last_layer_normalized,
-                                extra={"architecture": self.architecture} if self.architecture else {})
+        return self.files
 
     @classmethod
     def from_file_spec(cls, spec: HiddenStatesSpec, **job: Any) -> RunSpec:
         """A RunSpec for files made with `spec`; `job` sets the job fields (model_fingerprint=..., max_tokens=...)."""
-        return cls(layer_ids=spec.layer_ids, num_hidden_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size,
-                   dtype=spec.dtype, model=spec.model, model_revision=spec.model_revision,
-                   architecture=spec.extra.get("architecture", ""), last_layer_normalized=spec.last_layer_normalized,
-                   **job)
+        return cls(files=spec, **job)
+
+    @property
+    def architecture(self) -> str:
+        return self.files.extra.get("architecture", "")
 
     @property
     def torch_dtype(self):
-        return self.file_spec().torch_dtype
+        return self.files.torch_dtype
 
     def data_path(self, sample_id: str) -> str:
         return data_path(sample_id, self.data_layout)
 
     def differences(self, other: RunSpec, names: Sequence[str]) -> dict[str, tuple[Any, Any]]:
-        """{field: (self's value, other's value)} over `names`."""
+        """{field: (self's value, other's value)} over `names` (the file spec's fields included)."""
         return {n: (getattr(self, n), getattr(other, n)) for n in names if getattr(self, n) != getattr(other, n)}
 
     # -- JSON ---------------------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        """The run.json document (version RUN_FORMAT_VERSION)."""
+        """The run.json document (version RUN_FORMAT_VERSION), flat."""
         doc: dict[str, Any] = {"format": RUN_FORMAT, "format_version": RUN_FORMAT_VERSION,
                                "file_format": FORMAT_NAME, "file_format_version": FORMAT_VERSION}
+        for name in FILE_FIELDS:
+            value = getattr(self.files, name)
+            doc[name] = list(value) if isinstance(value, tuple) else value
+        doc["architecture"] = self.architecture
         for f in dataclasses.fields(self):
-            if f.name in ("format_version", "corpus", "corpus_fingerprint"):
+            if f.name in _JSON_SKIPPED:
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, Sampling):
+            if isinstance(value, Sampling):
                 value = dataclasses.asdict(value)
             elif isinstance(value, Mapping):
                 value = dict(value)
@@ -253,20 +256,21 @@ class RunSpec:
             raise RunFormatError(f"{where} has format_version {doc.get('format_version')!r}; this hsx reads versions "
                                  f"{', '.join(READABLE_VERSIONS)}. It was written by a newer hsx: upgrade hsx "
                                  "(pip install -U hsx) to read or resume this run")
-        values = {f.name: doc[f.name] for f in dataclasses.fields(cls)
-                  if f.name in doc and f.name not in ("corpus", "format_version")}
+        missing = [n for n in ("layer_ids", "num_hidden_layers", "hidden_size", "dtype") if n not in doc]
+        if missing:
+            raise RunFormatError(f"{where} lacks {missing}; it is damaged or was edited by hand — restore it, or "
+                                 "re-extract into a new --output")
+        values = {f.name: doc[f.name] for f in dataclasses.fields(cls) if f.name in doc and f.name not in _JSON_SKIPPED}
         corpus = doc.get("corpus") or {}
         if isinstance(corpus, Mapping):
             values["corpus"] = tuple(corpus.get("files") or ())
             values["corpus_fingerprint"] = str(corpus.get("fingerprint") or "")
         if version == "1":
             values["data_layout"] = DATA_LAYOUT  # version 1 had one layout and described it in prose
-        missing = [n for n in ("layer_ids", "num_hidden_layers", "hidden_size", "dtype") if n not in values]
-        if missing:
-            raise RunFormatError(f"{where} lacks {missing}; it is damaged or was edited by hand — restore it, or "
-                                 "re-extract into a new --output")
         try:
-            return cls(**values, format_version=version)
+            files = HiddenStatesSpec(**{n: doc[n] for n in FILE_FIELDS if n in doc},
+                                     extra={"architecture": doc["architecture"]} if doc.get("architecture") else {})
+            return cls(files=files, **values, format_version=version)
         except (TypeError, ValueError) as e:
             raise RunFormatError(f"{where} holds an unreadable value: {e}") from e
 

@@ -39,13 +39,7 @@ def extract(model_dir: str, output: str, num_samples: int, seed: int) -> None:
     from extractor.layers import default_layer_ids
     from jobs.tiny_models import sample_text
 
-    config = AutoConfig.from_pretrained(model_dir)
-    n = config.num_hidden_layers
-    layer_ids = list(default_layer_ids(n))  # [2, N/2, N-3, N]
-    # run.json first, as `hsx run` writes it when a run starts
-    write_run_spec(output, RunSpec(layer_ids=tuple(layer_ids), num_hidden_layers=n, hidden_size=config.hidden_size,
-                                   dtype="float32", model=model_dir,
-                                   architecture=",".join(config.architectures or ())))
+    layer_ids = list(default_layer_ids(AutoConfig.from_pretrained(model_dir).num_hidden_layers))  # [2, N/2, N-3, N]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     llm = LLM(model=model_dir, dtype="float32",
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -53,6 +47,8 @@ def extract(model_dir: str, output: str, num_samples: int, seed: int) -> None:
               kv_transfer_config=KVTransferConfig(kv_connector="ExampleHiddenStatesConnector",
                                                   kv_connector_extra_config={"shared_storage_path": output,
                                                                              "allow_custom_save_path": True}))
+    # run.json before any data file, as `hsx run` writes it when a run starts: the engine's own file spec
+    write_run_spec(output, RunSpec(llm.spec))
     prompts, params, rows = [], [], []
     for i, text in enumerate(sample_text(num_samples, seed=seed, min_words=8, max_words=40)):
         ids = tokenizer(text).input_ids

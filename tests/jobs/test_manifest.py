@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from connectors.format import encode_header
+from connectors.format import HiddenStatesSpec, encode_header
 from connectors.run import RESULT_SCHEMA, RunDir, RunSpec, Sampling, committed_ids, data_path, read_manifest
 from jobs.config import JobConfig
 from jobs.manifest import ManifestWriter, summarize
@@ -71,11 +71,13 @@ def test_data_paths_spread_over_256_subfolders_with_safe_names():
 
 
 def _info(**over):
-    base = {"model": "/m", "model_revision": "", "model_fingerprint": "f", "layer_ids": (2, 4), "num_hidden_layers": 4,
-            "hidden_size": 8, "dtype": "float32", "chat_template_sha256": "t", "max_tokens": 0,
-            "include_output_tokens": False, "sampling": None, "id_field": "id", "corpus": ("a",)}
-    base.update(over)
-    return RunSpec(**base)
+    files = {"model": "/m", "model_revision": "", "layer_ids": (2, 4), "num_hidden_layers": 4, "hidden_size": 8,
+             "dtype": "float32"}
+    job = {"model_fingerprint": "f", "chat_template_sha256": "t", "max_tokens": 0, "include_output_tokens": False,
+           "sampling": None, "id_field": "id", "corpus": ("a",)}
+    files.update({k: v for k, v in over.items() if k in files})
+    job.update({k: v for k, v in over.items() if k not in files})
+    return RunSpec(HiddenStatesSpec(**files), **job)
 
 
 def test_resume_into_a_run_made_with_other_settings_is_refused(tmp_path):

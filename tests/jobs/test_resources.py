@@ -45,6 +45,7 @@ def test_gpu_workers_reserve_one_cpu_and_another_cluster_only_warns(ray_cluster,
 
 
 def test_a_cpu_worker_runs_as_many_torch_threads_as_it_reserved_at_most_its_cores(tiny_llama, tmp_path):
+    from connectors import HiddenStatesSpec
     from connectors.run import RunSpec
     from connectors.safetensors_connector import HiddenStatesConnectorConfig
     from extractor import EngineConfig, SamplingParams
@@ -58,7 +59,8 @@ def test_a_cpu_worker_runs_as_many_torch_threads_as_it_reserved_at_most_its_core
                                     device="cpu"),
                 sampling=SamplingParams(max_tokens=0),
                 connector=HiddenStatesConnectorConfig(shared_storage_path=str(tmp_path), allow_custom_save_path=True),
-                run=RunSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama),
+                run=RunSpec(HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                                             model=tiny_llama)),
                 cpu_threads=reserved))
             assert worker.llm is None  # the model loads with the first work, not when the actor starts
             worker._engine()

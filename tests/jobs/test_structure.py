@@ -11,6 +11,7 @@ import posixpath
 import pyarrow as pa
 import pytest
 
+from connectors import HiddenStatesSpec
 from connectors.run import (
     RUN_JSON,
     RunDir,
@@ -83,7 +84,8 @@ def test_an_ok_row_is_committed_only_after_its_data_file_is_durable(tiny_llama, 
     from jobs.worker import ExtractionWorker, WorkerSettings
 
     out = RunDir(str(tmp_path / "run"))
-    spec = RunSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    spec = RunSpec(HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                                    model=tiny_llama))
     write_run_spec(out, spec)
     worker = ExtractionWorker(WorkerSettings(
         engine=EngineConfig(model=tiny_llama, layer_ids=(1, 4), dtype="float32", device="cpu"),
