@@ -21,20 +21,30 @@ import fsspec
 FILE_SUFFIX = ".safetensors"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_STEM = 120
+_HASHED = re.compile(r"-[0-9a-f]{32}$")
 
 
 class PathRejected(ValueError):
     """A custom hidden_states_path that is not allowed; the request fails and nothing is written."""
 
 
+def id_digest(any_id: str) -> str:
+    """128-bit hex digest of an id's exact text (lone surrogates included)."""
+    return hashlib.sha256(str(any_id).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def safe_file_stem(request_id: str) -> str:
-    """A file-name stem for any request id: kept as is when already safe, else sanitised plus a short hash."""
+    """A file-name stem for any request id, injective in the id (distinct ids never share a file).
+
+    An id that is already a safe name is kept as is (vLLM's `{request_id}.safetensors`) unless it ends like a
+    hashed stem; every other id becomes its sanitised form plus "-" and a 128-bit digest of the exact id. The two
+    groups cannot meet (only hashed stems end in "-" + 32 hex), and hashed stems differ unless the digests collide.
+    """
     rid = str(request_id)
     stem = _SAFE.sub("_", rid).lstrip(".")[:_MAX_STEM]
-    if stem == rid and stem:
+    if stem == rid and stem and not _HASHED.search(rid):
         return stem
-    digest = hashlib.sha1(rid.encode("utf-8", "surrogatepass")).hexdigest()[:10]
-    return f"{stem or 'request'}-{digest}"
+    return f"{stem[:_MAX_STEM - 33] or 'request'}-{id_digest(rid)}"  # <= 160 characters with the suffix
 
 
 def _split(url: str) -> tuple[type, str, bool]:

@@ -2,7 +2,7 @@
 and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples) reads through it.
 
     OUTPUT/run.json                                    RunSpec: what produced the run (versioned JSON)
-    OUTPUT/data/<2 hex>/<safe sample id>.safetensors   data_path(sample_id): one file per sample (see format.py)
+    OUTPUT/data/<2 hex>/<digest>-<id>.safetensors      data_path(sample_id): one file per sample (see format.py)
     OUTPUT/manifest/part-<attempt>-<seq>.parquet       MANIFEST_SCHEMA rows, one part per commit; authoritative: a
                                                        data file counts only with an "ok" row
 
@@ -21,9 +21,10 @@ before its "ok" row is written, and that row is committed in a part file that ap
 same `storage.put_atomic`). So an "ok" row always points at a complete file; a file with no row (the job died in
 between) is an orphan no reader counts and the next run overwrites.
 
-Versions of run.json: 2 (written now) adds `data_layout`, the name of the data-file naming scheme, so a later layout
-can change names without guessing; 1 (hsx 0.1's first round) is read as layout "sha1-shard/safe-stem". Other
-versions are refused with a message naming the versions this hsx reads. This module never imports transformers or
+Versions of run.json: 2 (written now) adds `data_layout`, the name of the data-file naming scheme (new runs:
+"sha256/digest-stem", injective in the sample id); 1 (hsx 0.1's first round) is read with its own layout
+"sha1-shard/safe-stem", under which two ids could share a file. Other versions are refused with a message naming
+the versions this hsx reads. This module never imports transformers or
 ray.
 """
 
@@ -35,6 +36,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -48,7 +50,7 @@ import pyarrow.parquet as pq
 
 from connectors import storage
 from connectors.format import FORMAT_NAME, FORMAT_VERSION, LAYER_ID_CONVENTION, HiddenStatesSpec
-from connectors.paths import FILE_SUFFIX, safe_file_stem
+from connectors.paths import FILE_SUFFIX, id_digest
 
 RUN_JSON = "run.json"
 DATA_DIR = "data"
@@ -56,9 +58,13 @@ MANIFEST_DIR = "manifest"
 RUN_FORMAT = "hsx.run"
 RUN_FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")
-DATA_LAYOUT = "sha1-shard/safe-stem"
-"""data/<first 2 hex of sha1(id)>/<safe_file_stem(id)>.safetensors"""
-DATA_LAYOUTS = (DATA_LAYOUT,)
+DATA_LAYOUT = "sha256/digest-stem"
+"""data/<2 hex>/<sha256(id)[:32]>-<readable stem>.safetensors: injective in the exact id (the digest), and on
+case-insensitive filesystems too (lower-case hex); the stem after it is for people browsing the folder."""
+LEGACY_DATA_LAYOUT = "sha1-shard/safe-stem"
+"""Version-1 runs: data/<first 2 hex of sha1(id)>/<sanitised id>.safetensors (two ids could share a file)."""
+DATA_LAYOUTS = (DATA_LAYOUT, LEGACY_DATA_LAYOUT)
+_READABLE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class RunFormatError(ValueError):
@@ -117,10 +123,23 @@ def as_run_dir(run: RunDir | str, storage_options: dict | None = None) -> RunDir
 
 def data_path(sample_id: str, layout: str = DATA_LAYOUT) -> str:
     """A sample's file, relative to the output root, in the run's `data_layout`."""
-    if layout != DATA_LAYOUT:
-        raise RunFormatError(f"data layout {layout!r} is unknown to this hsx (it knows {list(DATA_LAYOUTS)})")
-    shard = hashlib.sha1(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:2]
-    return f"{DATA_DIR}/{shard}/{safe_file_stem(sample_id)}{FILE_SUFFIX}"
+    if layout == DATA_LAYOUT:
+        digest = id_digest(sample_id)
+        readable = _READABLE.sub("_", str(sample_id)).lstrip(".")[:40] or "sample"
+        return f"{DATA_DIR}/{digest[:2]}/{digest}-{readable}{FILE_SUFFIX}"
+    if layout == LEGACY_DATA_LAYOUT:
+        shard = hashlib.sha1(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:2]
+        return f"{DATA_DIR}/{shard}/{_legacy_stem(sample_id)}{FILE_SUFFIX}"
+    raise RunFormatError(f"data layout {layout!r} is unknown to this hsx (it knows {list(DATA_LAYOUTS)})")
+
+
+def _legacy_stem(sample_id: str) -> str:
+    """Version 1's file stem: the id if safe, else sanitised + sha1[:10] (not injective; kept to read old runs)."""
+    sid = str(sample_id)
+    stem = _READABLE.sub("_", sid).lstrip(".")[:120]
+    if stem == sid and stem:
+        return stem
+    return f"{stem or 'request'}-{hashlib.sha1(sid.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
 
 
 # -- run.json -----------------------------------------------------------------------------------------------------
@@ -266,7 +285,7 @@ class RunSpec:
             values["corpus"] = tuple(corpus.get("files") or ())
             values["corpus_fingerprint"] = str(corpus.get("fingerprint") or "")
         if version == "1":
-            values["data_layout"] = DATA_LAYOUT  # version 1 had one layout and described it in prose
+            values["data_layout"] = LEGACY_DATA_LAYOUT  # version 1 had one layout and described it in prose
         try:
             files = HiddenStatesSpec(**{n: doc[n] for n in FILE_FIELDS if n in doc},
                                      extra={"architecture": doc["architecture"]} if doc.get("architecture") else {})

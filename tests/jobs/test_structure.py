@@ -13,6 +13,7 @@ import pytest
 
 from connectors import HiddenStatesSpec
 from connectors.run import (
+    LEGACY_DATA_LAYOUT,
     RUN_JSON,
     RunDir,
     RunFormatError,
@@ -189,7 +190,8 @@ def test_a_run_json_of_the_previous_format_still_opens(tmp_path):
     assert spec.format_version == "1"
     assert spec.layer_ids == (1, 2, 4) and spec.max_tokens == 3 and spec.sampling.temperature == 0.0
     assert spec.corpus == ("/data/a.jsonl",) and spec.corpus_fingerprint == "fedcba9876543210"
-    assert spec.data_path("s-1") == data_path("s-1")
+    assert spec.data_path("s-1") == data_path("s-1", LEGACY_DATA_LAYOUT)  # its files keep their names
+    assert spec.data_path("s-1").endswith("/s-1.safetensors")
     # written back, it is the current version and reads back equal
     again = RunSpec.from_json(spec.to_json())
     assert again.format_version == "2" and again.to_json() == spec.to_json()

@@ -1,0 +1,56 @@
+"""Trusting a run's data (issue 11): distinct samples never share a file, one writer per run, a model re-written
+in place is noticed on resume."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from connectors.paths import safe_file_stem
+from connectors.run import LEGACY_DATA_LAYOUT, RunDir, data_path, read_manifest
+
+# two ids that the first round's names mapped to one file: the second is the first's sanitised form
+COLLIDING = ("col 951", "col_951-" + hashlib.sha1(b"col 951").hexdigest()[:10])
+
+
+def test_ids_that_sanitise_alike_get_distinct_files():
+    assert data_path(COLLIDING[0], LEGACY_DATA_LAYOUT) == data_path(COLLIDING[1], LEGACY_DATA_LAYOUT)  # the old bug
+    assert data_path(COLLIDING[0]) != data_path(COLLIDING[1])
+    assert safe_file_stem(COLLIDING[0]) != safe_file_stem(COLLIDING[1])
+    # ids that differ only in case or in characters a file name cannot hold
+    ids = ["a", "A", "a b", "a_b", "a/b", "a\\b", "é", "e\u0301", "", ".", "..", "x" * 300, "\ud800"]
+    paths = [data_path(i) for i in ids]
+    assert len(set(paths)) == len(ids)
+    assert len({p.lower() for p in paths}) == len(ids)  # case-insensitive filesystems too
+    assert all(p.startswith("data/") and p.count("/") == 2 and "/.." not in p for p in paths)
+    stems = [safe_file_stem(i) for i in ids]
+    assert len(set(stems)) == len(ids)
+    # a safe id that looks like a hashed stem is hashed too, so it cannot meet one
+    hashed = safe_file_stem("a b")
+    assert safe_file_stem(hashed) != hashed
+
+
+@pytest.mark.ray
+def test_samples_whose_ids_sanitise_alike_both_survive_a_resume(ray_cluster, tiny_llama, tmp_path):
+    from jobs.config import JobConfig
+    from jobs.pipeline import run_job
+    from tests.jobs.conftest import write_jsonl
+    from training.dataset import HiddenStatesDataset
+
+    records = [{"id": COLLIDING[0], "prompt": "the first sample is longer than the other one"},
+               {"id": COLLIDING[1], "prompt": "the second"}]
+    corpus = write_jsonl(tmp_path / "c.jsonl", records[:1])
+    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), progress=False)
+    assert run_job(config).ok == 1
+    write_jsonl(tmp_path / "c.jsonl", records)  # the colliding id arrives on a resume
+    assert run_job(config).ok == 1
+    table = read_manifest(str(tmp_path / "out"))
+    assert sorted(table["sample_id"].to_pylist()) == sorted(COLLIDING)
+    assert len(set(table["path"].to_pylist())) == 2
+    ds = HiddenStatesDataset(str(tmp_path / "out"))
+    lengths = {ds.sample_id(i): len(ds[i]["input_ids"]) for i in range(len(ds))}
+    assert lengths[COLLIDING[0]] > lengths[COLLIDING[1]]  # each file still holds its own sample
+    assert all(os.path.exists(os.path.join(tmp_path, "out", p)) for p in table["path"].to_pylist())
+    assert RunDir(str(tmp_path / "out")).exists("run.json")
