@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id
+from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id, read_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter
@@ -107,7 +107,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
     facts = ModelFacts.resolve(config)
     files = expand_corpus(config.corpus, config.corpus_storage_options)
     override, template, template_source = load_chat_template(config, facts)
-    spec = build_run_spec(config, facts, files, template, template_source)
+    spec = build_run_spec(config, facts, files, template, template_source, present=read_run_spec(output))
     new_run = ensure_run_spec(output, spec)
     done = set() if new_run else committed_ids(output)
     plan = JobPlan(config, facts, output, files, override, spec, new_run, done)

@@ -15,14 +15,15 @@ import hashlib
 import platform
 import time
 
-from connectors.run import RunDir, RunSpec, Sampling, read_run_spec, write_run_spec
+from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, manifest_parts, read_run_spec, write_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile
-from jobs.model import ModelFacts
+from jobs.model import FINGERPRINT_SCHEME, ModelFacts
 
 # RunSpec field -> the flag a user changes to change it
 IDENTITY = {
-    "model": "--model", "model_revision": "--revision", "model_fingerprint": "--model (its weights or config)",
+    "model": "--model", "model_revision": "--revision",
+    "model_fingerprint": "--model (its weights, config or tokenizer changed since the run began)",
     "layer_ids": "--layers", "dtype": "--dtype", "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
     "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field",
@@ -53,13 +54,17 @@ def corpus_fingerprint(files: list[CorpusFile], sizes: list[int | None]) -> str:
 
 
 def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile], template: str | None,
-                   template_source: str, sizes: list[int | None] | None = None) -> RunSpec:
+                   template_source: str, sizes: list[int | None] | None = None, *,
+                   present: RunSpec | None = None) -> RunSpec:
+    """The RunSpec of this job; `present` (the run.json already there) picks the fingerprint scheme to compare with."""
     sizes = sizes or [None] * len(files)
+    legacy = present is not None and not present.model_fingerprint.startswith(FINGERPRINT_SCHEME)
     sampling = None
     if config.max_tokens:
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed)
     return RunSpec.from_file_spec(
-        facts.file_spec(), model_fingerprint=facts.fingerprint, chat_template_source=template_source,
+        facts.file_spec(), model_fingerprint=facts.legacy_fingerprint if legacy else facts.fingerprint,
+        chat_template_source=template_source,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
         include_output_tokens=config.include_output_tokens, sampling=sampling, id_field=config.id_field,
@@ -68,9 +73,17 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
 
 
 def ensure_run_spec(run: RunDir, spec: RunSpec) -> bool:
-    """Write run.json for a new run (returns True), or check that a present one matches (returns False)."""
+    """Write run.json for a new run (returns True), or check that a present one matches (returns False).
+
+    An output with manifest parts but no run.json (deleted, or lost in a copy) is refused: starting a "new" run there
+    would extract every committed sample again beside the old rows.
+    """
     present = read_run_spec(run)
     if present is None:
+        if manifest_parts(run):
+            raise RunMismatch(f"{run.url} has a manifest ({len(manifest_parts(run))} parts) but no {RUN_JSON}: it "
+                              f"was deleted or not copied. Restore {RUN_JSON} to resume this run (its files and rows "
+                              "are intact), or pick a new --output")
         write_run_spec(run, spec)
         return True
     diffs = present.differences(spec, list(IDENTITY))

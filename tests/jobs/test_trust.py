@@ -54,3 +54,88 @@ def test_samples_whose_ids_sanitise_alike_both_survive_a_resume(ray_cluster, tin
     assert lengths[COLLIDING[0]] > lengths[COLLIDING[1]]  # each file still holds its own sample
     assert all(os.path.exists(os.path.join(tmp_path, "out", p)) for p in table["path"].to_pylist())
     assert RunDir(str(tmp_path / "out")).exists("run.json")
+
+
+# -- the model cannot change under a run ---------------------------------------------------------------------------
+@pytest.fixture
+def own_model(tmp_path):
+    """A tiny model in a folder of its own, so a test may re-write it."""
+    from jobs.tiny_models import build_tiny_model
+
+    return build_tiny_model("llama", str(tmp_path / "model"), seed=0)
+
+
+def _config(model: str, tmp_path):
+    from jobs.config import JobConfig
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "hello there"}\n')
+    return JobConfig(model=model, corpus=(str(corpus),), output=str(tmp_path / "out"), progress=False)
+
+
+def test_weights_rewritten_in_place_are_refused_on_resume(own_model, tmp_path):
+    import shutil
+
+    from jobs.pipeline import prepare_job
+    from jobs.runinfo import RunMismatch
+    from jobs.tiny_models import build_tiny_model
+
+    config = _config(own_model, tmp_path)
+    assert prepare_job(config).new_run
+    assert not prepare_job(config).new_run  # unchanged: resumes
+    other = build_tiny_model("llama", str(tmp_path / "other"), seed=1)  # same shapes, other values
+    weights = os.path.join(own_model, "model.safetensors")
+    size = os.path.getsize(weights)
+    shutil.copyfile(os.path.join(other, "model.safetensors"), weights)
+    assert os.path.getsize(weights) == size  # same path, same size, same header: only the contents differ
+    with pytest.raises(RunMismatch, match=r"model_fingerprint.*--model \(its weights"):
+        prepare_job(config)
+
+
+def test_a_changed_tokenizer_is_refused_on_resume(own_model, tmp_path):
+    import json
+
+    from jobs.pipeline import prepare_job
+    from jobs.runinfo import RunMismatch
+
+    config = _config(own_model, tmp_path)
+    prepare_job(config)
+    path = os.path.join(own_model, "tokenizer_config.json")
+    doc = json.load(open(path))
+    doc["model_max_length"] = 77
+    json.dump(doc, open(path, "w"))
+    with pytest.raises(RunMismatch, match="model_fingerprint"):
+        prepare_job(config)
+
+
+def test_a_run_that_recorded_the_first_rounds_fingerprint_still_resumes(own_model, tmp_path):
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from connectors.run import read_run_spec, write_run_spec
+    from jobs.model import model_fingerprint
+    from jobs.pipeline import prepare_job
+
+    config = _config(own_model, tmp_path)
+    prepare_job(config)
+    out = RunDir(config.output)
+    old = model_fingerprint(own_model, AutoConfig.from_pretrained(own_model), scheme="")
+    write_run_spec(out, dataclasses.replace(read_run_spec(out), model_fingerprint=old))
+    assert not prepare_job(config).new_run
+    assert read_run_spec(out).model_fingerprint == old  # the run keeps what it recorded
+
+
+def test_a_run_whose_run_json_was_deleted_is_not_started_again(own_model, tmp_path):
+    from connectors.run import new_attempt_id, write_manifest_part
+    from jobs.pipeline import prepare_job
+    from jobs.runinfo import RunMismatch
+
+    config = _config(own_model, tmp_path)
+    prepare_job(config)
+    write_manifest_part(config.output, [{"sample_id": "a", "status": "ok", "path": data_path("a"), "num_tokens": 2}],
+                        new_attempt_id(), 0)
+    os.remove(os.path.join(config.output, "run.json"))
+    with pytest.raises(RunMismatch, match="has a manifest .* but no run.json.*Restore run.json"):
+        prepare_job(config)
+    assert not os.path.exists(os.path.join(config.output, "run.json"))
