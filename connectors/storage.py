@@ -3,6 +3,7 @@
 Everything above this module (connector, reader, dataset) works on any fsspec URL through these few functions:
     open_url(url, storage_options)        -> (fs, path)
     parse_storage_options(value, flag)    -  fsspec options from a dict or JSON text (flags, job files)
+    create_exclusive(fs, path, data)      -  create a small file only if absent (leases): True if this call made it
     put_atomic(fs, path, content)         -  any whole file (bytes, buffers, or a writer function), atomic and durable:
                                              the one atomic write every file of a run goes through (data files,
                                              manifest parts, run.json, exports)
@@ -212,6 +213,42 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content) -> in
             if fs.exists(tmp):
                 fs.rm(tmp)
     return len(data)
+
+
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Create `path` holding `data` only if it does not exist; True when this call created it, False when it existed.
+
+    Local disks: the whole file is written under a temp name and hard-linked to `path` (link fails if `path` exists:
+    atomic, and no reader sees it partial), then fsynced. Object stores: fsspec's exclusive mode "xb" (s3fs sends
+    If-None-Match, which S3 enforces); other filesystems get fsspec's own exists check, which two writers can race.
+    """
+    if is_local(fs):
+        parent = posixpath.dirname(path) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        fsync_dir(parent)
+        return True
+    parent = posixpath.dirname(path)
+    if parent and not _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+        fs.makedirs(parent, exist_ok=True)
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _write_content(f: BinaryIO, content: Content) -> None:

@@ -108,6 +108,9 @@ class JobConfig:
     """Commit manifest rows at least this often; a crash redoes at most this much work."""
     progress: bool = True
     """Show a progress bar (samples/s, tokens/s, bytes, ETA) on stderr."""
+    break_lease: bool = False
+    """Take over the output's writer lease even though its holder looks alive (use only when that job is known to
+    be gone; a lease whose process died, or that was not renewed for 5 minutes, is broken without this)."""
 
     def __post_init__(self) -> None:
         from connectors.format import check_layer_ids

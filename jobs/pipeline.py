@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import pyarrow as pa
 from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id, read_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
+from jobs.lease import LeaseLost, WriterLease
 from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress
@@ -73,6 +75,10 @@ class JobPlan:
     new_run: bool
     done: set[str]
     """Sample ids already committed ("ok" rows)."""
+    attempt: str = ""
+    """This attempt's id (manifest parts, the lease)."""
+    lease: WriterLease | None = None
+    """The output's writer lease, held from planning to the end of execute_job."""
     nothing_left: bool = False
     """Every record of the corpus has an "ok" row: the job finishes without starting Ray."""
 
@@ -107,11 +113,17 @@ def prepare_job(config: JobConfig) -> JobPlan:
     facts = ModelFacts.resolve(config)
     files = expand_corpus(config.corpus, config.corpus_storage_options)
     override, template, template_source = load_chat_template(config, facts)
-    spec = build_run_spec(config, facts, files, template, template_source, present=read_run_spec(output))
-    new_run = ensure_run_spec(output, spec)
-    done = set() if new_run else committed_ids(output)
-    plan = JobPlan(config, facts, output, files, override, spec, new_run, done)
-    plan.nothing_left = _nothing_left(plan)
+    attempt = new_attempt_id()
+    lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
+    try:
+        spec = build_run_spec(config, facts, files, template, template_source, present=read_run_spec(output))
+        new_run = ensure_run_spec(output, spec)
+        done = set() if new_run else committed_ids(output)
+        plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease)
+        plan.nothing_left = _nothing_left(plan)
+    except BaseException:
+        lease.release()
+        raise
     return plan
 
 
@@ -252,17 +264,29 @@ def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
 
 
 def execute_job(plan: JobPlan) -> JobResult:
-    """Run the pipeline and commit its rows; returns the numbers of this run."""
-    import ray
-
-    config = plan.config
-    attempt = new_attempt_id()
+    """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back."""
+    attempt = plan.attempt or new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()
     if plan.nothing_left:
         result.skipped = len(plan.done)
         result.seconds = time.monotonic() - started
+        if plan.lease is not None:
+            plan.lease.release()
         return result
+    keep_alive = plan.lease.keep_alive() if plan.lease is not None else contextlib.nullcontext(threading.Event())
+    try:
+        with keep_alive as lease_lost:
+            return _execute(plan, result, attempt, started, lease_lost)
+    finally:
+        if plan.lease is not None:
+            plan.lease.release()
+
+
+def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lease_lost: threading.Event) -> JobResult:
+    import ray
+
+    config = plan.config
     writer = ManifestWriter(plan.output, attempt, config.manifest_flush_rows, config.manifest_flush_seconds)
     progress = Progress(config.progress)
     counter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-count")
@@ -277,6 +301,9 @@ def execute_job(plan: JobPlan) -> JobResult:
                     ds = build_dataset(plan, registry, gpus, cpus)
                     try:
                         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                            if lease_lost.is_set():
+                                raise LeaseLost(f"another writer took over {plan.output.url}; stopped before "
+                                                "committing more rows")
                             writer.add(batch)
                             progress.update(batch)
                             _note(result, batch)
@@ -284,6 +311,8 @@ def execute_job(plan: JobPlan) -> JobResult:
                             if count.done() and count.result() is not None:
                                 progress.set_total(max(count.result() - len(plan.done), 0))
                                 count = concurrent.futures.Future()
+                    except LeaseLost as e:
+                        raise JobFailed(str(e)) from e
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
                         logger.debug("pipeline failure", exc_info=True)
                         raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
@@ -291,7 +320,8 @@ def execute_job(plan: JobPlan) -> JobResult:
             finally:
                 ray.kill(registry)
     finally:
-        writer.flush()  # rows received are for durable files: commit them even when the job fails
+        if not lease_lost.is_set():  # rows received are for durable files: commit them even when the job fails
+            writer.flush()
         progress.close()
         counter.shutdown(wait=False, cancel_futures=True)
     result.skipped = stats["skipped"]

@@ -139,3 +139,106 @@ def test_a_run_whose_run_json_was_deleted_is_not_started_again(own_model, tmp_pa
     with pytest.raises(RunMismatch, match="has a manifest .* but no run.json.*Restore run.json"):
         prepare_job(config)
     assert not os.path.exists(os.path.join(config.output, "run.json"))
+
+
+# -- one writer per run ----------------------------------------------------------------------------------------------
+def _lease_doc(**over) -> bytes:
+    import json
+    import socket
+    import time
+
+    doc = {"attempt": "20261201T000000Z-other", "host": socket.gethostname(), "pid": os.getpid(),
+           "started": time.time(), "renewed": time.time()}
+    doc.update(over)
+    return json.dumps(doc).encode()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_live_lease_refuses_a_second_writer_and_break_lease_takes_it(tmp_path):
+    from jobs.lease import LEASE_FILE, LeaseHeld, WriterLease
+
+    run = RunDir(str(tmp_path))
+    first = WriterLease.acquire(run, "A")
+    with pytest.raises(LeaseHeld, match=r"being written by another hsx run: attempt A on host .* --break-lease"):
+        WriterLease.acquire(run, "B")
+    (tmp_path / LEASE_FILE).write_bytes(_lease_doc(host="elsewhere", pid=1))  # alive, as far as we can tell
+    with pytest.raises(LeaseHeld, match="host elsewhere"):
+        WriterLease.acquire(run, "B")
+    second = WriterLease.acquire(run, "B", break_lease=True)
+    from jobs.lease import LeaseLost
+
+    with pytest.raises(LeaseLost, match="taken over"):
+        first.renew()  # the first writer learns it lost the lease before it commits more
+    second.renew()
+    second.release()
+    assert not (tmp_path / LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize("holder", ["dead process here", "stale elsewhere", "unreadable"])
+def test_a_lease_left_by_a_dead_job_is_broken(tmp_path, holder, caplog):
+    import time
+
+    from jobs.lease import LEASE_FILE, WriterLease
+
+    body = {"dead process here": _lease_doc(pid=_dead_pid()),
+            "stale elsewhere": _lease_doc(host="elsewhere", pid=1, renewed=time.time() - 3600),
+            "unreadable": b"{not json"}[holder]
+    (tmp_path / LEASE_FILE).write_bytes(body)
+    with caplog.at_level("WARNING", logger="jobs.lease"):
+        lease = WriterLease.acquire(RunDir(str(tmp_path)), "B")
+    assert "breaking the lease" in caplog.text
+    lease.release()
+
+
+def test_the_lease_is_exclusive_on_s3(s3_bucket):
+    from connectors import storage
+    from jobs.lease import LeaseHeld, WriterLease
+
+    url, options = s3_bucket
+    run = RunDir(f"{url}/run", options)
+    assert storage.create_exclusive(run.fs, run.path("x"), b"1")
+    assert not storage.create_exclusive(run.fs, run.path("x"), b"2")
+    assert run.read_bytes("x") == b"1"
+    lease = WriterLease.acquire(run, "A")
+    with pytest.raises(LeaseHeld):
+        WriterLease.acquire(RunDir(f"{url}/run", options), "B")
+    lease.release()
+    WriterLease.acquire(run, "C").release()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from jobs.cli import EXIT_OK, EXIT_USAGE
+    from tests.jobs.conftest import write_jsonl
+
+    ids = [f"s{i:04d}" for i in range(300)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": i, "prompt": f"sample {i} " * 8} for i in ids])
+    output = str(tmp_path / "out")
+    args = [sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", corpus, "--output", output,
+            "--tokens-per-task", "64", "--manifest-flush-rows", "5", "--no-progress", "--address", ray_cluster.address]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(output, "writer.lease")):
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    second = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == EXIT_OK, err.decode()[-2000:]
+    assert second.returncode == EXIT_USAGE and "being written by another hsx run" in second.stderr
+    table = read_manifest(output)
+    ok = [s for s, st in zip(table["sample_id"].to_pylist(), table["status"].to_pylist()) if st == "ok"]
+    assert sorted(ok) == ids  # every sample once: no duplicate rows
+    assert not os.path.exists(os.path.join(output, "writer.lease"))  # given back at the end
