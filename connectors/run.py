@@ -10,11 +10,12 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     RunSpec                              frozen; to_json() / from_json(doc) / file_spec() / from_file_spec(spec)
     read_run_spec(run) / write_run_spec(run, spec)
     data_path(sample_id)
-    RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, new_attempt_id()
+    RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer)
     read_manifest(run, columns)                    every committed row
-    ok_rows(run)                                   one "ok" row per sample (the last written), sorted by sample id
-    committed_ids(run)                             sample ids with an "ok" row: a resume skips them
+    committed_rows(table)                          per sample its last "ok" row, unless "invalid" came after it
+    ok_rows(run)                                   the committed rows, sorted by sample id
+    committed_ids(run)                             ids of committed samples: a resume skips them
 
 Exactly-once rests on two orderings. A sample's data file is durable (written, fsynced, renamed, directory fsynced)
 before its "ok" row is written, and that row is committed in a part file that appears atomically and durably (the
@@ -317,7 +318,7 @@ def write_run_spec(run: RunDir | str, spec: RunSpec, storage_options: dict | Non
 # Rows produced by workers; the part writer adds `attempt` and `committed_at`.
 RESULT_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
-    ("status", pa.string()),            # "ok" | "failed"
+    ("status", pa.string()),            # "ok" | "failed" | "invalid" (hsx verify found the committed file bad)
     ("path", pa.string()),              # data file relative to OUTPUT; null when failed
     ("num_tokens", pa.int64()),         # rows stored (prompt, plus generated tokens when included)
     ("num_prompt_tokens", pa.int64()),
@@ -325,10 +326,11 @@ RESULT_SCHEMA = pa.schema([
     ("error", pa.string()),             # why it failed; null when ok
     ("source", pa.string()),            # corpus file and line/row
     ("truncated", pa.bool_()),          # over-length sample cut to the limit
+    ("checksum", pa.string()),          # the file's data checksum ("xxh3_64:<hex>"), as its header records it
 ])
 MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
     pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
-OK, FAILED = "ok", "failed"
+OK, FAILED, INVALID = "ok", "failed", "invalid"
 REQUIRED_COLUMNS = ("sample_id", "path", "num_tokens", "status")
 """What a reader of "ok" samples needs; the rest may be null."""
 
@@ -403,31 +405,38 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
     return pa.concat_tables(tables)
 
 
-def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Table:
-    """One "ok" row per sample — the last written, when a resume wrote a sample twice — sorted by sample_id.
+def committed_rows(table: pa.Table) -> pa.Table:
+    """Per sample, its last "ok" row — unless an "invalid" row (hsx verify found the file bad) came after it: such a
+    sample is not committed, and a re-run extracts it again. Rows count in commit order (parts by name, then row)."""
+    decisive = table.filter(pc.is_in(table["status"], pa.array([OK, INVALID])))
+    if decisive.num_rows == 0:
+        return decisive
+    decisive = decisive.append_column("_row", pa.array(np.arange(decisive.num_rows, dtype=np.int64)))
+    last = decisive.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"]
+    latest = decisive.take(pc.sort_indices(last))
+    return latest.filter(pc.equal(latest["status"], OK)).drop_columns(["_row"])
 
-    Columns sample_id, path, num_tokens. Raises FileNotFoundError when `run` has no manifest and ValueError when
-    it has no "ok" row, both saying what to pass instead.
+
+def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Table:
+    """One "ok" row per committed sample (see committed_rows), sorted by sample_id: columns sample_id, path,
+    num_tokens, checksum. Raises FileNotFoundError when `run` has no manifest and ValueError when it has no
+    committed sample, both saying what to pass instead.
     """
     run = as_run_dir(run, storage_options)
     if not run.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no manifest at {run.url_of(MANIFEST_DIR)}; pass the OUTPUT folder of an "
                                 f"extraction run (it holds {RUN_JSON} and {MANIFEST_DIR}/)")
-    table = read_manifest(run, columns=list(REQUIRED_COLUMNS))
+    table = read_manifest(run, columns=[*REQUIRED_COLUMNS, "checksum"])
     total = table.num_rows
-    table = table.filter(pc.equal(table["status"], OK))
+    table = committed_rows(table)
     if table.num_rows == 0:
         raise ValueError(f"manifest at {run.url_of(MANIFEST_DIR)} has {total} rows and none with status 'ok'; the "
                          "run has no usable samples (see its 'error' column for why they failed)")
-    table = table.select(["sample_id", "path", "num_tokens"]).append_column(
-        "_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
-    if pc.count_distinct(table["sample_id"]).as_py() != table.num_rows:
-        keep = table.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"]
-        table = table.take(keep)
-    table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
-    return table.drop_columns(["_row"]).combine_chunks()
+    table = table.select(["sample_id", "path", "num_tokens", "checksum"])
+    return table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")])).combine_chunks()
 
 
 def committed_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:
+    """Ids of committed samples (see committed_rows): what a resume skips."""
     table = read_manifest(run, columns=["sample_id", "status"], storage_options=storage_options)
-    return set(table.filter(pc.equal(table["status"], OK))["sample_id"].to_pylist())
+    return set(committed_rows(table)["sample_id"].to_pylist())

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.run import FAILED, OK, RunDir, manifest_parts, manifest_rows, read_manifest, write_manifest_part
+from connectors.run import (
+    FAILED,
+    INVALID,
+    OK,
+    RunDir,
+    committed_rows,
+    manifest_parts,
+    manifest_rows,
+    read_manifest,
+    write_manifest_part,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,8 @@ class Summary:
     """Samples with an "ok" row."""
     failed: int = 0
     """Samples whose rows all failed."""
+    invalid: int = 0
+    """Samples whose committed file hsx verify found bad (not yet re-extracted)."""
     rows: int = 0
     duplicate_ok_rows: int = 0
     """"ok" rows beyond one per sample (0 unless something broke exactly-once)."""
@@ -81,17 +93,25 @@ def summarize(run: RunDir, max_errors: int = 10) -> Summary:
     if not table.num_rows:
         return s
     s.attempts = len(pc.unique(table["attempt"]))
-    ok = table.filter(pc.equal(table["status"], OK))
-    ok_ids = pc.unique(ok["sample_id"])
-    s.ok = len(ok_ids)
-    s.duplicate_ok_rows = ok.num_rows - s.ok
+    ok = committed_rows(table)
+    ok_ids = ok["sample_id"]
+    s.ok = ok.num_rows
     s.tokens = int(pc.sum(ok["num_tokens"]).as_py() or 0)
     s.bytes = int(pc.sum(ok["bytes"]).as_py() or 0)
     s.truncated = int(pc.sum(pc.cast(ok["truncated"], pa.int64())).as_py() or 0)
-    failed = table.filter(pc.and_(pc.equal(table["status"], FAILED),
-                                  pc.invert(pc.is_in(table["sample_id"], value_set=ok_ids))))
-    failed_ids = pc.unique(failed["sample_id"])
-    s.failed = len(failed_ids)
+    # "ok" rows beyond one per sample and per re-extraction after an "invalid" row: 0 unless exactly-once broke
+    counts = table.group_by(["sample_id", "status"], use_threads=False).aggregate([("status", "count")]).to_pylist()
+    per: dict[str, Counter] = {}
+    for c in counts:
+        per.setdefault(c["sample_id"], Counter())[c["status"]] = c["status_count"]
+    committed = set(ok_ids.to_pylist())
+    s.duplicate_ok_rows = sum(max(0, n[OK] - n[INVALID] - (sid in committed)) for sid, n in per.items())
+    invalid = [sid for sid, n in per.items() if n[INVALID] and sid not in committed]
+    s.invalid = len(invalid)
+    undone = pc.invert(pc.is_in(table["sample_id"], value_set=pa.array(sorted(committed | set(invalid)),
+                                                                        pa.string())))
+    failed = table.filter(pc.and_(pc.equal(table["status"], FAILED), undone))
+    s.failed = len(pc.unique(failed["sample_id"]))
     seen: set[str] = set()
     kinds: Counter[str] = Counter()
     for sid, err in zip(failed["sample_id"].to_pylist(), failed["error"].to_pylist()):

@@ -128,7 +128,7 @@ class ExtractionWorker:
                                 f"{info.metadata.get('sample_id')!r}, expected {expected} of {row['sample_id']!r}")
         return {"sample_id": row["sample_id"], "status": OK, "path": rel_path, "num_tokens": info.num_tokens,
                 "num_prompt_tokens": row["num_prompt_tokens"], "bytes": info.size, "error": None,
-                "source": row["source"], "truncated": row["truncated"]}
+                "source": row["source"], "truncated": row["truncated"], "checksum": info.metadata.get("checksum")}
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)
@@ -142,4 +142,4 @@ class ExtractionWorker:
 def _failed(row: dict[str, Any], error: str) -> dict[str, Any]:
     return {"sample_id": row["sample_id"], "status": FAILED, "path": None, "num_tokens": 0,
             "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": error, "source": row["source"],
-            "truncated": row["truncated"]}
+            "truncated": row["truncated"], "checksum": None}

@@ -25,7 +25,7 @@ def _rows(*rows):
         ok = status == "ok"
         for k, v in dict(sample_id=sid, status=status, path=data_path(sid) if ok else None, num_tokens=10 if ok else 0,
                          num_prompt_tokens=10, bytes=100 if ok else 0, error=None if ok else f"x.jsonl:3: bad {sid}",
-                         source="x.jsonl:3", truncated=False).items():
+                         source="x.jsonl:3", truncated=False, checksum=None).items():
             cols[k].append(v)
     return pa.Table.from_pydict(cols, schema=RESULT_SCHEMA)
 

@@ -242,3 +242,25 @@ def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama
     ok = [s for s, st in zip(table["sample_id"].to_pylist(), table["status"].to_pylist()) if st == "ok"]
     assert sorted(ok) == ids  # every sample once: no duplicate rows
     assert not os.path.exists(os.path.join(output, "writer.lease"))  # given back at the end
+
+
+# -- "invalid" rows: what hsx verify found bad is extracted again --------------------------------------------------
+def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path):
+    from connectors.run import committed_ids, new_attempt_id, ok_rows, write_manifest_part
+    from jobs.manifest import summarize
+
+    run = RunDir(str(tmp_path))
+
+    def commit(*rows):
+        write_manifest_part(run, [{"sample_id": s, "status": st, "path": data_path(s), "num_tokens": 3,
+                                   "bytes": 10, "truncated": False} for s, st in rows], new_attempt_id(), 0)
+
+    commit(("a", "ok"), ("b", "ok"), ("c", "ok"), ("d", "failed"))
+    commit(("b", "invalid"), ("c", "invalid"))  # hsx verify found b's and c's files bad
+    commit(("c", "ok"))  # the re-run extracted c again
+    assert committed_ids(run) == {"a", "c"}
+    assert ok_rows(run)["sample_id"].to_pylist() == ["a", "c"]
+    s = summarize(run)
+    assert (s.ok, s.invalid, s.failed, s.duplicate_ok_rows) == (2, 1, 1, 0)
+    commit(("a", "ok"))  # a second ok row with nothing in between: exactly-once broke
+    assert summarize(run).duplicate_ok_rows == 1
