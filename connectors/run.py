@@ -336,8 +336,11 @@ REQUIRED_COLUMNS = ("sample_id", "path", "num_tokens", "status")
 
 
 def new_attempt_id() -> str:
-    """Sorts by start time; unique across concurrent or repeated runs."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+    """Sorts by start time, to the microsecond (part names order commits, see committed_rows); unique across
+    concurrent or repeated runs."""
+    now = time.time()
+    return (time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z-"
+            + uuid.uuid4().hex[:8])
 
 
 def manifest_rows(rows: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
@@ -413,7 +416,7 @@ def committed_rows(table: pa.Table) -> pa.Table:
         return decisive
     decisive = decisive.append_column("_row", pa.array(np.arange(decisive.num_rows, dtype=np.int64)))
     last = decisive.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"]
-    latest = decisive.take(pc.sort_indices(last))
+    latest = decisive.take(last)
     return latest.filter(pc.equal(latest["status"], OK)).drop_columns(["_row"])
 
 
