@@ -47,11 +47,11 @@ def normalize_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
             raise ValueError(f"{key}[{i}] must be an object with {role_key!r} and {content_key!r}, got "
                              f"{type(turn).__name__}")
         if role_key not in turn:
-            raise ValueError(f"{key}[{i}] has no {role_key!r} field (keys: {sorted(turn)})")
+            raise ValueError(f"{key}[{i}] has no {role_key!r} field (keys: {_short(sorted(turn))})")
         raw_role = turn[role_key]
         role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
         if role is None:
-            raise ValueError(f"{key}[{i}] has unknown role {raw_role!r}; known roles: {sorted(ROLE_ALIASES)}")
+            raise ValueError(f"{key}[{i}] has unknown role {_short(raw_role)}; known roles: {sorted(ROLE_ALIASES)}")
         content = turn.get(content_key)
         if isinstance(content, list):  # OpenAI content parts
             texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
@@ -66,6 +66,12 @@ def normalize_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
         message.update(role=role, content=content)
         out.append(message)
     return out
+
+
+def _short(value, limit: int = 60) -> str:
+    """repr for an error text, cut short: records quote whatever they hold."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}..."
 
 
 class ChatEncoder:

@@ -4,29 +4,37 @@
     SampleTokenizer(settings)        one tokenizer; .tokenize(payload) -> Tokenized, raises SampleError
     TokenizeStage                    the Ray Data stage: a pyarrow batch of records in, a batch of samples out
 
-Record shapes, first match wins:
+Record shapes, first match wins (a field that is null counts as absent, as Parquet columns leave them):
     {"input_ids": [int, ...], "loss_mask": [0/1, ...]?}    pre-tokenized; mask defaults to all ones
     {"messages": [{"role", "content"}, ...]}                OpenAI chat  -> chat template, mask on assistant tokens
     {"conversations": [{"from", "value"}, ...]}             ShareGPT     -> same
     {"prompt": str}                                         plain text with the tokenizer's special tokens; mask all 1
 Samples longer than the limit (max_model_len minus max_tokens) are truncated or rejected (`overlength`).
+
+A record's failure is its own row, never its block's: token ids must fit int64 (the column type), text must be valid
+Unicode (no lone surrogates, which tokenizers refuse), and anything else a record makes go wrong is caught per record.
+Error texts are made storable (valid UTF-8, cut to a bounded length) before they enter the block.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import pyarrow as pa
 
 from jobs.chat import ChatEncoder, normalize_messages
-from jobs.corpus import RECORD_SCHEMA
+from jobs.corpus import RECORD_SCHEMA, invalid_unicode, short_repr, storable_text
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("source", pa.string()),
     ("prompt_token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.uint8())),
     ("num_prompt_tokens", pa.int64()), ("truncated", pa.bool_()), ("error", pa.string()),
 ])
+INT64_MAX = 2**63 - 1
 
 
 class SampleError(ValueError):
@@ -72,15 +80,33 @@ class SampleTokenizer:
         return self._chat
 
     def tokenize(self, payload: str) -> Tokenized:
+        """The record's sample; raises SampleError for anything wrong with it, whatever went wrong."""
+        try:
+            return self._tokenize(payload)
+        except SampleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever a record makes go wrong fails that record, not its block
+            logger.exception("tokenizing a record failed unexpectedly")
+            raise SampleError(f"tokenization failed unexpectedly ({type(e).__name__}: {e}); this is a bug in hsx: "
+                              "please report it with this record") from e
+
+    def _tokenize(self, payload: str) -> Tokenized:
         try:
             record = json.loads(payload)
-        except json.JSONDecodeError as e:
-            raise SampleError(f"malformed JSON: {e}") from e
-        if "input_ids" in record:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, json's limits, nesting
+            raise SampleError(f"the record is not JSON that can be read ({type(e).__name__}: {e})") from e
+        if not isinstance(record, dict):
+            raise SampleError(f"a record must be a JSON object, got {type(record).__name__}")
+        present = [k for k in ("input_ids", "messages", "conversations", "prompt") if record.get(k) is not None]
+        shape = present[0] if present else None
+        if shape == "input_ids":
             ids, mask = _pretokenized(record)
-        elif "messages" in record or "conversations" in record:
+        elif shape in ("messages", "conversations"):
+            problem = _unicode_problem(record[shape], shape)
+            if problem:
+                raise SampleError(problem)
             try:
-                messages = normalize_messages(record)
+                messages = normalize_messages({shape: record[shape]})
             except ValueError as e:
                 raise SampleError(str(e)) from e
             encoder = self._chat_encoder()
@@ -90,10 +116,13 @@ class SampleTokenizer:
                 raise SampleError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - a template or tokenizer failure fails this sample only
                 raise SampleError(f"chat template failed: {type(e).__name__}: {e}") from e
-        elif "prompt" in record:
+        elif shape == "prompt":
             prompt = record["prompt"]
             if not isinstance(prompt, str):
                 raise SampleError(f"field 'prompt' must be a string, got {type(prompt).__name__}")
+            problem = _unicode_problem(prompt, "field 'prompt'")
+            if problem:
+                raise SampleError(problem)
             try:
                 ids = list(self.tokenizer(prompt).input_ids)
             except Exception as e:  # noqa: BLE001
@@ -114,15 +143,39 @@ class SampleTokenizer:
         return Tokenized(ids, mask)
 
 
+def _unicode_problem(value, where: str) -> str | None:
+    """The first text in `value` (a string, or JSON lists and objects of them) that is not valid Unicode."""
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            problem = invalid_unicode(v)
+            if problem:
+                return f"{path} is not valid Unicode text ({problem}); fix the broken \\u escape in the corpus"
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}", x) for k, x in reversed(v.items()))
+            stack.extend((f"a key of {path}", k) for k in v)
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
 def _pretokenized(record: dict) -> tuple[list[int], list[int]]:
     ids = record["input_ids"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise SampleError("field 'input_ids' must be a list of non-negative integers")
+    if not isinstance(ids, list):
+        raise SampleError(f"field 'input_ids' must be a list of token ids, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+            raise SampleError(f"input_ids[{i}] is {short_repr(t)}; token ids are non-negative integers (indices into the "
+                              "model's vocabulary, at most 2**63-1)")
     mask = record.get("loss_mask")
     if mask is None:
         return ids, [1] * len(ids)
-    if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, float) for m in mask):
-        raise SampleError("field 'loss_mask' must be a list of 0/1 values")
+    if not isinstance(mask, list):
+        raise SampleError(f"field 'loss_mask' must be a list of 0/1 values, got {type(mask).__name__}")
+    for i, m in enumerate(mask):
+        if isinstance(m, float) or m not in (0, 1):
+            raise SampleError(f"loss_mask[{i}] is {short_repr(m)}; give 0 or 1 per token")
     if len(mask) != len(ids):
         raise SampleError(f"field 'loss_mask' has {len(mask)} values for {len(ids)} input_ids; give one per token")
     return ids, [int(m) for m in mask]
@@ -156,5 +209,5 @@ def tokenize_table(tokenizer: SampleTokenizer, batch: pa.Table) -> pa.Table:
         cols["loss_mask"].append(mask)
         cols["num_prompt_tokens"].append(len(ids))
         cols["truncated"].append(truncated)
-        cols["error"].append(error)
+        cols["error"].append(None if error is None else storable_text(error))
     return pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
