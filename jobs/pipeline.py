@@ -149,7 +149,9 @@ def run_job(config: JobConfig) -> JobResult:
 
 @contextlib.contextmanager
 def ray_cluster(address: str | None) -> Iterator[bool]:
-    """Connect to Ray: the session's if already connected, `address` or $RAY_ADDRESS, else a local one started here.
+    """Connect to Ray: the session's if already connected, `address` or $RAY_ADDRESS, else a private local one
+    started here — also when a `ray start` cluster runs on this machine (or left its address file behind): that one
+    is used only when asked for (--address auto). ValueError (exit 2) when the given address cannot be reached.
 
     Yields True when the cluster was started here (its resources are all there will be).
     """
@@ -160,14 +162,59 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        _probe(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({_first_line(e)}). Check "
+                             "the address (ray://HOST:10001, HOST:6379 or auto), or leave --address out to run on a "
+                             "private local Ray") from e
     else:
+        existing = _existing_local_cluster()
+        if existing:
+            logger.warning("a Ray cluster started with `ray start` is registered on this machine (%s); this job "
+                           "starts a private local Ray instead. Pass --address auto to run on that cluster", existing)
         # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 logging_level=logging.WARNING)
     try:
         yield not address
     finally:
         ray.shutdown()
+
+
+def _existing_local_cluster() -> str | None:
+    """The address a `ray start` on this machine recorded ($RAY_TMPDIR or /tmp, then ray/ray_current_cluster, as
+    Ray looks it up), if any."""
+    base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    path = os.path.join(base, "ray", "ray_current_cluster")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _probe(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address does not accept connections: Ray itself
+    keeps retrying an unreachable GCS for minutes before it gives up."""
+    import socket
+
+    target = address.split("://", 1)[-1].rsplit("/", 1)[0]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). Check the address "
+                         "(ray://HOST:10001, HOST:6379 or auto) and that the cluster runs, or leave --address out to "
+                         "run on a private local Ray") from e
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:

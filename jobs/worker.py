@@ -26,6 +26,7 @@ from connectors import KVTransferConfig
 from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, RunSpec
 from connectors.safetensors_connector import HiddenStatesConnectorConfig
 from extractor import EngineConfig, SamplingParams
+from jobs.corpus import storable_text
 from jobs.tokenization import SAMPLE_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -141,5 +142,5 @@ class ExtractionWorker:
 
 def _failed(row: dict[str, Any], error: str) -> dict[str, Any]:
     return {"sample_id": row["sample_id"], "status": FAILED, "path": None, "num_tokens": 0,
-            "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": error, "source": row["source"],
-            "truncated": row["truncated"], "checksum": None}
+            "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": storable_text(error),
+            "source": row["source"], "truncated": row["truncated"], "checksum": None}

@@ -264,3 +264,46 @@ def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path)
     assert (s.ok, s.invalid, s.failed, s.duplicate_ok_rows) == (2, 1, 1, 0)
     commit(("a", "ok"))  # a second ok row with nothing in between: exactly-once broke
     assert summarize(run).duplicate_ok_rows == 1
+
+
+# -- clear failures instead of tracebacks ----------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tiny_llama, tmp_path):
+    """`ray start` (or one that died) leaves its address in <tmp>/ray/ray_current_cluster; `hsx run` without
+    --address used to hit Ray's "num_cpus and num_gpus must not be provided" instead of running."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.jobs.conftest import write_jsonl
+
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1")
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "prompt": "hello there"}])
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", corpus,
+                           "--output", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 ok, 0 failed" in proc.stdout
+    assert "--address auto" in proc.stderr  # says which cluster it used and how to use the other
+
+
+def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsys):
+    import ray
+
+    from jobs.cli import EXIT_USAGE, main
+
+    if ray.is_initialized():
+        pytest.skip("this process is connected to a test Ray: the address would not be used")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "hello"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", tiny_llama, "--corpus", str(corpus), "--output", str(tmp_path / "out"),
+              "--address", "127.0.0.1:1", "--no-progress"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--address 127.0.0.1:1: cannot connect" in err and len(err.strip().splitlines()) <= 3
