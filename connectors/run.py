@@ -87,6 +87,24 @@ class RunDir:
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         self.url = storage.full_url(self.fs, self.root)
 
+    def check_reachable(self) -> None:
+        """ValueError naming the cause and the fix when this root cannot be used: its storage does not answer,
+        refuses the credentials, or (object stores) its bucket does not exist. Costs one or two requests."""
+        try:
+            self.exists(RUN_JSON)
+            if not self.local and storage.has_buckets(self.fs):
+                bucket = self.root.lstrip("/").split("/", 1)[0]
+                if bucket and not self.fs.exists(bucket):
+                    raise ValueError(f"{self.url}: bucket {bucket!r} does not exist; create it first (e.g. `aws s3 mb "
+                                     f"s3://{bucket}`), or fix the URL")
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every storage client has its own errors: one message for all
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"cannot reach the storage of {self.url}: {type(e).__name__}: {first}. Check the "
+                             "endpoint and credentials (--storage-options, or the environment's AWS_*/GOOGLE_* "
+                             "settings)") from e
+
     def path(self, rel: str) -> str:
         """Protocol-less path for this filesystem."""
         return posixpath.join(self.root, rel)

@@ -11,10 +11,15 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
                                              backoff. A tensor
                                              may be given as its chunks along dim 0 (prefill chunks, decode rows):
                                              they are written back to back from their own memory, never
-                                             concatenated in RAM first
+                                             concatenated in RAM first. The metadata gets the data's checksum
+                                             (`connectors.format.CHECKSUM_KEY`), hashed on the calling thread
     pending_write(fs, path)               -  context manager: readers of `path` wait while it is held
     wait_until_readable(fs, path, timeout)
     remove(fs, path)                      -  idempotent delete of a file and its lock
+    open_regular_file(path)               -  (fd, size) of a local file, refusing FIFOs, devices and directories
+                                             (symlinks followed) without ever blocking on them
+    read_ranges(fs, path)                 -  (size, read(starts, ends)) over one version of one file, local or remote
+    size_of(fs, path)                     -  an object's size as its store reports it, checked
 
 Atomicity: local disks get a temp file in the same directory, fsynced, then `os.replace` and an fsync of the
 directory (a host crash leaves the old file or the whole new one, never a short one under the final name); object
@@ -37,6 +42,7 @@ import json
 import logging
 import os
 import posixpath
+import stat
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,7 +60,15 @@ from tenacity import (
     wait_random,
 )
 
-from connectors.format import encode_header
+from connectors.format import (
+    CHECKSUM_KEY,
+    CHECKSUM_PLACEHOLDER,
+    HiddenStatesFileError,
+    checksum_value,
+    data_checksum,
+    data_hasher,
+    encode_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +99,11 @@ def parse_storage_options(value: object, flag: str = "--storage-options") -> dic
     if not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
     return dict(value)
+
+
+def has_buckets(fs: fsspec.AbstractFileSystem) -> bool:
+    """Object stores whose first path segment is a bucket that must exist before anything is written."""
+    return bool(_protocols(fs) & {"s3", "s3a", "gs", "gcs"})
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -130,15 +149,25 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
                  max_attempts: int = 5, backoff_s: float = 0.2) -> int:
     """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
 
+    `metadata[CHECKSUM_KEY]` is set to the checksum of the data (`connectors.format.data_checksum` of the bytes
+    after the header), replacing any placeholder in place: give the key with `CHECKSUM_PLACEHOLDER` (as
+    `request_metadata` does) and the file is exactly `connectors.format.file_size(...)` bytes. The hashing runs here,
+    on the caller's (writer) thread; on local disks it runs as the data is written (see `_hashing_writer`).
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
     attempt cleans up its own temp file, so a failed write leaves nothing behind.
     """
-    header, views = _layout(tensors, metadata)
-    return _retrying("write", path, max_attempts, backoff_s)(_write_once, fs, path, header, views)
+    entries, views = _layout(tensors)
+    metadata = {**(metadata or {}), CHECKSUM_KEY: CHECKSUM_PLACEHOLDER}
+    if is_local(fs):
+        content: Content = _hashing_writer(entries, metadata, views)
+    else:
+        metadata[CHECKSUM_KEY] = data_checksum(views)  # the header that holds it is encoded after hashing
+        content = [encode_header(entries, metadata), *views]
+    return _retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content)
 
 
-def _layout(tensors: Tensors, metadata: dict[str, str] | None) -> tuple[bytes, list[memoryview]]:
-    """The safetensors header, and the raw bytes of every chunk in file order (views, not copies)."""
+def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[memoryview]]:
+    """name -> (dtype, shape) of every tensor, and the raw bytes of every chunk in file order (views, not copies)."""
     entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     views: list[memoryview] = []
     for name, value in tensors.items():
@@ -153,11 +182,31 @@ def _layout(tensors: Tensors, metadata: dict[str, str] | None) -> tuple[bytes, l
         entries[name] = (first.dtype, (sum(c.shape[0] for c in chunks), *first.shape[1:]))
         views += [memoryview(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                   for c in chunks if c.numel()]
-    return encode_header(entries, metadata), views
+    return entries, views
 
 
-def _write_once(fs, path: str, header: bytes, views: list[memoryview]) -> int:
-    return put_atomic(fs, path, [header, *views])
+_HASH_BLOCK_BYTES = 1 << 20  # hashed, then written while still in the CPU's cache
+
+
+def _hashing_writer(entries, metadata: dict[str, str], views: list[memoryview]):
+    """Local disks: write the header with a placeholder checksum, then the data block by block, each block hashed
+    just before it is written (one pass over memory instead of two), then the header again with the real checksum
+    (same length: same layout). No reader sees the placeholder: put_atomic renames the file into place after."""
+    def write(f: BinaryIO) -> None:
+        header = encode_header(entries, metadata)
+        f.write(header)
+        hasher = data_hasher()
+        for view in views:
+            for offset in range(0, len(view), _HASH_BLOCK_BYTES):
+                block = view[offset:offset + _HASH_BLOCK_BYTES]
+                hasher.update(block)
+                f.write(block)
+        final = encode_header(entries, {**metadata, CHECKSUM_KEY: checksum_value(hasher)})
+        assert len(final) == len(header), "checksum values have one length"
+        f.seek(0)
+        f.write(final)
+        f.seek(0, os.SEEK_END)  # put_atomic takes the size from the position
+    return write
 
 
 Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
@@ -313,7 +362,7 @@ def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     lock = path + LOCK_SUFFIX
     if is_local(fs):
         try:
-            fd = os.open(lock, os.O_RDONLY)
+            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted as the lock must not hang readers
         except FileNotFoundError:
             return False
         try:
@@ -358,3 +407,68 @@ def remove(fs: fsspec.AbstractFileSystem, path: str, *, keep_data: bool = False)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(target)
     fs.invalidate_cache(path)
+
+
+# -- reading: the file as it is, never more than it holds --------------------------------------------------------
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+@contextlib.contextmanager
+def open_regular_file(path: str) -> Iterator[tuple[int, int]]:
+    """(fd, size) of the local file `path`, opened read-only; HiddenStatesFileError unless it is a regular file.
+
+    Symlinks are followed: one to /dev/zero is a character device and refused. The open never blocks (O_NONBLOCK: a
+    FIFO opens at once, with no writer) and the check is made on the open descriptor, so a file swapped for a FIFO
+    between a check and the open cannot slip through.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+            raise HiddenStatesFileError(path, f"is {kind}, not a regular file; a hidden-states file is a regular "
+                                              "file — check the path (or what the symlink points at)")
+        yield fd, st.st_size
+    finally:
+        os.close(fd)
+
+
+ReadRanges = "Callable[[list[int], list[int]], list[bytes]]"
+"""read(starts, ends) -> the bytes of each [start, end) range; shorter only when the file is shorter."""
+
+
+@contextlib.contextmanager
+def read_ranges(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[int, ReadRanges]]:
+    """(size, read(starts, ends) -> blobs) over one version of one file.
+
+    On a local disk the file is opened once with `open_regular_file` and every read goes through that descriptor, so
+    a concurrent replace of the file cannot mix the header of one version with the rows of another; elsewhere the
+    size comes from the store (`fs.size`) and each range is a ranged GET (concurrent on async stores).
+    """
+    if is_local(fs):
+        with open_regular_file(path) as (fd, size):
+            yield size, lambda starts, ends: [_pread(fd, s, e) for s, e in zip(starts, ends)]
+        return
+    yield size_of(fs, path), lambda starts, ends: fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+
+
+def size_of(fs: fsspec.AbstractFileSystem, path: str) -> int:
+    """The size of a stored object as its store reports it; HiddenStatesFileError when the store cannot say."""
+    size = fs.size(path)
+    if not isinstance(size, int) or size < 0:
+        raise HiddenStatesFileError(full_url(fs, path), f"the store reports size {size!r}; hsx needs the size of an "
+                                                        "object to read it safely (is this a file?)")
+    return size
+
+
+def _pread(fd: int, start: int, end: int) -> bytes:
+    parts = []
+    while start < end:
+        chunk = os.pread(fd, end - start, start)
+        if not chunk:
+            break  # the file is shorter than the range: the caller sees a short blob and says so
+        parts.append(chunk)
+        start += len(chunk)
+    return b"".join(parts)

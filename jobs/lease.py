@@ -159,16 +159,20 @@ class WriterLease:
             thread.join()
 
     def release(self) -> None:
-        """Give the lease back (only if it is still ours); idempotent."""
+        """Give the lease back (only if it is still ours); idempotent. Never raises: a lease that cannot be removed
+        (storage gone) is left to go stale, and the job's own outcome is what the user needs to see."""
         self._stop.set()
         _HELD.discard(self.attempt)
         try:
             raw = self.run.read_bytes(LEASE_FILE)
+            holder = _Holder.parse(raw)
+            if holder is not None and holder.attempt == self.attempt:
+                _remove_if_unchanged(self.run, raw)
         except FileNotFoundError:
             return
-        holder = _Holder.parse(raw)
-        if holder is not None and holder.attempt == self.attempt:
-            _remove_if_unchanged(self.run, raw)
+        except Exception as e:  # noqa: BLE001 - see docstring
+            logger.warning("could not give back the writer lease on %s (%s); it goes stale in %.0f s",
+                           self.run.url, e, STALE_AFTER_S)
 
 
 def _body(attempt: str, started: float, now: float) -> bytes:

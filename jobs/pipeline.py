@@ -110,6 +110,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
     """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
     config.check_required()
     output = RunDir(config.output, config.storage_options)
+    output.check_reachable()
     facts = ModelFacts.resolve(config)
     files = expand_corpus(config.corpus, config.corpus_storage_options)
     override, template, template_source = load_chat_template(config, facts)
@@ -360,15 +361,37 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                                 count = concurrent.futures.Future()
                     except LeaseLost as e:
                         raise JobFailed(str(e)) from e
+                    except OSError as e:  # the output's storage failed (gone, full, ...) while committing
+                        raise JobFailed(f"committing to {plan.output.url} failed: {_first_line(e)}; rows "
+                                        "committed before are kept — fix the storage and re-run the same command "
+                                        "to resume") from e
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
                         logger.debug("pipeline failure", exc_info=True)
                         raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
-                stats = ray.get(registry.stats.remote())
+                try:
+                    stats = ray.get(registry.stats.remote())
+                except ray.exceptions.RayError as e:  # every row is already committed: only the counts are lost
+                    logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown",
+                                   _first_line(e))
+                    stats = {"skipped": 0, "duplicates": 0}
             finally:
-                ray.kill(registry)
-    finally:
+                with contextlib.suppress(Exception):
+                    ray.kill(registry)
+    except BaseException:
         if not lease_lost.is_set():  # rows received are for durable files: commit them even when the job fails
+            try:
+                writer.flush()
+            except Exception as e:  # noqa: BLE001 - the job is failing already; say so, keep its own error
+                logger.error("could not commit the last manifest rows to %s: %s", plan.output.url, e)
+        raise
+    else:
+        try:
             writer.flush()
+        except OSError as e:
+            raise JobFailed(f"the last manifest commit to {plan.output.url} failed: {_first_line(e)}; their files "
+                            "are written but not counted — fix the storage (free space, permissions) and re-run the "
+                            "same command: those samples are extracted again") from e
+    finally:
         progress.close()
         counter.shutdown(wait=False, cancel_futures=True)
     result.skipped = stats["skipped"]

@@ -307,3 +307,62 @@ def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsy
     assert e.value.code == EXIT_USAGE
     err = capsys.readouterr().err
     assert "--address 127.0.0.1:1: cannot connect" in err and len(err.strip().splitlines()) <= 3
+
+
+@pytest.mark.s3
+def test_an_unreachable_or_missing_output_is_one_line_and_exit_2(s3_server, s3_bucket, tiny_llama, tmp_path, capsys):
+    import json
+
+    from jobs.cli import EXIT_USAGE, main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "hello"}\n')
+    url, options = s3_bucket
+    cases = {"endpoint down": ("s3://some-bucket/run", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}},
+                               "cannot reach the storage"),
+             "bucket missing": ("s3://no-such-bucket-hsx/run", options, "bucket 'no-such-bucket-hsx' does not exist")}
+    for name, (output, opts, expected) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(["run", "--model", tiny_llama, "--corpus", str(corpus), "--output", output, "--storage-options",
+                  json.dumps(opts), "--no-progress"])
+        err = capsys.readouterr().err
+        assert e.value.code == EXIT_USAGE, name
+        assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("fail_at", ["the last commit", "a commit mid-job"])
+def test_storage_failing_at_a_commit_fails_the_job_in_one_line_and_keeps_what_was_committed(
+        ray_cluster, tiny_llama, tmp_path, monkeypatch, fail_at):
+    import errno
+
+    import jobs.manifest
+    from jobs.config import JobConfig
+    from jobs.pipeline import JobFailed, run_job
+    from tests.jobs.conftest import write_jsonl
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(12)])
+    real = jobs.manifest.write_manifest_part
+    calls = []
+
+    def full_disk(run, rows, attempt, seq, **kw):  # the storage layer fails the way a full disk does
+        calls.append(seq)
+        if fail_at == "the last commit" or seq >= 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(run, rows, attempt, seq, **kw)
+
+    monkeypatch.setattr(jobs.manifest, "write_manifest_part", full_disk)
+    flush_rows = 10_000 if fail_at == "the last commit" else 1
+    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), progress=False,
+                       manifest_flush_rows=flush_rows, tokens_per_task=16)
+    with pytest.raises(JobFailed, match="No space left on device.*re-run the same command") as e:
+        run_job(config)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(jobs.manifest, "write_manifest_part", real)
+    committed = len(read_manifest(config.output))
+    if fail_at == "the last commit":
+        assert committed == 0
+    else:
+        assert committed >= 1 and calls[:2] == [0, 1]  # the part before the failure stays committed
+    assert not os.path.exists(os.path.join(config.output, "writer.lease"))  # given back
+    assert run_job(config).ok == 12 - committed  # a re-run resumes: nothing lost, nothing twice
