@@ -9,7 +9,9 @@ Measures, in one run (never pass/fail; targets are printed next to the figures):
                         same tensor bytes to the same folder (open, write, close), and against the same raw write
                         made durable as the connector makes it (fsync of the file, then of the folder). Target:
                         ratio to the durable raw write >= 0.8; the ratio to the plain raw write is the cost of
-                        durability (the connector fsyncs every file since structure issue 10).
+                        durability (the connector fsyncs every file since structure issue 10). The connector's time
+                        includes hashing every file's data for its checksum (xxh3_64, on the writer threads, since
+                        issue 11); the raw writes hash nothing.
     s3 throughput       the same against a loopback moto S3 server, against raw `pipe_file` puts of the same bytes.
     size overhead       bytes on disk / (T * L * H * dtype size) for one file per T. Target: <= 1.01.
 

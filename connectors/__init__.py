@@ -4,24 +4,32 @@
     base.py                            HiddenStatesConnector (the interface), RequestInfo
     safetensors_connector.py           SafetensorsHiddenStatesConnector: one safetensors file per request on fsspec
     example_hidden_states_connector.py vLLM's module name: the connector under vLLM's name + load/cleanup
-    format.py                          the file format: HiddenStatesSpec, header encoding/parsing, layer-id check
+    format.py                          the file format: HiddenStatesSpec, header encoding/parsing and checks, data
+                                       checksum, HiddenStatesFileError (every file hsx refuses), layer-id check
     run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
     paths.py                           default file names, custom-path containment
     storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
     writer.py                          background writes with a bound on bytes in flight
-    reader.py                          load_hidden_states / read_hidden_states_info / cleanup_hidden_states
+    reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /
+                                       cleanup_hidden_states
 
 This package never imports transformers or ray. The training feed built on it is the `training` package.
 """
 
 from connectors.base import HiddenStatesConnector, RequestInfo
 from connectors.config import KVTransferConfig, get_connector_class, register_connector, registered_connectors
-from connectors.format import HiddenStatesFileInfo, HiddenStatesSpec
+from connectors.format import HiddenStatesFileError, HiddenStatesFileInfo, HiddenStatesSpec
 from connectors.paths import PathRejected
-from connectors.reader import cleanup_hidden_states, load_hidden_states, read_hidden_states_info
+from connectors.reader import (
+    cleanup_hidden_states,
+    load_hidden_states,
+    read_hidden_states_info,
+    verify_hidden_states,
+)
 
 __all__ = [
     "HiddenStatesConnector",
+    "HiddenStatesFileError",
     "HiddenStatesFileInfo",
     "HiddenStatesSpec",
     "KVTransferConfig",
@@ -34,6 +42,7 @@ __all__ = [
     "read_hidden_states_info",
     "register_connector",
     "registered_connectors",
+    "verify_hidden_states",
 ]
 
 

@@ -4,22 +4,33 @@ A file holds
     token_ids      int64 [T]
     hidden_states  model dtype [T, L, H]     rows follow the layer ids in the metadata, in the user's order
     loss_mask      uint8 [T]                 optional: 1 where a trainer should learn
-and a `__metadata__` (str -> str) built from `HiddenStatesSpec` plus per-request keys. Files written by vLLM have
-the two tensors and no metadata; they load all the same.
+and a `__metadata__` (str -> str) built from `HiddenStatesSpec` plus per-request keys, among them
+`"checksum": "xxh3_64:<16 hex digits>"`, the xxh3_64 of every byte after the header (the tensors' data, in file
+order). Files written by vLLM have the two tensors and no metadata; they load all the same (with nothing to verify).
+
+    HiddenStatesSpec                  what every file of one producer shares (its `__metadata__`)
+    HiddenStatesFileError             the one error for a file hsx refuses: malformed header, damaged data, ...
+    encode_header / file_size         the bytes before the data, and a file's exact size, before writing it
+    parse_header / read_header        a header, checked against the file's real size before any data is read
+    data_hasher / check_checksum      the data checksum, written by `connectors.storage`, verified by readers
 
 The header is parsed here without safetensors' `safe_open` (which needs a local path), so that a token range of a
-remote file costs one header read and one byte-range read per tensor.
+remote file costs one header read and one byte-range read per tensor. Nothing in a header is trusted: dtypes,
+shapes and offsets must describe tensors that tile the data region exactly (as safetensors requires), every size
+is checked against the file's real size, and metadata must be str -> str; anything else is a HiddenStatesFileError.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 FORMAT_NAME = "hsx.hidden_states"
 FORMAT_VERSION = "1"
@@ -50,6 +61,29 @@ _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
 
 # First read of a file: enough for any header we write (a few hundred bytes) in one round trip.
 HEADER_PROBE_BYTES = 64 * 1024
+# Longest header accepted (safetensors' own limit); ours are a few hundred bytes.
+MAX_HEADER_BYTES = 100_000_000
+
+CHECKSUM_KEY = "checksum"
+CHECKSUM_ALGORITHM = "xxh3_64"
+CHECKSUM_PLACEHOLDER = f"{CHECKSUM_ALGORITHM}:{'0' * 16}"
+"""What `request_metadata` puts under CHECKSUM_KEY: as long as every real value, so a file's size is known before
+its data is hashed; the writer (`connectors.storage.write_atomic`) replaces it with the real one."""
+_CHECKSUM_RE = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
+
+
+class HiddenStatesFileError(ValueError):
+    """A file hsx refuses to read: not a regular file, a malformed or inconsistent header, truncated or damaged data
+    (checksum mismatch), non-finite values. The message names the file, the problem and what to do; `path` and
+    `reason` hold its two parts. A ValueError, so callers that catch ValueError keep working."""
+
+    def __init__(self, path: str, reason: str | None = None) -> None:
+        # one argument is a whole message: how pickle and torch's DataLoader (`exc_type(msg)`) rebuild an error
+        super().__init__(path if reason is None else f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
 
 
 @dataclass(frozen=True)
@@ -222,6 +256,16 @@ class HiddenStatesFileInfo:
     def has_hsx_metadata(self) -> bool:
         return self.metadata.get("format") == FORMAT_NAME
 
+    @property
+    def checksum(self) -> str | None:
+        """The recorded checksum of the data ("xxh3_64:<16 hex>"), or None for files without one (vLLM's)."""
+        return self.metadata.get(CHECKSUM_KEY)
+
+    @property
+    def data_start(self) -> int:
+        """Absolute offset of the data region (the first byte after the header); the tensors tile it to the end."""
+        return min(e.start for e in self.tensors.values())
+
 
 def encode_header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
     """The bytes before the data of a safetensors file whose tensors (name -> (dtype, shape)) follow back to back
@@ -253,6 +297,7 @@ def request_metadata(spec_metadata: dict[str, str], *, request_id: str, num_toke
                     include_output_tokens="true" if include_output_tokens else "false")
     if sample_id is not None:
         metadata["sample_id"] = str(sample_id)
+    metadata[CHECKSUM_KEY] = CHECKSUM_PLACEHOLDER  # the writer fills it in, same length: file_size stays exact
     return metadata
 
 
@@ -266,48 +311,173 @@ def file_entries(spec: HiddenStatesSpec, num_tokens: int, *, loss_mask: bool) ->
 
 
 def file_size(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> int:
-    """Exact bytes of the file `encode_header` + the tensors' data make (what the connector writes)."""
+    """Exact bytes of the file `encode_header` + the tensors' data make (what the connector writes).
+
+    Exact for the file `connectors.storage.write_atomic` makes of `metadata` when that holds the checksum key (as
+    `request_metadata` does, with CHECKSUM_PLACEHOLDER): the writer replaces the value with one of the same length.
+    """
     return len(encode_header(tensors, metadata)) + sum(dtype.itemsize * math.prod(shape)
                                                        for dtype, shape in tensors.values())
 
 
 def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStatesFileInfo, int]:
-    """Parse a safetensors header from the first bytes of a file.
+    """Parse and check a safetensors header from the first bytes of a file of `total_size` bytes.
 
     Returns the info and the header's full length (8 + N); when the probe was too short to hold the whole header
-    the caller reads `[0, header_len)` and calls again.
+    the caller reads `[0, header_len)` and calls again. Raises HiddenStatesFileError for anything but a header whose
+    tensors tile the rest of the file exactly (see `_check_header`), before a single data byte is read.
     """
-    if len(probe) < 8:
-        raise ValueError(f"{path}: {total_size} bytes is too short for a safetensors file (need at least 8)")
+    if total_size < 8 or len(probe) < 8:
+        raise HiddenStatesFileError(path, f"{total_size} bytes is too short for a safetensors file (need at least 8); "
+                                          "the file is truncated or not safetensors: re-extract it")
     (n,) = struct.unpack("<Q", probe[:8])
     header_len = 8 + n
-    if n > 100_000_000 or header_len > total_size:
-        raise ValueError(f"{path}: header length {n} does not fit a file of {total_size} bytes; "
-                         "the file is not safetensors or is truncated")
+    if n > MAX_HEADER_BYTES or header_len > total_size:
+        raise HiddenStatesFileError(path, f"header length {n} does not fit a file of {total_size} bytes (headers "
+                                          f"are at most {MAX_HEADER_BYTES}); the file is not safetensors or is "
+                                          "truncated: re-extract it")
     if len(probe) < header_len:
         return None, header_len  # type: ignore[return-value]
+    header = _decode_json(path, probe[8:header_len], "safetensors header")
+    return _check_header(path, header, header_len, total_size), header_len
+
+
+def _bad(path: str, problem: str) -> HiddenStatesFileError:
+    return HiddenStatesFileError(path, f"{problem}; the file is corrupt, truncated or not a hidden-states file: "
+                                       "re-extract it (or drop it from the run)")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: a hostile header can make a value of any size."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _decode_json(path: str, raw: bytes, what: str):
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise _bad(path, f"{what} names {_short(dup)} twice")
+        return out
+
     try:
-        header = json.loads(probe[8:header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") from e
-    metadata = header.pop("__metadata__", None) or {}
+        return json.loads(raw, object_pairs_hook=no_duplicates)
+    except HiddenStatesFileError:
+        raise
+    except RecursionError:
+        raise _bad(path, f"{what} is nested too deeply to be a header") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and ints too long to convert
+        raise _bad(path, f"{what} is not valid JSON ({_short(str(e), 200)})") from e
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _nbytes(itemsize: int, shape: list[int], limit: int) -> int:
+    """itemsize * prod(shape), or limit + 1 as soon as it exceeds `limit` (a hostile shape can have any size)."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for dim in shape:
+        n *= dim
+        if n > limit:
+            return limit + 1
+    return n
+
+
+def _check_header(path: str, header: object, header_len: int, total_size: int) -> HiddenStatesFileInfo:
+    """The info of a decoded header, after checking everything a reader relies on:
+
+    an object of objects; `__metadata__` str -> str; each tensor a known dtype, a shape of non-negative ints and
+    data_offsets [begin, end] with end - begin = prod(shape) * itemsize; sorted by begin, the tensors tile the data
+    region [0, total_size - header_len) exactly (no gap, no overlap, nothing after); token_ids [T], hidden_states
+    [T, L, H] and loss_mask [T] agree; hsx metadata's layer_ids and num_tokens agree with the shapes.
+    """
+    if not isinstance(header, dict):
+        raise _bad(path, f"safetensors header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad(path, f"__metadata__ must map strings to strings, got {_short(metadata)}")
+    data_size = total_size - header_len
     tensors: dict[str, TensorEntry] = {}
     for name, desc in header.items():
-        if desc["dtype"] not in _ST_TO_TORCH:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {desc['dtype']}, which hsx cannot read")
-        b, e = desc["data_offsets"]
-        tensors[name] = TensorEntry(name, _ST_TO_TORCH[desc["dtype"]], tuple(desc["shape"]), header_len + b, header_len + e)
-        if header_len + e > total_size:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {header_len + e} but the file has {total_size} "
-                             "bytes; the file is truncated")
+        if not isinstance(desc, dict):
+            raise _bad(path, f"tensor {_short(name)} is described by a JSON {type(desc).__name__}, not an object")
+        dtype, shape, offsets = desc.get("dtype"), desc.get("shape"), desc.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_TO_TORCH:
+            raise _bad(path, f"tensor {_short(name)} has dtype {_short(dtype)}, which hsx cannot read (known: "
+                             f"{', '.join(_ST_TO_TORCH)})")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _bad(path, f"tensor {_short(name)} has shape {_short(shape)}; a shape is a list of non-negative "
+                             "integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise _bad(path, f"tensor {_short(name)} has data_offsets {_short(offsets)}; expected [begin, end] with "
+                             "0 <= begin <= end")
+        begin, end = offsets
+        if end > data_size:
+            raise _bad(path, f"tensor {_short(name)} ends at byte {header_len + end} but the file has {total_size} "
+                             "bytes")
+        torch_dtype = _ST_TO_TORCH[dtype]
+        nbytes = _nbytes(torch_dtype.itemsize, shape, data_size)
+        if nbytes != end - begin:
+            size = "more than the file holds" if nbytes > data_size else f"{nbytes} bytes"
+            raise _bad(path, f"tensor {_short(name)} {dtype} {_short(shape)} needs {size}, but its data_offsets "
+                             f"{offsets} span {end - begin}")
+        tensors[name] = TensorEntry(name, torch_dtype, tuple(shape), header_len + begin, header_len + end)
+    cursor = header_len
+    for e in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+        if e.start != cursor:
+            problem = "overlaps the tensor before it" if e.start < cursor else f"leaves {e.start - cursor} bytes unused"
+            raise _bad(path, f"tensor {_short(e.name)} starts at byte {e.start}, expected {cursor}: it {problem} "
+                             "(safetensors tensors tile the data region)")
+        cursor = e.end
+    if cursor != total_size:
+        raise _bad(path, f"the tensors end at byte {cursor} but the file has {total_size} bytes "
+                         f"({total_size - cursor} unaccounted for)")
     for required in (TOKEN_IDS, HIDDEN_STATES):
         if required not in tensors:
-            raise ValueError(f"{path}: no {required!r} tensor (found {sorted(tensors)}); not a hidden-states file")
-    hs = tensors[HIDDEN_STATES]
-    if len(hs.shape) != 3 or tensors[TOKEN_IDS].shape != (hs.shape[0],):
-        raise ValueError(f"{path}: expected hidden_states [T, L, H] and token_ids [T], found "
-                         f"{list(hs.shape)} and {list(tensors[TOKEN_IDS].shape)}")
-    return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size), header_len
+            raise _bad(path, f"no {required!r} tensor (found {_short(sorted(tensors))})")
+    hs, ids = tensors[HIDDEN_STATES].shape, tensors[TOKEN_IDS].shape
+    if len(hs) != 3 or ids != (hs[0],):
+        raise _bad(path, f"expected hidden_states [T, L, H] and token_ids [T], found {_short(list(hs))} and "
+                         f"{_short(list(ids))}")
+    if LOSS_MASK in tensors and tensors[LOSS_MASK].shape != (hs[0],):
+        raise _bad(path, f"loss_mask has shape {_short(list(tensors[LOSS_MASK].shape))}, expected [{hs[0]}]")
+    _check_metadata(path, metadata, tensors[HIDDEN_STATES])
+    return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size)
+
+
+def _check_metadata(path: str, metadata: dict[str, str], hidden: TensorEntry) -> None:
+    """The metadata keys readers interpret must agree with the tensors they describe."""
+    t, num_layers, hidden_size = hidden.shape
+    if "layer_ids" in metadata:
+        ids = _decode_json(path, metadata["layer_ids"].encode(), "metadata 'layer_ids'")
+        if not isinstance(ids, list) or not all(_is_int(i) for i in ids) or len(ids) != num_layers:
+            raise _bad(path, f"metadata layer_ids {_short(metadata['layer_ids'])} must list {num_layers} integer "
+                             f"ids, one per stored layer of hidden_states {list(hidden.shape)}")
+    if metadata.get("format") == FORMAT_NAME:
+        try:
+            spec = HiddenStatesSpec.from_metadata(metadata, hidden_size=hidden_size,
+                                                dtype=str(hidden.dtype).removeprefix("torch."))
+            stored = (spec.hidden_size, spec.torch_dtype)
+        except ValueError as e:
+            raise _bad(path, str(e)) from e
+        if stored != (hidden_size, hidden.dtype):
+            raise _bad(path, f"metadata says hidden_size {stored[0]} and dtype {stored[1]}, but hidden_states is "
+                             f"{list(hidden.shape)} {hidden.dtype}")
+        if "num_tokens" in metadata and metadata["num_tokens"] != str(t):
+            raise _bad(path, f"metadata says num_tokens {_short(metadata['num_tokens'])} but hidden_states holds {t} "
+                             "rows")
+    checksum = metadata.get(CHECKSUM_KEY)
+    if checksum is not None and checksum.startswith(f"{CHECKSUM_ALGORITHM}:") and not _CHECKSUM_RE.fullmatch(checksum):
+        raise _bad(path, f"metadata checksum {_short(checksum)} is malformed; expected "
+                         f"'{CHECKSUM_ALGORITHM}:<16 lowercase hex digits>'")
 
 
 def read_header(path: str, size: int | Callable[[], int],
@@ -326,12 +496,58 @@ def read_header(path: str, size: int | Callable[[], int],
     info, header_len = parse_header(path, probe, size)
     if info is None:
         info, _ = parse_header(path, read_range(0, header_len), size)
+        if info is None:
+            raise HiddenStatesFileError(path, f"the file ended before its {header_len}-byte header did; it is "
+                                              "truncated (or was replaced while being read): re-extract it")
     return info, probe
 
 
-def tensor_from_bytes(buf: bytes | bytearray, entry: TensorEntry, rows: int) -> torch.Tensor:
-    """Decode `rows` leading rows of `entry` from raw little-endian bytes (a bytearray is used in place, no copy)."""
-    shape = (rows, *entry.shape[1:])
-    if rows == 0 or len(buf) == 0:
+def tensor_from_bytes(buf: bytes | bytearray, entry: TensorEntry, rows: int | None = None) -> torch.Tensor:
+    """Decode `rows` leading rows of `entry` (the whole tensor when None) from raw little-endian bytes, which must be
+    exactly that long (a bytearray is used in place, no copy)."""
+    shape = entry.shape if rows is None else (rows, *entry.shape[1:])
+    nbytes = entry.dtype.itemsize * math.prod(shape)
+    if len(buf) != nbytes:
+        raise ValueError(f"{len(buf)} bytes cannot hold tensor {entry.name!r} {list(shape)} {entry.dtype} "
+                         f"({nbytes} bytes); the read came back short")
+    if nbytes == 0:
         return torch.empty(shape, dtype=entry.dtype)
     return torch.frombuffer(buf if isinstance(buf, bytearray) else bytearray(buf), dtype=entry.dtype).reshape(shape)
+
+
+# -- the data checksum ------------------------------------------------------------------------------------------
+
+
+def data_hasher() -> xxhash.xxh3_64:
+    """A fresh hash of a file's data region: `update` it with the bytes after the header, in file order."""
+    return xxhash.xxh3_64()
+
+
+def checksum_value(hasher: xxhash.xxh3_64) -> str:
+    """The metadata value for a hash: "xxh3_64:<16 hex digits>"."""
+    return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
+
+
+def data_checksum(buffers: Iterable[bytes | bytearray | memoryview]) -> str:
+    """The checksum of data given as buffers in file order (the value `checksum_value` gives)."""
+    hasher = data_hasher()
+    for buf in buffers:
+        hasher.update(buf)
+    return checksum_value(hasher)
+
+
+def check_checksum(info: HiddenStatesFileInfo, actual: str) -> None:
+    """Raise HiddenStatesFileError unless `actual` (the checksum of the file's data) is the recorded one.
+
+    Files without a checksum (vLLM's, hsx's from before checksums) have nothing to check and pass.
+    """
+    expected = info.checksum
+    if expected is None:
+        return
+    if not expected.startswith(f"{CHECKSUM_ALGORITHM}:"):
+        raise HiddenStatesFileError(info.path, f"its checksum {_short(expected)} uses an algorithm this hsx does not "
+                                               f"know (it knows {CHECKSUM_ALGORITHM}); upgrade hsx, or read without "
+                                               "verification (verify=False)")
+    if actual != expected:
+        raise HiddenStatesFileError(info.path, f"checksum mismatch: the data hashes to {actual}, the header records "
+                                               f"{expected}; the file is damaged: re-extract it")

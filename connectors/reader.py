@@ -1,21 +1,30 @@
 """Reading hidden-states files from any fsspec URL: whole, a token range, a layer subset, or the header alone.
 
-    load_hidden_states(path, ...)     -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored}
-    read_hidden_states_info(path)     -> HiddenStatesFileInfo (tensors, shapes, metadata), reads only the header
+    load_hidden_states(path, ..., verify=False)
+                                      -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored}
+    read_hidden_states_info(path)     -> HiddenStatesFileInfo (tensors, shapes, metadata, checksum), header only
+    verify_hidden_states(path)        -> HiddenStatesFileInfo, after reading the whole file: header, checksum, and
+                                         no NaN/Inf in hidden_states (what `hsx verify` runs per file)
     cleanup_hidden_states(path, keep_hidden_states=False)
 
 A file whose write is still pending is waited for (up to `wait_timeout` seconds), never read partial. A token-range
 load reads the header and one byte range per tensor; layers are selected after reading the token rows (a row holds
 all L layers contiguously).
+
+Nothing in a file is trusted. The header is checked against the file's real size before any data is read
+(`connectors.format.parse_header`); local paths that are not regular files (FIFOs, devices, directories, symlinks to
+them) are refused without blocking; a read that comes back short is refused. Every refusal is a
+`connectors.format.HiddenStatesFileError` (a ValueError) naming the file, the problem and what to do.
+
+Checksums: `verify=True` hashes the whole data region and compares it with the checksum in the header, so it reads
+the whole file even for a token range or a layer subset (streamed in blocks, not held). Files without a checksum
+(vLLM's) have nothing to verify and load as they are.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
-import safetensors.torch
 import torch
 
 from connectors import storage
@@ -23,51 +32,42 @@ from connectors.format import (
     HIDDEN_STATES,
     LOSS_MASK,
     TOKEN_IDS,
+    HiddenStatesFileError,
     HiddenStatesFileInfo,
+    TensorEntry,
+    check_checksum,
+    checksum_value,
+    data_checksum,
+    data_hasher,
     parse_header,
     read_header,
     tensor_from_bytes,
 )
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
-
-
-@contextlib.contextmanager
-def _ranges(fs, path: str) -> Iterator[tuple[int, Callable[[list[int], list[int]], list[bytes]]]]:
-    """(size, read(starts, ends) -> blobs) over one version of one file.
-
-    On a local disk every read goes through one open handle, so a concurrent replace of the file cannot mix the
-    header of one version with the rows of another; elsewhere each range is a ranged GET (concurrent on async stores).
-    """
-    if storage.is_local(fs):
-        with open(path, "rb") as f:
-            fd = f.fileno()
-            yield os.fstat(fd).st_size, lambda starts, ends: [_pread(fd, s, e) for s, e in zip(starts, ends)]
-        return
-    yield fs.size(path), lambda starts, ends: fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
-
-
-def _pread(fd: int, start: int, end: int) -> bytes:
-    parts = []
-    while start < end:
-        chunk = os.pread(fd, end - start, start)
-        if not chunk:
-            break  # truncated: parse_header has already checked sizes, so this is a file changed under us
-        parts.append(chunk)
-        start += len(chunk)
-    return b"".join(parts)
+# verify streams the data region in blocks of about this many bytes (whole rows of each tensor)
+SCAN_BLOCK_BYTES = 16 << 20
 
 
 def _read_info(path: str, size: int, read) -> HiddenStatesFileInfo:
-    return read_header(path, size, lambda start, end: read([start], [end])[0])[0]
+    return read_header(path, size, lambda start, end: _exact(path, read([start], [end])[0], end - start))[0]
+
+
+def _exact(path: str, blob: bytes, expected: int) -> bytes:
+    """`blob` if it holds the `expected` bytes asked for; a short read means the file shrank under us."""
+    if len(blob) < expected:
+        raise HiddenStatesFileError(path, f"a read of {expected} bytes returned {len(blob)}: the file is shorter than "
+                                          "its header says (truncated, or replaced while being read); retry, or "
+                                          "re-extract it")
+    return blob
 
 
 def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
                             wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> HiddenStatesFileInfo:
-    """The file's tensors, shapes and `__metadata__`, reading only its header."""
+    """The file's tensors, shapes and `__metadata__`, reading only its header (checked against the file's size)."""
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    with _ranges(fs, p) as (size, read):
+    with storage.read_ranges(fs, p) as (size, read):
         return _read_info(path, size, read)
 
 
@@ -94,43 +94,110 @@ def _layer_positions(info: HiddenStatesFileInfo, layer_ids: Sequence[int] | None
 
 def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                        layer_ids: Sequence[int] | None = None, layer_indices: Sequence[int] | None = None,
-                       storage_options: dict | None = None,
+                       verify: bool = False, storage_options: dict | None = None,
                        wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[str, torch.Tensor]:
     """Load a hidden-states file (vLLM's or hsx's) from a local path or any fsspec URL.
 
-    token_range:   (start, end) rows to read, Python-slice style; only those bytes are fetched.
+    token_range:   (start, end) rows to read, Python-slice style; only those bytes are fetched (unless `verify`).
     layer_ids:     hidden-state ids to keep (needs hsx metadata), in the order given.
     layer_indices: positions along the L axis to keep (works for any file).
+    verify:        hash the whole data region and compare with the header's checksum; HiddenStatesFileError on a
+                   mismatch. Reads the whole file, whatever part is asked for. Files without a checksum pass.
     wait_timeout:  seconds to wait for a pending write before TimeoutError.
+
+    A whole load returns every tensor of the file; a token range returns token_ids, hidden_states and loss_mask.
     """
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    if token_range is None:
-        data = fs.cat_file(p)  # one read: the header below is this version's
-        out = safetensors.torch.load(data)
-        if TOKEN_IDS not in out or HIDDEN_STATES not in out:
-            raise ValueError(f"{path}: expected tensors 'token_ids' and 'hidden_states', found {sorted(out)}")
-        if layer_ids is None and layer_indices is None:
-            return out
+    if token_range is None and not storage.is_local(fs):
+        data = fs.cat_file(p)  # one request: the header below is this version's
         info, _ = parse_header(path, data, len(data))
         positions = _layer_positions(info, layer_ids, layer_indices)
-        out[HIDDEN_STATES] = out[HIDDEN_STATES][:, positions].contiguous()
-        return out
-
-    with _ranges(fs, p) as (size, read):
-        info = _read_info(path, size, read)
-        positions = _layer_positions(info, layer_ids, layer_indices)
-        start, end, _ = slice(*token_range).indices(info.num_tokens)
-        end = max(start, end)
-        names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
-        entries = [info.tensors[n] for n in names]
-        starts = [e.start + start * e.row_bytes for e in entries]
-        ends = [e.start + end * e.row_bytes for e in entries]
-        blobs = read(starts, ends) if end > start else [b""] * len(entries)
-    out = {n: tensor_from_bytes(b, e, end - start) for n, e, b in zip(names, entries, blobs)}
+        view = memoryview(data)
+        if verify:
+            check_checksum(info, data_checksum([view[info.data_start:]]))
+        out = {n: tensor_from_bytes(bytearray(view[e.start:e.end]), e) for n, e in info.tensors.items()}
+    else:
+        with storage.read_ranges(fs, p) as (size, read):
+            info = _read_info(path, size, read)
+            positions = _layer_positions(info, layer_ids, layer_indices)
+            if token_range is None:  # every tensor, whole: the blobs are the data region, hashed as they are
+                entries = sorted(info.tensors.values(), key=lambda e: (e.start, e.end))
+                blobs = [_exact(path, b, e.end - e.start)
+                         for e, b in zip(entries, read([e.start for e in entries], [e.end for e in entries]))]
+                if verify:
+                    check_checksum(info, data_checksum(blobs))
+                out = {e.name: tensor_from_bytes(bytearray(b), e) for e, b in zip(entries, blobs)}
+            else:
+                if verify:
+                    _scan(info, read, finite=False)
+                out = _read_token_range(info, read, token_range)
     if positions is not None:
         out[HIDDEN_STATES] = out[HIDDEN_STATES][:, positions].contiguous()
     return out
+
+
+def _read_token_range(info: HiddenStatesFileInfo, read, token_range: tuple[int, int]) -> dict[str, torch.Tensor]:
+    start, end, _ = slice(*token_range).indices(info.num_tokens)
+    end = max(start, end)
+    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
+    entries = [info.tensors[n] for n in names]
+    starts = [e.start + start * e.row_bytes for e in entries]
+    ends = [e.start + end * e.row_bytes for e in entries]
+    blobs = read(starts, ends) if end > start else [b""] * len(entries)
+    return {n: tensor_from_bytes(bytearray(_exact(info.path, b, z - a)), e, end - start)
+            for n, e, a, z, b in zip(names, entries, starts, ends, blobs)}
+
+
+def verify_hidden_states(path: str, *, storage_options: dict | None = None,
+                         wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> HiddenStatesFileInfo:
+    """Read the whole file and check it; return its info, or raise HiddenStatesFileError saying what is wrong.
+
+    Checks: the header (as every read does), the data against the header's checksum (files without one, such as
+    vLLM's, have none to check: `info.checksum` is None), and that hidden_states holds no NaN or Inf (the first one
+    is reported by token and layer position). Memory stays bounded: the data is streamed in blocks.
+    """
+    fs, p = storage.open_url(path, storage_options)
+    storage.wait_until_readable(fs, p, wait_timeout)
+    with storage.read_ranges(fs, p) as (size, read):
+        info = _read_info(path, size, read)
+        _scan(info, read, finite=True)
+    return info
+
+
+def _scan(info: HiddenStatesFileInfo, read, *, finite: bool) -> None:
+    """Stream the whole data region in file order: check the checksum, then (if `finite`) that hidden_states is
+    finite. A damaged file is reported as damaged before any NaN its damage may have made."""
+    hasher = data_hasher()
+    first_bad: tuple[int, int] | None = None
+    for e in sorted(info.tensors.values(), key=lambda e: (e.start, e.end)):
+        if e.end == e.start:
+            continue
+        step = max(1, SCAN_BLOCK_BYTES // e.row_bytes) * e.row_bytes if e.row_bytes else e.end - e.start
+        for a in range(e.start, e.end, step):
+            b = min(a + step, e.end)
+            blob = _exact(info.path, read([a], [b])[0], b - a)
+            hasher.update(blob)
+            if finite and first_bad is None and e.name == HIDDEN_STATES and e.dtype.is_floating_point:
+                first_bad = _first_non_finite(blob, e, (a - e.start) // e.row_bytes)
+    check_checksum(info, checksum_value(hasher))
+    if first_bad is not None:
+        t, layer = first_bad
+        ids = info.layer_ids
+        which = f"layer {layer} (hidden-state id {ids[layer]})" if ids else f"layer {layer}"
+        raise HiddenStatesFileError(info.path, f"non-finite values (NaN or Inf) at token {t}, {which} of hidden_states "
+                                               "[T, L, H]; the data is intact (checksum matches) but the model produced "
+                                               "them: check the model and dtype (fp16 overflows?), then re-extract")
+
+
+def _first_non_finite(blob: bytes, entry: TensorEntry, first_row: int) -> tuple[int, int] | None:
+    """(token, layer position) of the first NaN/Inf in rows of hidden_states [t, L, H] given as raw bytes."""
+    rows = tensor_from_bytes(bytearray(blob), entry, len(blob) // entry.row_bytes)  # [t, L, H]
+    finite = torch.isfinite(rows.float() if rows.element_size() == 1 else rows)  # float8 has no isfinite of its own
+    if bool(finite.all()):
+        return None
+    t, layer, _ = (~finite).nonzero()[0].tolist()
+    return first_row + t, layer
 
 
 def cleanup_hidden_states(path: str, keep_hidden_states: bool = False, *,

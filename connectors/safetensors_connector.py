@@ -2,7 +2,9 @@
 
 Writes `token_ids` [T], `hidden_states` [T, L, H], optional `loss_mask` [T], and metadata from the producer's
 `HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
-the bytes in flight, retries, durable atomic files).
+the bytes in flight, retries, durable atomic files). Each file's metadata carries the checksum of its data
+(`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.storage.write_atomic`; the
+metadata built here holds a placeholder of the same length, so `connectors.format.file_size` predicts the file.
 
 Registered as "SafetensorsHiddenStatesConnector", and under vLLM's name "ExampleHiddenStatesConnector" (plus the
 older "HsxHiddenStatesConnector"); `connectors.example_hidden_states_connector` is the vLLM-compatible module alias

@@ -17,7 +17,11 @@ header + byte ranges for a large one, so `max_length` fetches only the leading t
 The filesystem is opened lazily in each process, so the dataset pickles into DataLoader workers (fork or spawn).
 
 Every file is checked against the run's spec when it is read (`HiddenStatesSpec.differences`): a file from another
-model, other layers or another dtype fails loudly instead of training on a mixed run.
+model, other layers or another dtype fails loudly instead of training on a mixed run. Nothing in a file is trusted:
+its header is checked against its real size before any data is read, a local path that is not a regular file is
+refused without blocking, and (`verify`, on by default) its data must match the checksum in its header — the whole
+data region is hashed, also when `max_length` keeps only the leading tokens. A file that fails any of these raises
+`connectors.format.HiddenStatesFileError` naming it and the problem.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ from connectors.format import (
     LAYER_ID_CONVENTION,
     LOSS_MASK,
     TOKEN_IDS,
+    HiddenStatesFileError,
     HiddenStatesFileInfo,
     HiddenStatesSpec,
+    check_checksum,
+    data_checksum,
     read_header,
     tensor_from_bytes,
 )
@@ -88,20 +95,25 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
 
 
 def _read_header(fs, path: str) -> HiddenStatesFileInfo:
-    return read_header(storage.full_url(fs, path), lambda: fs.size(path),
-                       lambda start, end: fs.cat_file(path, start=start, end=end))[0]
+    url = storage.full_url(fs, path)
+    with storage.read_ranges(fs, path) as (size, read):
+        return read_header(url, size, lambda start, end: read([start], [end])[0])[0]
 
 
-def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[HiddenStatesFileInfo, dict]:
-    """Header and the leading `max_rows` rows of every tensor (all rows when None)."""
-    if local:
+def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True) -> tuple[HiddenStatesFileInfo, dict]:
+    """Header and the leading `max_rows` rows of every tensor (all rows when None). With `verify`, the whole data
+    region is hashed and checked against the header's checksum (files without one are read as they are)."""
+    if storage.is_local(fs):
         # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with storage.open_regular_file(path) as (fd, size):
             if size < 8:
-                raise ValueError(f"{path}: {size} bytes is too short for a safetensors file")
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                raise HiddenStatesFileError(path, f"{size} bytes is too short for a safetensors file (need at least "
+                                                  "8); the file is truncated: re-extract it")
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         info, _ = read_header(path, size, lambda start, end: mm[start:end])
+        if verify and info.checksum is not None:
+            with memoryview(mm) as view:
+                check_checksum(info, data_checksum([view[info.data_start:]]))
         rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
         out = {}
         for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
@@ -114,13 +126,23 @@ def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[Hidden
         return info, out
 
     url = storage.full_url(fs, path)
-    info, probe = read_header(url, lambda: fs.size(path), lambda start, end: fs.cat_file(path, start=start, end=end))
+    info, probe = read_header(url, lambda: storage.size_of(fs, path),
+                              lambda start, end: fs.cat_file(path, start=start, end=end))
     whole = len(probe) == info.size  # a small file arrives whole with its header
     rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
     names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
-    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
+    checked = verify and info.checksum is not None
+    data, base = None, 0  # bytes in hand, and the file offset of their first byte
     if whole:
-        blobs = [probe[a:b] for a, b in spans]
+        data = memoryview(probe)
+    elif checked:  # the whole data region, in one request: all of it is hashed, whatever max_length keeps
+        region = fs.cat_file(path, start=info.data_start, end=info.size)
+        data, base = memoryview(_fetched(url, region, info.size - info.data_start)), info.data_start
+    if checked:
+        check_checksum(info, data_checksum([data[info.data_start - base:]]))
+    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
+    if data is not None:
+        blobs = [data[a - base:b - base] for a, b in spans]
     else:
         todo = [i for i, (a, b) in enumerate(spans) if b > a]
         fetched = fs.cat_ranges([path] * len(todo), [spans[i][0] for i in todo], [spans[i][1] for i in todo],
@@ -130,10 +152,15 @@ def _read_rows(fs, path: str, local: bool, max_rows: int | None) -> tuple[Hidden
             blobs[i] = blob
     out = {}
     for n, (a, b), blob in zip(names, spans, blobs):
-        if len(blob) != b - a:
-            raise ValueError(f"{url}: got {len(blob)} bytes of tensor {n!r}, expected {b - a}; the file is truncated")
-        out[n] = tensor_from_bytes(bytearray(blob), info.tensors[n], rows)
+        out[n] = tensor_from_bytes(bytearray(_fetched(url, blob, b - a)), info.tensors[n], rows)
     return info, out
+
+
+def _fetched(url: str, blob, expected: int):
+    if len(blob) != expected:
+        raise HiddenStatesFileError(url, f"got {len(blob)} bytes where the header promises {expected}; the file is "
+                                         "truncated (or was replaced while being read): re-extract it")
+    return blob
 
 
 # -- the dataset ------------------------------------------------------------------------------------------------
@@ -160,6 +187,10 @@ class HiddenStatesDatasetConfig:
     (fsspec's filecache). Off by default: remote reads fetch byte ranges."""
     include_sample_id: bool = True
     """Add the sample's id (a str) to each item as "sample_id"."""
+    verify: bool = True
+    """Check every item's data against the checksum in its file's header (xxh3_64, a few GB/s per core); a damaged
+    file raises HiddenStatesFileError. The whole data region is hashed, so with `max_length` the rest of each file
+    is read too. Files without a checksum (vLLM's) are read unverified. Turn off for speed on trusted storage."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -186,7 +217,6 @@ class HiddenStatesDataset(Dataset):
         self._outputs = [str(o) for o in outputs]
 
         runs = [RunDir(out, config.storage_options) for out in self._outputs]
-        self._local = runs[0].local
         tables, specs = [], []
         for out, run in zip(self._outputs, runs):
             if type(run.fs) is not type(runs[0].fs):
@@ -248,7 +278,7 @@ class HiddenStatesDataset(Dataset):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
         fs = self._filesystem()
         path = self._abs_path(index)
-        info, tensors = _read_rows(fs, path, self._local and self.config.cache_dir is None, self.config.max_length)
+        info, tensors = _read_rows(fs, path, self.config.max_length, self.config.verify)
         self._check_file(info, index)
         ids = tensors[TOKEN_IDS]  # [T]
         states = tensors[HIDDEN_STATES]  # [T, L, H]
