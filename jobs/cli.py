@@ -5,6 +5,7 @@
     hsx status   OUTPUT                                                progress and counts from the manifest
     hsx estimate --model M --corpus FILES... [options]                 tokens, bytes, files before running
     hsx demo     DIR                                                   tiny model + corpus + a real run, no downloads
+    hsx verify   OUTPUT [--sample N | --all] [--recompute K]            check files, recompute some, mark bad ones
     hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
@@ -179,6 +180,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from connectors.storage import parse_storage_options
     from jobs.manifest import summarize
     from jobs.progress import human_bytes, human_count
+    from jobs.verify import latest_report
 
     try:
         options = parse_storage_options(args.storage_options or {})
@@ -193,16 +195,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except RunFormatError as e:
         raise UsageError(str(e)) from e
     if args.json:
-        print(json.dumps({"output": output.url, "run": spec.to_json(), **dataclasses.asdict(s)}, indent=2,
-                         default=str))
+        print(json.dumps({"output": output.url, "run": spec.to_json(), **dataclasses.asdict(s),
+                          "verify": latest_report(output)}, indent=2, default=str))
         return EXIT_OK
     print(f"run:      {output.url}")
     print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}")
     print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.truncated} truncated" if s.truncated else ""))
     print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")
+    if s.invalid:
+        print(f"invalid:  {s.invalid} samples whose files hsx verify found bad; re-run the job to re-extract them")
     if s.duplicate_ok_rows:
         print(f"WARNING:  {s.duplicate_ok_rows} duplicate ok rows (exactly-once was broken)")
+    report = latest_report(output)
+    if report is not None:
+        recomputed = f", {len(report.get('recomputed', []))} recomputed" if report.get("recomputed") else ""
+        print(f"verify:   {report.get('started_at')}: {report.get('checked')} checked, "
+              f"{len(report.get('failures', []))} failed{recomputed}"
+              + (f" ({', '.join(f'{k} {n}' for k, n in report['kinds'].items())})" if report.get("kinds") else ""))
     if s.error_kinds:
         print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
         for sid, err in s.errors:
@@ -226,6 +236,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from jobs.demo import run_demo
 
     return run_demo(args.dir, workers=args.workers, progress=args.progress)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from jobs.lease import LeaseHeld
+    from jobs.verify import VerifyConfig, verify_run
+
+    config: VerifyConfig = config_from_args(args, VerifyConfig, required=())
+    try:
+        report = verify_run(config)
+    except (ValueError, LeaseHeld) as e:
+        raise UsageError(str(e)) from e
+    print("\n".join(report.lines()))
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -301,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=1, help="extraction workers [default: 1]")
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress")
     demo.set_defaults(func=_cmd_demo)
+
+    from jobs.verify import VerifyConfig
+
+    verify = sub.add_parser("verify", help="check a run's files (checksums, headers, NaN/Inf), recompute a few, mark "
+                                           "bad ones for re-extraction",
+                            description="Check every (or --sample N) committed file of a run against its manifest "
+                                        "row, recompute --recompute K of them with a plain transformers forward, and "
+                                        "mark failed samples so that re-running the same `hsx run` re-extracts "
+                                        "them. Writes a JSON report to OUTPUT/verify/; exits 1 when anything fails.")
+    add_config_arguments(verify, VerifyConfig, positional=("output",), config_file=False)
+    verify.set_defaults(func=_cmd_verify)
 
     from training.export.config import FORMATS, ExportConfig
 

@@ -1,0 +1,334 @@
+"""`hsx verify`: check a run's committed files, recompute some with a plain transformers forward, and mark what is
+bad so that re-running the same `hsx run` command re-extracts exactly those samples.
+
+    VerifyConfig(output, ...)           one verification; the CLI's flags map onto it one to one
+    verify_run(config) -> VerifyReport  checks, recomputes, marks; writes OUTPUT/verify/report-<attempt>.json
+    latest_report(run) -> dict | None   the newest report, for `hsx status`
+
+Per checked sample (every committed one, or `sample` drawn at random): the file exists and is a regular file; its
+size equals the manifest row's bytes; its header is valid (connectors.format) and matches the run's file spec; its
+token count and sample id equal the row's; its data matches the checksum in its header and the one in the row; its
+hidden states are finite (connectors.reader.verify_hidden_states streams the file once).
+
+Recompute (`recompute` samples drawn from the checked ones that passed): the target model runs a plain transformers
+forward over the stored token ids (output_hidden_states for ids below N, a hook on the last decoder layer for id N,
+which is stored pre-norm) and the largest difference per stored layer, relative to that layer's largest magnitude,
+must stay within `tolerance`. For runs that stored generated tokens, the stored last layer through the model's
+final norm and lm_head must pick each generated token (greedy runs) or give it a probability of at least 1e-6
+(sampled runs).
+
+Marking: each failed sample gets an "invalid" manifest row with its reason (under the run's writer lease); such a
+sample is no longer committed (connectors.run.committed_rows), so the next `hsx run` of the same command extracts it
+again. The report lists every failure; the CLI exits 1 when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from connectors.run import (
+    INVALID,
+    RunDir,
+    RunSpec,
+    committed_rows,
+    new_attempt_id,
+    read_manifest,
+    read_run_spec,
+    write_manifest_part,
+)
+
+logger = logging.getLogger(__name__)
+
+VERIFY_DIR = "verify"
+MIN_SAMPLED_PROB = 1e-6
+DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """One `hsx verify OUTPUT` (field `recompute` = flag `--recompute`)."""
+
+    output: str
+    """The run: an extraction OUTPUT folder or URL (holds run.json and manifest/)."""
+    sample: int | None = None
+    """Check N committed samples drawn at random (with --seed) instead of all of them."""
+    all: bool = False
+    """Check every committed sample (the default when --sample is not given)."""
+    recompute: int = 0
+    """Recompute the states of K of the checked samples with a plain transformers forward and compare."""
+    seed: int = 0
+    """Seed of the random draws (--sample, --recompute)."""
+    tolerance: float | None = None
+    """Largest allowed difference per layer, relative to the layer's largest magnitude; default 1e-3 for float32
+    runs, 5e-2 for bfloat16/float16 (other kernels, other batch shapes)."""
+    model_dir: str | None = None
+    """The target model's local folder for --recompute; default the run's model when it is a local folder."""
+    device: str = "cpu"
+    """Device of the recompute forward (cpu, cuda, cuda:1)."""
+    mark: bool = True
+    """Mark failed samples "invalid" in the manifest so that re-running the same `hsx run` re-extracts them."""
+    report: str | None = None
+    """Also write the JSON report to this local path (it always goes to OUTPUT/verify/)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for OUTPUT, as JSON (endpoint, credentials)."""
+
+    def __post_init__(self) -> None:
+        from connectors.storage import parse_storage_options
+
+        if not self.output:
+            raise ValueError("OUTPUT is empty; pass the run's output folder or URL (it holds run.json and manifest/)")
+        if self.sample is not None and self.all:
+            raise ValueError("--sample N and --all exclude each other; pass one (no flag: --all)")
+        if self.sample is not None and self.sample < 1:
+            raise ValueError(f"--sample must be >= 1, got {self.sample}")
+        if self.recompute < 0:
+            raise ValueError(f"--recompute must be >= 0, got {self.recompute}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise ValueError(f"--tolerance must be > 0, got {self.tolerance}")
+        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options))
+
+
+@dataclass
+class VerifyReport:
+    output: str
+    attempt: str
+    started_at: str
+    committed: int = 0
+    """Committed samples in the run."""
+    checked: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)
+    """{"sample_id", "path", "problem"} per failed sample."""
+    kinds: dict[str, int] = field(default_factory=dict)
+    recomputed: list[dict[str, Any]] = field(default_factory=list)
+    """{"sample_id", "max_rel_diff": {layer id: x}, "tokens_checked", "token_mismatches"} per recomputed sample."""
+    tolerance: float | None = None
+    marked: int = 0
+    """Samples marked invalid (re-extracted by the next `hsx run`)."""
+    seconds: float = 0.0
+    report_url: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def lines(self) -> list[str]:
+        out = [f"hsx verify {self.output}: checked {self.checked} of {self.committed} committed samples, "
+               f"{len(self.failures)} failed" + (f" ({', '.join(f'{k} {n}' for k, n in self.kinds.items())})"
+                                                 if self.kinds else "") + f", {self.seconds:.1f}s"]
+        if self.recomputed:
+            worst = max((max(r["max_rel_diff"].values(), default=0.0) for r in self.recomputed), default=0.0)
+            mismatches = sum(r["token_mismatches"] for r in self.recomputed)
+            out.append(f"  recomputed {len(self.recomputed)} with transformers: largest relative difference "
+                       f"{worst:.2e} (tolerance {self.tolerance:.0e})" +
+                       (f", {mismatches} generated tokens the stored states do not reproduce" if mismatches else ""))
+        for f in self.failures[:10]:
+            out.append(f"  {f['sample_id']}: {f['problem']}")
+        if len(self.failures) > 10:
+            out.append(f"  ... {len(self.failures) - 10} more in the report")
+        if self.marked:
+            out.append(f"  marked {self.marked} samples invalid: re-run the same `hsx run` command to re-extract them")
+        out.append(f"  report: {self.report_url}")
+        return out
+
+
+def verify_run(config: VerifyConfig) -> VerifyReport:
+    """Verify the run at config.output; see the module docstring. ValueError for what the user must fix."""
+    run = RunDir(config.output, config.storage_options)
+    spec = read_run_spec(run)
+    if spec is None:
+        raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
+    started = time.monotonic()
+    report = VerifyReport(output=run.url, attempt=new_attempt_id(),
+                          started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    rows = committed_rows(read_manifest(run)).to_pylist()
+    report.committed = len(rows)
+    rng = random.Random(config.seed)
+    chosen = rows if config.sample is None else rng.sample(rows, min(config.sample, len(rows)))
+    chosen.sort(key=lambda r: r["sample_id"])
+    passed = []
+    for row in chosen:
+        problem = _check_file(run, spec, row)
+        if problem is None:
+            passed.append(row)
+        else:
+            _fail(report, row, problem)
+    report.checked = len(chosen)
+    if config.recompute and passed:
+        report.tolerance = config.tolerance or DEFAULT_TOLERANCE.get(spec.dtype, 5e-2)
+        _recompute(run, spec, config, rng.sample(passed, min(config.recompute, len(passed))), report)
+    report.kinds = dict(Counter(f["kind"] for f in report.failures).most_common())
+    if report.failures and config.mark:
+        _mark(run, report, {r["sample_id"]: r for r in chosen})
+    report.seconds = time.monotonic() - started
+    _write_report(run, report, config.report)
+    return report
+
+
+def _fail(report: VerifyReport, row: dict, problem: str, kind: str | None = None) -> None:
+    if any(f["sample_id"] == row["sample_id"] for f in report.failures):
+        return
+    kind = kind or problem.split(":", 1)[0]
+    report.failures.append({"sample_id": row["sample_id"], "path": row["path"], "kind": kind, "problem": problem})
+
+
+def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
+    """Why the committed file of `row` is bad, or None."""
+    from connectors.format import HiddenStatesFileError, HiddenStatesSpec
+    from connectors.reader import verify_hidden_states
+
+    url = run.url_of(row["path"])
+    try:
+        info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0)
+    except FileNotFoundError:
+        return "missing: the file is gone"
+    except HiddenStatesFileError as e:
+        reason = e.reason or str(e)
+        return f"{'checksum' if 'checksum' in reason else 'damaged'}: {reason}"
+    except (OSError, TimeoutError) as e:
+        return f"unreadable: {type(e).__name__}: {e}"
+    if info.metadata.get("sample_id") not in (None, row["sample_id"]):
+        return f"sample id: the file holds sample {info.metadata.get('sample_id')!r}, not {row['sample_id']!r}"
+    if row.get("bytes") is not None and info.size != row["bytes"]:
+        return f"size: the file has {info.size} bytes, the manifest row says {row['bytes']}"
+    if info.num_tokens != row["num_tokens"]:
+        return f"tokens: the file holds {info.num_tokens} tokens, the manifest row says {row['num_tokens']}"
+    if row.get("checksum") and info.checksum != row["checksum"]:
+        return f"checksum: the file records {info.checksum}, the manifest row {row['checksum']} (replaced file?)"
+    theirs = HiddenStatesSpec.from_metadata(info.metadata, hidden_size=info.hidden_size,
+                                            dtype=str(info.dtype).removeprefix("torch."))
+    if theirs is not None:
+        diff = spec.file_spec().differences(theirs)
+        if diff:
+            return "spec: the file differs from the run in " + "; ".join(f"{k}: {a!r} vs {b!r}"
+                                                                        for k, (a, b) in diff.items())
+    return None
+
+
+# -- recompute --------------------------------------------------------------------------------------------------
+
+
+def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict], report: VerifyReport) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from connectors.reader import load_hidden_states
+    from extractor.layers import find_decoder_layers
+    from training.norm import FinalNorm
+
+    model_dir = config.model_dir or (spec.model if os.path.isfile(os.path.join(spec.model, "config.json")) else None)
+    if model_dir is None:
+        raise ValueError(f"--recompute needs the target model's local folder; the run records {spec.model!r}, "
+                         "which is not one. Pass --model-dir")
+    dtype = spec.torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(config.device).eval()
+    n = int(model.config.num_hidden_layers)
+    last_layer = find_decoder_layers(model, n)[-1]
+    norm = FinalNorm.from_model_dir(model_dir).to(dtype) if spec.max_tokens and spec.include_output_tokens else None
+    lm_head = model.get_output_embeddings()
+    greedy = spec.sampling is None or spec.sampling.temperature == 0
+    captured: dict[str, torch.Tensor] = {}  # the last decoder layer's output: id N, pre-norm
+
+    def keep_last(module, args, out) -> None:
+        captured["n"] = out[0] if isinstance(out, tuple) else out
+
+    for row in rows:
+        stored = load_hidden_states(run.url_of(row["path"]), storage_options=run.storage_options)
+        ids = stored["token_ids"]  # [T]
+        states = stored["hidden_states"]  # [T, L, H]
+        handle = last_layer.register_forward_hook(keep_last)
+        try:
+            with torch.no_grad():
+                hs = model(ids[None].to(config.device), output_hidden_states=True).hidden_states
+        finally:
+            handle.remove()
+        diffs: dict[str, float] = {}
+        for pos, layer in enumerate(spec.layer_ids):
+            ref = (captured["n"] if layer == n and not spec.last_layer_normalized else hs[layer])[0].float().cpu()
+            got = states[:, pos].float()
+            diffs[str(layer)] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        entry = {"sample_id": row["sample_id"], "max_rel_diff": diffs, "tokens_checked": 0, "token_mismatches": 0}
+        bad = [layer for layer, d in diffs.items() if not d <= report.tolerance]
+        if bad:
+            _fail(report, row, f"recompute: layers {bad} differ from a transformers forward by up to "
+                               f"{max(diffs[b] for b in bad):.2e} (tolerance {report.tolerance:.0e})", "recompute")
+        if norm is not None and spec.layer_ids[-1] == n:
+            entry.update(_check_generated(states[:, -1], ids, _prompt_tokens(run, row), norm, lm_head, greedy,
+                                          config.device))
+            if entry["token_mismatches"]:
+                _fail(report, row, f"generated: {entry['token_mismatches']} of {entry['tokens_checked']} generated "
+                                   "tokens are not what the stored last layer predicts", "generated")
+        report.recomputed.append(entry)
+
+
+def _prompt_tokens(run: RunDir, row: dict) -> int:
+    from connectors.reader import read_hidden_states_info
+
+    info = read_hidden_states_info(run.url_of(row["path"]), storage_options=run.storage_options)
+    return int(info.metadata.get("num_prompt_tokens") or info.num_tokens)
+
+
+def _check_generated(last, ids, num_prompt: int, norm, lm_head, greedy: bool, device: str) -> dict[str, int]:
+    """Stored states of positions num_prompt-1 .. T-2 predict the generated tokens num_prompt .. T-1."""
+    import torch
+
+    lo, hi = num_prompt - 1, ids.shape[0] - 1
+    if hi <= lo:
+        return {"tokens_checked": 0, "token_mismatches": 0}
+    with torch.no_grad():
+        logits = lm_head(norm(last[lo:hi]).to(device)).float()  # [G, V]
+    target = ids[lo + 1:hi + 1].to(logits.device)
+    if greedy:
+        wrong = int((logits.argmax(-1) != target).sum())
+    else:
+        logp = torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+        wrong = int((logp < math.log(MIN_SAMPLED_PROB)).sum())
+    return {"tokens_checked": int(target.numel()), "token_mismatches": wrong}
+
+
+# -- marking and the report ----------------------------------------------------------------------------------------
+
+
+def _mark(run: RunDir, report: VerifyReport, rows: dict[str, dict]) -> None:
+    from jobs.lease import WriterLease
+
+    lease = WriterLease.acquire(run, report.attempt)  # a writer like any job: never beside a running one
+    try:
+        marks = [{"sample_id": f["sample_id"], "status": INVALID, "path": f["path"], "num_tokens": 0,
+                  "num_prompt_tokens": rows[f["sample_id"]].get("num_prompt_tokens"), "bytes": 0,
+                  "error": f"hsx verify: {f['problem']}", "source": rows[f["sample_id"]].get("source"),
+                  "truncated": False} for f in report.failures]
+        write_manifest_part(run, pa.Table.from_pylist(marks), report.attempt, 0)
+        report.marked = len(marks)
+    finally:
+        lease.release()
+
+
+def _write_report(run: RunDir, report: VerifyReport, local_copy: str | None) -> None:
+    rel = f"{VERIFY_DIR}/report-{report.attempt}.json"
+    report.report_url = run.url_of(rel)
+    body = (json.dumps({**asdict(report), "ok": report.ok}, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    run.put(rel, body)
+    if local_copy:
+        with open(local_copy, "wb") as f:
+            f.write(body)
+
+
+def latest_report(run: RunDir) -> dict | None:
+    """The newest verify report of the run (reports sort by attempt id, i.e. by time), or None."""
+    names = [n for n in run.list(VERIFY_DIR) if n.startswith("report-") and n.endswith(".json")]
+    if not names:
+        return None
+    try:
+        return json.loads(run.read_bytes(f"{VERIFY_DIR}/{names[-1]}"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
