@@ -6,7 +6,8 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     OUTPUT/manifest/part-<attempt>-<seq>.parquet       MANIFEST_SCHEMA rows, one part per commit; authoritative: a
                                                        data file counts only with an "ok" row
 
-    RunDir(url, storage_options)         the output root: url_of(rel), exists, read_bytes, put (atomic), list
+    RunDir(url, storage_options)         the output root: url_of(rel), exists, read_bytes, put (atomic), list,
+                                         check_reachable (storage answers, bucket exists)
     RunSpec                              frozen; to_json() / from_json(doc) / file_spec() / from_file_spec(spec)
     read_run_spec(run) / write_run_spec(run, spec)
     data_path(sample_id)

@@ -11,6 +11,8 @@ The only package that knows both the engine (extractor) and the storage side (co
     worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
+    lease.py         WriterLease: one writer per run (OUTPUT/writer.lease), renewed while a job runs
+    verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run

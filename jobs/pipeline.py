@@ -368,12 +368,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
                         logger.debug("pipeline failure", exc_info=True)
                         raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
-                try:
-                    stats = ray.get(registry.stats.remote())
-                except ray.exceptions.RayError as e:  # every row is already committed: only the counts are lost
-                    logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown",
-                                   _first_line(e))
-                    stats = {"skipped": 0, "duplicates": 0}
+                stats = registry_stats(registry)
             finally:
                 with contextlib.suppress(Exception):
                     ray.kill(registry)
@@ -400,6 +395,18 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     result.tokens, result.bytes = progress.tokens, progress.bytes
     result.seconds = time.monotonic() - started
     return result
+
+
+def registry_stats(registry) -> dict[str, int]:
+    """The registry actor's counts; zeros with a warning when it died (every row is committed by then: only the
+    skip and duplicate counts of the summary are lost, never the job)."""
+    import ray
+
+    try:
+        return ray.get(registry.stats.remote())
+    except ray.exceptions.RayError as e:
+        logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown", _first_line(e))
+        return {"skipped": 0, "duplicates": 0}
 
 
 def _root_cause(error: BaseException) -> str:

@@ -366,3 +366,18 @@ def test_storage_failing_at_a_commit_fails_the_job_in_one_line_and_keeps_what_wa
         assert committed >= 1 and calls[:2] == [0, 1]  # the part before the failure stays committed
     assert not os.path.exists(os.path.join(config.output, "writer.lease"))  # given back
     assert run_job(config).ok == 12 - committed  # a re-run resumes: nothing lost, nothing twice
+
+
+@pytest.mark.ray
+def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
+    import ray
+
+    from jobs.pipeline import registry_stats
+    from jobs.registry import SampleRegistry
+
+    registry = ray.remote(num_cpus=0)(SampleRegistry).remote(["a"])
+    assert registry_stats(registry) == {"skipped": 0, "duplicates": 0, "claimed": 0}
+    ray.kill(registry)
+    with caplog.at_level("WARNING", logger="jobs.pipeline"):
+        assert registry_stats(registry) == {"skipped": 0, "duplicates": 0}
+    assert "the sample registry died" in caplog.text
