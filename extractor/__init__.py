@@ -1,16 +1,19 @@
-"""hsx extractor: the offline engine with the `extract_hidden_states` pseudo-drafter.
+"""hsx extractor: the offline engine with the `extract_hidden_states` pseudo-drafter and speculative decoding.
 
     llm.py          LLM (vLLM's offline API; LLM.from_config(EngineConfig) for typed callers), RequestOutput,
-                    CompletionOutput
-    config.py       EngineConfig, speculative_config parsing, the one dtype table and "auto" dtype rule
+                    CompletionOutput, get_metrics()
+    config.py       EngineConfig, SpeculativeConfig, speculative_config parsing, the one dtype table and "auto" rule
     sampling.py     SamplingParams and the sampler
-    runner.py       ModelRunner: model loading, chunked prefill, decode steps
+    runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
+    proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
+    verification.py which drafted tokens the target keeps (greedy match, speculative rejection sampling)
+    metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
     layers.py       layer-id semantics, the capture hooks, early exit
     batching.py     token-budget batches grouped by length
 """
 
-from extractor.config import EngineConfig
+from extractor.config import EngineConfig, SpeculativeConfig
 from extractor.llm import LLM, CompletionOutput, RequestOutput
 from extractor.sampling import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "SpeculativeConfig"]

@@ -1,6 +1,8 @@
 """Engine configuration: the typed form of what `LLM(...)` accepts, validated up front.
 
     EngineConfig                          every engine setting, checked in __post_init__
+    SpeculativeConfig                     speculative decoding (ngram, draft_model): method, k, lookup sizes, draft
+    speculative_config_from_dict(spec)    vLLM's speculative_config dict -> (SpeculativeConfig | None, layer ids)
     layer_ids_from_speculative_config     vLLM's speculative_config dict -> layer ids (None = default)
     canonical_dtype(name)                 the one dtype-name table (aliases such as bf16), used by engine and jobs
     resolve_dtype(name, hf_config)        "auto" -> the checkpoint's dtype, the one rule engine and jobs share
@@ -11,6 +13,8 @@ so every error names the argument to change and nothing is parsed twice.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +26,16 @@ STORED_DTYPES = DTYPES[1:]
 # Unambiguous aliases only: "float" and "double" are refused (torch reads "float" as float32, users often mean fp16).
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 SPECULATIVE_METHOD = "extract_hidden_states"
+SPECULATION_METHODS = ("ngram", "draft_model")
+"""Speculative decoding methods (the target generates, a proposer drafts); extract_hidden_states is not one."""
+_SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+              "draft_model": ("method", "num_speculative_tokens", "model")}
+# vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
+# otherwise the one value hsx can honour.
+_SPEC_IGNORED = {"enforce_eager": None, "disable_padded_drafter_batch": None, "max_model_len": None,
+                 "parallel_drafting": False, "use_heterogeneous_vocab": False}
+
+logger = logging.getLogger(__name__)
 
 
 def canonical_dtype(name: Any, *, flag: str = "dtype") -> str:
@@ -70,10 +84,18 @@ class EngineConfig:
     """Tokenizer folder or id; default the model's."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model folder."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (ngram or draft_model); None = plain decoding. Such an engine writes no hidden states."""
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is empty; pass a local model folder or a hub id")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be an extractor.SpeculativeConfig, got {type(self.speculative).__name__}")
+        if self.speculative is not None and self.layer_ids is not None:
+            raise ValueError(f"layer_ids {self.layer_ids} and speculative method {self.speculative.method!r} in one "
+                             f"engine: extraction ({SPECULATIVE_METHOD}) and speculative decoding are separate engines; "
+                             "build one LLM for each")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.layer_ids is not None:
             # the range needs the model's layer count: checked again, with it, when the model's config is read
@@ -87,6 +109,76 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts `num_speculative_tokens` tokens, one target forward verifies them."""
+
+    method: str
+    """"ngram" (prompt lookup in the request's own tokens) or "draft_model" (a smaller causal LM, same vocabulary)."""
+    num_speculative_tokens: int
+    """k, tokens drafted per step (>= 1)."""
+    prompt_lookup_max: int = 5
+    """ngram: longest suffix n-gram tried first."""
+    prompt_lookup_min: int = 2
+    """ngram: shortest suffix n-gram tried; no match of any length = no draft this step."""
+    model: str | None = None
+    """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATION_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; valid: "
+                             f"{', '.join(SPECULATION_METHODS)} (and {SPECULATIVE_METHOD} for extraction)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+                raise ValueError(f"prompt_lookup_min={lo!r}, prompt_lookup_max={hi!r}: need integers with "
+                                 "1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 2 and 5)")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("method 'draft_model' needs 'model': a local folder with the draft causal LM")
+            if not os.path.isdir(str(self.model)):
+                raise ValueError(f"draft model {self.model!r} does not exist or is not a folder; pass a local folder "
+                                 "holding the draft's config.json and weights (hub ids are not fetched for drafts)")
+
+
+def speculative_config_from_dict(spec: Mapping[str, Any] | None
+                                 ) -> tuple[SpeculativeConfig | None, tuple[int, ...] | None]:
+    """vLLM's `speculative_config` dict -> (SpeculativeConfig for ngram/draft_model, layer ids for extraction).
+
+    At most one is not None: extract_hidden_states gives layer ids (None = default), the others a SpeculativeConfig.
+    vLLM keys that change nothing hsx computes are accepted with one warning naming them.
+    """
+    if spec is None:
+        return None, None
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    method = spec.get("method")
+    if method not in SPECULATION_METHODS:
+        return None, layer_ids_from_speculative_config(spec)
+    known = _SPEC_KEYS[method]
+    if "num_speculative_tokens" not in spec:
+        raise ValueError(f"speculative_config for method {method!r} needs num_speculative_tokens (k >= 1), e.g. 3")
+    ignored = {}
+    for key, value in spec.items():
+        if key in known:
+            continue
+        if key not in _SPEC_IGNORED:
+            raise ValueError(f"unknown speculative_config keys {sorted(set(spec) - set(known) - set(_SPEC_IGNORED))} "
+                             f"for method {method!r}; valid: {sorted(known)} (accepted and ignored: "
+                             f"{sorted(_SPEC_IGNORED)})")
+        honoured = _SPEC_IGNORED[key]
+        if honoured is not None and value is not None and value != honoured:
+            raise ValueError(f"speculative_config {key}={value!r} is not supported by hsx; only {key}={honoured!r} "
+                             "(remove the key or set it so)")
+        ignored[key] = value
+    if ignored:
+        logger.warning("speculative_config keys %s have no effect in hsx and are ignored", sorted(ignored))
+    return SpeculativeConfig(**{k: spec[k] for k in known if k in spec}), None
+
+
 def layer_ids_from_speculative_config(spec: Mapping[str, Any] | None) -> tuple[int, ...] | None:
     """Validate vLLM's `speculative_config` for hidden-state extraction and return its layer ids (None = default)."""
     if spec is None:
@@ -96,7 +188,8 @@ def layer_ids_from_speculative_config(spec: Mapping[str, Any] | None) -> tuple[i
     method = spec.get("method")
     if method != SPECULATIVE_METHOD:
         raise ValueError(f"speculative_config method {method!r} is not supported; hsx supports only "
-                         f"{{'method': '{SPECULATIVE_METHOD}', 'num_speculative_tokens': 1}}")
+                         f"{{'method': '{SPECULATIVE_METHOD}', 'num_speculative_tokens': 1}} for extraction and "
+                         f"the speculative decoding methods {', '.join(SPECULATION_METHODS)}")
     n = spec.get("num_speculative_tokens", 1)
     if n != 1:
         raise ValueError(f"num_speculative_tokens={n!r}; the {SPECULATIVE_METHOD} method requires exactly 1")

@@ -1,8 +1,14 @@
-"""`LLM`: the offline engine, with vLLM's API for the `extract_hidden_states` method.
+"""`LLM`: the offline engine, with vLLM's API for the `extract_hidden_states` method and speculative decoding.
 
     llm = LLM(model=..., speculative_config={...}, kv_transfer_config=KVTransferConfig(...))
     outputs = llm.generate(prompts, sampling_params)    # one RequestOutput per prompt, in order
     outputs = llm.chat(messages, sampling_params)
+    metrics = llm.get_metrics()                         # vLLM's counters (extractor.metrics.Counter / Vector)
+
+With speculative_config {"method": "ngram" | "draft_model", ...} the engine decodes speculatively instead of
+extracting: after the prefill's first token, each step a proposer (extractor/proposers.py) drafts up to k tokens per
+row, one target forward over last token + drafts verifies them (extractor/verification.py), the rejected positions
+are rolled back in both caches, and the acceptance counters grow. Such an engine writes no hidden states.
 
 Per request: tokenize and check -> connector.start_request (destination checked) -> batched prefill, captured rows
 handed to the connector chunk by chunk -> decode steps (rows of output tokens when `include_output_tokens`) ->
@@ -22,13 +28,21 @@ import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
 from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches
-from extractor.config import EngineConfig, layer_ids_from_speculative_config
-from extractor.runner import ModelRunner
+from extractor.config import EngineConfig, speculative_config_from_dict
+from extractor.metrics import Metric, SpecDecodingStats
+from extractor.proposers import Proposer, make_proposer
+from extractor.runner import BatchState, ModelRunner
 from extractor.sampling import SamplingParams, make_generator, sample_next
+from extractor.verification import verify
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Mapping[str, Any]
+# vLLM LLM() arguments the seed scripts pass that change nothing hsx computes: accepted with one warning.
+# value None = any value; otherwise the one value hsx can honour (another one is an error).
+_IGNORED_ARGS = {"enforce_eager": None, "enable_chunked_prefill": None, "gpu_memory_utilization": None,
+                 "disable_log_stats": None, "limit_mm_per_prompt": None, "disable_chunked_mm_input": None,
+                 "allowed_local_media_path": None, "tensor_parallel_size": 1}
 
 
 @dataclass
@@ -86,29 +100,46 @@ class LLM:
                  max_num_seqs: int | None = None, device: str | None = None, attn_implementation: str | None = None,
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
                  **unsupported: Any) -> None:
-        if unsupported:
-            raise TypeError(f"LLM() got arguments hsx does not support: {sorted(unsupported)}; supported: model, "
+        cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
+                  (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
+        if cannot:
+            detail = ", ".join(f"{k}={v!r}" + (f" (only {k}={_IGNORED_ARGS[k]!r})" if k in _IGNORED_ARGS else "")
+                               for k, v in sorted(cannot.items()))
+            raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
-                            "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code")
+                            "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code "
+                            f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
+        if unsupported:
+            logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
+        speculative, layer_ids = speculative_config_from_dict(speculative_config)
         optional = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
         config = EngineConfig(
-            model=str(model), layer_ids=layer_ids_from_speculative_config(speculative_config), dtype=dtype,
+            model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
-            tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+            tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative,
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, kv_transfer_config: KVTransferConfig | None = None) -> LLM:
-        """An engine from typed settings (what jobs hand their workers): nothing is re-parsed."""
+    def from_config(cls, config: EngineConfig, kv_transfer_config: KVTransferConfig | None = None,
+                    proposer: Proposer | None = None) -> LLM:
+        """An engine from typed settings (what jobs hand their workers): nothing is re-parsed. `proposer` replaces
+        the one config.speculative names (a drafter of your own; needs config.speculative for k)."""
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an extractor.EngineConfig, got {type(config).__name__}")
+        if proposer is not None and config.speculative is None:
+            raise ValueError("a proposer needs config.speculative (SpeculativeConfig with num_speculative_tokens)")
         llm = cls.__new__(cls)
-        llm._start(config, kv_transfer_config)
+        llm._start(config, kv_transfer_config, proposer)
         return llm
 
-    def _start(self, config: EngineConfig, kv_transfer_config: KVTransferConfig | None) -> None:
+    def _start(self, config: EngineConfig, kv_transfer_config: KVTransferConfig | None,
+               proposer: Proposer | None = None) -> None:
         self.config = config
+        if config.speculative is not None and kv_transfer_config is not None:
+            raise ValueError(f"speculative_config method {config.speculative.method!r} with a kv_transfer_config: "
+                             "extraction (method extract_hidden_states) and speculative decoding are separate "
+                             "engines in hsx, as in vLLM; build one LLM for each")
         self.kv_transfer_config = kv_transfer_config or KVTransferConfig()
         if not isinstance(self.kv_transfer_config, KVTransferConfig):
             raise TypeError(f"kv_transfer_config must be a connectors.KVTransferConfig, got "
@@ -122,13 +153,22 @@ class LLM:
                                                         self.config.revision or ""),
             last_layer_normalized=False,
             extra={"architecture": ",".join(getattr(self.runner.hf_config, "architectures", None) or [])})
-        self.connector = self.kv_transfer_config.create_connector(self.spec)
+        spec = config.speculative
+        self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else _NoWrites()
+        self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
+        self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._eos = self.runner.eos_token_ids()
         self._counter = itertools.count()
 
     # -- public API -------------------------------------------------------------------------------------------------
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics since the engine started: token counters and, when decoding speculatively,
+        vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens (Counter, `.value`) and
+        vllm:spec_decode_num_accepted_tokens_per_pos (Vector, `.values`, length k)."""
+        return self.stats.metrics()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -159,7 +199,7 @@ class LLM:
             except Exception as e:  # fails the batch's unfinished requests, not the others
                 logger.exception("batch of %d requests failed", len(batch.items))
                 for r in batch.items:
-                    if r.kv_transfer_params is None:  # finished ones are already being written
+                    if r.finish_reason is None:  # finished ones are already being written
                         self.connector.abort_request(r.request_id)
                         r.error = f"{type(e).__name__}: {e}"
             progress.update(len(batch.items))
@@ -169,6 +209,9 @@ class LLM:
             if r.request_id in failures:
                 err = failures[r.request_id]
                 r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
+            if r.error is None:
+                self.stats.prompt_tokens += len(r.prompt_token_ids)
+                self.stats.generation_tokens += len(r.output_ids)
         return [self._output(r) for r in requests]
 
     def chat(self, messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
@@ -206,6 +249,9 @@ class LLM:
         try:
             self._tokenize(req, prompt)
             self._check(req)
+            if self.proposer is not None and params.kv_transfer_params:
+                raise ValueError("kv_transfer_params on a request to a speculative-decoding engine, which writes no "
+                                 "hidden states; drop them, or extract with an extract_hidden_states engine")
             mask = None if req.loss_mask is None else torch.tensor(req.loss_mask, dtype=torch.uint8)
             self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
                                                      sample_id=req.sample_id, loss_mask=mask))
@@ -276,6 +322,9 @@ class LLM:
                 r.finish_reason = "length"
                 r.kv_transfer_params = self.connector.request_finished(r.request_id)
             return
+        if self.proposer is not None:
+            self._speculate(batch, logits, state)
+            return
         active = list(batch)
         while True:
             tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
@@ -300,6 +349,60 @@ class LLM:
                     if r.include_output_tokens:
                         self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
 
+    def _speculate(self, batch: list[_Request], logits: torch.Tensor, state: BatchState) -> None:
+        """Speculative decoding of one batch: the first token from the prefill's logits, then per step one proposal
+        per row and one target forward verifying all rows' drafts together (rows keep different numbers)."""
+        k = self.config.speculative.num_speculative_tokens
+        first = sample_next(logits, [r.params for r in batch], [r.generator for r in batch])
+        active = [r for r, t in zip(batch, first) if not self._emit(r, [t])]
+        if not active:
+            return
+        if len(active) < len(batch):
+            state.select([i for i, r in enumerate(batch) if r.finish_reason is None])
+        self.proposer.start([r.prompt_token_ids + r.output_ids for r in active])
+        while active:
+            contexts = [r.prompt_token_ids + r.output_ids for r in active]
+            # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
+            ks = [min(k, self._room(r) - 1) for r in active]
+            drafts = self.proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
+            if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
+                raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
+                                   f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
+            rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
+            target_logits = self.runner.extend(state, rows)  # [B, W, V]; row b's tokens in its last columns
+            width = target_logits.shape[1]
+            accepted = []
+            for b, (r, d) in enumerate(zip(active, drafts)):
+                n = len(d.token_ids)
+                tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
+                self.stats.observe_draft(n, a)
+                state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
+                accepted.append(a)
+                self._emit(r, tokens)
+            self.proposer.accepted(accepted)
+            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
+            if len(keep) < len(active):
+                if keep:
+                    state.select(keep)
+                    self.proposer.select(keep)
+                active = [active[i] for i in keep]
+
+    def _emit(self, r: _Request, tokens: list[int]) -> bool:
+        """Append tokens to r's output one by one, stopping at the first that finishes it; True when finished."""
+        for t in tokens:
+            r.output_ids.append(t)
+            reason = self._finish_reason(r, t)
+            if reason is not None:
+                r.finish_reason = reason
+                r.kv_transfer_params = self.connector.request_finished(r.request_id)
+                return True
+        return False
+
+    def _room(self, r: _Request) -> int:
+        """Tokens r may still generate (>= 1 while it is active)."""
+        return min(r.params.max_tokens - len(r.output_ids),
+                   self.runner.max_model_len - len(r.prompt_token_ids) - len(r.output_ids))
+
     def _finish_reason(self, r: _Request, token: int) -> str | None:
         if not r.params.ignore_eos and token in self._eos:
             return "stop"
@@ -318,6 +421,28 @@ class LLM:
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
             outputs=[CompletionOutput(0, text, list(r.output_ids), r.finish_reason if ok else None)],
             kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error)
+
+
+class _NoWrites:
+    """The connector of a speculative-decoding engine: it writes nothing (extraction is another engine)."""
+
+    def start_request(self, info) -> None:
+        pass
+
+    def save_hidden_states(self, request_id, token_ids, states) -> None:
+        pass
+
+    def request_finished(self, request_id) -> None:
+        return None
+
+    def abort_request(self, request_id) -> None:
+        pass
+
+    def wait_for_save(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
 
 
 def _progress(total: int, enabled: bool):

@@ -3,6 +3,8 @@
     ModelRunner(config)
     prefill(rows, chunk_size, want_logits, keep_cache, on_chunk) -> (logits [B, V] | None, BatchState)
     decode(state, tokens, capture) -> (logits [B, V], states [B, 1, L, H] | None)
+    extend(state, rows) -> logits [B, W, V]     several new tokens per row (speculative verification)
+    BatchState.rollback(row, n)                  forget a row's last n tokens (rejected drafts)
 
 Rows that will generate are left-padded so every row's last token sits in the last column: logits are computed for
 that column only (`logits_to_keep=1`); position ids come from the attention mask, so padding never shifts a row's
@@ -10,6 +12,11 @@ positions. Prompt-only rows are right-padded and run with no attention mask at a
 ahead, so the padding after a row cannot reach its tokens, and attention takes its causal fast path (SDPA's
 `is_causal`, no [B, 1, S, S] mask) instead of a masked one. With nothing to sample the lm_head is skipped and the
 forward stops after the deepest requested layer.
+
+Rows of one batch may advance by different numbers of tokens (speculative decoding accepts a different number of
+drafts per row): `extend` left-pads each row's new tokens to the widest with masked holes, and `rollback` masks a
+row's rejected positions out of its attention mask. The cache keeps those columns (every row grows by the same width
+per step) but no later token attends to them; positions come from each row's own count, so holes never shift them.
 """
 
 from __future__ import annotations
@@ -42,6 +49,45 @@ class BatchState:
         self.cache.batch_select_indices(idx)
         self.attention_mask = self.attention_mask[idx]
         self.next_position = self.next_position[idx]
+
+    @torch.inference_mode()
+    def rollback(self, row: int, n: int) -> None:
+        """Forget row `row`'s last `n` tokens: they stay in the cache, masked, and its next position moves back."""
+        if n <= 0:
+            return
+        real = self.attention_mask[row].nonzero().flatten()  # columns holding row's tokens, in order
+        assert n <= real.numel(), (n, real.numel())
+        self.attention_mask[row, real[-n:]] = 0
+        self.next_position[row] -= n
+
+
+def forward_rows(model, state: BatchState, rows: list[list[int]], pad_id: int, cache_kw: str,
+                 last: int | None = None) -> torch.Tensor:
+    """Feed each row of `state` its new tokens `rows[b]` (at least one per row); return logits [B, W, V] where W is
+    the longest row and row b's tokens sit in its last len(rows[b]) columns (holes before them are masked).
+    `last`: logits of the last `last` columns only ([B, last, V]) where the model supports `logits_to_keep`."""
+    device = state.attention_mask.device
+    width = max(len(r) for r in rows)
+    assert min(len(r) for r in rows) >= 1
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    new_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    offsets = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        new_mask[b, width - len(r):] = 1
+        offsets[b, width - len(r):] = torch.arange(len(r))
+    new_mask, offsets = new_mask.to(device), offsets.to(device)
+    state.attention_mask = torch.cat([state.attention_mask, new_mask], dim=1)
+    positions = (state.next_position[:, None] + offsets) * new_mask  # holes: position 0, masked anyway
+    inputs = {"input_ids": ids.to(device), "attention_mask": state.attention_mask, "position_ids": positions,
+              "use_cache": True, cache_kw: state.cache}
+    if last is not None and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = last
+    logits = model(**inputs).logits  # [B, W, V] or [B, last, V]
+    if last is not None:
+        logits = logits[:, -last:]
+    state.next_position = state.next_position + new_mask.sum(-1)
+    return logits
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -188,3 +234,14 @@ class ModelRunner:
             self.capture.enabled = True
         state.next_position = state.next_position + 1
         return logits, (self.capture.collect().to("cpu") if capture else None)
+
+    @torch.inference_mode()
+    def extend(self, state: BatchState, rows: list[list[int]]) -> torch.Tensor:
+        """Feed each active row its new tokens (its last accepted token + drafts); logits [B, W, V], nothing captured."""
+        self.capture.enabled = False
+        self.capture.begin(early_exit=False)
+        try:
+            return forward_rows(self.model, state, rows, self.pad_id, self._cache_kw)
+        finally:
+            self.capture.end()
+            self.capture.enabled = True

@@ -76,14 +76,20 @@ def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams], generato
         if p.greedy:
             out.append(int(row.argmax()))
             continue
-        row = row / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            row = row.scatter(0, order[drop], float("-inf"))
-        out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
+        out.append(int(torch.multinomial(sampling_probs(row, p), 1, generator=gen)))
     return out
+
+
+def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: logits [V] -> probabilities [V] (float32, CPU) after
+    temperature, top-k and top-p. Speculative sampling verifies drafts against exactly this distribution."""
+    row = row.float().cpu() / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        row = row.scatter(0, order[drop], float("-inf"))
+    return row.softmax(-1)

@@ -1,0 +1,165 @@
+"""Proposers: what drafts tokens for speculative decoding. The target verifies them (extractor/verification.py).
+
+A proposer serves one batch of requests at a time, its rows in the engine's row order. The engine's speculative loop
+calls, per batch:
+
+    start(contexts)                       - a new batch; contexts[b] = prompt + output so far         (default: nothing)
+    propose(contexts, ks, params, gens)   - up to ks[b] tokens per row, optionally with their probabilities  (abstract)
+    accepted(num_accepted)                - feedback: how many of each row's last draft the target kept (default: nothing)
+    select(keep)                          - the rows that continue, the others finished               (default: nothing)
+
+    NgramProposer        prompt lookup: the continuation of the longest suffix n-gram seen earlier in the context
+    DraftModelProposer   a smaller HF causal LM with the target's vocabulary, its own KV cache rolled back on rejection
+    make_proposer(config, runner)   the proposer a SpeculativeConfig names
+
+A new drafter (EAGLE-3, Medusa, MLPSpeculator) is one more Proposer subclass; the verification loop does not change.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from extractor.config import SpeculativeConfig
+from extractor.sampling import SamplingParams, sampling_probs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    """Proposed tokens, at most the k the engine asked for; empty = no proposal (a plain decode step)."""
+    probs: torch.Tensor | None = None
+    """[len(token_ids), V] the proposer's distribution q each token was drawn from; None = deterministic (one-hot q).
+    Only read for requests with temperature > 0."""
+
+
+class Proposer(ABC):
+    """Drafts tokens for the active rows of one batch (see the module docstring for the call order)."""
+
+    def start(self, contexts: Sequence[list[int]]) -> None:
+        """A new batch begins; contexts[b] = row b's prompt + output so far."""
+
+    @abstractmethod
+    def propose(self, contexts: Sequence[list[int]], ks: Sequence[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[Draft]:
+        """At most ks[b] tokens (ks[b] may be 0) continuing contexts[b], one Draft per row. Sampling proposers draw
+        from `generators[b]` for rows with temperature > 0 and return the probabilities they drew from."""
+
+    def accepted(self, num_accepted: Sequence[int]) -> None:
+        """The target kept the first num_accepted[b] tokens of row b's last draft, then one token of its own."""
+
+    def select(self, keep: Sequence[int]) -> None:
+        """Only rows `keep` (indices into the current rows) continue."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup decoding: for n from prompt_lookup_max down to prompt_lookup_min, find the most recent earlier
+    occurrence of the context's last n tokens and propose the (up to k) tokens that followed it."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, contexts, ks, params, generators) -> list[Draft]:
+        return [Draft(self._lookup(ctx, k)) for ctx, k in zip(contexts, ks)]
+
+    def _lookup(self, ctx: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
+            suffix = ctx[-n:]
+            for i in range(len(ctx) - n - 1, -1, -1):  # i = len - n would be the suffix itself
+                if ctx[i:i + n] == suffix:
+                    return ctx[i + n:i + n + k]
+        return []
+
+
+class DraftModelProposer(Proposer):
+    """A smaller causal LM drafts k tokens autoregressively (greedy rows: argmax; sampled rows: the request's own
+    temperature/top-k/top-p). Its cache holds what it was fed; rejected drafts are masked out of it (rollback)."""
+
+    def __init__(self, model_dir: str, target) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        if getattr(hf_config, "is_encoder_decoder", False):
+            raise ValueError(f"draft model {model_dir} is an encoder-decoder model; a draft must be a causal LM")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
+        self.model.requires_grad_(False)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        out_vocab = self.model.get_output_embeddings().out_features
+        if vocab != target.vocab_size or out_vocab != target.vocab_size:
+            raise ValueError(f"draft model {model_dir} has a vocabulary of {out_vocab} tokens, the target "
+                             f"{target.config.model} has {target.vocab_size}: draft_model needs a draft with the "
+                             "target's tokenizer and vocabulary (e.g. a smaller model of the same family)")
+        self.pad_id, self.device = target.pad_id, target.device
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._state = None
+        self._fed: list[int] = []  # row b's tokens in the draft cache
+        self._drafted = 0  # drafts of the last propose() fed to the cache beyond the context (K - 1)
+
+    def start(self, contexts) -> None:
+        from transformers import DynamicCache
+
+        from extractor.runner import BatchState
+
+        b = len(contexts)
+        self._state = BatchState(DynamicCache(config=self.model.config),
+                                 torch.zeros((b, 0), dtype=torch.long, device=self.device),
+                                 torch.zeros(b, dtype=torch.long, device=self.device))
+        self._fed = [0] * b
+        self._drafted = 0
+
+    @torch.inference_mode()
+    def propose(self, contexts, ks, params, generators) -> list[Draft]:
+        from extractor.runner import forward_rows
+
+        k_max = max(ks, default=0)
+        if k_max == 0:
+            return [Draft([]) for _ in contexts]
+        kw = self._cache_kw
+        pending = [ctx[fed:] for ctx, fed in zip(contexts, self._fed)]  # >= 1 token each: the newest is never fed
+        logits = forward_rows(self.model, self._state, pending, self.pad_id, kw, last=1)[:, -1]  # [B, V]
+        self._fed = [len(ctx) for ctx in contexts]
+        tokens: list[list[int]] = [[] for _ in contexts]
+        probs: list[list[torch.Tensor]] = [[] for _ in contexts]
+        for step in range(k_max):
+            greedy_ids = logits.argmax(-1).tolist()
+            for b, (p, gen) in enumerate(zip(params, generators)):
+                if p.greedy:
+                    tokens[b].append(greedy_ids[b])
+                else:
+                    q = sampling_probs(logits[b], p)
+                    tokens[b].append(int(torch.multinomial(q, 1, generator=gen)))
+                    probs[b].append(q)
+            if step < k_max - 1:
+                logits = forward_rows(self.model, self._state, [[t[-1]] for t in tokens], self.pad_id, kw,
+                                      last=1)[:, -1]
+        self._drafted = k_max - 1
+        return [Draft(t[:k], torch.stack(q[:k]) if q and k else None) for t, q, k in zip(tokens, probs, ks)]
+
+    def accepted(self, num_accepted) -> None:
+        for b, a in enumerate(num_accepted):
+            kept = min(a, self._drafted)  # the cache holds the first K - 1 drafts; keep the accepted ones
+            self._state.rollback(b, self._drafted - kept)
+            self._fed[b] += kept
+        self._drafted = 0
+
+    def select(self, keep) -> None:
+        self._state.select(list(keep))
+        self._fed = [self._fed[i] for i in keep]
+
+
+def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
+    """The proposer `config.method` names, for the target loaded in `runner`."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        return DraftModelProposer(config.model, runner)
+    raise ValueError(f"no proposer for speculative method {config.method!r}")  # SpeculativeConfig checks first

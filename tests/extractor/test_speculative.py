@@ -1,0 +1,287 @@
+"""Speculative decoding: lossless against plain greedy decoding and transformers, vLLM's acceptance counters,
+rejection sampling keeps the target's distribution, and bad configurations are clear errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from extractor import LLM, SamplingParams
+from extractor.config import EngineConfig, SpeculativeConfig
+from extractor.metrics import Counter, Vector
+from extractor.proposers import Draft, NgramProposer, Proposer
+from extractor.verification import verify
+
+N_PROMPTS = 16
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    from jobs.tiny_models import sample_text
+
+    texts = sample_text(N_PROMPTS - 2, seed=7, min_words=1, max_words=30)
+    texts += ["one two three four five one two three four five one two three", "A"]  # lookups hit; one token
+    return [tokenizer(t).input_ids for t in texts]
+
+
+def hf_greedy(model, ids, max_new_tokens, eos_ids):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
+                             pad_token_id=3)
+    return out[0, len(ids):].tolist()
+
+
+def metric(llm, name):
+    (m,) = [m for m in llm.get_metrics() if m.name == name]
+    return m.values if isinstance(m, Vector) else m.value
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory, tmp_path_factory):
+    """target (a tiny Llama whose EOS is a token its greedy outputs hit mid-way), a 2-layer draft cut from it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tiny_model_factory("llama")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    prompts = _prompts(tokenizer)
+    free = [hf_greedy(model, p, 24, [-1]) for p in prompts]  # [-1]: no EOS at all
+    counts = torch.bincount(torch.tensor([t for g in free for t in g[3:20]]), minlength=model.config.vocab_size)
+    eos = int(counts.argmax())
+    root = tmp_path_factory.mktemp("spec-models")
+    target = str(root / "target")
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    draft = str(root / "draft-2-layers")
+    small = AutoModelForCausalLM.from_pretrained(base)
+    small.model.layers = small.model.layers[:2]
+    small.config.num_hidden_layers = 2
+    small.save_pretrained(draft)
+    return {"target": target, "draft": draft, "model": model, "tokenizer": tokenizer, "prompts": prompts,
+            "free": free, "eos": eos}
+
+
+def _params(models) -> list[SamplingParams]:
+    """Mixed endings per prompt: max_tokens, EOS, a stop token a few tokens in, a stop token with EOS ignored."""
+    out = []
+    for i, free in enumerate(models["free"]):
+        n = 16 + i % 7
+        kind = i % 4
+        if kind == 0:
+            out.append(SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        elif kind == 1:
+            out.append(SamplingParams(max_tokens=n, temperature=0))
+        else:
+            out.append(SamplingParams(max_tokens=n, temperature=0, stop_token_ids=[free[2 + i % 5]],
+                                      ignore_eos=kind == 3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(models, tiny_model_factory, tmp_path_factory):
+    """Plain hsx greedy outputs (no speculation) and transformers generate(do_sample=False), per prompt."""
+    from connectors import KVTransferConfig
+
+    params = _params(models)
+    plain = LLM(model=models["target"], kv_transfer_config=KVTransferConfig(
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path_factory.mktemp("plain-hs"))}))
+    outs = plain.generate([{"prompt_token_ids": p} for p in models["prompts"]], params)
+    plain.shutdown()
+    hf = []
+    for ids, p in zip(models["prompts"], params):
+        eos = [] if p.ignore_eos else [models["eos"], 0]  # 0: the tokenizer's EOS, which hsx also stops on
+        hf.append(hf_greedy(models["model"], ids, p.max_tokens, eos + p.stop_token_ids or [-1]))
+    return params, outs, hf
+
+
+def _spec_llm(models, method, k):
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    else:
+        draft = models["draft"] if method == "draft_model" else models["target"]  # identical: every draft accepted
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return LLM(model=models["target"], speculative_config=spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "identical_draft"])
+def test_greedy_speculation_equals_plain_decoding_and_transformers_token_for_token(models, oracle, method, k):
+    params, plain, hf = oracle
+    assert any(o.outputs[0].finish_reason == "stop" for o in plain) and any(
+        o.outputs[0].finish_reason == "length" for o in plain), "the batch should end both ways"
+    llm = _spec_llm(models, method, k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in models["prompts"]], params)
+    for out, ref, want in zip(outs, plain, hf):
+        assert out.error is None
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids == want
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+        assert out.outputs[0].text == ref.outputs[0].text
+    drafts, drafted = metric(llm, "vllm:spec_decode_num_drafts"), metric(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    assert drafts > 0
+    if method == "identical_draft":
+        assert accepted == drafted  # so the stop tokens a few tokens in fell inside accepted drafts
+    if method == "draft_model" and k > 1:
+        assert 0 < accepted < drafted  # rows of one batch accepted different numbers: per-row rollback ran
+    assert metric(llm, "vllm:generation_tokens") == sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class _AlwaysWrong(Proposer):
+    """Drafts k copies of a token the target will not choose (its argmax + 1), from a plain transformers forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, contexts, ks, params, generators):
+        drafts = []
+        for ctx, k in zip(contexts, ks):
+            with torch.no_grad():
+                best = int(self.model(torch.tensor([ctx])).logits[0, -1].argmax())
+            drafts.append(Draft([(best + 1) % self.model.config.vocab_size] * k))
+        return drafts
+
+
+def test_an_identical_draft_model_accepts_every_token_and_a_wrong_proposer_none(models):
+    k, steps, prompts = 3, 5, models["prompts"][:4]
+    sp = SamplingParams(max_tokens=1 + steps * (k + 1), temperature=0, ignore_eos=True)  # 1 from the prefill
+    same = LLM(model=models["target"], speculative_config={"method": "draft_model", "model": models["target"],
+                                                           "num_speculative_tokens": k})
+    same.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert metric(same, "vllm:spec_decode_num_drafts") == steps * len(prompts)
+    assert metric(same, "vllm:spec_decode_num_draft_tokens") == steps * len(prompts) * k
+    assert metric(same, "vllm:spec_decode_num_accepted_tokens") == steps * len(prompts) * k
+    assert metric(same, "vllm:spec_decode_num_accepted_tokens_per_pos") == [steps * len(prompts)] * k
+    assert 1 + metric(same, "vllm:spec_decode_num_accepted_tokens") / metric(same, "vllm:spec_decode_num_drafts") \
+        == k + 1
+
+    m = 8
+    config = EngineConfig(model=models["target"], speculative=SpeculativeConfig("ngram", k))
+    wrong = LLM.from_config(config, proposer=_AlwaysWrong(models["model"]))
+    outs = wrong.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+    # after the prefill's token, one token per step; a step drafts min(k, room - 1) tokens, none when room is 1
+    per_request = [min(k, room - 1) for room in range(m - 1, 0, -1) if room > 1]
+    assert metric(wrong, "vllm:spec_decode_num_drafts") == len(per_request) * len(prompts)
+    assert metric(wrong, "vllm:spec_decode_num_draft_tokens") == sum(per_request) * len(prompts)
+    assert metric(wrong, "vllm:spec_decode_num_accepted_tokens") == 0
+    assert metric(wrong, "vllm:spec_decode_num_accepted_tokens_per_pos") == [0] * k
+    for out, p in zip(outs, prompts):  # and still lossless
+        assert out.outputs[0].token_ids == hf_greedy(models["model"], p, m, [-1])
+
+
+def test_metrics_have_vllm_reader_shapes(models):
+    llm = _spec_llm(models, "ngram", 2)
+    names = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(names["vllm:spec_decode_num_drafts"], Counter)
+    assert isinstance(names["vllm:spec_decode_num_accepted_tokens_per_pos"], Vector)
+    assert names["vllm:spec_decode_num_accepted_tokens_per_pos"].values == [0, 0]
+    assert {"vllm:prompt_tokens", "vllm:generation_tokens", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens"} <= set(names)
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+    ngram = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=3)
+    ctx = [1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 1, 2, 3]
+    # suffix 3-gram [1, 2, 3] occurs at 0 -> [9, 9]; a 2-gram [2, 3] would have matched later (-> [7, 8])
+    assert ngram.propose([ctx], [2], [SamplingParams()], [None])[0].token_ids == [9, 9]
+    assert ngram.propose([[4, 5, 6, 4, 5]], [3], [SamplingParams()], [None])[0].token_ids == [6, 4, 5]
+    assert ngram.propose([[1, 2, 3, 4]], [3], [SamplingParams()], [None])[0].token_ids == []  # no match
+    assert ngram.propose([ctx], [0], [SamplingParams()], [None])[0].token_ids == []
+
+
+def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
+    freq = torch.bincount(samples, minlength=p.numel()).float() / samples.numel()
+    return 0.5 * float((freq - p).abs().sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution_and_skipping_the_residual_does_not():
+    trials = 20000
+    gen = torch.Generator().manual_seed(0)
+    target_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    q = torch.tensor([0.05, 0.05, 0.4, 0.3, 0.1, 0.1])  # a draft far from the target
+    params = SamplingParams(temperature=1.0)
+    p = target_logits.softmax(-1)
+    logits = torch.stack([target_logits, target_logits])  # [n + 1, V] for one draft token
+    first, broken = [], []
+    for _ in range(trials):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        tokens, a = verify(logits, Draft([x], q[None]), params, gen)
+        first.append(tokens[0])
+        # the same step without the residual: on rejection resample from p itself (a common mistake)
+        u = float(torch.rand((), generator=gen))
+        broken.append(x if u < min(1.0, float(p[x] / q[x])) else int(torch.multinomial(p, 1, generator=gen)))
+    bound = 0.02  # sampling noise at 20000 draws is ~0.01
+    assert _tv(torch.tensor(first), p) < bound
+    assert _tv(torch.tensor(broken), p) > bound
+    # a deterministic proposer (q one-hot) too
+    one_hot = [verify(logits, Draft([2]), params, gen)[0][0] for _ in range(trials)]
+    assert _tv(torch.tensor(one_hot), p) < bound
+
+
+def _other_vocab_model(like: str, out: str) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(like)
+    config.vocab_size, config.num_hidden_layers = 600, 1
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def test_bad_speculative_configs_are_clear_errors(models, tmp_path):
+    target = models["target"]
+    with pytest.raises(ValueError, match="'medusa' is not supported.*ngram, draft_model"):
+        LLM(model=target, speculative_config={"method": "medusa", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        LLM(model=target, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match=r"unknown speculative_config keys \['lookahead'\].*valid"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1})
+    with pytest.raises(ValueError, match="prompt_lookup_min=4, prompt_lookup_max=2"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                              "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    missing = str(tmp_path / "no-such-draft")
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=target, speculative_config={"method": "draft_model", "model": missing, "num_speculative_tokens": 2})
+    other_vocab = _other_vocab_model(target, str(tmp_path / "other-vocab"))
+    with pytest.raises(ValueError, match="vocabulary of 600 tokens.*has 512"):
+        LLM(model=target, speculative_config={"method": "draft_model", "model": other_vocab,
+                                              "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="parallel_drafting=True is not supported"):
+        LLM(model=target, speculative_config={"method": "draft_model", "model": models["draft"],
+                                              "num_speculative_tokens": 2, "parallel_drafting": True})
+    with pytest.raises(TypeError, match="tensor_parallel_size=2 .only tensor_parallel_size=1"):
+        LLM(model=target, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_extraction_and_speculation_in_one_engine_are_refused(models, kv_config):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="separate engines"):
+        LLM(model=models["target"], speculative_config=ngram, kv_transfer_config=kv_config())
+    with pytest.raises(ValueError, match="separate engines"):
+        EngineConfig(model=models["target"], layer_ids=(1, 2), speculative=SpeculativeConfig("ngram", 2))
+    llm = LLM(model=models["target"], speculative_config=ngram)
+    (out,) = llm.generate([{"prompt_token_ids": models["prompts"][0]}], SamplingParams(
+        max_tokens=4, extra_args={"kv_transfer_params": {"include_output_tokens": True}}))
+    assert "writes no hidden states" in out.error
+
+
+def test_vllm_arguments_hsx_cannot_use_are_accepted_with_one_warning(models, caplog):
+    spec = {"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 2, "enforce_eager": True,
+            "max_model_len": 64, "parallel_drafting": False, "disable_padded_drafter_batch": True}
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model=models["target"], speculative_config=spec, tensor_parallel_size=1, enforce_eager=True,
+                  enable_chunked_prefill=True, gpu_memory_utilization=0.8, disable_log_stats=False,
+                  max_num_seqs=None, trust_remote_code=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("speculative_config keys" in w for w in warnings) == 1
+    assert sum("LLM() arguments" in w and "gpu_memory_utilization" in w for w in warnings) == 1
+    (out,) = llm.generate([{"prompt_token_ids": models["prompts"][1]}], SamplingParams(max_tokens=3, temperature=0))
+    assert out.error is None and len(out.outputs[0].token_ids) == 3
+    assert os.path.isdir(models["draft"])
