@@ -1,20 +1,29 @@
-"""Where a request's file goes: safe default names and containment of per-request custom paths.
+"""Where a request's file goes: safe default names, containment of per-request custom paths, and who owns a file.
 
     default_path(request_id)   {root}/{safe name}.safetensors — any request id becomes a safe file name
     resolve(custom)            a requested `hidden_states_path`, accepted only inside an allowed root
+    locate(custom) / default_destination(request_id)
+                               the same as a Destination: the path plus the allowed root it lies in (local disks),
+                               which the write walks again without following symlinks (`storage.local_parent`)
+    PathOwners                 one request per file: live owners (accepted, not yet durable) and committed ones
 
 A custom path is rejected (PathRejected, a ValueError) when it would leave every allowed root: `..` escapes,
 absolute paths elsewhere, another protocol or bucket, a symlink on a local disk that points outside, or names an
 object store would read literally (`.`/`..` segments, empty segments, backslashes, control characters, `?`/`#`).
-Resolution never writes anything.
+Resolution never writes anything. The check is repeated at write time on local disks, race-free, from the root.
+
+A path another request owns (still being written, or written earlier by this connector) is refused (PathInUse, a
+ValueError) unless the request says `overwrite=True`. Files that existed before are owned by nobody.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import posixpath
 import re
+from dataclasses import dataclass
 
 import fsspec
 
@@ -26,6 +35,28 @@ _HASHED = re.compile(r"-[0-9a-f]{32}$")
 
 class PathRejected(ValueError):
     """A custom hidden_states_path that is not allowed; the request fails and nothing is written."""
+
+
+class PathInUse(ValueError):
+    """A destination another request owns (still writing it, or wrote it earlier); this request fails alone."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one request's file goes."""
+
+    path: str
+    """What to write: a plain path on local disks, a URL on object stores."""
+    root: str | None
+    """The allowed root `path` lies in, lexically (local disks); None on object stores, which have no symlinks."""
+
+    @functools.cached_property
+    def key(self) -> str:
+        """One name per file, whichever spelling of the root reached it (a local root through a symlink or not);
+        computed once, so a request claims and releases the same name."""
+        if self.root is None:
+            return self.path
+        return os.path.join(os.path.realpath(self.root), os.path.relpath(self.path, self.root))
 
 
 def id_digest(any_id: str) -> str:
@@ -69,12 +100,20 @@ class PathPolicy:
         """The file for a request with no custom path (a URL for remote roots, a plain path for local)."""
         return self._join(self._root_path, safe_file_stem(request_id) + FILE_SUFFIX)
 
+    def default_destination(self, request_id: str) -> Destination:
+        """`default_path` and its root: shared_storage_path."""
+        return Destination(self.default_path(request_id), self._root_path if self._root_local else None)
+
     def _join(self, base: str, name: str) -> str:
         path = posixpath.join(base, name)
         return path if self._root_local else f"{_first_protocol(self._root_cls)}://{path}"
 
     def resolve(self, custom: str) -> str:
         """Accept `custom` if it lies inside an allowed root; return the URL to write. Raises PathRejected."""
+        return self.locate(custom).path
+
+    def locate(self, custom: str) -> Destination:
+        """`resolve`, with the allowed root the path lies in. Raises PathRejected."""
         if not isinstance(custom, str) or not custom:
             raise PathRejected(f"hidden_states_path must be a non-empty string, got {custom!r}")
         if any(ord(c) < 32 or c == "\x7f" for c in custom):
@@ -98,12 +137,14 @@ class PathPolicy:
                 continue
             if local:
                 try:
-                    if self._inside_local(custom, path, root_path):
-                        return path
+                    root = self._inside_local(custom, path, root_path)
                 except PathRejected as e:  # another allowed root may still hold where the link leads
                     symlink_escape = e
+                    continue
+                if root is not None:
+                    return Destination(path, root)
             elif self._inside_remote(custom, path, root_path, cls):
-                return f"{_first_protocol(cls)}://{path}"
+                return Destination(f"{_first_protocol(cls)}://{path}", None)
         if symlink_escape is not None:
             raise symlink_escape
         roots = ", ".join(self._describe(a) for a in self._allowed)
@@ -111,16 +152,21 @@ class PathPolicy:
                            "of them, or add its root to kv_connector_extra_config['allowed_roots']")
 
     @staticmethod
-    def _inside_local(raw: str, path: str, root: str) -> bool:
+    def _inside_local(raw: str, path: str, root: str) -> str | None:
+        """The spelling of `root` that `path` lies in lexically (as given, or through its symlinks), or None."""
         real_root = os.path.realpath(root)
-        if os.path.commonpath([path, root]) != root and os.path.commonpath([path, real_root]) != real_root:
-            return False
+        if os.path.commonpath([path, root]) == root:
+            lexical = root
+        elif os.path.commonpath([path, real_root]) == real_root:
+            lexical = real_root
+        else:
+            return None
         # symlinks anywhere along the path (including the file itself) must stay inside the root
         real = os.path.realpath(path)
         if os.path.commonpath([real, real_root]) != real_root or real == real_root:
             raise PathRejected(f"hidden_states_path {raw!r} goes through a symlink to {real!r}, outside the root "
                                f"{root!r}; write to a real path inside it")
-        return True
+        return lexical
 
     @staticmethod
     def _inside_remote(raw: str, path: str, root: str, cls: type) -> bool:
@@ -145,3 +191,49 @@ class PathPolicy:
 
 def _first_protocol(cls: type) -> str:
     return cls.protocol if isinstance(cls.protocol, str) else cls.protocol[0]
+
+
+class PathOwners:
+    """Which request owns each file (by `Destination.key`), so that no request overwrites another's file unasked.
+
+    Live: accepted and not yet durable (nor failed). Committed: written to a custom path by a request that did not
+    say overwrite=True. A request for a file another request owns, live or committed, is refused unless it says
+    overwrite=True (then it owns the file from now on; two live writers of one file race, the last rename wins). Only
+    those requests are remembered once committed, so a job that passes overwrite (hsx's workers: the manifest
+    arbitrates) or uses default names (one per request id, vLLM's contract) keeps memory flat. Files that existed
+    before are owned by nobody. Not thread-safe: the connector calls it under its own lock.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[str, str] = {}
+        self._committed: dict[str, str] = {}
+
+    def claim(self, dest: Destination, request_id: str, overwrite: bool) -> None:
+        """Make `request_id` the live owner of `dest`; PathInUse when another request owns it (unless `overwrite`)."""
+        if not overwrite:
+            other = self._live.get(dest.key)
+            if other is not None:
+                who = "an earlier request with the same id" if other == request_id else f"request {other!r}"
+                raise PathInUse(f"request {request_id!r}: {dest.path} is being written by {who}, not yet durable; "
+                                "two requests writing one file would both report success while it holds only one. "
+                                "Give each request its own hidden_states_path (or, to replace the other's file on "
+                                "purpose, pass kv_transfer_params['overwrite'] = True)")
+            other = self._committed.get(dest.key)
+            if other is not None:
+                raise PathInUse(f"request {request_id!r}: {dest.path} was written earlier by request {other!r}; "
+                                "refusing to overwrite it silently. Pass kv_transfer_params['overwrite'] = True to "
+                                "replace it, or choose another hidden_states_path")
+        self._live[dest.key] = request_id
+
+    def release(self, dest: Destination, request_id: str, *, committed: bool) -> None:
+        """`request_id` is done with `dest`: durable and to be remembered (`committed`), or not (failed, aborted,
+        or a request the connector does not remember)."""
+        if self._live.get(dest.key) == request_id:
+            del self._live[dest.key]
+        if committed:
+            self._committed[dest.key] = request_id
+
+    @property
+    def num_remembered(self) -> int:
+        """Files remembered as committed (what a long job's memory grows with)."""
+        return len(self._committed)

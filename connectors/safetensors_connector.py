@@ -6,6 +6,10 @@ the bytes in flight, retries, durable atomic files). Each file's metadata carrie
 (`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.storage.write_atomic`; the
 metadata built here holds a placeholder of the same length, so `connectors.format.file_size` predicts the file.
 
+Where a file may go is decided twice: when a request starts (`connectors.paths.PathPolicy`: inside an allowed root;
+`PathOwners`: no other request owns it, see kv_transfer_params["overwrite"]) and again when it is written, from the
+allowed root the request's path lies in, following no symlink (`connectors.storage.local_parent`).
+
 Registered as "SafetensorsHiddenStatesConnector", and under vLLM's name "ExampleHiddenStatesConnector" (plus the
 older "HsxHiddenStatesConnector"); `connectors.example_hidden_states_connector` is the vLLM-compatible module alias
 that also offers `load_hidden_states` / `cleanup_hidden_states`.
@@ -28,7 +32,7 @@ import torch
 from connectors import storage
 from connectors.base import HiddenStatesConnector, RequestInfo
 from connectors.format import HIDDEN_STATES, LOSS_MASK, TOKEN_IDS, HiddenStatesSpec, request_metadata
-from connectors.paths import PathPolicy
+from connectors.paths import Destination, PathOwners, PathPolicy
 from connectors.writer import BackgroundWriter
 
 __all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
@@ -98,8 +102,11 @@ class HiddenStatesConnectorConfig:
 @dataclass
 class _Pending:
     info: RequestInfo
-    path: str
+    dest: Destination
+    """The file and the allowed root it lies in (the write walks from there again, following no symlink)."""
     include_output_tokens: bool
+    remember: bool
+    """Record the file as this request's once durable: a custom path without overwrite=True (see PathOwners)."""
     token_chunks: list[torch.Tensor] = field(default_factory=list)
     state_chunks: list[torch.Tensor] = field(default_factory=list)
 
@@ -125,6 +132,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         self._paths = PathPolicy(cfg.shared_storage_path, list(cfg.allowed_roots) if cfg.allowed_roots else None)
         self._writer = BackgroundWriter(cfg.num_writer_threads, cfg.max_bytes_in_flight)
         self._requests: dict[str, _Pending] = {}
+        self._owners = PathOwners()
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._spec_metadata = spec.to_metadata()
@@ -142,14 +150,20 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; "
                            "writing to the default path instead", request.request_id, custom)
             custom = None
-        path = self._paths.resolve(custom) if custom is not None else self._paths.default_path(request.request_id)
+        overwrite = params.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            raise ValueError(f"request {request.request_id}: kv_transfer_params['overwrite'] must be true or false, "
+                             f"got {type(overwrite).__name__} {overwrite!r}")
+        dest = self._paths.locate(custom) if custom is not None else self._paths.default_destination(request.request_id)
         if request.loss_mask is not None and request.loss_mask.shape != (request.num_prompt_tokens,):
             raise ValueError(f"request {request.request_id}: loss_mask has shape {list(request.loss_mask.shape)}, "
                              f"expected [{request.num_prompt_tokens}] (one value per prompt token)")
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already in flight; request ids must be unique")
-            self._requests[request.request_id] = _Pending(request, path, bool(params.get("include_output_tokens")))
+            self._owners.claim(dest, request.request_id, overwrite)
+            self._requests[request.request_id] = _Pending(request, dest, bool(params.get("include_output_tokens")),
+                                                          remember=custom is not None and not overwrite)
 
     def _pending(self, request_id: str) -> _Pending:
         try:
@@ -191,21 +205,43 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
                                     num_prompt_tokens=info.num_prompt_tokens,
                                     include_output_tokens=pending.include_output_tokens, sample_id=info.sample_id)
         buffers = _buffers(c for chunks in tensors.values() for c in chunks)
-        future = self._writer.submit(buffers, self._write, pending.path, tensors, metadata)
+        try:
+            future = self._writer.submit(buffers, self._write, pending, tensors, metadata)
+        except BaseException:
+            self._release(pending, written=False)
+            raise
         with self._lock:
             self._futures[request_id] = future
-        return {"hidden_states_path": pending.path}
+        return {"hidden_states_path": pending.dest.path}
 
-    def _write(self, url: str, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
-        fs, path = (self._fs, url) if storage.is_local(self._fs) else (self._fs, self._fs._strip_protocol(url))
+    def _write(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
+        """On a writer thread. The file stops being live before the future completes: once `wait_for_save` returns,
+        a later request for it sees it committed (or free), never still in flight."""
+        written = False
+        try:
+            size = self._write_file(pending.dest, tensors, metadata)
+            written = True
+            return size
+        finally:
+            self._release(pending, written=written)
+
+    def _write_file(self, dest: Destination, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
+        local = storage.is_local(self._fs)
+        path = dest.path if local else self._fs._strip_protocol(dest.path)
         cfg = self.extra_config
         retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}
-        with storage.pending_write(fs, path, enabled=cfg.use_synchronization_lock, **retry):
-            return storage.write_atomic(fs, path, tensors, metadata, **retry)
+        with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root, **retry):
+            return storage.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
+
+    def _release(self, pending: _Pending, *, written: bool) -> None:
+        with self._lock:
+            self._owners.release(pending.dest, pending.info.request_id, committed=written and pending.remember)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
-            self._requests.pop(request_id, None)
+            pending = self._requests.pop(request_id, None)
+            if pending is not None:
+                self._owners.release(pending.dest, request_id, committed=False)
 
     # -- engine, per batch / lifetime ---------------------------------------------------------------------------
     def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:

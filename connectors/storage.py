@@ -4,7 +4,7 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
     open_url(url, storage_options)        -> (fs, path)
     parse_storage_options(value, flag)    -  fsspec options from a dict or JSON text (flags, job files)
     create_exclusive(fs, path, data)      -  create a small file only if absent (leases): True if this call made it
-    put_atomic(fs, path, content)         -  any whole file (bytes, buffers, or a writer function), atomic and durable:
+    put_atomic(fs, path, content, root=)  -  any whole file (bytes, buffers, or a writer function), atomic and durable:
                                              the one atomic write every file of a run goes through (data files,
                                              manifest parts, run.json, exports)
     write_atomic(fs, path, tensors, meta) -  a safetensors file through put_atomic; transient errors retried with
@@ -13,7 +13,9 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
                                              they are written back to back from their own memory, never
                                              concatenated in RAM first. The metadata gets the data's checksum
                                              (`connectors.format.CHECKSUM_KEY`), hashed on the calling thread
-    pending_write(fs, path)               -  context manager: readers of `path` wait while it is held
+    pending_write(fs, path, root=)        -  context manager: readers of `path` wait while it is held
+    local_parent(path, root)              -  (dir fd, name) of a local file's folder, reached from `root` without
+                                             following any symlink (UnsafeWritePathError otherwise)
     wait_until_readable(fs, path, timeout)
     remove(fs, path)                      -  idempotent delete of a file and its lock
     open_regular_file(path)               -  (fd, size) of a local file, refusing FIFOs, devices and directories
@@ -25,6 +27,11 @@ Atomicity: local disks get a temp file in the same directory, fsynced, then `os.
 directory (a host crash leaves the old file or the whole new one, never a short one under the final name); object
 stores (s3, gcs, azure, memory) make an object visible only once its upload completes, so a single put is atomic
 there; any other filesystem gets a temp name and a move.
+
+Containment at write time: a path checked when its request was accepted (`connectors.paths`) is written later, on a
+writer thread. Given the allowed root it lies in (`root=`), local writes walk from the root to the file's folder
+component by component with O_NOFOLLOW and create the temp file, the lock, the rename and the fsync relative to that
+folder's descriptor, so a symlink swapped in meanwhile is refused (UnsafeWritePathError), never followed.
 
 Pending writes: a `<file>.lock` companion, as vLLM uses. On local disks the writer holds an exclusive `flock` on it
 (vLLM's readers and ours take a shared one, so either side waits for the other); on object stores the lock object's
@@ -146,7 +153,7 @@ Tensors = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
 
 
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, metadata: dict[str, str] | None, *,
-                 max_attempts: int = 5, backoff_s: float = 0.2) -> int:
+                 max_attempts: int = 5, backoff_s: float = 0.2, root: str | None = None) -> int:
     """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
 
     `metadata[CHECKSUM_KEY]` is set to the checksum of the data (`connectors.format.data_checksum` of the bytes
@@ -154,7 +161,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
     `request_metadata` does) and the file is exactly `connectors.format.file_size(...)` bytes. The hashing runs here,
     on the caller's (writer) thread; on local disks it runs as the data is written (see `_hashing_writer`).
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
-    attempt cleans up its own temp file, so a failed write leaves nothing behind.
+    attempt cleans up its own temp file, so a failed write leaves nothing behind. `root`: as for `put_atomic`.
     """
     entries, views = _layout(tensors)
     metadata = {**(metadata or {}), CHECKSUM_KEY: CHECKSUM_PLACEHOLDER}
@@ -163,7 +170,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
     else:
         metadata[CHECKSUM_KEY] = data_checksum(views)  # the header that holds it is encoded after hashing
         content = [encode_header(entries, metadata), *views]
-    return _retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content)
+    return _retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root)
 
 
 def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[memoryview]]:
@@ -214,31 +221,36 @@ Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
 or a function that writes into a binary file object (torch.save, a pyarrow stream, ...)."""
 
 
-def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content) -> int:
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, root: str | None = None) -> int:
     """Write a whole file so that readers see no file (or the old one) or all of the new one, durably. Returns bytes.
 
     Local disks: a temp file in the same directory is written, flushed and fsynced, renamed over `path`, and the
     directory is fsynced, so after a crash `path` is either absent/old or complete (never empty or short: the data
     is on disk before the name points at it, and the name is on disk before this returns). The temp file is removed
-    on any failure. Object stores (s3, gcs, azure, memory): a single put, which appears whole. Other filesystems: a
-    temp name and a move. No retries here: callers that want them wrap it (see `write_atomic`).
+    on any failure. With `root` (the allowed root `path` was accepted in), every folder below it is opened without
+    following symlinks and the temp file, rename and fsync all happen relative to the parent's descriptor (see
+    `local_parent`): a symlink swapped in after the path was checked raises UnsafeWritePathError, nothing written.
+    An existing file (or symlink) under the final name is replaced, never followed. Object stores (s3, gcs, azure,
+    memory): a single put, which appears whole. Other filesystems: a temp name and a move. No retries here: callers
+    that want them wrap it (see `write_atomic`).
     """
     parent = posixpath.dirname(path)
     if is_local(fs):
-        parent = parent or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                _write_content(f, content)
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-        fsync_dir(parent)
+        with local_parent(path, root) as (dir_fd, name):
+            tmp = f".{name}.tmp-{uuid.uuid4().hex}"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                             dir_fd=dir_fd)
+                with os.fdopen(fd, "wb") as f:
+                    _write_content(f, content)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    size = f.tell()
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+            os.fsync(dir_fd)
         return size
     if isinstance(content, (bytes, bytearray)):
         data = bytes(content)
@@ -319,30 +331,100 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class UnsafeWritePathError(PermissionError):
+    """A folder on the way from a write's allowed root to its file is a symlink or not a folder: refused, nothing
+    written. Not transient (never retried): the path changed after it was checked, or was never plain folders."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def local_parent(path: str, root: str | None = None) -> Iterator[tuple[int, str]]:
+    """(descriptor of `path`'s folder, file name): everything after is created, renamed and fsynced relative to it.
+
+    With `root`, the folder is reached from `root` one component at a time, each opened with O_NOFOLLOW (missing
+    ones created with mkdir relative to their parent, which is then fsynced), so no symlink below the root is ever
+    followed, whenever it appeared: one met raises UnsafeWritePathError naming the component. `root` itself is opened
+    as given (created if missing); `path` must lie lexically inside it. Without `root` the parent is opened by name,
+    as any local write does (run.json, manifest parts, exports: paths the caller chose).
+    """
+    parent, name = os.path.split(path)
+    if root is None:
+        parent = parent or "."
+        os.makedirs(parent, exist_ok=True)
+        fd = os.open(parent, _DIR_FLAGS)
+        parts: list[str] = []
+    else:
+        root = os.path.normpath(root)
+        rel = os.path.relpath(parent or ".", root)
+        if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+            raise ValueError(f"{path!r} is not inside its root {root!r}; this is a bug in the caller")
+        parts = [] if rel == "." else rel.split("/")
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, _DIR_FLAGS)
+    try:
+        for i, part in enumerate(parts):
+            sub = _open_subfolder(fd, part, path, root, "/".join(parts[:i + 1]))
+            os.close(fd)
+            fd = sub
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def _open_subfolder(fd: int, part: str, path: str, root: str, where: str) -> int:
+    """Open folder `part` inside folder `fd` without following a symlink (mkdir it if missing)."""
+    try:
+        try:
+            sub = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):  # another writer made it first: the open below decides
+                os.mkdir(part, 0o777, dir_fd=fd)
+                os.fsync(fd)  # the new folder's name is durable before any file in it is
+            sub = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        try:
+            kind = "a symlink" if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode) \
+                else "not a folder"
+        except OSError:
+            kind = "a symlink or not a folder"
+        raise UnsafeWritePathError(
+            f"refusing to write {path}: {where!r} under its allowed root {root} is {kind}, and symlinks "
+            "below the root are never followed. It was checked when the request was accepted, so it probably changed "
+            "after that (something replaced it while the request ran); nothing was written. Make it a plain folder "
+            "again (or write elsewhere inside the root) and resubmit the request") from e
+    return sub
+
+
 @contextlib.contextmanager
 def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True, max_attempts: int = 5,
-                  backoff_s: float = 0.2) -> Iterator[None]:
+                  backoff_s: float = 0.2, root: str | None = None) -> Iterator[None]:
     """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring).
 
-    Creating the lock object on a remote store is retried like a write. Failing to remove it afterwards is logged,
-    never raised: it must not hide the body's own error, and a leftover lock next to a complete object does not
-    block readers (see `wait_until_readable`).
+    On local disks the lock is opened relative to `path`'s folder as `local_parent(path, root)` reaches it, never
+    through a symlink (one under the lock's name is replaced by a lock file, as a rename replaces one under the
+    file's name). Creating the lock object on a remote store is retried like a write. Failing to remove it afterwards
+    is logged, never raised: it must not hide the body's own error, and a leftover lock next to a complete object
+    does not block readers (see `wait_until_readable`).
     """
     if not enabled:
         yield
         return
     lock = path + LOCK_SUFFIX
     if is_local(fs):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        with local_parent(path, root) as (dir_fd, name):
+            fd = _open_lock(dir_fd, name + LOCK_SUFFIX, lock)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
         return
     body = f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode()
     _retrying("lock", lock, max_attempts, backoff_s)(fs.pipe_file, lock, body)
@@ -355,6 +437,23 @@ def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = T
             pass
         except Exception as e:  # noqa: BLE001 - reported, not raised: see docstring
             logger.warning("could not remove %s after writing %s: %s", full_url(fs, lock), full_url(fs, path), e)
+
+
+def _open_lock(dir_fd: int, name: str, lock: str) -> int:
+    """Open (creating) the lock file `name` inside folder `dir_fd`; a symlink there is removed, never followed."""
+    flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, 0o644, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+    os.unlink(name, dir_fd=dir_fd)  # removes the link itself
+    try:
+        return os.open(name, flags | os.O_EXCL, 0o644, dir_fd=dir_fd)
+    except FileExistsError as e:
+        raise UnsafeWritePathError(f"refusing to write next to {lock}: a symlink keeps appearing under the lock's "
+                                   "name (replaced once, back again); something is planting it. Nothing was written; "
+                                   "find what writes into the folder") from e
 
 
 def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:

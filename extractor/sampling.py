@@ -28,7 +28,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     extra_args: dict[str, Any] | None = None
-    """{"kv_transfer_params": {"hidden_states_path": ..., "include_output_tokens": bool}}."""
+    """{"kv_transfer_params": {"hidden_states_path": ..., "include_output_tokens": bool, "overwrite": bool}};
+    overwrite=True lets a request replace a file an earlier request of the same connector wrote."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -43,10 +44,10 @@ class SamplingParams:
         params = self.kv_transfer_params
         if not isinstance(params, Mapping):
             raise TypeError(f"extra_args['kv_transfer_params'] must be a dict, got {type(params).__name__}")
-        unknown = sorted(set(params) - {"hidden_states_path", "include_output_tokens"})
+        unknown = sorted(set(params) - {"hidden_states_path", "include_output_tokens", "overwrite"})
         if unknown:
             raise ValueError(f"unknown kv_transfer_params keys {unknown}; valid: hidden_states_path, "
-                             "include_output_tokens")
+                             "include_output_tokens, overwrite")
 
     @property
     def kv_transfer_params(self) -> Mapping[str, Any]:

@@ -74,8 +74,10 @@ class ExtractionWorker:
         return self.llm
 
     def _sampling_params(self, rel_path: str) -> SamplingParams:
+        # overwrite: the manifest decides what is committed, so a re-extraction replaces its own orphan (and the
+        # connector remembers no file of a long job)
         kv = {"hidden_states_path": self.output.url_of(rel_path),
-              "include_output_tokens": self.settings.run.include_output_tokens}
+              "include_output_tokens": self.settings.run.include_output_tokens, "overwrite": True}
         return dataclasses.replace(self.settings.sampling, extra_args={"kv_transfer_params": kv})
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -286,7 +286,7 @@ def test_concurrent_reader_never_sees_a_partial_or_mixed_file(backend, connector
         for v in range(num_versions):
             ids = torch.full((num_tokens,), v, dtype=torch.int64)
             states = torch.full((num_tokens, len(LAYERS), 64), float(v))
-            save_request(connector, f"writer-{v}", ids, states, params={"hidden_states_path": url})
+            save_request(connector, f"writer-{v}", ids, states, params={"hidden_states_path": url, "overwrite": True})
             # the next version is written while readers are busy reading this one
             assert seen[v].wait(30) or bad, f"readers never saw version {v}"
         assert connector.wait_for_save() == {}
@@ -354,7 +354,7 @@ def test_local_partial_reads_during_replacement_never_mix_versions(tmp_path, con
         for v in range(200):
             ids = torch.full((num_tokens,), v, dtype=torch.int64)
             states = torch.full((num_tokens, len(LAYERS), 64), float(v))
-            save_request(connector, f"w{v}", ids, states, params={"hidden_states_path": path})
+            save_request(connector, f"w{v}", ids, states, params={"hidden_states_path": path, "overwrite": True})
         assert connector.wait_for_save() == {}
     finally:
         stop.set()

@@ -27,6 +27,12 @@ from jobs.cli import EXIT_USAGE, main
 
 
 # -- durability: no "ok" row may point at bytes that were not on disk first ---------------------------------------
+def _absolute(name, dir_fd: int | None) -> str:
+    """The absolute path a (possibly dir_fd-relative) name stands for, as the kernel resolves it."""
+    name = os.fspath(name)
+    return name if dir_fd is None else os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+
+
 class _SyscallLog:
     """Records fsync (file or directory, by path) and rename calls in order: what a crash could lose."""
 
@@ -39,10 +45,11 @@ class _SyscallLog:
             real_fsync(fd)
             self.events.append(("fsync", path))
 
-        def replace(src, dst):
-            self.on_replace(os.fspath(src), os.fspath(dst))
-            real_replace(src, dst)
-            self.events.append(("replace", os.fspath(src), os.fspath(dst)))
+        def replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+            src_path, dst_path = _absolute(src, src_dir_fd), _absolute(dst, dst_dir_fd)
+            self.on_replace(src_path, dst_path)
+            real_replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            self.events.append(("replace", src_path, dst_path))
 
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)
