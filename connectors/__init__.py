@@ -19,7 +19,8 @@ This package never imports transformers or ray. The training feed built on it is
 from connectors.base import HiddenStatesConnector, RequestInfo
 from connectors.config import KVTransferConfig, get_connector_class, register_connector, registered_connectors
 from connectors.format import HiddenStatesFileError, HiddenStatesFileInfo, HiddenStatesSpec
-from connectors.paths import PathRejected
+from connectors.paths import PathInUse, PathRejected
+from connectors.storage import UnsafeWritePathError
 from connectors.reader import (
     cleanup_hidden_states,
     load_hidden_states,
@@ -33,7 +34,9 @@ __all__ = [
     "HiddenStatesFileInfo",
     "HiddenStatesSpec",
     "KVTransferConfig",
+    "PathInUse",
     "PathRejected",
+    "UnsafeWritePathError",
     "RequestInfo",
     "cleanup_hidden_states",
     "example_hidden_states_connector",
