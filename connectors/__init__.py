@@ -20,13 +20,13 @@ from connectors.base import HiddenStatesConnector, RequestInfo
 from connectors.config import KVTransferConfig, get_connector_class, register_connector, registered_connectors
 from connectors.format import HiddenStatesFileError, HiddenStatesFileInfo, HiddenStatesSpec
 from connectors.paths import PathInUse, PathRejected
-from connectors.storage import UnsafeWritePathError
 from connectors.reader import (
     cleanup_hidden_states,
     load_hidden_states,
     read_hidden_states_info,
     verify_hidden_states,
 )
+from connectors.storage import UnsafeWritePathError
 
 __all__ = [
     "HiddenStatesConnector",
