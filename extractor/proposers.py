@@ -43,7 +43,7 @@ class Draft:
 class Proposer(ABC):
     """Drafts tokens for the active rows of one batch (see the module docstring for the call order)."""
 
-    def start(self, contexts: Sequence[list[int]]) -> None:
+    def start(self, contexts: Sequence[list[int]]) -> None:  # noqa: B027 - optional hook
         """A new batch begins; contexts[b] = row b's prompt + output so far."""
 
     @abstractmethod
@@ -52,10 +52,10 @@ class Proposer(ABC):
         """At most ks[b] tokens (ks[b] may be 0) continuing contexts[b], one Draft per row. Sampling proposers draw
         from `generators[b]` for rows with temperature > 0 and return the probabilities they drew from."""
 
-    def accepted(self, num_accepted: Sequence[int]) -> None:
+    def accepted(self, num_accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """The target kept the first num_accepted[b] tokens of row b's last draft, then one token of its own."""
 
-    def select(self, keep: Sequence[int]) -> None:
+    def select(self, keep: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """Only rows `keep` (indices into the current rows) continue."""
 
 

@@ -285,3 +285,40 @@ def test_vllm_arguments_hsx_cannot_use_are_accepted_with_one_warning(models, cap
     (out,) = llm.generate([{"prompt_token_ids": models["prompts"][1]}], SamplingParams(max_tokens=3, temperature=0))
     assert out.error is None and len(out.outputs[0].token_ids) == 3
     assert os.path.isdir(models["draft"])
+
+
+@pytest.mark.slow
+def test_sampled_speculation_follows_the_target_distribution(models, tmp_path):
+    # top_k=2 keeps the support tiny: (first, second) token pairs take 4 values; the exact law comes from plain
+    # transformers forwards. The second token is the speculative one: a draft-model token accepted with
+    # min(1, p/q) or a residual sample (test_rejection_sampling_... shows this bound fails without the residual).
+    n, temp = 2000, 1.5
+    prompt = models["prompts"][3]
+    model = models["model"]
+
+    def law(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1] / temp
+        top = torch.topk(logits, 2)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    exact = {(a, b): pa * pb for a, pa in law(prompt).items() for b, pb in law(prompt + [a]).items()}
+    from transformers import AutoModelForCausalLM
+
+    near = AutoModelForCausalLM.from_pretrained(models["target"])  # a draft close to the target, not equal: q != p
+    with torch.no_grad():
+        near.lm_head.weight.add_(0.3 * torch.randn(near.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+                                 * near.lm_head.weight.std())
+    near.save_pretrained(str(tmp_path / "near"))
+    llm = LLM(model=models["target"], speculative_config={"method": "draft_model", "model": str(tmp_path / "near"),
+                                                          "num_speculative_tokens": 2})
+    params = [SamplingParams(max_tokens=3, temperature=temp, top_k=2, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    assert set(pairs) <= set(exact)
+    freq = {pair: pairs.count(pair) / n for pair in exact}
+    tv = 0.5 * sum(abs(freq[pair] - p) for pair, p in exact.items())
+    assert tv < 0.05, (tv, freq, exact)
+    assert metric(llm, "vllm:spec_decode_num_drafts") >= n  # every request verified at least one draft token
+    accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    assert 0 < accepted < metric(llm, "vllm:spec_decode_num_draft_tokens")  # both branches ran
