@@ -32,6 +32,8 @@ _SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max",
               "draft_model": ("method", "num_speculative_tokens", "model")}
 # vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
 # otherwise the one value hsx can honour.
+_NOT_YET_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+"""vLLM speculative methods whose drafters hsx does not have yet: refused with a message saying so."""
 _SPEC_IGNORED = {"enforce_eager": None, "disable_padded_drafter_batch": None, "max_model_len": None,
                  "parallel_drafting": False, "use_heterogeneous_vocab": False}
 
@@ -156,6 +158,15 @@ def speculative_config_from_dict(spec: Mapping[str, Any] | None
     if not isinstance(spec, Mapping):
         raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
     method = spec.get("method")
+    if method is None:
+        raise ValueError(f"speculative_config {dict(spec)!r} has no 'method': vLLM infers it from the draft's config "
+                         "(e.g. mlp_speculator for an MLPSpeculator checkpoint), hsx does not; set 'method' to one of "
+                         f"{', '.join(SPECULATION_METHODS)} (or {SPECULATIVE_METHOD} for extraction)")
+    if method in _NOT_YET_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported by hsx yet (its drafter is not "
+                         f"implemented); hsx decodes speculatively with {', '.join(SPECULATION_METHODS)} "
+                         f"(e.g. a smaller causal LM with method 'draft_model') and extracts only with "
+                         f"{SPECULATIVE_METHOD}")
     if method not in SPECULATION_METHODS:
         return None, layer_ids_from_speculative_config(spec)
     known = _SPEC_KEYS[method]

@@ -280,6 +280,8 @@ class LLM:
             req.prompt_token_ids = list(self.tokenizer(req.prompt).input_ids)
         else:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data is not supported: hsx runs text-only causal LMs; pass None or drop it")
         if prompt.get("loss_mask") is not None:
             req.loss_mask = [int(x) for x in prompt["loss_mask"]]
         if prompt.get("sample_id") is not None:
