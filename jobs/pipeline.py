@@ -117,8 +117,9 @@ def prepare_job(config: JobConfig) -> JobPlan:
     attempt = new_attempt_id()
     lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
     try:
-        spec = build_run_spec(config, facts, files, template, template_source, present=read_run_spec(output))
-        new_run = ensure_run_spec(output, spec)
+        present = read_run_spec(output)
+        spec = build_run_spec(config, facts, files, template, template_source, present=present)
+        new_run = ensure_run_spec(output, spec, present)
         done = set() if new_run else committed_ids(output)
         plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease)
         plan.nothing_left = _nothing_left(plan)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import time
+from types import EllipsisType
 
 from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, manifest_parts, read_run_spec, write_run_spec
 from jobs.config import JobConfig
@@ -72,13 +73,16 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         versions=_versions(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def ensure_run_spec(run: RunDir, spec: RunSpec) -> bool:
+def ensure_run_spec(run: RunDir, spec: RunSpec, present: RunSpec | None | EllipsisType = ...) -> bool:
     """Write run.json for a new run (returns True), or check that a present one matches (returns False).
+
+    `present`: the run.json the caller already read (None: there is none); left out, it is read here.
 
     An output with manifest parts but no run.json (deleted, or lost in a copy) is refused: starting a "new" run there
     would extract every committed sample again beside the old rows.
     """
-    present = read_run_spec(run)
+    if present is ...:
+        present = read_run_spec(run)
     if present is None:
         if manifest_parts(run):
             raise RunMismatch(f"{run.url} has a manifest ({len(manifest_parts(run))} parts) but no {RUN_JSON}: it "

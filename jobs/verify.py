@@ -262,7 +262,7 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
             _fail(report, row, f"recompute: layers {bad} differ from a transformers forward by up to "
                                f"{max(diffs[b] for b in bad):.2e} (tolerance {report.tolerance:.0e})", "recompute")
         if norm is not None and spec.layer_ids[-1] == n:
-            entry.update(_check_generated(states[:, -1], ids, _prompt_tokens(run, row), norm, lm_head, greedy,
+            entry.update(_check_generated(states[:, -1], ids, row.get("num_prompt_tokens") or _prompt_tokens(run, row), norm, lm_head, greedy,
                                           config.device))
             if entry["token_mismatches"]:
                 _fail(report, row, f"generated: {entry['token_mismatches']} of {entry['tokens_checked']} generated "
@@ -271,6 +271,7 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
 
 
 def _prompt_tokens(run: RunDir, row: dict) -> int:
+    """For manifests that leave num_prompt_tokens out (hsx's rows record it): the file's own metadata."""
     from connectors.reader import read_hidden_states_info
 
     info = read_hidden_states_info(run.url_of(row["path"]), storage_options=run.storage_options)

@@ -56,6 +56,7 @@ from connectors.format import (
     read_header,
     tensor_from_bytes,
 )
+from connectors.reader import read_hidden_states_info
 from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec
 from training.norm import FinalNorm
 
@@ -81,7 +82,7 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
     if spec is not None:
         return spec
     first = run.path(rows["path"][0].as_py())
-    header = _read_header(run.fs, first)
+    header = read_hidden_states_info(storage.full_url(run.fs, first), storage_options=run.storage_options)
     file_spec = HiddenStatesSpec.from_metadata(header.metadata, hidden_size=header.hidden_size,
                                                dtype=str(header.dtype).removeprefix("torch."))
     if file_spec is None:
@@ -92,12 +93,6 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
 
 
 # -- reading one file -------------------------------------------------------------------------------------------
-
-
-def _read_header(fs, path: str) -> HiddenStatesFileInfo:
-    url = storage.full_url(fs, path)
-    with storage.read_ranges(fs, path) as (size, read):
-        return read_header(url, size, lambda start, end: read([start], [end])[0])[0]
 
 
 def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True) -> tuple[HiddenStatesFileInfo, dict]:
