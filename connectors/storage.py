@@ -236,21 +236,8 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, ro
     """
     parent = posixpath.dirname(path)
     if is_local(fs):
-        with local_parent(path, root) as (dir_fd, name):
-            tmp = f".{name}.tmp-{uuid.uuid4().hex}"
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
-                             dir_fd=dir_fd)
-                with os.fdopen(fd, "wb") as f:
-                    _write_content(f, content)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    size = f.tell()
-                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-            os.fsync(dir_fd)
+        size = _write_local(path, content, root)
+        assert size is not None  # only an exclusive create can find the name taken
         return size
     if isinstance(content, (bytes, bytearray)):
         data = bytes(content)
@@ -284,23 +271,7 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
     If-None-Match, which S3 enforces); other filesystems get fsspec's own exists check, which two writers can race.
     """
     if is_local(fs):
-        parent = posixpath.dirname(path) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-        fsync_dir(parent)
-        return True
+        return _write_local(path, data, None, exclusive=True) is not None
     parent = posixpath.dirname(path)
     if parent and not _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
         fs.makedirs(parent, exist_ok=True)
@@ -312,6 +283,35 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
     return True
 
 
+def _write_local(path: str, content: Content, root: str | None, *, exclusive: bool = False) -> int | None:
+    """The local half of put_atomic and create_exclusive: a temp file in `path`'s folder (reached through
+    `local_parent`), written, flushed and fsynced, then renamed over `path` — or, `exclusive`, hard-linked to it,
+    which fails if `path` exists (then None) — and the folder fsynced. The temp file is removed whatever happens.
+    Returns the bytes written."""
+    with local_parent(path, root) as (dir_fd, name):
+        tmp = f".{name}.tmp-{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                         dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                _write_content(f, content)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            if exclusive:
+                try:
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                except FileExistsError:
+                    return None
+            else:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        os.fsync(dir_fd)
+    return size
+
+
 def _write_content(f: BinaryIO, content: Content) -> None:
     if isinstance(content, (bytes, bytearray, memoryview)):
         f.write(content)
@@ -320,15 +320,6 @@ def _write_content(f: BinaryIO, content: Content) -> None:
     else:
         for chunk in content:  # straight from the tensors' memory: as fast as a raw write
             f.write(chunk)
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename (or create) inside local directory `path` durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class UnsafeWritePathError(PermissionError):
