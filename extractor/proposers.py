@@ -4,9 +4,18 @@ A proposer serves one batch of requests at a time, its rows in the engine's row 
 calls, per batch:
 
     start(contexts)                       - a new batch; contexts[b] = prompt + output so far         (default: nothing)
+    join(contexts)                        - rows appended after the current ones (continuous batching) (default: nothing)
+    observe(states)                       - target states of the tokens verified since the last call   (default: nothing)
     propose(contexts, ks, params, gens)   - up to ks[b] tokens per row, optionally with their probabilities  (abstract)
     accepted(num_accepted)                - feedback: how many of each row's last draft the target kept (default: nothing)
     select(keep)                          - the rows that continue, the others finished               (default: nothing)
+
+Order per step: propose -> accepted -> observe -> select. After start / join the engine calls observe with the rows'
+prompt states, then propose. Only a proposer with `capture_layer_ids` gets observe calls; the engine captures those
+target layers (vLLM ids, extractor/layers.py: N = the last decoder layer, pre-norm) in the prefill and in every
+verification forward. Invariant: once observe returns, the proposer has been handed the states of exactly
+contexts[b][:-1] for every row, i.e. every token but the newest, whose state the target has not computed yet
+(the target computes it when it verifies the next draft).
 
     NgramProposer        prompt lookup: the continuation of the longest suffix n-gram seen earlier in the context
     DraftModelProposer   a smaller HF causal LM with the target's vocabulary, its own KV cache rolled back on rejection
@@ -51,6 +60,18 @@ class Proposer(ABC):
                 generators: Sequence[torch.Generator | None]) -> list[Draft]:
         """At most ks[b] tokens (ks[b] may be 0) continuing contexts[b], one Draft per row. Sampling proposers draw
         from `generators[b]` for rows with temperature > 0 and return the probabilities they drew from."""
+
+    capture_layer_ids: tuple[int, ...] = ()
+    """Target layer ids whose states this proposer reads (EAGLE-3: its aux layers; Medusa, MLPSpeculator: the last
+    layer N, pre-norm, to which they apply the target's final norm). Empty = no observe calls, nothing captured."""
+
+    def join(self, contexts: Sequence[list[int]]) -> None:  # noqa: B027 - optional hook
+        """Rows appended after the current ones (continuous batching); contexts as in start()."""
+
+    def observe(self, states: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """states[b]: [n_b, len(capture_layer_ids), H] (engine device and dtype) the target's states of row b's
+        tokens verified since the last call, in order (n_b may be 0): after start/join the whole prompt; after a
+        verification the previously newest token and the accepted drafts (1 + num_accepted[b] tokens)."""
 
     def accepted(self, num_accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """The target kept the first num_accepted[b] tokens of row b's last draft, then one token of its own."""

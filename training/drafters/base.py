@@ -1,0 +1,201 @@
+"""What every drafter family shares: the teacher, the batch a training step gets, and the interface.
+
+    TargetHead.from_model_dir(dir)   the target's frozen final norm + lm_head: teacher logits from the stored last
+                                     layer (pre-norm, vLLM id N), exactly what the target's own forward computes
+    DrafterBatch.from_packed(batch, layer_ids)   a PackCollator batch of a raw-layout HiddenStatesDataset
+    StepResult                       one training step's loss and per-position top-1 agreement counts
+    Drafter                          the interface of eagle3.py, medusa.py, mlp_speculator.py (nn.Module subclasses)
+
+Alignment (the same in every family): position t of a row holds token x_t and the target's states *of* x_t
+(hidden_states[:, t] = what the target computed after reading x_0..x_t); the target predicted x_{t+1} from them.
+A drafter at position t predicts the tokens after x_{t+1}: draft position j (0-based) of the k it proposes is
+x_{t+2+j} for Medusa / MLPSpeculator, whose input is the state of x_t plus (MLPSpeculator) the token x_{t+1};
+EAGLE-3 reads the aux states of x_t with the embedding of x_{t+1} and predicts x_{t+2}, then unrolls on its own
+outputs. Training targets are the target's distributions (soft labels: TargetHead on the stored last layer at the
+position that predicts the token), or the corpus tokens themselves where a family trains on hard labels; a packed
+row never pairs tokens across a document boundary (document_ids), and only positions whose predicted token has
+loss_mask 1 count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from training.norm import FinalNorm
+
+
+def _weight_map(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a local checkpoint (single file or index + shards)."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            return json.load(f)["weight_map"]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; drafters read "
+                            "the target's weights from a local safetensors checkpoint (hsx never downloads models)")
+
+
+def read_target_tensor(model_dir: str, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of `names` present in the target checkpoint at `model_dir` (e.g. lm_head or embedding weights)."""
+    from safetensors import safe_open
+
+    weight_map = _weight_map(model_dir)
+    key = next((k for k in names if k in weight_map), None)
+    if key is None:
+        raise ValueError(f"the target checkpoint {model_dir!r} holds none of {list(names)}")
+    with safe_open(os.path.join(model_dir, weight_map[key]), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+LM_HEAD_KEYS = ("lm_head.weight",)
+EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight",
+              "model.language_model.embed_tokens.weight")
+
+
+@dataclass
+class TargetHead:
+    """The target's final norm and lm_head, frozen: logits(last_layer_pre_norm) = the target's own logits."""
+
+    norm: FinalNorm
+    lm_head: torch.Tensor  # [V, H]
+    embed_tokens: torch.Tensor  # [V, H] the target's input embeddings (EAGLE-3 shares them)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> TargetHead:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        embed = read_target_tensor(model_dir, EMBED_KEYS)
+        if getattr(config, "tie_word_embeddings", False):
+            head = embed
+        else:
+            head = read_target_tensor(model_dir, LM_HEAD_KEYS)
+        return cls(FinalNorm.from_model_dir(model_dir), head, embed)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm_head.shape[1])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> TargetHead:
+        norm = self.norm.to(dtype)
+        norm.module.to(device)
+        return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype))
+
+    def post_norm(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., H]: the state lm_head reads (call .to() first to match device and dtype)."""
+        return self.norm(last_pre_norm)
+
+    def logits(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] the target's logits (no grad)."""
+        with torch.no_grad():
+            x = self.post_norm(last_pre_norm)
+            return x @ self.lm_head.to(x.device, x.dtype).T
+
+
+@dataclass
+class DrafterBatch:
+    """One packed training batch (R rows of S tokens; several samples back to back per row)."""
+
+    input_ids: torch.Tensor  # [R, S] int64
+    hidden_states: torch.Tensor  # [R, S, L, H] the run's stored layers, in layer_ids order
+    loss_mask: torch.Tensor  # [R, S] bool: x_t is a trained token
+    position_ids: torch.Tensor  # [R, S] int64, restarting at 0 at each sample
+    document_ids: torch.Tensor  # [R, S] int64, -1 on padding
+    layer_ids: tuple[int, ...]  # vLLM ids of hidden_states' L axis
+
+    @classmethod
+    def from_packed(cls, batch: Mapping[str, Any], layer_ids: tuple[int, ...]) -> DrafterBatch:
+        """From training.collate.PackCollator over a HiddenStatesDataset with layout "raw"."""
+        if "hidden_states" not in batch:
+            raise ValueError(f"the batch has no hidden_states (keys {sorted(batch)}); open the dataset with layout "
+                             "'raw' for drafter training")
+        return cls(batch["input_ids"], batch["hidden_states"], batch["loss_mask"].bool(), batch["position_ids"],
+                   batch["document_ids"], tuple(layer_ids))
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
+        hs = self.hidden_states.to(device, dtype) if dtype is not None else self.hidden_states.to(device)
+        return DrafterBatch(self.input_ids.to(device), hs, self.loss_mask.to(device), self.position_ids.to(device),
+                            self.document_ids.to(device), self.layer_ids)
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        """[R, S, H] the states of one stored layer id."""
+        if layer_id not in self.layer_ids:
+            raise ValueError(f"the run has layers {list(self.layer_ids)}, not {layer_id}")
+        return self.hidden_states[:, :, self.layer_ids.index(layer_id)]
+
+    def same_document(self, shift: int) -> torch.Tensor:
+        """[R, S] bool: position t and t + shift exist and belong to the same sample (False past the row's end)."""
+        r, s = self.document_ids.shape
+        out = torch.zeros((r, s), dtype=torch.bool, device=self.document_ids.device)
+        if shift < s:
+            a, b = self.document_ids[:, :s - shift], self.document_ids[:, shift:]
+            out[:, :s - shift] = (a == b) & (a >= 0)
+        return out
+
+    def shifted(self, x: torch.Tensor, shift: int, fill: int | float | bool = 0) -> torch.Tensor:
+        """x [R, S, ...] moved left by `shift`: out[:, t] = x[:, t + shift] (fill past the end)."""
+        out = torch.full_like(x, fill)
+        if shift < x.shape[1]:
+            out[:, :x.shape[1] - shift] = x[:, shift:]
+        return out
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # scalar, differentiable
+    correct: torch.Tensor  # [k] positions where draft j's top-1 equals the target's token (greedy)
+    counted: torch.Tensor  # [k] positions trained at draft j
+
+    def accuracy(self) -> list[float]:
+        return [float(c) / max(1.0, float(n)) for c, n in zip(self.correct, self.counted)]
+
+    def simulated_acceptance_length(self) -> float:
+        """1 + a0 + a0·a1 + ... (SpecForge's proxy with vLLM's +1 bonus token): per-position teacher-forced
+        accuracies as the chance each further draft survives."""
+        total, chain = 1.0, 1.0
+        for a in self.accuracy():
+            chain *= a
+            total += chain
+        return total
+
+
+class Drafter(nn.Module, ABC):
+    """A trainable draft head. Subclasses set `kind` and implement the three methods; configs are dataclasses."""
+
+    kind: ClassVar[str]
+    """"eagle3" | "medusa" | "mlp_speculator": the speculative_config method that decodes with it."""
+
+    @classmethod
+    @abstractmethod
+    def required_layer_ids(cls, num_hidden_layers: int, config: Any) -> tuple[int, ...]:
+        """vLLM layer ids the run must hold for this family (checked before training)."""
+
+    @abstractmethod
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        """Loss over loss-masked positions of `batch`, and per-draft-position agreement with the target."""
+
+    @abstractmethod
+    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
+        """config.json + model.safetensors in the layout serving engines load (verifier = the target's path)."""
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, model_dir: str) -> Drafter:
+        """Reload what save_pretrained wrote."""
