@@ -177,7 +177,11 @@ class StepResult:
 
 
 class Drafter(nn.Module, ABC):
-    """A trainable draft head. Subclasses set `kind` and implement the three methods; configs are dataclasses."""
+    """A trainable draft head. Subclasses set `kind` and implement the abstract methods; configs are dataclasses.
+
+    Called by the trainer (train.py): for_run (construct) -> prepare (optional, once) -> training_step (each batch)
+    -> save_pretrained (serving layout); by proposers and tests: from_pretrained.
+    """
 
     kind: ClassVar[str]
     """"eagle3" | "medusa" | "mlp_speculator": the speculative_config method that decodes with it."""
@@ -186,6 +190,23 @@ class Drafter(nn.Module, ABC):
     @abstractmethod
     def required_layer_ids(cls, num_hidden_layers: int, config: Any) -> tuple[int, ...]:
         """vLLM layer ids the run must hold for this family (checked before training)."""
+
+    @classmethod
+    @abstractmethod
+    def for_run(cls, run_spec: Any, target: TargetHead, num_speculative_tokens: int, **family_options: Any) -> Drafter:
+        """A fresh drafter for training on a run: the one constructor the trainer (train.py) calls for every family.
+
+        run_spec: connectors.run.RunSpec of the run (its layer_ids, hidden size, the target's model name); target:
+        the target's frozen head (vocab size, hidden size, embeddings to copy); num_speculative_tokens: k, the drafts
+        per step at decoding (Medusa heads / MLPSpeculator stages; EAGLE-3 keeps it as its default k and unrolls
+        its own number of test-time-training steps); family_options: the fields of the family's config dataclass
+        (e.g. medusa_num_layers=1), unknown names raise TypeError. The trainer has already checked that the run
+        holds required_layer_ids."""
+
+    def prepare(self, dataset: Any) -> None:
+        """Optional hook, called once by the trainer before the first step with the training dataset
+        (a training.HiddenStatesDataset, raw layout): e.g. EAGLE-3 builds its draft vocabulary from the run's
+        loss-masked tokens. Default: nothing. Not called when training resumes from a checkpoint."""
 
     @abstractmethod
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
