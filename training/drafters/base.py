@@ -72,6 +72,9 @@ class TargetHead:
     norm: FinalNorm
     lm_head: torch.Tensor  # [V, H]
     embed_tokens: torch.Tensor  # [V, H] the target's input embeddings (EAGLE-3 shares them)
+    model_dir: str = ""
+    """The target's local folder (from_model_dir sets it): families that size their layers from the target's
+    config (EAGLE-3's decoder layer) read it from here."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> TargetHead:
@@ -83,7 +86,7 @@ class TargetHead:
             head = embed
         else:
             head = read_target_tensor(model_dir, LM_HEAD_KEYS)
-        return cls(FinalNorm.from_model_dir(model_dir), head, embed)
+        return cls(FinalNorm.from_model_dir(model_dir), head, embed, model_dir)
 
     @property
     def vocab_size(self) -> int:
@@ -96,7 +99,7 @@ class TargetHead:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> TargetHead:
         norm = self.norm.to(dtype)
         norm.module.to(device)
-        return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype))
+        return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype), self.model_dir)
 
     def post_norm(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., H]: the state lm_head reads (call .to() first to match device and dtype)."""
