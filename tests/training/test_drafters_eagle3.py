@@ -49,3 +49,115 @@ def test_inconsistent_maps_are_refused():
     t2d[0] = True
     with pytest.raises(ValueError, match="disagree"):
         DraftVocab.from_maps(vocab.d2t, t2d)
+
+
+# -- the model and its training step --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eagle3_setup(oracle_run, tiny_llama):
+    """(dataset, target head, a fresh drafter with a 48-token draft vocabulary built from the run)."""
+    from training import HiddenStatesDataset
+    from training.drafters.base import TargetHead
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    output, _, _ = oracle_run
+    ds = HiddenStatesDataset(output)
+    target = TargetHead.from_model_dir(tiny_llama)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.for_run(ds.run_info, target, 3, draft_vocab_size=48)
+    drafter.prepare(ds)
+    return ds, target, drafter
+
+
+def _batch(ds, indices, max_tokens=128):
+    from training import PackCollator
+    from training.drafters.base import DrafterBatch
+
+    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
+
+
+def _fresh(setup, **options):
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    ds, target, drafter = setup
+    torch.manual_seed(0)
+    fresh = Eagle3Drafter.for_run(ds.run_info, target, 3, draft_vocab_size=48, **options)
+    fresh.set_vocab(DraftVocab.from_maps(drafter.d2t, drafter.t2d))
+    return fresh
+
+
+def test_draft_vocab_of_the_drafter_is_the_runs_most_frequent_trained_tokens(eagle3_setup):
+    ds, _, drafter = eagle3_setup
+    hand = Counter()
+    for s in (ds[i] for i in range(len(ds))):
+        hand.update(t for t, m in zip(s["input_ids"].tolist(), s["loss_mask"].tolist()) if m)
+    ranked = sorted(range(512), key=lambda t: (-hand[t], t))[:48]
+    assert drafter.draft_ids.tolist() == sorted(ranked)
+    assert drafter.lm_head.weight.shape == (48, 64) and drafter.fc.weight.shape == (64, 2 * 64)
+    assert drafter.layers[0].self_attn.q_proj.weight.shape[1] == 2 * 64
+    assert drafter.aux_layer_ids == (1, 2)
+
+
+def test_step_zero_loss_is_cross_entropy_against_the_targets_own_next_token_distribution(eagle3_setup, oracle_model):
+    """Oracle: the teacher from a plain transformers forward of the target (its logits at t+1 for x_{t+2}), the
+    student's logits from the drafter's own layers on one unpacked sample with a plain causal mask."""
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+
+    ds, target, _ = eagle3_setup
+    drafter = _fresh(eagle3_setup, ttt_steps=1)
+    model, _ = oracle_model
+    item = ds[1]
+    ids, mask, states = item["input_ids"], item["loss_mask"].bool(), item["hidden_states"]  # [T], [T], [T, L, H]
+    t = ids.shape[0]
+    with torch.no_grad():
+        result = drafter.training_step(_batch(ds, [1]), target)
+        teacher = F.softmax(model(ids[None]).logits[0][:, drafter.draft_ids], -1)  # [T, D]
+        fused = drafter.fc(states[:-1, :2].flatten(-2))[None]  # chains 0..T-2: aux of x_t
+        causal = torch.ones(t - 1, t - 1, dtype=torch.bool).tril()[None, None]
+        out = drafter.decode(ids[1:][None], fused, torch.arange(t - 1)[None], causal, DynamicCache())
+        logp = F.log_softmax(drafter.logits(out)[0], -1)  # [T-1, D]: chain c predicts x_{c+2}
+    chains = [c for c in range(t - 2) if mask[c + 2]]
+    expected = torch.stack([-(teacher[c + 1] * logp[c]).sum() for c in chains]).mean()
+    torch.testing.assert_close(result.loss, expected, rtol=1e-4, atol=1e-4)
+    assert result.counted.tolist() == [len(chains)]
+    greedy = model(ids[None]).logits[0].argmax(-1)
+    hits = sum(int(drafter.draft_ids[logp[c].argmax()] == greedy[c + 1]) for c in chains)
+    assert result.correct.tolist() == [hits]
+
+
+def test_packed_rows_never_pair_across_documents(eagle3_setup):
+    """Every step's loss sum over a packed row equals the sum over the samples trained alone."""
+    ds, target, _ = eagle3_setup
+    drafter = _fresh(eagle3_setup, ttt_steps=3, step_loss_decay=0.5)
+    with torch.no_grad():
+        packed = drafter.training_step(_batch(ds, [0, 1, 2], max_tokens=256), target)
+        alone = [drafter.training_step(_batch(ds, [i]), target) for i in (0, 1, 2)]
+    assert packed.counted.tolist() == [sum(int(r.counted[s]) for r in alone) for s in range(3)]
+    assert packed.correct.tolist() == [sum(int(r.correct[s]) for r in alone) for s in range(3)]
+    # the loss is a per-step mean: compare decay-weighted sums of per-step means back to sums via a one-step model
+    one = _fresh(eagle3_setup, ttt_steps=1)
+    with torch.no_grad():
+        packed1 = one.training_step(_batch(ds, [0, 1, 2], max_tokens=256), target)
+        alone1 = [one.training_step(_batch(ds, [i]), target) for i in (0, 1, 2)]
+    total = sum(float(r.loss) * int(r.counted[0]) for r in alone1)
+    assert float(packed1.loss) * int(packed1.counted[0]) == pytest.approx(total, rel=1e-4)
+
+
+def test_eagle3_overfits_a_tiny_run(eagle3_setup):
+    ds, target, _ = eagle3_setup
+    drafter = _fresh(eagle3_setup)
+    batch = _batch(ds, [0, 1, 2, 3], max_tokens=256)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(12):
+        result = drafter.training_step(batch, target)
+        opt.zero_grad()
+        result.loss.backward()
+        opt.step()
+        losses.append(result.loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert drafter.embed_tokens.weight.grad is None  # the target's embeddings stay frozen
+    assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens)
+    assert len(result.accuracy()) == 3 and result.simulated_acceptance_length() >= 1.0

@@ -1,0 +1,402 @@
+"""EAGLE-3: a one-layer draft decoder over the target's fused aux-layer states, trained with test-time training.
+
+    Eagle3Config                 the family's options (draft depth, draft vocabulary, unroll steps, ...)
+    Eagle3Drafter                the model (Drafter kind "eagle3"):
+        embed_tokens  [V, H]          the target's input embeddings, frozen
+        fc            [H, A*H]        fuses the A aux layers' states of x_t (the run's layers but N), no bias
+        layers[0]     Eagle3FirstLayer: attention over [norm(embed x_{t+1}) ; hidden_norm(fused)] (2H wide, RoPE),
+                                      residual on the fused state, MLP; transformers' Llama modules
+        layers[1:]    plain LlamaDecoderLayer (num_layers > 1)
+        norm, lm_head [D, H]          final RMSNorm and the draft-vocabulary head; d2t [D] / t2d [V] map it to the
+                                      target's ids (training/drafters/vocab.py)
+    Eagle3Drafter.training_step  the multi-step unroll (below), soft-label cross-entropy against the target
+    save_pretrained / from_pretrained   the speculators checkpoint vLLM's eagle3 method serves
+    Eagle3Proposer               drafting with a trained head in hsx's engine (extractor.proposers interface)
+
+Test-time training (EAGLE-3 paper, sec. 3): chain t starts from the target's states. Step 0 reads
+(fc(aux of x_t), embed x_{t+1}) at position t and predicts x_{t+2}; step s >= 1 reads the drafter's own previous
+output of the same chain in place of the fused state, with embed x_{t+1+s}, at position t+s, and predicts
+x_{t+2+s}. Its attention sees what decoding would have in the cache: step 0's keys of positions <= t of the same
+document, and the chain's own keys of steps 1..s (a diagonal per earlier step). Targets: the target's distribution
+at position t+1+s (TargetHead on the stored last layer N), restricted to the draft vocabulary and renormalised;
+only chains whose predicted token has loss_mask 1 and lies in chain t's document count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
+from training.drafters.vocab import DraftVocab, build_draft_vocab
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_MODEL_TYPE = "eagle3"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """EAGLE-3's options (`hsx train-drafter --kind eagle3` passes the matching flags)."""
+
+    num_layers: int = 1
+    """Draft decoder layers (the paper and speculators use 1); the first takes the 2H-wide input."""
+    draft_vocab_size: int = 32000
+    """Tokens the draft head predicts: the run's most frequent trained tokens (capped at the target's vocabulary;
+    as large as it = the whole vocabulary, no d2t/t2d)."""
+    ttt_steps: int = 3
+    """Test-time-training unroll: each chain is trained on this many consecutive drafts of its own."""
+    step_loss_decay: float = 1.0
+    """Weight of step s's loss is decay**s (1.0: all steps alike)."""
+    norm_before_residual: bool = False
+    """Residual of the first layer from the normed fused state (True) or the raw one (False), as speculators."""
+    aux_layer_ids: tuple[int, ...] | None = None
+    """vLLM ids of the fused layers; None = every stored layer of the run but N, in stored order."""
+    intermediate_size: int | None = None
+    """MLP width of the draft layer; None = the target's."""
+    init_lm_head_from_target: bool = True
+    """Start lm_head as the target's lm_head rows of the draft vocabulary."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1 (1 = no unroll), got {self.ttt_steps}")
+        if not self.step_loss_decay > 0:
+            raise ValueError(f"step_loss_decay must be > 0, got {self.step_loss_decay}")
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+            if not self.aux_layer_ids:
+                raise ValueError("aux_layer_ids is empty; give the fused layers (e.g. 2,16,29) or None for the "
+                                 "run's layers but N")
+
+
+def _llama_config_for(target_dir: str, hidden_size: int, vocab_size: int, config: Eagle3Config):
+    """The draft decoder's LlamaConfig, sized like the target's layers (heads, head_dim, eps, RoPE)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    hf = AutoConfig.from_pretrained(target_dir).get_text_config()
+    heads = int(hf.num_attention_heads)
+    kw: dict[str, Any] = dict(
+        hidden_size=hidden_size, num_attention_heads=heads,
+        num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(hf, "head_dim", None) or hidden_size // heads),
+        intermediate_size=int(config.intermediate_size or getattr(hf, "intermediate_size", None) or 4 * hidden_size),
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_epsilon", None) or 1e-6),
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 4096),
+        vocab_size=vocab_size, num_hidden_layers=config.num_layers, hidden_act="silu", attention_bias=False,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=getattr(hf, "eos_token_id", None),
+        pad_token_id=getattr(hf, "pad_token_id", None))
+    rope = getattr(hf, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope["rope_theta"])}
+    return LlamaConfig(**kw)
+
+
+def _attention_ready(layer_config):
+    layer_config._attn_implementation = "sdpa"
+    return layer_config
+
+
+class Eagle3FirstLayer(nn.Module):
+    """The first draft layer: transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm, q/k/v widened to 2H.
+
+    Names as speculators': input_layernorm (embeddings), hidden_norm (fused state), self_attn, post_attention_layernorm,
+    mlp."""
+
+    def __init__(self, layer_config, norm_before_residual: bool) -> None:
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+        super().__init__()
+        h, eps = layer_config.hidden_size, layer_config.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.self_attn = LlamaAttention(layer_config, layer_idx=0)
+        attn = self.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # the input is [embedding ; fused state]: 2H wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.mlp = LlamaMLP(layer_config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings, attention_mask, cache):
+        # embeds, hidden [R, S, H] -> [R, S, H]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [R, S, 2H]
+        x, _ = self.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              cache=cache)
+        x = residual + x
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Drafter(Drafter):
+    """The EAGLE-3 draft model (see the module docstring for its parts and training)."""
+
+    kind = "eagle3"
+
+    def __init__(self, config: Eagle3Config, layer_config, aux_layer_ids: Sequence[int], target_hidden_size: int,
+                 num_speculative_tokens: int = 3, verifier: str = "", verifier_architectures: Sequence[str] = ()
+                 ) -> None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.config = config
+        self.layer_config = _attention_ready(layer_config)
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        self.target_hidden_size = int(target_hidden_size)
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.verifier, self.verifier_architectures = verifier, list(verifier_architectures)
+        h, vocab = layer_config.hidden_size, layer_config.vocab_size
+        draft_vocab = min(config.draft_vocab_size, vocab)
+        self.embed_tokens = nn.Embedding(vocab, h)  # [V, H] the target's, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(self.aux_layer_ids) * self.target_hidden_size, h, bias=False)  # [H, A*H]
+        self.layers = nn.ModuleList([Eagle3FirstLayer(layer_config, config.norm_before_residual)]
+                                    + [LlamaDecoderLayer(layer_config, i) for i in range(1, config.num_layers)])
+        self.norm = LlamaRMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)  # [D, H]
+        self.rotary_emb = LlamaRotaryEmbedding(layer_config)  # no weights (inv_freq is not persistent)
+        vocab_map = DraftVocab(torch.arange(draft_vocab, dtype=torch.int64), vocab)  # placeholder until prepare()
+        self.register_buffer("d2t", vocab_map.d2t)  # [D] int64
+        self.register_buffer("t2d", vocab_map.t2d)  # [V] bool
+        self._target_lm_head: torch.Tensor | None = None  # for prepare(): lm_head starts as the target's rows
+
+    # -- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def required_layer_ids(cls, num_hidden_layers: int, config: Eagle3Config | None = None) -> tuple[int, ...]:
+        """N plus the configured aux layers (with aux_layer_ids None, every other stored layer is fused; for_run
+        refuses a run that stores no layer but N)."""
+        aux = config.aux_layer_ids if config is not None and config.aux_layer_ids else ()
+        return tuple(dict.fromkeys((*aux, num_hidden_layers)))
+
+    @classmethod
+    def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
+                ) -> Eagle3Drafter:
+        config = Eagle3Config(**family_options)
+        n = int(run_spec.num_hidden_layers)
+        stored = tuple(run_spec.layer_ids)
+        aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
+        suggestion = ",".join(str(i) for i in dict.fromkeys((2, n // 2, n - 3, n)) if 0 <= i <= n)
+        if not aux:
+            raise ValueError(f"EAGLE-3 fuses the states of aux layers, but the run stores only layers {list(stored)}; "
+                             f"re-extract with aux layers, e.g. --layers {suggestion}")
+        missing = [i for i in (*aux, n) if i not in stored]
+        if missing:
+            raise ValueError(f"EAGLE-3 needs layers {list(dict.fromkeys((*aux, n)))} but the run stores "
+                             f"{list(stored)} (missing {missing}); re-extract with --layers {suggestion} or pass "
+                             "aux_layer_ids the run holds")
+        if not target.model_dir:
+            raise ValueError("EAGLE-3 sizes its layer from the target's config: build the TargetHead with "
+                             "TargetHead.from_model_dir(target_folder)")
+        layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
+        from transformers import AutoConfig
+
+        archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
+        model = cls(config, layer_config, aux, target.hidden_size, num_speculative_tokens,
+                    verifier=os.path.abspath(target.model_dir), verifier_architectures=archs)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target.embed_tokens.to(torch.float32))
+        if config.init_lm_head_from_target:
+            model._target_lm_head = target.lm_head
+            model._init_lm_head()
+        return model
+
+    def prepare(self, dataset: Any) -> None:
+        """The draft vocabulary from the run's loss-masked tokens (one pass over the dataset)."""
+        if self.lm_head.out_features >= self.layer_config.vocab_size:
+            return  # the whole vocabulary: nothing to choose
+        vocab = build_draft_vocab(dataset, self.layer_config.vocab_size, self.lm_head.out_features)
+        self.set_vocab(vocab)
+        self._init_lm_head()
+
+    def set_vocab(self, vocab: DraftVocab) -> None:
+        if vocab.size != self.lm_head.out_features or vocab.target_vocab_size != self.layer_config.vocab_size:
+            raise ValueError(f"a draft vocabulary of {vocab.size} over {vocab.target_vocab_size} tokens does not fit "
+                             f"this head ({self.lm_head.out_features} over {self.layer_config.vocab_size})")
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def _init_lm_head(self) -> None:
+        if self._target_lm_head is None:
+            return
+        with torch.no_grad():
+            rows = self._target_lm_head[self.draft_ids.cpu()]  # [D, H]
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight.device, self.lm_head.weight.dtype))
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[D] int64 the target id of each draft-vocabulary entry."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., A, H_target] (the aux layers of x_t, in aux_layer_ids order) -> [..., H]."""
+        return self.fc(aux.flatten(-2))
+
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """One pass of the draft layers: input_ids [R, S] (x_{t+1}), hidden [R, S, H] (fused or own) ->
+        [R, S, H] the pre-norm output (fed back as the next step's hidden). attention_mask [R, 1, S, K] bool over
+        the cache's keys after this call's are appended (K); cache: a transformers Cache (keys per layer)."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [R, S, H]
+        rope = self.rotary_emb(hidden, position_ids)  # cos, sin [R, S, head_dim]
+        x = self.layers[0](embeds, hidden, rope, attention_mask, cache)
+        for layer in self.layers[1:]:
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                      position_embeddings=rope)
+        return x
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm output -> [..., D] draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden_out))
+
+    # -- training -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def ttt_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
+        """[R, 1, S, S*(step+1)] bool: step `step`'s queries over the keys of steps 0..step, concatenated. Step 0's
+        keys: causal within the document; each later step's: the chain's own key only (the diagonal)."""
+        r, s = document_ids.shape
+        ar = torch.arange(s, device=document_ids.device)
+        eye = (ar[:, None] == ar[None, :]).expand(r, s, s)  # [R, S, S]
+        causal = (ar[:, None] >= ar[None, :])[None] & (document_ids[:, :, None] == document_ids[:, None, :])
+        return torch.cat([causal | eye] + [eye] * step, dim=-1)[:, None]
+
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        from transformers import DynamicCache
+
+        dtype = self.fc.weight.dtype
+        n = max(batch.layer_ids)
+        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2).to(dtype)  # [R, S, A, H]
+        with torch.no_grad():
+            t_logits = target.logits(batch.layer(n)).float()  # [R, S, V]: position t predicts x_{t+1}
+            greedy = t_logits.argmax(-1)  # [R, S] the target's token
+            teacher = F.softmax(t_logits[..., self.draft_ids], dim=-1)  # [R, S, D] on the draft vocabulary
+        del t_logits
+        hidden = self.fuse(aux)  # [R, S, H]
+        cache = DynamicCache()
+        steps = self.config.ttt_steps
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(steps, dtype=torch.long)
+        counted = torch.zeros(steps, dtype=torch.long)
+        for s in range(steps):
+            ids = batch.shifted(batch.input_ids, 1 + s)  # [R, S] x_{t+1+s}
+            hidden = self.decode(ids, hidden, batch.position_ids + s, self.ttt_mask(batch.document_ids, s), cache)
+            logp = F.log_softmax(self.logits(hidden).float(), dim=-1)  # [R, S, D] predicts x_{t+2+s}
+            valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # [R, S]
+            p = batch.shifted(teacher, 1 + s)  # [R, S, D] the target's distribution of x_{t+2+s}
+            ce = -(p * logp).sum(-1)  # [R, S]
+            num = int(valid.sum())
+            loss = loss + self.config.step_loss_decay ** s * ce[valid].sum() / max(1, num)
+            with torch.no_grad():
+                guess = self.draft_ids[logp.argmax(-1)]  # [R, S] target ids
+                correct[s] = int((guess == batch.shifted(greedy, 1 + s))[valid].sum())
+            counted[s] = num
+        return StepResult(loss, correct, counted)
+
+    # -- checkpoint (speculators layout) ------------------------------------------------------------------------
+    def checkpoint_config(self) -> dict[str, Any]:
+        """config.json of the speculators eagle3 format (vLLM's eagle3 method reads it)."""
+        layer = self.layer_config.to_dict()
+        layer.pop("_attn_implementation_autoset", None)
+        return {
+            "architectures": [ARCHITECTURE],
+            "speculators_model_type": SPECULATORS_MODEL_TYPE,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": int(self.lm_head.out_features),
+            "norm_before_residual": bool(self.config.norm_before_residual),
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+            "speculators_config": {
+                "algorithm": SPECULATORS_MODEL_TYPE,
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": self.num_speculative_tokens}],
+                "verifier": {"name_or_path": self.verifier, "architectures": self.verifier_architectures},
+            },
+            "hsx_eagle3": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.config).items()},
+        }
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if bool(self.t2d.all()) and self.t2d.numel() == self.d2t.numel():
+            state.pop("d2t"), state.pop("t2d")  # the whole vocabulary: speculators omits the maps
+        return state
+
+    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        if verifier:
+            self.verifier = verifier
+        tmp = os.path.join(out_dir, f".{WEIGHTS_NAME}.tmp")
+        save_file(self.checkpoint_state(), tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(out_dir, WEIGHTS_NAME))
+        tmp = os.path.join(out_dir, ".config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.checkpoint_config(), f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out_dir, "config.json"))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, *, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> Eagle3Drafter:
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+
+        path = os.path.join(model_dir, "config.json")
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this an EAGLE-3 checkpoint?") from e
+        if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+            raise ValueError(f"{model_dir}: config.json has speculators_model_type "
+                             f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
+        layer_doc = dict(doc["transformer_layer_config"])
+        layer_config = LlamaConfig.from_dict(layer_doc)
+        known = {f.name for f in fields(Eagle3Config)}
+        options = {k: v for k, v in (doc.get("hsx_eagle3") or {}).items() if k in known}
+        options.update(draft_vocab_size=int(doc["draft_vocab_size"]), num_layers=int(layer_config.num_hidden_layers),
+                       norm_before_residual=bool(doc.get("norm_before_residual", False)),
+                       init_lm_head_from_target=False)
+        if options.get("aux_layer_ids") is not None:
+            options["aux_layer_ids"] = tuple(options["aux_layer_ids"])
+        spec = doc.get("speculators_config") or {}
+        verifier = spec.get("verifier") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        model = cls(Eagle3Config(**options), layer_config, doc["eagle_aux_hidden_state_layer_ids"],
+                    int(doc.get("target_hidden_size") or layer_config.hidden_size),
+                    int(methods[0].get("speculative_tokens", 3)), verifier=verifier.get("name_or_path", ""),
+                    verifier_architectures=verifier.get("architectures", []))
+        state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
+        if "embed_tokens.weight" not in state:  # speculators may leave it out: the verifier's embeddings
+            if not model.verifier or not os.path.isdir(model.verifier):
+                raise ValueError(f"{model_dir} holds no embed_tokens.weight and its verifier "
+                                 f"{model.verifier!r} is not a local folder to take them from")
+            state["embed_tokens.weight"] = TargetHead.from_model_dir(model.verifier).embed_tokens
+        if "d2t" not in state:
+            identity = DraftVocab.identity(layer_config.vocab_size)
+            state["d2t"], state["t2d"] = identity.d2t, identity.t2d
+        else:
+            DraftVocab.from_maps(state["d2t"], state["t2d"])  # checked
+        model_dtype = dtype or getattr(torch, doc.get("torch_dtype") or "float32")
+        model.to(model_dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{model_dir}: weights do not match an EAGLE-3 head of this config (missing "
+                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        return model.to(device).eval()
