@@ -7,6 +7,7 @@
     hsx demo     DIR                                                   tiny model + corpus + a real run, no downloads
     hsx verify   OUTPUT [--sample N | --all] [--recompute K]            check files, recompute some, mark bad ones
     hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
+    hsx serve    --model M --output URL [--api-key K] [--replicas N]   the OpenAI-compatible service (serve/)
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
 `max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win. `hsx
@@ -346,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS},
                          config_file=False)
     export.set_defaults(func=_cmd_export)
+
+    from serve.cli import add_serve_parser  # hsx serve: the OpenAI-compatible service (serve/)
+
+    add_serve_parser(sub)
     return parser
 
 

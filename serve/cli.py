@@ -1,0 +1,43 @@
+"""`hsx serve`: the command (registered by jobs/cli.py). Flags map one to one onto serve.config.ServeConfig."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_serve_parser(sub) -> None:
+    """Add the `serve` subcommand to the `hsx` subparsers."""
+    from jobs.cli import add_config_arguments
+    from serve.config import ServeConfig
+
+    parser = sub.add_parser(
+        "serve", help="an OpenAI-compatible extraction service (Ray Serve): /v1/completions, /v1/chat/completions",
+        description="Serve the model over HTTP with vLLM's OpenAI routes: every request writes the hidden states of "
+                    "its prompt (and, with kv_transfer_params.include_output_tokens, of its output) to a file under "
+                    "--output and answers with its path once the file is durable. Runs on a private local Ray "
+                    "unless --address; SIGTERM drains requests in flight, then exits.")
+    add_config_arguments(parser, ServeConfig, config_file=False)
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from jobs.cli import UsageError, config_from_args
+    from serve.config import ServeConfig
+    from serve.server import check, run
+
+    config: ServeConfig = config_from_args(args, ServeConfig, required=())
+    try:
+        check(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+    def ready(url: str) -> None:
+        print(f"hsx serve: {config.model_name} on {url} ({config.replicas} replica(s), files under {config.output}"
+              f"{', API key required' if config.api_key else ''}); SIGTERM or Ctrl-C drains and stops",
+              file=sys.stderr, flush=True)
+
+    try:
+        return run(config, ready)
+    except ValueError as e:
+        raise UsageError(str(e)) from e

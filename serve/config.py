@@ -1,0 +1,146 @@
+"""`ServeConfig`: one `hsx serve` service, typed and validated. The CLI maps onto it one to one (field
+`max_queued_requests` = flag `--max-queued-requests`, help = the field's docstring).
+
+    ServeConfig(...)          checked in __post_init__; errors name the flag to change
+    config.engine_config()    the engine's own typed settings (extractor.EngineConfig) every replica builds
+    config.kv_transfer_config()
+                              the connector's settings: files under --output, custom paths under --allowed-roots
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+API_KEY_ENV = "HSX_API_KEY"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """An OpenAI-compatible extraction service: which model, where files go, how it is guarded and scaled."""
+
+    # -- what to serve -------------------------------------------------------------------------------------------
+    model: str = ""
+    """Target model: a local folder (config, weights, tokenizer) or a hub id already in the local cache."""
+    output: str = ""
+    """Where files go: a local folder or fsspec URL (s3://bucket/prefix); default names are <request id>.safetensors."""
+    layers: tuple[int, ...] | None = None
+    """Hidden-state ids to store, e.g. 2,16,29,32 (0 = embeddings, N = last layer, pre-norm). Default: EAGLE-3's."""
+    served_model_name: str | None = None
+    """The name clients pass as `model`; default the --model value. Requests naming another model get 404."""
+    dtype: str = "auto"
+    """Model and stored dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    max_model_len: int | None = None
+    """Longest request in tokens (prompt + generated); default the model's max_position_embeddings."""
+    max_num_seqs: int = 32
+    """Requests gathered into one engine call (Ray Serve's max_batch_size) and the engine's rows per forward."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one forward pass; longer batches are split by the engine."""
+    batch_wait_timeout_s: float = 0.01
+    """How long a replica waits for more requests before running a batch that is not full."""
+    device: str | None = None
+    """Torch device of each replica's engine (cuda, cpu); default cuda when the replica has a GPU."""
+    storage_options: dict = field(default_factory=dict)
+    """fsspec options for --output (JSON on the command line), e.g. {"client_kwargs": {"endpoint_url": ...}}."""
+    allowed_roots: tuple[str, ...] | None = None
+    """Roots under which a request's kv_transfer_params.hidden_states_path may land (comma-separated); default
+    --output alone. Paths elsewhere get 403 and nothing is written."""
+
+    # -- HTTP and protection -------------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 for every interface; then set --api-key)."""
+    port: int = 8000
+    """TCP port to listen on."""
+    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None)
+    """Require `Authorization: Bearer KEY` on every endpoint but /health (default $HSX_API_KEY; unset = open)."""
+    max_queued_requests: int = 256
+    """Prompts waiting for a replica beyond those it is working on; more get 503 with Retry-After."""
+    retry_after_s: int = 1
+    """Retry-After seconds sent with 503 (queue full, shutting down, replica lost)."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body in bytes; larger bodies get 400."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens; longer prompts get 400. Default max_model_len."""
+    max_prompts_per_request: int = 256
+    """Most prompts in one /v1/completions request (a list prompt)."""
+
+    # -- Ray -----------------------------------------------------------------------------------------------------
+    replicas: int = 1
+    """Engine replicas; each holds one model and writes its own files."""
+    gpus_per_replica: float | None = None
+    """GPUs per replica (fractions allowed); default 1 when the cluster has GPUs, else 0."""
+    cpus_per_replica: float = 1.0
+    """Ray CPUs reserved per replica."""
+    address: str | None = None
+    """Ray cluster to run on (auto, HOST:6379, ray://HOST:10001); default a private local Ray started here."""
+    drain_timeout_s: float = 60.0
+    """On SIGTERM, how long to wait for requests in flight (and their writes) before exiting anyway."""
+
+    def __post_init__(self) -> None:
+        from connectors.format import check_layer_ids
+        from connectors.storage import parse_storage_options
+        from extractor.config import canonical_dtype
+
+        if self.layers is not None:
+            object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
+        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
+        if isinstance(self.allowed_roots, str):
+            object.__setattr__(self, "allowed_roots", tuple(r for r in self.allowed_roots.split(",") if r))
+        if self.allowed_roots is not None:
+            object.__setattr__(self, "allowed_roots", tuple(str(r) for r in self.allowed_roots))
+        positive = ("port", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "replicas",
+                    "max_prompts_per_request")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be 1..65535, got {self.port}")
+        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be an integer >= 0, got {self.max_queued_requests!r}")
+        for name in ("batch_wait_timeout_s", "drain_timeout_s", "cpus_per_replica", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
+            raise ValueError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(f"--api-key is empty; pass a non-empty key or leave it (and ${API_KEY_ENV}) unset")
+
+    def check_required(self) -> None:
+        missing = [_flag(n) for n in ("model", "output") if not getattr(self, n)]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}: hsx serve needs the model to load and where files go")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self, device: str | None = None):
+        """The extractor.EngineConfig every replica builds its engine from."""
+        from extractor import EngineConfig
+
+        return EngineConfig(model=self.model, layer_ids=self.layers, dtype=self.dtype, max_model_len=self.max_model_len,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                            device=device or self.device)
+
+    def connector_settings(self) -> dict[str, Any]:
+        """kv_connector_extra_config of the replicas' connector."""
+        return {"shared_storage_path": self.output, "allow_custom_save_path": True,
+                "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None,
+                "storage_options": dict(self.storage_options)}
+
+    def kv_transfer_config(self):
+        from connectors import KVTransferConfig
+
+        return KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector", kv_role="kv_producer",
+                                kv_connector_extra_config=self.connector_settings())
