@@ -161,3 +161,76 @@ def test_eagle3_overfits_a_tiny_run(eagle3_setup):
     assert drafter.embed_tokens.weight.grad is None  # the target's embeddings stay frozen
     assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens)
     assert len(result.accuracy()) == 3 and result.simulated_acceptance_length() >= 1.0
+
+
+# -- checkpoint -----------------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_is_the_speculators_layout_and_reloads_bit_exact(eagle3_setup, tiny_llama, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    ds, target, drafter = eagle3_setup
+    drafter.save_pretrained(str(tmp_path), verifier=tiny_llama)
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert doc["speculators_model_type"] == "eagle3" and doc["architectures"] == ["Eagle3Speculator"]
+    assert doc["draft_vocab_size"] == 48 and doc["target_hidden_size"] == 64 and doc["norm_before_residual"] is False
+    assert doc["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    layer = doc["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["vocab_size"] == 512 and layer["num_hidden_layers"] == 1
+    assert doc["speculators_config"]["verifier"]["name_or_path"] == tiny_llama
+    assert doc["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+            "layers.0.self_attn.q_proj.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+            "layers.0.mlp.down_proj.weight"} <= names
+    assert all(n.split(".")[0] in {"fc", "layers", "norm", "lm_head", "d2t", "t2d", "embed_tokens"} for n in names)
+
+    back = Eagle3Drafter.from_pretrained(str(tmp_path))
+    ours, theirs = drafter.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    batch = _batch(ds, [0, 1])
+    drafter.eval()
+    with torch.no_grad():
+        a, b = drafter.training_step(batch, target), back.training_step(batch, target)
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.correct, b.correct)
+    assert back.config == drafter.config.__class__(**{**drafter.config.__dict__, "init_lm_head_from_target": False})
+
+
+def test_a_whole_vocabulary_head_omits_the_maps_and_reloads(eagle3_setup, tiny_llama, tmp_path):
+    from safetensors import safe_open
+
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    ds, target, _ = eagle3_setup
+    whole = Eagle3Drafter.for_run(ds.run_info, target, 3, draft_vocab_size=10**6, ttt_steps=2)
+    whole.prepare(ds)
+    assert whole.lm_head.out_features == 512 and torch.equal(whole.lm_head.weight, target.lm_head)
+    whole.save_pretrained(str(tmp_path), verifier=tiny_llama)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+    back = Eagle3Drafter.from_pretrained(str(tmp_path))
+    assert back.draft_ids.tolist() == list(range(512)) and back.config.ttt_steps == 2
+
+
+def test_runs_without_aux_layers_are_refused_naming_the_layers(tiny_llama, tmp_path):
+    from connectors import HiddenStatesSpec
+    from connectors.run import RunSpec
+    from training.drafters.base import TargetHead
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    target = TargetHead.from_model_dir(tiny_llama)
+    only_last = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64,
+                                                        dtype="float32"))
+    with pytest.raises(ValueError, match=r"stores only layers \[4\].*--layers 1,2,4"):
+        Eagle3Drafter.for_run(only_last, target, 3)
+    with pytest.raises(ValueError, match=r"missing \[3\]"):
+        Eagle3Drafter.for_run(only_last, target, 3, aux_layer_ids=(3,))
+    with pytest.raises(TypeError):
+        Eagle3Drafter.for_run(only_last, target, 3, no_such_option=1)

@@ -190,7 +190,7 @@ class Eagle3Drafter(Drafter):
         n = int(run_spec.num_hidden_layers)
         stored = tuple(run_spec.layer_ids)
         aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
-        suggestion = ",".join(str(i) for i in dict.fromkeys((2, n // 2, n - 3, n)) if 0 <= i <= n)
+        suggestion = ",".join(str(i) for i in sorted({2, n // 2, n - 3, n}) if 0 < i <= n)
         if not aux:
             raise ValueError(f"EAGLE-3 fuses the states of aux layers, but the run stores only layers {list(stored)}; "
                              f"re-extract with aux layers, e.g. --layers {suggestion}")
