@@ -1,0 +1,477 @@
+"""A target whose acceptance lengths mean something: a small Llama trained here, on CPU, on the Python standard library.
+
+    ReferenceTargetConfig(...)                 sizes, training length, seed, cache root (typed, validated)
+    build_reference_target(config) -> ReferenceTarget
+        .path            a HF Llama checkpoint folder with its tokenizer (AutoModelForCausalLM / AutoTokenizer /
+                         extractor.LLM load it)
+        .train_files     the stdlib files it was trained on; .train_texts() reads them
+        .heldout_files   the files it never saw; .prompts are snippets of them (held-out prompts)
+        .report          reference_target.json: losses, held-out perplexity, corpus and timing
+    stdlib_corpus(heldout_fraction) -> (train, heldout)   the corpus split, by a hash of each file's relative path
+
+Random-weight models (jobs/tiny_models.py) measure machinery; a drafter's acceptance length on them says nothing.
+This target has learned something real — Python source, which ships with every Python (no downloads) — so a drafter
+trained on its hidden states can be accepted or not for reasons that matter.
+
+Corpus: every .py file under the interpreter's stdlib folder (sysconfig "stdlib"), skipping site-packages, test
+folders and test_*.py files. A file is held out when sha256(relative path) falls under `heldout_fraction`, so the split
+is the same on every machine with the same Python, and held-out prompts come from files the target never read.
+
+Build: byte-level BPE tokenizer (the `tokenizers` library) trained on the train split -> token stream (each file
+followed by <|endoftext|>) cut into fixed-length blocks -> plain AdamW with warm-up + cosine decay, seeded -> held-out
+loss over blocks of the held-out files -> save_pretrained of model and tokenizer.
+
+Cache: CACHE_ROOT/<name>-<digest>/, digest over the config's training fields, the corpus file list (relative paths
+and sizes), this module's BUILD_VERSION and the torch / transformers / tokenizers / Python versions. The folder is
+built under CACHE_ROOT/.tmp-* and renamed into place only when complete, so a folder under the final name is
+complete; a temp folder left by a killed build is never read (and is removed once it is a day old). A second call
+with the same config returns the cached folder without training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = "1"
+"""Bump when the build changes what it produces for the same config (the cache digest includes it)."""
+REPORT_NAME = "reference_target.json"
+PROMPTS_NAME = "heldout_prompts.jsonl"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_STALE_TEMP_S = 24 * 3600
+
+
+def default_cache_root() -> str:
+    """$HSX_CACHE/reference-target, else ~/.cache/hsx/reference-target."""
+    base = os.environ.get("HSX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hsx")
+    return os.path.join(base, "reference-target")
+
+
+@dataclass(frozen=True)
+class ReferenceTargetConfig:
+    """The reference target: model sizes, tokenizer, training length and where the result is cached.
+
+    The default trains in about five minutes on two CPU cores; tests use a much smaller one."""
+
+    hidden_size: int = 128
+    """Model width."""
+    num_hidden_layers: int = 8
+    """Decoder layers; at least 8 so EAGLE-3's aux layers [2, N//2, N-3] are three distinct layers."""
+    num_attention_heads: int = 4
+    """Attention heads (hidden_size must divide by it)."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention; num_attention_heads must divide by it)."""
+    intermediate_size: int = 384
+    """MLP width."""
+    vocab_size: int = 4096
+    """BPE vocabulary size, special tokens included."""
+    context_length: int = 256
+    """Training block length in tokens; also the checkpoint's max_position_embeddings (prompt + output must fit)."""
+    batch_size: int = 16
+    """Blocks per optimizer step."""
+    steps: int = 180
+    """Optimizer steps; tokens trained on = steps * batch_size * context_length."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only)."""
+    heldout_fraction: float = 0.1
+    """Share of stdlib files held out (by a hash of the relative path): never trained on, source of the prompts."""
+    heldout_blocks: int = 32
+    """Held-out blocks the final held-out loss is computed over (at most; fewer if the held-out split is short)."""
+    max_train_files: int | None = None
+    """Train on the first this many train files (sorted by path) only; None = all (tests use a few)."""
+    num_prompts: int = 64
+    """Held-out prompts to cut from held-out files."""
+    prompt_tokens: int = 64
+    """Approximate prompt length in tokens (a prompt starts and ends at a line boundary)."""
+    seed: int = 0
+    """Seeds the initialisation, the block order and the prompt choice."""
+    threads: int | None = None
+    """torch CPU threads while training; None = torch's default."""
+    cache_root: str = field(default_factory=default_cache_root)
+    """Where built targets are kept: $HSX_CACHE/reference-target or ~/.cache/hsx/reference-target."""
+
+    def __post_init__(self) -> None:
+        if self.num_hidden_layers < 8:
+            raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: use at least 8, so EAGLE-3's aux layers "
+                             "[2, N//2, N-3] are three distinct layers")
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "context_length", "batch_size", "steps", "num_prompts", "prompt_tokens", "heldout_blocks"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} does not divide by num_attention_heads="
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} does not divide by "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.vocab_size < 300:
+            raise ValueError(f"vocab_size={self.vocab_size}: a byte-level BPE needs at least 256 bytes + specials; "
+                             "use >= 300 (default 4096)")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if self.warmup_steps < 0 or self.learning_rate <= 0:
+            raise ValueError("warmup_steps must be >= 0 and learning_rate > 0")
+        if self.prompt_tokens >= self.context_length:
+            raise ValueError(f"prompt_tokens={self.prompt_tokens} leaves no room to generate within context_length="
+                             f"{self.context_length}")
+        if self.max_train_files is not None and self.max_train_files < 1:
+            raise ValueError(f"max_train_files must be >= 1 or None, got {self.max_train_files}")
+
+    def training_fields(self) -> dict:
+        """What determines the checkpoint (everything but where it is cached and how many threads build it)."""
+        out = asdict(self)
+        out.pop("cache_root")
+        out.pop("threads")
+        return out
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    rel: str
+    """Path relative to the stdlib folder (posix separators)."""
+    path: str
+    size: int
+
+    def read(self) -> str:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+@dataclass(frozen=True)
+class ReferenceTarget:
+    path: str
+    """The checkpoint folder: config.json, model.safetensors, tokenizer files, reference_target.json."""
+    train_files: tuple[CorpusFile, ...]
+    heldout_files: tuple[CorpusFile, ...]
+    prompts: tuple[str, ...]
+    """Held-out prompts: snippets of held-out files (also in heldout_prompts.jsonl)."""
+    report: dict
+    cached: bool
+    """True when this call found the folder built already."""
+
+    def train_texts(self) -> list[str]:
+        """The train split's file contents, in path order (what the target and its tokenizer were trained on)."""
+        return [f.read() for f in self.train_files]
+
+
+# -- corpus -------------------------------------------------------------------------------------------------------
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def is_heldout(rel: str, heldout_fraction: float) -> bool:
+    """The split: sha256 of the relative path, as a number in [0, 1), under the held-out share."""
+    digest = hashlib.sha256(rel.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
+
+
+def stdlib_corpus(heldout_fraction: float, root: str | None = None) -> tuple[list[CorpusFile], list[CorpusFile]]:
+    """(train, heldout) .py files of the standard library, sorted by relative path."""
+    root = root or stdlib_root()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
+        for name in sorted(filenames):
+            if not name.endswith(".py") or name.startswith("test_"):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            files.append(CorpusFile(rel, path, os.path.getsize(path)))
+    if not files:
+        raise RuntimeError(f"no .py files under the standard library folder {root!r}; the reference target trains on "
+                           "them (a Python installed without its sources cannot build it)")
+    files.sort(key=lambda f: f.rel)
+    train = [f for f in files if not is_heldout(f.rel, heldout_fraction)]
+    heldout = [f for f in files if is_heldout(f.rel, heldout_fraction)]
+    return train, heldout
+
+
+# -- cache --------------------------------------------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"build": BUILD_VERSION, "python": sys.version.split()[0], "torch": torch.__version__,
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def cache_key(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list[CorpusFile]) -> str:
+    doc = {"config": config.training_fields(), "versions": _versions(),
+           "train": [[f.rel, f.size] for f in train], "heldout": [[f.rel, f.size] for f in heldout]}
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    c = config
+    return f"llama-h{c.hidden_size}-l{c.num_hidden_layers}-v{c.vocab_size}-s{c.steps}-{digest}"
+
+
+def _complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, REPORT_NAME)) and os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def _remove_stale_temps(root: str) -> None:
+    now = time.time()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".tmp-") and os.path.isdir(path) and now - os.path.getmtime(path) > _STALE_TEMP_S:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def build_reference_target(config: ReferenceTargetConfig | None = None, *, progress: bool = True) -> ReferenceTarget:
+    """The reference target for `config`: from the cache, or trained now (minutes on CPU) and cached."""
+    config = config or ReferenceTargetConfig()
+    train, heldout = stdlib_corpus(config.heldout_fraction)
+    if config.max_train_files is not None:
+        train = train[:config.max_train_files]
+    if not heldout:
+        raise ValueError(f"heldout_fraction={config.heldout_fraction} holds out no file; raise it")
+    name = cache_key(config, train, heldout)
+    final = os.path.join(config.cache_root, name)
+    if _complete(final):
+        return _load(final, train, heldout, cached=True)
+    os.makedirs(config.cache_root, exist_ok=True)
+    _remove_stale_temps(config.cache_root)
+    tmp = os.path.join(config.cache_root, f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        _build(config, train, heldout, tmp, progress=progress)
+        if os.path.isdir(final) and not _complete(final):  # not ours and not complete: set it aside
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _complete(final):  # a concurrent build's folder that finished first is as good as ours
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _load(final, train, heldout, cached=False)
+
+
+def _load(folder: str, train, heldout, *, cached: bool) -> ReferenceTarget:
+    with open(os.path.join(folder, REPORT_NAME)) as f:
+        report = json.load(f)
+    with open(os.path.join(folder, PROMPTS_NAME)) as f:
+        prompts = tuple(json.loads(line)["prompt"] for line in f if line.strip())
+    return ReferenceTarget(path=folder, train_files=tuple(train), heldout_files=tuple(heldout), prompts=prompts,
+                           report=report, cached=cached)
+
+
+# -- build --------------------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, out_dir: str):
+    """A byte-level BPE trained on `texts` (HF-loadable, eos and pad set), saved to out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=None,
+                                 unk_token=None, model_max_length=10**6)
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+def _token_stream(tokenizer, texts: list[str]):
+    import torch
+
+    ids: list[int] = []
+    for batch_start in range(0, len(texts), 64):
+        for row in tokenizer(texts[batch_start:batch_start + 64])["input_ids"]:
+            ids.extend(row)
+            ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int64)  # [total tokens]
+
+
+def _blocks(stream, length: int):
+    n = stream.numel() // length
+    return stream[:n * length].view(n, length)  # [n, length]
+
+
+def _heldout_blocks(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig):
+    """Up to heldout_blocks blocks of held-out text: files in a seeded order, tokenized until there are enough."""
+    files = list(heldout)
+    random.Random(config.seed + 1).shuffle(files)
+    texts, chars = [], 0
+    for f in files:  # ~3 characters a token; twice what is needed, so the blocks are surely filled
+        texts.append(f.read())
+        chars += len(texts[-1])
+        if chars > 6 * config.heldout_blocks * config.context_length:
+            break
+    return _blocks(_token_stream(tokenizer, texts), config.context_length)[:config.heldout_blocks]  # [n, S]
+
+
+def _lr(step: int, config: ReferenceTargetConfig) -> float:
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig) -> list[str]:
+    """Snippets of held-out files, whole lines from a non-blank line on, between half and all of prompt_tokens
+    tokens long, chosen with the config's seed (a few per file, files in a seeded order)."""
+    rng = random.Random(config.seed)
+    files = list(heldout)
+    rng.shuffle(files)
+    per_file = max(1, math.ceil(config.num_prompts / len(files)))
+    prompts: list[str] = []
+    for f in files:
+        lines = f.read().splitlines(keepends=True)
+        starts = [i for i, ln in enumerate(lines) if ln.strip()]
+        if not starts:
+            continue
+        costs = [len(ids) for ids in tokenizer(lines)["input_ids"]]
+        taken = 0
+        for start in rng.sample(starts, len(starts)):
+            n, end = 0, start
+            while end < len(lines) and n + costs[end] <= config.prompt_tokens:
+                n, end = n + costs[end], end + 1
+            if n >= config.prompt_tokens // 2:
+                prompts.append("".join(lines[start:end]))
+                taken += 1
+            if taken == per_file:
+                break
+        if len(prompts) >= config.num_prompts:
+            break
+    return prompts[:config.num_prompts]
+
+
+def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list[CorpusFile], out_dir: str, *,
+           progress: bool) -> None:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        train_texts = [f.read() for f in train]
+        tokenizer = build_tokenizer(train_texts, config.vocab_size, out_dir)
+        tokenizer_s = time.perf_counter() - started
+        train_blocks = _blocks(_token_stream(tokenizer, train_texts), config.context_length)  # [n, S]
+        heldout_blocks = _heldout_blocks(tokenizer, heldout, config)
+        if len(train_blocks) == 0 or len(heldout_blocks) == 0:
+            raise ValueError("the corpus is shorter than one block; lower context_length or raise max_train_files")
+        g = torch.Generator().manual_seed(config.seed)
+
+        model_config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.context_length,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attention_dropout=0.0)
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=config.learning_rate, betas=(0.9, 0.95))
+
+        order = torch.randperm(len(train_blocks), generator=g)
+        cursor, epochs = 0, 0
+        losses: list[float] = []
+        model.train()
+        train_started = time.perf_counter()
+        bar = tqdm(range(config.steps), desc="reference target", disable=not progress, unit="step")
+        for step in bar:
+            if cursor + config.batch_size > len(order):
+                order, cursor, epochs = torch.randperm(len(train_blocks), generator=g), 0, epochs + 1
+            idx = order[cursor:cursor + config.batch_size]
+            cursor += config.batch_size
+            batch = train_blocks[idx]  # [B, S]
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(step, config)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.close()
+        train_s = time.perf_counter() - train_started
+
+        model.eval()
+        with torch.no_grad():
+            heldout_loss = sum(float(model(input_ids=b[None], labels=b[None]).loss) for b in heldout_blocks) \
+                / len(heldout_blocks)
+        prompts = _prompts(tokenizer, heldout, config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, PROMPTS_NAME), "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"prompt": p}) + "\n")
+        tail = losses[-max(1, len(losses) // 10):]
+        report = {
+            "config": config.training_fields(), "versions": _versions(),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "train_files": len(train), "heldout_files": len(heldout),
+            "train_tokens_available": int(train_blocks.numel()),
+            "train_tokens_seen": config.steps * config.batch_size * config.context_length, "epochs": epochs,
+            "first_loss": losses[0], "final_train_loss": sum(tail) / len(tail),
+            "loss_curve": losses[::max(1, len(losses) // 50)],
+            "heldout_loss": heldout_loss, "heldout_perplexity": math.exp(heldout_loss),
+            "heldout_tokens": int(heldout_blocks.numel()), "num_prompts": len(prompts),
+            "tokenizer_seconds": round(tokenizer_s, 2), "train_seconds": round(train_s, 2),
+            "build_seconds": round(time.perf_counter() - started, 2), "threads": torch.get_num_threads(),
+        }
+        with open(os.path.join(out_dir, REPORT_NAME), "w") as f:  # written last: marks the folder complete
+            json.dump(report, f, indent=2)
+        logger.info("reference target: train loss %.3f, held-out loss %.3f (perplexity %.1f), %.0f s",
+                    report["final_train_loss"], heldout_loss, report["heldout_perplexity"], report["build_seconds"])
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m training.reference_target [--steps N] [--threads T]: build (or find) the default target, print it."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--steps", type=int, default=ReferenceTargetConfig.steps)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cache-root", default=None)
+    args = p.parse_args(argv)
+    kwargs = {"steps": args.steps, "threads": args.threads}
+    if args.cache_root:
+        kwargs["cache_root"] = args.cache_root
+    target = build_reference_target(ReferenceTargetConfig(**kwargs))
+    report = {k: v for k, v in target.report.items() if k != "loss_curve"}
+    print(json.dumps({"path": target.path, "cached": target.cached, **report}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
