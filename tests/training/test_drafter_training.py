@@ -1,0 +1,147 @@
+"""The drafter trainer (training/drafters/train.py) and `hsx train-drafter`: checks before training, the report,
+resume after a kill, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from connectors import HiddenStatesSpec
+from tests.training.runs import random_samples, write_run
+from training.drafters.train import TrainDrafterConfig, train_drafter
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(oracle_run, tiny_llama, out, **kw) -> TrainDrafterConfig:
+    defaults = dict(run=oracle_run[0], model=tiny_llama, out=str(out), kind="eagle3", steps=3, lr=3e-3,
+                    batch_tokens=64, draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
+    return TrainDrafterConfig(**{**defaults, **kw})
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_training_writes_the_serving_checkpoint_and_a_report(oracle_run, tiny_llama, tmp_path):
+    from training.drafters.eagle3 import Eagle3Drafter
+
+    report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=4))
+    assert report["steps"] == 4 and report["resumed_from_step"] is None and report["tokens"] > 0
+    assert len(report["accuracy_per_position"]) == 3 and report["simulated_acceptance_length"] >= 1.0
+    assert report["final_loss"] > 0 and report["target"] == tiny_llama and report["layer_ids"] == [1, 2, 4]
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["steps"] == 4 and on_disk["final_loss"] == report["final_loss"]
+    assert json.loads((tmp_path / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    back = Eagle3Drafter.from_pretrained(str(tmp_path))
+    assert back.lm_head.out_features == 48
+    # a second call with the same OUT resumes at the end: no further steps, the same weights
+    before = _weights(tmp_path)
+    again = train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=4))
+    assert again["resumed_from_step"] == 4 and again["steps"] == 4
+    after = _weights(tmp_path)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_checkpoint_of_another_training_is_not_resumed(oracle_run, tiny_llama, tmp_path):
+    train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=2))
+    with pytest.raises(ValueError, match=r"another training \(lr: 0.003 in the checkpoint vs 0.01 now"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=2, lr=1e-2))
+    with pytest.raises(ValueError, match="drop --no-resume"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=2, resume=False))
+
+
+@pytest.mark.slow
+def test_a_killed_training_resumes_where_it_stopped_and_ends_with_the_uninterrupted_weights(oracle_run, tiny_llama,
+                                                                                          tmp_path):
+    killed = tmp_path / "killed"
+    settings = dict(run=oracle_run[0], model=tiny_llama, out=str(killed), steps=10**6, lr=3e-3, batch_tokens=64,
+                    draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
+    code = ("import json, sys; from training.drafters.train import TrainDrafterConfig, train_drafter; "
+            "train_drafter(TrainDrafterConfig(**json.loads(sys.argv[1])))")
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(settings)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    step_file = killed / "checkpoint" / "step.json"
+    deadline = time.monotonic() + 240
+    try:
+        while not step_file.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    stopped = torch.load(killed / "checkpoint" / "state.pt", weights_only=False)["step"]
+    assert stopped >= 2 and stopped % 2 == 0
+    assert not (killed / "model.safetensors").exists()  # it never finished
+
+    end = stopped + 3
+    resumed = train_drafter(TrainDrafterConfig(**{**settings, "steps": end}))
+    assert resumed["resumed_from_step"] == stopped and resumed["steps"] == end
+    straight = train_drafter(_config(oracle_run, tiny_llama, tmp_path / "straight", steps=end))
+    assert straight["resumed_from_step"] is None and straight["tokens"] == resumed["tokens"]
+    a, b = _weights(killed), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- bad input, refused before training --------------------------------------------------------------------------
+
+
+def test_an_empty_run_is_refused(oracle_run, tiny_llama, tmp_path):
+    spec = HiddenStatesSpec(layer_ids=(1, 2, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                            model=tiny_llama)
+    write_run(str(tmp_path / "empty"), [], spec)
+    with pytest.raises(ValueError, match="has no extracted samples.*hsx run"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path / "out", run=str(tmp_path / "empty")))
+
+
+def test_a_run_from_another_model_is_refused(oracle_run, tiny_llama, tmp_path):
+    spec = HiddenStatesSpec(layer_ids=(1, 2, 4), num_hidden_layers=4, hidden_size=32, dtype="float32",
+                            model="other/model")
+    write_run(str(tmp_path / "other"), random_samples(3, spec), spec)
+    with pytest.raises(ValueError, match=r"not from the target --model.*32 wide, the target's 64"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path / "out", run=str(tmp_path / "other")))
+    assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+def test_a_run_without_the_layers_the_kind_needs_is_refused(oracle_run, tiny_llama, tmp_path):
+    for layers, message in (((1, 2), r"needs layers \[4\].*missing \[4\].*--layers 1,2,4"),
+                            ((4,), r"stores only layers \[4\].*--layers 1,2,4")):
+        spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=4, hidden_size=64, dtype="float32",
+                                model=tiny_llama)
+        run = tmp_path / f"run-{len(layers)}"
+        write_run(str(run), random_samples(2, spec), spec)
+        with pytest.raises(ValueError, match=message):
+            train_drafter(_config(oracle_run, tiny_llama, tmp_path / "out", run=str(run)))
+
+
+def test_a_run_with_the_last_layer_after_the_norm_is_refused(oracle_run, tiny_llama, tmp_path):
+    spec = HiddenStatesSpec(layer_ids=(1, 2, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                            model=tiny_llama, last_layer_normalized=True)
+    write_run(str(tmp_path / "post"), random_samples(2, spec), spec)
+    with pytest.raises(ValueError, match="after the final norm.*pre-norm"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path / "out", run=str(tmp_path / "post")))
+
+
+def test_bad_settings_are_refused(oracle_run, tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="not a local model folder"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path, model=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="cannot open the run"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path, run=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="--steps or --epochs, not both"):
+        _config(oracle_run, tiny_llama, tmp_path, epochs=1.0)
+    with pytest.raises(ValueError, match="applies to --kind eagle3 only"):
+        _config(oracle_run, tiny_llama, tmp_path, kind="medusa")
+    with pytest.raises(ValueError, match="not a drafter family"):
+        _config(oracle_run, tiny_llama, tmp_path, kind="eagle9")
+    with pytest.raises(ValueError, match="bad family option"):
+        train_drafter(_config(oracle_run, tiny_llama, tmp_path, family_options='{"no_such_option": 1}'))

@@ -1,0 +1,475 @@
+"""Training a drafter on an hsx run: `hsx train-drafter` and its Python API.
+
+    TrainDrafterConfig            what to train (kind, run, target, out) and how (steps/epochs, lr, batch tokens, ...)
+    train_drafter(config) -> dict the report (also written to OUT/report.json)
+    check_run(config) -> (dataset, target)   the checks done before any training (usable on their own)
+    DRAFTERS                      kind -> drafter class, imported lazily ("eagle3" | "medusa" | "mlp_speculator")
+
+Flow: check the target folder and the run (not empty, from this target, holding the layers the kind needs) ->
+`Drafter.for_run` -> `prepare(dataset)` (EAGLE-3: the draft vocabulary) -> steps over packed batches -> the serving
+checkpoint in OUT (`save_pretrained`, e.g. the speculators layout) and OUT/report.json.
+
+Batches: `ShardSampler` orders the samples (a new shuffle per epoch from `seed`), consecutive samples fill one packed
+row of at most `batch_tokens` tokens (`PackCollator`; longer samples are truncated to it), a DataLoader reads them.
+Every `checkpoint_every` steps OUT/checkpoint/ receives the model, optimizer, step, RNG states and the sampler's
+position (epoch, batches done in it); a training started again with the same OUT continues from there and, with
+the same settings, ends with the weights an uninterrupted training reaches. `steps`/`epochs` may change on resume
+(train longer); the settings that shape the result may not (RESUME_FIELDS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DRAFTERS = {
+    "eagle3": "training.drafters.eagle3.Eagle3Drafter",
+    "medusa": "training.drafters.medusa.MedusaDrafter",
+    "mlp_speculator": "training.drafters.mlp_speculator.MLPSpeculatorDrafter",
+}
+"""kind -> "module.Class" of its Drafter, imported when used."""
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_NAME = "state.pt"
+REPORT_NAME = "report.json"
+RESUME_FIELDS = ("kind", "run", "model", "num_speculative_tokens", "lr", "weight_decay", "warmup_steps",
+                 "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options")
+"""Settings a resumed training must share with the checkpoint's."""
+
+
+def drafter_class(kind: str) -> type:
+    """The Drafter subclass of `kind` (imported now)."""
+    if kind not in DRAFTERS:
+        raise ValueError(f"--kind {kind!r} is not a drafter family; choose one of {list(DRAFTERS)}")
+    module, _, name = DRAFTERS[kind].rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--kind {kind}: {DRAFTERS[kind]} is not available in this hsx ({e})") from e
+
+
+@dataclass(frozen=True)
+class TrainDrafterConfig:
+    """A drafter training (`hsx train-drafter`: field `batch_tokens` = flag `--batch-tokens`)."""
+
+    run: str
+    """The extraction run to train on: a local folder or URL (s3://, gs://) holding run.json, data/ and manifest/."""
+    model: str
+    """The target model's local folder (the model the run was extracted from): its final norm, lm_head, embeddings."""
+    out: str
+    """Local folder for the trained drafter (serving layout), OUT/report.json and OUT/checkpoint/."""
+    kind: str = "eagle3"
+    """Drafter family: eagle3, medusa or mlp_speculator."""
+    steps: int | None = None
+    """Optimizer steps to train (one packed batch each); default: --epochs."""
+    epochs: float | None = None
+    """Passes over the run (fractions allowed); used when --steps is not given (default 1)."""
+    num_speculative_tokens: int = 3
+    """k, the tokens drafted per step when decoding (Medusa heads, MLPSpeculator stages; EAGLE-3's default k)."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant after warmup)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many steps."""
+    max_grad_norm: float = 0.5
+    """Clip the gradient norm to this (0 = no clipping)."""
+    batch_tokens: int = 4096
+    """Tokens per packed batch (samples are truncated to it)."""
+    seed: int = 0
+    """Seed of the initialisation and the shuffle."""
+    device: str = "auto"
+    """torch device: auto (cuda when available), cpu, cuda, cuda:1, ..."""
+    dtype: str = "float32"
+    """Dtype of the drafter's weights and the computation: float32, bfloat16, float16."""
+    draft_vocab_size: int | None = None
+    """EAGLE-3 only: tokens of the draft vocabulary (default 32000, capped at the target's vocabulary)."""
+    ttt_steps: int | None = None
+    """EAGLE-3 only: test-time-training unroll steps (default 3)."""
+    family_options: dict[str, Any] = field(default_factory=dict)
+    """Further options of the family's config, as JSON (e.g. '{"num_layers": 2}' for EAGLE-3)."""
+    checkpoint_every: int = 200
+    """Write OUT/checkpoint every this many steps (and at the end)."""
+    resume: bool = True
+    """Continue from OUT/checkpoint when it exists (--no-resume: refuse to overwrite it)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 = read in the training process)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for a remote --run, as JSON (endpoint_url, credentials, ...)."""
+    progress: bool = True
+    """Show a progress bar (loss, per-position accuracy, simulated acceptance length) on stderr."""
+
+    def __post_init__(self) -> None:
+        for name in ("storage_options", "family_options"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value) if value.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--{name.replace('_', '-')} is not valid JSON ({e})") from e
+            if not isinstance(value, dict):
+                raise ValueError(f"--{name.replace('_', '-')} must be a JSON object, got {type(value).__name__}")
+            object.__setattr__(self, name, dict(value))
+        for name in ("run", "model", "out"):
+            if not str(getattr(self, name) or "").strip():
+                raise ValueError(f"--{name} is required")
+        if self.kind not in DRAFTERS:
+            raise ValueError(f"--kind {self.kind!r} is not a drafter family; choose one of {list(DRAFTERS)}")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        for name in ("num_speculative_tokens", "batch_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.num_workers < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise ValueError("--warmup-steps, --num-workers, --max-grad-norm and --weight-decay must be >= 0")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.kind != "eagle3":
+            for name in ("draft_vocab_size", "ttt_steps"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} applies to --kind eagle3 only")
+
+    def drafter_options(self) -> dict[str, Any]:
+        """Keyword options for the family's for_run (its config's fields)."""
+        options = dict(self.family_options)
+        if self.draft_vocab_size is not None:
+            options["draft_vocab_size"] = self.draft_vocab_size
+        if self.ttt_steps is not None:
+            options["ttt_steps"] = self.ttt_steps
+        return options
+
+    def resume_key(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in RESUME_FIELDS}
+
+
+# -- checks before training -------------------------------------------------------------------------------------
+
+
+def _target_config(model: str):
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model!r} is not a local model folder (no config.json); pass the folder of the "
+                         "target model the run was extracted from")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model!r}: cannot read its config ({e})") from e
+
+
+def _same_model(run_spec, model_dir: str, hf) -> list[str]:
+    """Why the run was not extracted from the model at `model_dir` ([] = it was, as far as the records tell)."""
+    text = hf.get_text_config()
+    problems = []
+    if int(run_spec.num_hidden_layers) != int(text.num_hidden_layers):
+        problems.append(f"the run's model has {run_spec.num_hidden_layers} layers, the target {text.num_hidden_layers}")
+    if int(run_spec.hidden_size) != int(text.hidden_size):
+        problems.append(f"the run's states are {run_spec.hidden_size} wide, the target's {text.hidden_size}")
+    arch = run_spec.architecture
+    archs = ",".join(getattr(hf, "architectures", None) or [])
+    if arch and archs and arch != archs:
+        problems.append(f"the run's model is a {arch}, the target a {archs}")
+    recorded = run_spec.model
+    if recorded and os.path.isfile(os.path.join(recorded, "config.json")) and \
+            os.path.realpath(recorded) != os.path.realpath(model_dir):
+        with open(os.path.join(recorded, "config.json")) as a, open(os.path.join(model_dir, "config.json")) as b:
+            if json.load(a) != json.load(b):
+                problems.append(f"the run was extracted from {recorded}, whose config.json differs from the target's")
+    return problems
+
+
+def _committed_samples(config: TrainDrafterConfig) -> int | None:
+    """Samples the run's manifest commits (None: no manifest to count, the dataset says what is wrong)."""
+    from connectors.run import MANIFEST_DIR, REQUIRED_COLUMNS, RunDir, committed_rows, read_manifest
+
+    try:
+        run = RunDir(config.run, config.storage_options)
+        if not run.exists(MANIFEST_DIR):
+            return None
+        return committed_rows(read_manifest(run, columns=list(REQUIRED_COLUMNS))).num_rows
+    except (OSError, ValueError):
+        return None
+
+
+def check_run(config: TrainDrafterConfig):
+    """(dataset, target head) once the target folder, the run and the kind's needs are checked; ValueError naming
+    the fix otherwise."""
+    from training.dataset import HiddenStatesDataset
+    from training.drafters.base import TargetHead
+
+    cls = drafter_class(config.kind)
+    hf = _target_config(config.model)
+    if _committed_samples(config) == 0:
+        raise ValueError(f"--run {config.run} has no extracted samples (its manifest holds no 'ok' rows); run the "
+                         "extraction first (`hsx run`), or see why its samples failed with `hsx status`")
+    try:
+        ds = HiddenStatesDataset(config.run, layout="raw", storage_options=config.storage_options,
+                                 max_length=config.batch_tokens, include_sample_id=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
+    spec = ds.run_info
+    if len(ds) == 0 or int(ds.num_tokens.sum()) == 0:
+        raise ValueError(f"--run {config.run} has no extracted samples (its manifest holds no 'ok' rows); run the "
+                         "extraction first (`hsx run`), or check it with `hsx status`")
+    problems = _same_model(spec, config.model, hf)
+    if problems:
+        raise ValueError(f"--run {config.run} is not from the target --model {config.model}: {'; '.join(problems)}. "
+                         "Train against the model the run was extracted from (or re-extract with this one)")
+    if spec.layer_id_convention != "vllm":
+        raise ValueError(f"--run {config.run} counts layers in the {spec.layer_id_convention!r} convention; drafters "
+                         "read hsx runs in vLLM's ids — re-extract with hsx")
+    n = int(spec.num_hidden_layers)
+    if spec.last_layer_normalized and n in spec.layer_ids:
+        raise ValueError(f"--run {config.run} stored layer {n} after the final norm; drafters apply the target's "
+                         "final norm themselves and need it pre-norm (hsx's default) — re-extract without normalising")
+    need = cls.required_layer_ids(n, None)
+    missing = [i for i in need if i not in spec.layer_ids]
+    if missing:
+        ids = ",".join(str(i) for i in sorted({*spec.layer_ids, *need}))
+        raise ValueError(f"--kind {config.kind} needs layers {list(need)} but the run stores {list(spec.layer_ids)} "
+                         f"(missing {missing}); re-extract with --layers {ids}")
+    target = TargetHead.from_model_dir(config.model)
+    first = ds[0]["input_ids"]
+    if first.numel() and int(first.max()) >= target.vocab_size:
+        raise ValueError(f"--run {config.run} holds token id {int(first.max())}, outside the target's vocabulary of "
+                         f"{target.vocab_size}: the run is from another tokenizer or model")
+    return ds, target
+
+
+# -- batches ------------------------------------------------------------------------------------------------------
+
+
+def epoch_batches(num_tokens, seed: int, epoch: int, batch_tokens: int) -> list[list[int]]:
+    """The epoch's batches: ShardSampler's order (seed, epoch), consecutive samples while they fit batch_tokens."""
+    from training.sampler import ShardSampler
+
+    sampler = ShardSampler(len(num_tokens), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    batches: list[list[int]] = []
+    current, used = [], 0
+    for i in sampler:
+        n = min(int(num_tokens[i]), batch_tokens)
+        if n == 0:
+            continue
+        if current and used + n > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e})") from e
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(folder: str, state: dict[str, Any]) -> None:
+    """OUT/checkpoint/state.pt, atomically (a kill mid-write leaves the previous checkpoint)."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{STATE_NAME}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, STATE_NAME))
+    with open(os.path.join(folder, "step.json.tmp"), "w") as f:
+        json.dump({"step": state["step"]}, f)
+    os.replace(os.path.join(folder, "step.json.tmp"), os.path.join(folder, "step.json"))
+
+
+def load_checkpoint(folder: str, config: TrainDrafterConfig) -> dict[str, Any] | None:
+    path = os.path.join(folder, STATE_NAME)
+    if not os.path.isfile(path):
+        return None
+    if not config.resume:
+        raise ValueError(f"{path} exists (a training to resume); drop --no-resume to continue it, or pick another "
+                         "--out")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a damaged file: the user decides, nothing is overwritten
+        raise ValueError(f"{path} cannot be read ({e}); delete it to start over") from e
+    theirs, ours = state.get("resume_key", {}), config.resume_key()
+    diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+    if diff:
+        listed = "; ".join(f"{k}: {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in diff.items())
+        raise ValueError(f"{path} belongs to another training ({listed}); use the same settings to resume, or pick "
+                         "another --out")
+    return state
+
+
+# -- the loop -----------------------------------------------------------------------------------------------------
+
+
+class _Window:
+    """Loss and per-position counts over the last `size` steps (the progress bar's and the report's figures)."""
+
+    def __init__(self, size: int = 20) -> None:
+        self.items: deque = deque(maxlen=size)
+
+    def add(self, loss: float, correct: torch.Tensor, counted: torch.Tensor) -> None:
+        self.items.append((loss, correct.tolist(), counted.tolist()))
+
+    def figures(self) -> dict[str, Any]:
+        from training.drafters.base import StepResult
+
+        if not self.items:
+            return {"loss": None, "accuracy": [], "simulated_acceptance_length": None}
+        correct = torch.tensor([c for _, c, _ in self.items]).sum(0)
+        counted = torch.tensor([n for _, _, n in self.items]).sum(0)
+        result = StepResult(torch.tensor(0.0), correct, counted)
+        return {"loss": sum(v for v, _, _ in self.items) / len(self.items), "accuracy": result.accuracy(),
+                "simulated_acceptance_length": result.simulated_acceptance_length()}
+
+
+def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
+    """Train `config.kind` on `config.run`; the report (see the module docstring), also in OUT/report.json."""
+    from torch.utils.data import DataLoader
+
+    from training.collate import PackCollator
+    from training.drafters.base import DrafterBatch
+
+    started = time.monotonic()
+    ds, target = check_run(config)
+    cls = drafter_class(config.kind)
+    device, dtype = _device(config.device), getattr(torch, config.dtype)
+    spec = ds.run_info
+    os.makedirs(config.out, exist_ok=True)
+    ckpt_dir = os.path.join(config.out, CHECKPOINT_DIR)
+    state = load_checkpoint(ckpt_dir, config)
+
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    try:
+        drafter = cls.for_run(spec, target, config.num_speculative_tokens, **config.drafter_options())
+    except TypeError as e:  # an option the family's config does not have
+        raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
+                         ) from e
+    if state is None:
+        drafter.prepare(ds)
+    drafter.to(device, dtype)
+    target = target.to(device, dtype)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    window = _Window()
+    step, epoch, done_in_epoch, tokens = 0, 0, 0, 0
+    if state is not None:
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, epoch, done_in_epoch, tokens = state["step"], state["epoch"], state["batch_in_epoch"], state["tokens"]
+        window.items.extend(state["window"])
+        _set_rng_state(state["rng"])
+        logger.info("resuming %s from step %d (epoch %d, batch %d)", ckpt_dir, step, epoch, done_in_epoch)
+    resumed_from = step if state is not None else None
+
+    per_epoch = len(epoch_batches(ds.num_tokens, config.seed, 0, config.batch_tokens))
+    total = config.steps if config.steps is not None else max(1, math.ceil((config.epochs or 1.0) * per_epoch))
+    collate = PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate")
+
+    def checkpoint() -> None:
+        save_checkpoint(ckpt_dir, {
+            "step": step, "epoch": epoch, "batch_in_epoch": done_in_epoch, "tokens": tokens,
+            "model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(),
+            "window": list(window.items), "resume_key": config.resume_key()})
+
+    bar = None
+    if config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, desc=f"train {config.kind}", unit="step", dynamic_ncols=True)
+    drafter.train()
+    try:
+        while step < total:
+            batches = epoch_batches(ds.num_tokens, config.seed, epoch, config.batch_tokens)[done_in_epoch:]
+            loader = DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=config.num_workers)
+            for packed in loader:
+                if step >= total:
+                    break
+                batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps \
+                        else config.lr
+                result = drafter.training_step(batch, target)
+                optimizer.zero_grad(set_to_none=True)
+                result.loss.backward()
+                if config.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                optimizer.step()
+                step += 1
+                done_in_epoch += 1
+                tokens += int(batch.loss_mask.sum())
+                window.add(result.loss.item(), result.correct, result.counted)
+                if bar is not None:
+                    fig = window.figures()
+                    bar.set_postfix_str(f"loss {fig['loss']:.3f} acc "
+                                        f"{'/'.join(f'{a:.2f}' for a in fig['accuracy'])} "
+                                        f"AL {fig['simulated_acceptance_length']:.2f}")
+                    bar.update(1)
+                if step % config.checkpoint_every == 0:
+                    checkpoint()
+            else:
+                epoch, done_in_epoch = epoch + 1, 0
+    finally:
+        if bar is not None:
+            bar.close()
+    checkpoint()
+    drafter.eval()
+    verifier = os.path.abspath(config.model)
+    drafter.save_pretrained(config.out, verifier=verifier)
+    fig = window.figures()
+    report = {
+        "kind": config.kind, "run": config.run, "target": verifier, "out": os.path.abspath(config.out),
+        "steps": step, "epochs": round(step / max(1, per_epoch), 4), "tokens": tokens,
+        "resumed_from_step": resumed_from, "final_loss": fig["loss"], "accuracy_per_position": fig["accuracy"],
+        "simulated_acceptance_length": fig["simulated_acceptance_length"],
+        "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(spec.layer_ids),
+        "samples": len(ds), "wall_seconds": round(time.monotonic() - started, 3),
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "storage_options"},
+    }
+    tmp = os.path.join(config.out, f".{REPORT_NAME}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, os.path.join(config.out, REPORT_NAME))
+    return report
