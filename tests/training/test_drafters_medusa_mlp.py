@@ -161,6 +161,24 @@ def test_medusa_checkpoint_has_vllms_layout_and_reloads_identically(tmp_path, ru
     assert torch.equal(reloaded(x), drafter(x))
 
 
+def test_medusa_checkpoints_with_one_shared_lm_head_load_and_incomplete_ones_are_refused(tmp_path, run_batch, target,
+                                                                                         tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    _, run_spec = run_batch
+    make_drafter("medusa", run_spec, target, k=3).save_pretrained(str(tmp_path), verifier=tiny_llama)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    shared = {k: v for k, v in weights.items() if k not in ("lm_heads.1.weight", "lm_heads.2.weight")}
+    save_file(shared, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks tensors for .*lm_heads.1.weight"):
+        MedusaDrafter.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "original_lm_head": True}))
+    reloaded = MedusaDrafter.from_pretrained(str(tmp_path))
+    for head in reloaded.lm_heads:
+        assert torch.equal(head.weight, weights["lm_heads.0.weight"])
+
+
 @pytest.mark.parametrize("tie_weights", [False, True])
 def test_mlp_speculator_checkpoint_has_ibms_layout_and_reloads_identically(tmp_path, run_batch, target, tiny_llama,
                                                                           tie_weights):

@@ -20,7 +20,8 @@ Medusa-1 as published). Head j's loss weighs medusa_decay_coefficient ** j, as M
 
 Checkpoint: the layout vLLM's `medusa` method loads (vllm/model_executor/models/medusa.py): config.json with
 model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size, num_heads, num_hidden_layers (blocks per
-head), max_paths, topk, medusa_fc_bias; weights blocks.{i}.layers.{l}.weight/.bias [H, H]/[H] and
+head), max_paths, topk, truncated_vocab_size (= vocab_size: no token_map), medusa_fc_bias, original_lm_head (false;
+a checkpoint whose heads share lm_heads.0 loads too); weights blocks.{i}.layers.{l}.weight/.bias [H, H]/[H] and
 lm_heads.{i}.weight [V, H].
 """
 
@@ -172,6 +173,7 @@ class MedusaDrafter(Drafter):
             "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
             "num_heads": self.num_heads, "num_hidden_layers": self.config.medusa_num_layers,
             "max_paths": 64, "topk": 10, "truncated_vocab_size": self.vocab_size, "medusa_fc_bias": True,
+            "original_lm_head": False, "torch_dtype": str(self.lm_heads[0].weight.dtype).removeprefix("torch."),
             "hsx": {"kind": self.kind, "verifier": verifier, **dataclasses.asdict(self.config)},
         }
         tensors = {}
@@ -199,14 +201,15 @@ class MedusaDrafter(Drafter):
         if int(raw.get("truncated_vocab_size", drafter.vocab_size)) != drafter.vocab_size or "token_map" in tensors:
             raise ValueError(f"{model_dir} is a Medusa checkpoint with a truncated vocabulary (token_map); hsx loads "
                              "full-vocabulary heads only")
+        shared = tensors.get("lm_heads.0.weight", tensors.get("lm_head.weight")) if raw.get("original_lm_head") else None
         state = {}
         for i in range(config.medusa_num_heads):
             for layer in range(config.medusa_num_layers):
-                state[f"blocks.{i}.{layer}.linear.weight"] = tensors.pop(f"blocks.{i}.layers.{layer}.weight", None)
-                bias = tensors.pop(f"blocks.{i}.layers.{layer}.bias", None)
+                state[f"blocks.{i}.{layer}.linear.weight"] = tensors.get(f"blocks.{i}.layers.{layer}.weight")
+                bias = tensors.get(f"blocks.{i}.layers.{layer}.bias")
                 state[f"blocks.{i}.{layer}.linear.bias"] = bias if bias is not None else torch.zeros(drafter.hidden_size)
-            state[f"lm_heads.{i}.weight"] = tensors.pop(f"lm_heads.{i}.weight", None)
-        load_state(drafter, state, tensors, model_dir)
+            state[f"lm_heads.{i}.weight"] = shared if shared is not None else tensors.get(f"lm_heads.{i}.weight")
+        load_state(drafter, state, model_dir)
         return drafter
 
 
@@ -268,7 +271,7 @@ def read_tensors(model_dir: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], rest: dict, model_dir: str) -> None:
+def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_dir: str) -> None:
     """Load `state` (module names) into `module`, naming any checkpoint tensor that is missing or misshaped."""
     missing = sorted(k for k, v in state.items() if v is None)
     if missing:
@@ -294,6 +297,11 @@ class LastStates:
 
     def join(self, n: int) -> None:
         self.rows += [None] * n
+
+    def check(self, contexts: Sequence) -> None:
+        if len(contexts) != len(self.rows):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self.rows)}: the engine "
+                               "must call start/join/select for every change of its rows")
 
     def observe(self, states: Sequence[torch.Tensor]) -> None:
         if len(states) != len(self.rows):
@@ -369,6 +377,7 @@ class MedusaProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
+        self.states.check(contexts)
         rows = [b for b, k in enumerate(ks) if k > 0 and self.states.rows[b] is not None]
         drafts = [Draft([]) for _ in contexts]
         if not rows:

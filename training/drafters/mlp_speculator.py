@@ -216,6 +216,7 @@ class MLPSpeculatorDrafter(Drafter):
             "n_predict": c.n_predict,
             "top_k_tokens_per_head": list(c.top_k_tokens_per_head),
             "n_candidates": c.n_candidates, "tie_weights": c.tie_weights, "scale_input": c.scale_input,
+            "torch_dtype": str(self.head[0].weight.dtype).removeprefix("torch."),
             "hsx": {"kind": self.kind, "verifier": verifier, "targets": c.targets},
         }
         tensors = {}
@@ -248,7 +249,7 @@ class MLPSpeculatorDrafter(Drafter):
                 first = name.split(".")
                 first[1] = "1" if first[0] == "proj" else "0"
                 state[name] = state[name] if state[name] is not None else tensors.get(".".join(first))
-        load_state(drafter, state, tensors, model_dir)
+        load_state(drafter, state, model_dir)
         return drafter
 
 
@@ -277,6 +278,7 @@ class MLPSpeculatorProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
+        self.states.check(contexts)
         rows = [b for b, k in enumerate(ks) if k > 0 and self.states.rows[b] is not None]
         drafts = [Draft([]) for _ in contexts]
         if not rows:
