@@ -348,6 +348,34 @@ def build_parser() -> argparse.ArgumentParser:
                          config_file=False)
     export.set_defaults(func=_cmd_export)
 
+    # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
+    # one onto training.drafters.train.TrainDrafterConfig (cheap to import: torch loads when the command runs)
+    from training.drafters.train import DRAFTERS, TrainDrafterConfig
+
+    def _cmd_train_drafter(args: argparse.Namespace) -> int:
+        from training.drafters.train import train_drafter
+
+        config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig, required=())
+        try:
+            r = train_drafter(config)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from e
+        acc = "/".join(f"{a:.3f}" for a in r["accuracy_per_position"])
+        print(f"trained {r['kind']} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "
+              f"{r['final_loss']:.4f}, accuracy per position {acc}, simulated acceptance length "
+              f"{r['simulated_acceptance_length']:.3f}; drafter in {r['out']}, report {r['out']}/report.json")
+        return EXIT_OK
+
+    train = sub.add_parser("train-drafter", help="train an EAGLE-3, Medusa or MLPSpeculator drafter on a run",
+                           description="Train a drafter on an extraction run (OUTPUT) against its target model; "
+                                       "writes the checkpoint serving engines load (speculative_config method = "
+                                       "--kind) and report.json to --out. Re-running the same command resumes from "
+                                       "--out/checkpoint.")
+    add_config_arguments(train, TrainDrafterConfig, choices={"kind": tuple(DRAFTERS),
+                                                             "dtype": ("float32", "bfloat16", "float16")},
+                         config_file=False)
+    train.set_defaults(func=_cmd_train_drafter)
+
     from serve.cli import add_serve_parser  # hsx serve: the OpenAI-compatible service (serve/)
 
     add_serve_parser(sub)

@@ -66,10 +66,11 @@ def test_a_killed_training_resumes_where_it_stopped_and_ends_with_the_uninterrup
     killed = tmp_path / "killed"
     settings = dict(run=oracle_run[0], model=tiny_llama, out=str(killed), steps=10**6, lr=3e-3, batch_tokens=64,
                     draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
-    code = ("import json, sys; from training.drafters.train import TrainDrafterConfig, train_drafter; "
-            "train_drafter(TrainDrafterConfig(**json.loads(sys.argv[1])))")
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(settings)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = ["train-drafter", "--run", settings["run"], "--model", tiny_llama, "--out", str(killed), "--steps",
+            str(10**6), "--lr", "3e-3", "--batch-tokens", "64", "--draft-vocab-size", "48", "--checkpoint-every", "2",
+            "--device", "cpu", "--no-progress"]  # the same settings through `hsx train-drafter`
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     step_file = killed / "checkpoint" / "step.json"
     deadline = time.monotonic() + 240
     try:
@@ -145,3 +146,46 @@ def test_bad_settings_are_refused(oracle_run, tiny_llama, tmp_path):
         _config(oracle_run, tiny_llama, tmp_path, kind="eagle9")
     with pytest.raises(ValueError, match="bad family option"):
         train_drafter(_config(oracle_run, tiny_llama, tmp_path, family_options='{"no_such_option": 1}'))
+
+
+# -- hsx train-drafter --------------------------------------------------------------------------------------------
+
+
+def test_cli_trains_and_exits_0(oracle_run, tiny_llama, tmp_path, capsys):
+    from jobs.cli import main
+
+    code = main(["train-drafter", "--kind", "eagle3", "--run", oracle_run[0], "--model", tiny_llama, "--out",
+                 str(tmp_path), "--steps", "2", "--batch-tokens", "64", "--draft-vocab-size", "40", "--ttt-steps", "2",
+                 "--family-options", '{"num_layers": 2}', "--device", "cpu", "--no-progress"])
+    assert code == 0
+    assert "trained eagle3 for 2 steps" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert doc["draft_vocab_size"] == 40 and doc["transformer_layer_config"]["num_hidden_layers"] == 2
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == 2 and len(report["accuracy_per_position"]) == 2
+
+
+@pytest.mark.slow
+def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(oracle_run, tiny_llama, tmp_path):
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    write_run(str(tmp_path / "run"), random_samples(2, spec), spec)
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "train-drafter", "--run", str(tmp_path / "run"),
+                           "--model", tiny_llama, "--out", str(tmp_path / "out"), "--steps", "1", "--device", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("hsx train-drafter: error: --kind eagle3 needs layers [4]") and "--layers 1,2,4" in lines[0]
+
+
+def test_cli_usage_errors_exit_2(oracle_run, tiny_llama, tmp_path, capsys):
+    from jobs.cli import main
+
+    base = ["train-drafter", "--run", oracle_run[0], "--model", tiny_llama, "--out", str(tmp_path)]
+    for extra, message in ((["--steps", "2", "--epochs", "1"], "--steps or --epochs, not both"),
+                           (["--kind", "medusa", "--draft-vocab-size", "9"], "applies to --kind eagle3 only"),
+                           (["--family-options", "{nope"], "--family-options is not valid JSON")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *extra])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

@@ -29,9 +29,10 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +282,8 @@ def epoch_batches(num_tokens, seed: int, epoch: int, batch_tokens: int) -> list[
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -293,6 +296,8 @@ def _device(name: str) -> torch.device:
 
 
 def _rng_state() -> dict[str, Any]:
+    import torch
+
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -300,6 +305,8 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -308,6 +315,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(folder: str, state: dict[str, Any]) -> None:
     """OUT/checkpoint/state.pt, atomically (a kill mid-write leaves the previous checkpoint)."""
+    import torch
+
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{STATE_NAME}.tmp")
     with open(tmp, "wb") as f:
@@ -321,6 +330,8 @@ def save_checkpoint(folder: str, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(folder: str, config: TrainDrafterConfig) -> dict[str, Any] | None:
+    import torch
+
     path = os.path.join(folder, STATE_NAME)
     if not os.path.isfile(path):
         return None
@@ -353,6 +364,8 @@ class _Window:
         self.items.append((loss, correct.tolist(), counted.tolist()))
 
     def figures(self) -> dict[str, Any]:
+        import torch
+
         from training.drafters.base import StepResult
 
         if not self.items:
@@ -366,6 +379,7 @@ class _Window:
 
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     """Train `config.kind` on `config.run`; the report (see the module docstring), also in OUT/report.json."""
+    import torch
     from torch.utils.data import DataLoader
 
     from training.collate import PackCollator
