@@ -5,6 +5,7 @@ transformers forward, and the proposers driven by hand with the target's states.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -364,3 +365,33 @@ def test_medusa_heads_start_as_the_targets_lm_head(run_batch, target):
     logits = drafter(target.post_norm(last))  # [2, 5, V]
     torch.testing.assert_close(logits[0], target.logits(last))
     torch.testing.assert_close(logits[1], target.logits(last))
+
+
+# -- through the trainer (training/drafters/train.py) ----------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kind, tmp_path, oracle_run, tiny_llama,
+                                                                              target, runner):
+    from training.drafters.train import TrainDrafterConfig, train_drafter
+
+    out = str(tmp_path / kind)
+    report = train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=out, kind=kind, steps=6,
+                                              lr=1e-2, batch_tokens=128, progress=False, checkpoint_every=100,
+                                              family_options=OPTIONS[kind]))
+    assert report["steps"] == 6 and len(report["accuracy_per_position"]) == 3
+    trained = DRAFTERS[kind].from_pretrained(out)
+    assert trained.max_drafts == 3 and json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == kind
+    torch.manual_seed(0)  # the trainer's seed: the same initialisation, before any step
+    fresh = DRAFTERS[kind].for_run(RunSpec.from_file_spec(oracle_run[2]), target, 3, **OPTIONS[kind])
+    moved = [not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), fresh.state_dict().values())]
+    assert sum(moved) >= len(moved) // 2  # the steps trained it
+    proposer = PROPOSERS[kind](out, runner, 3)
+    assert proposer.drafter.max_drafts == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path, oracle_run, tiny_llama):
+    from training.drafters.train import TrainDrafterConfig, train_drafter
+
+    with pytest.raises(ValueError, match="bad family option"):
+        train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,
+                                         progress=False, family_options={"num_layers": 2}))
