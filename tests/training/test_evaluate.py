@@ -1,0 +1,166 @@
+"""evaluate_speculation on a tiny random Llama: none vs ngram, figures as vLLM computes them, and a losslessness
+check that passes on the engine's outputs and fails loudly on outputs that differ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from extractor.metrics import Counter, Vector
+from training.drafters.evaluate import (
+    EvalResult,
+    LossyOutputError,
+    SpecDecodeCounts,
+    check_lossless,
+    comparison_table,
+    eval_methods,
+    evaluate_speculation,
+    result_lines,
+    spec_decode_counts,
+    spec_decode_lines,
+)
+
+# repetitive prompts: the ngram proposer finds its suffix earlier in the context and drafts something
+PROMPTS = ["one two three four one two three four one two three four one two",
+           "the cat the dog the cat the dog the cat the",
+           "a b c d e a b c d e a b c"]
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+MAX_TOKENS = 12
+
+
+def oracle_outputs(model_dir: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Plain transformers greedy generate: the independent reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama):
+    return oracle_outputs(tiny_llama, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_llama, oracle):
+    return evaluate_speculation(tiny_llama, PROMPTS, {"ngram k=3": NGRAM3}, MAX_TOKENS, reference_token_ids=oracle,
+                                threads=1)
+
+
+def test_none_and_ngram_decode_the_oracles_tokens_with_vllms_figures(evaluated, oracle):
+    none, ngram = evaluated
+    assert none.method == "none" and not none.speculative  # added first: the plain reference
+    assert none.token_ids == oracle and ngram.token_ids == oracle
+    assert none.lossless and ngram.lossless
+    assert none.num_output_tokens == ngram.num_output_tokens == len(PROMPTS) * MAX_TOKENS
+    c = ngram.counts
+    assert c.num_drafts > 0 and len(c.accepted_per_pos) == 3  # the repetitive prompts did get drafted
+    assert c.num_draft_tokens <= 3 * c.num_drafts
+    assert ngram.mean_acceptance_length == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts)
+    assert ngram.acceptance_per_position == pytest.approx([n / c.num_drafts for n in c.accepted_per_pos])
+    assert sum(c.accepted_per_pos) == c.num_accepted_tokens
+    assert c.accepted_per_pos == sorted(c.accepted_per_pos, reverse=True)  # accepting token i needs 0..i-1
+    assert none.mean_acceptance_length is None and none.speedup == pytest.approx(1.0)
+    assert ngram.tokens_per_s > 0 and ngram.speedup == pytest.approx(ngram.tokens_per_s / none.tokens_per_s)
+
+
+def test_the_warm_up_is_neither_counted_nor_timed(tiny_llama, evaluated):
+    # a warm-up as long as the timed call itself (which drafts: see above) leaves the counts unchanged
+    again = evaluate_speculation(tiny_llama, PROMPTS, {"ngram k=3": NGRAM3}, MAX_TOKENS, warmup_prompts=len(PROMPTS),
+                                 warmup_tokens=MAX_TOKENS, threads=1)[1]
+    assert evaluated[1].counts.num_drafts > 0
+    assert again.counts == evaluated[1].counts
+    # two timed calls count twice one call's drafts; the median time is of one call
+    twice = evaluate_speculation(tiny_llama, PROMPTS, {"ngram k=3": NGRAM3}, MAX_TOKENS, repeats=2, threads=1)[1]
+    assert twice.counts.num_drafts == 2 * again.counts.num_drafts
+    assert twice.counts.accepted_per_pos == [2 * n for n in again.counts.accepted_per_pos]
+    assert twice.num_output_tokens == again.num_output_tokens
+
+
+def test_outputs_that_differ_from_the_reference_fail_loudly(tiny_llama, oracle, caplog):
+    tampered = [list(t) for t in oracle]
+    tampered[1][5] = (tampered[1][5] + 1) % 100
+    with pytest.raises(LossyOutputError, match=r"ngram k=3: 1 prompts differ, first prompt 1: output token 5") as e:
+        evaluate_speculation(tiny_llama, PROMPTS, {"ngram k=3": NGRAM3}, MAX_TOKENS, reference_token_ids=tampered,
+                             threads=1)
+    results = e.value.results
+    assert [r.lossless for r in results] == [False, False]
+    assert "NOT lossless" in caplog.text
+    table = "\n".join(comparison_table(results))
+    assert "**NO** (1 prompts differ)" in table
+    assert "NOT LOSSLESS" in "\n".join(result_lines(results[1]))
+
+
+def test_check_lossless_names_the_first_differing_token():
+    assert check_lossless([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) == []
+    (m,) = check_lossless([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]])
+    assert (m.prompt_index, m.position, m.expected, m.got) == (1, 1, 5, 6)
+    (m,) = check_lossless([[1, 2, 3]], [[1, 2]])  # a shorter output is a mismatch too
+    assert (m.position, m.expected, m.got) == (2, 3, None)
+    with pytest.raises(ValueError, match="2 outputs for 1 reference"):
+        check_lossless([[1]], [[1], [2]])
+
+
+def test_counts_are_read_from_get_metrics_as_vllm_names_them():
+    metrics = [Counter("vllm:prompt_tokens", {}, 10), Counter("vllm:spec_decode_num_drafts", {}, 4),
+               Counter("vllm:spec_decode_num_draft_tokens", {}, 12),
+               Counter("vllm:spec_decode_num_accepted_tokens", {}, 6),
+               Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, [3, 2, 1])]
+    c = spec_decode_counts(metrics)
+    assert c == SpecDecodeCounts(4, 12, 6, [3, 2, 1])
+    assert c.mean_acceptance_length == 2.5 and c.acceptance_per_position == [0.75, 0.5, 0.25]
+    # vLLM's examples/offline_inference/spec_decode.py prints exactly these lines
+    assert spec_decode_lines(99, c) == [
+        "-" * 50, "total_num_output_tokens: 99", "num_drafts: 4", "num_draft_tokens: 12", "num_accepted_tokens: 6",
+        "mean acceptance length: 2.50", "-" * 50, "acceptance at token 0: 0.75", "acceptance at token 1: 0.50",
+        "acceptance at token 2: 0.25"]
+
+
+def test_a_method_that_cannot_start_is_recorded_or_raised(tiny_llama, tmp_path):
+    bad = {"medusa k=3": {"method": "no-such-method", "num_speculative_tokens": 3}}
+    with pytest.raises(ValueError):
+        evaluate_speculation(tiny_llama, PROMPTS[:1], bad, 4, threads=1)
+    none, skipped = evaluate_speculation(tiny_llama, PROMPTS[:1], bad, 4, threads=1, errors="record")
+    assert none.lossless and skipped.error and "no-such-method" in skipped.error
+    assert "skipped" in "\n".join(comparison_table([none, skipped]))
+    with pytest.raises(ValueError, match="temperature"):
+        evaluate_speculation(tiny_llama, PROMPTS, {}, 4, temperature=0.7)
+
+
+def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path, capsys):
+    import argparse
+
+    from training.drafters.evaluate import add_eval_parser
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    parser = argparse.ArgumentParser()
+    add_eval_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "results.json"
+    args = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "6",
+                              "-k", "2", "--threads", "1", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "| ngram k=2 |" in printed and "mean acceptance length:" in printed
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["none", "ngram k=2"] and all(r["lossless"] for r in rows)
+    bad = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--drafter", str(tmp_path)])
+    with pytest.raises(ValueError, match="no config.json"):
+        bad.func(bad)
+
+
+def test_eval_methods_lists_none_ngram_and_each_drafter_per_k():
+    methods = eval_methods([("eagle3 (h)", "eagle3", "/d")], [3, 5])
+    assert list(methods) == ["none", "ngram k=3", "eagle3 (h) k=3", "ngram k=5", "eagle3 (h) k=5"]
+    assert methods["eagle3 (h) k=5"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert EvalResult("x", None).mean_acceptance_length is None

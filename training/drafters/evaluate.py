@@ -1,0 +1,436 @@
+"""Measure drafters on a target: greedy decoding per speculative method, acceptance, tokens/s, losslessness.
+
+    evaluate_speculation(target, prompts, methods, max_tokens) -> [EvalResult]
+        methods: {name: speculative_config dict, or None for plain decoding}. Each method decodes the same prompts
+        greedily with extractor.LLM(model=target, speculative_config=cfg): a warm-up, then `repeats` timed
+        generate() calls, methods interleaved (so a noisy shared CPU slows them alike), median wall time.
+        Every output is compared token for token with the reference (plain decoding, or `reference_token_ids`
+        from an oracle): speculation must be lossless under greedy decoding; a mismatch is logged as an error,
+        marked on the result and, with strict=True, raised as LossyOutputError after all methods ran.
+    check_lossless(reference, outputs, name) -> [Mismatch]    the comparison itself
+    spec_decode_lines(result) -> [str]    the lines vLLM's examples/offline_inference/spec_decode.py prints
+    comparison_table(results) -> [str]    method | AL | acceptance per position | tokens/s | speedup | lossless
+    spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics()
+    infer_method(drafter_dir)             eagle3 / medusa / mlp_speculator from a drafter checkpoint's config.json
+
+    hsx eval-drafter (add_eval_parser / run_eval; jobs/cli.py registers them)
+
+Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
+token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
+and after the timed calls, so the warm-up does not count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NONE_METHOD = "none"
+_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class SpecDecodeCounts:
+    """vLLM's speculative-decoding counters (sums over get_metrics())."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
+               for i, a in enumerate(self.accepted_per_pos)]
+        return SpecDecodeCounts(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
+                                self.num_accepted_tokens - other.num_accepted_tokens, pos)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_pos]
+
+
+def spec_decode_counts(metrics) -> SpecDecodeCounts:
+    """Sum vLLM's spec_decode counters (Counter `.value`) and the per-position vector (Vector `.values`)."""
+    out = SpecDecodeCounts()
+    for m in metrics:
+        if m.name in _COUNTERS:
+            setattr(out, _COUNTERS[m.name], getattr(out, _COUNTERS[m.name]) + int(m.value))
+        elif m.name == _PER_POS:
+            values = list(m.values)
+            if len(out.accepted_per_pos) < len(values):
+                out.accepted_per_pos += [0] * (len(values) - len(out.accepted_per_pos))
+            for i, v in enumerate(values):
+                out.accepted_per_pos[i] += int(v)
+    return out
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One prompt whose output differs from the reference."""
+
+    prompt_index: int
+    position: int
+    """First differing output position (or the shorter length when one output is a prefix of the other)."""
+    expected: int | None
+    got: int | None
+
+    def __str__(self) -> str:
+        return (f"prompt {self.prompt_index}: output token {self.position} is {self.got} where the reference has "
+                f"{self.expected}")
+
+
+class LossyOutputError(AssertionError):
+    """Greedy speculative decoding produced tokens plain greedy decoding does not: the engine or proposer is wrong."""
+
+    def __init__(self, message: str, results: list[EvalResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def check_lossless(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], name: str = "method"
+                   ) -> list[Mismatch]:
+    """Every prompt's output token ids equal to the reference's; the mismatches, each at its first differing token."""
+    if len(reference) != len(outputs):
+        raise ValueError(f"{name}: {len(outputs)} outputs for {len(reference)} reference outputs")
+    mismatches = []
+    for i, (ref, got) in enumerate(zip(reference, outputs)):
+        ref, got = list(ref), list(got)
+        if ref == got:
+            continue
+        pos = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        mismatches.append(Mismatch(i, pos, ref[pos] if pos < len(ref) else None, got[pos] if pos < len(got) else None))
+    return mismatches
+
+
+@dataclass
+class EvalResult:
+    """One method's figures over the evaluation prompts."""
+
+    method: str
+    speculative_config: dict[str, Any] | None
+    num_prompts: int = 0
+    num_output_tokens: int = 0
+    """Tokens generated over all prompts in one timed call."""
+    seconds: float = 0.0
+    """Median wall time of one timed generate() over all prompts."""
+    counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    """Counters over the timed calls (warm-up excluded)."""
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    """Each prompt's output token ids."""
+    mismatches: list[Mismatch] = field(default_factory=list)
+    """Prompts whose output differs from the reference (empty = lossless)."""
+    speedup: float | None = None
+    """tokens/s over the plain-decoding method's tokens/s."""
+    error: str | None = None
+    """Why the method could not run (only with errors="record"); no figures then."""
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_config is not None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return self.counts.mean_acceptance_length if self.speculative and not self.error else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return self.counts.acceptance_per_position if self.speculative else []
+
+    @property
+    def lossless(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "speculative_config": self.speculative_config, "error": self.error,
+                "num_prompts": self.num_prompts, "num_output_tokens": self.num_output_tokens,
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "acceptance_per_position": self.acceptance_per_position, "num_drafts": self.counts.num_drafts,
+                "num_draft_tokens": self.counts.num_draft_tokens,
+                "num_accepted_tokens": self.counts.num_accepted_tokens,
+                "lossless": self.lossless, "mismatches": [str(m) for m in self.mismatches[:10]]}
+
+
+def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, Any]],
+                         methods: Mapping[str, Mapping[str, Any] | None], max_tokens: int, temperature: float = 0.0,
+                         *, repeats: int = 1, warmup_prompts: int = 2, warmup_tokens: int = 8, ignore_eos: bool = True,
+                         reference_token_ids: Sequence[Sequence[int]] | None = None, device: str | None = None,
+                         threads: int | None = None, strict: bool = True, errors: str = "raise",
+                         progress: bool = False) -> list[EvalResult]:
+    """Decode `prompts` with every method; figures per method, outputs checked against the reference.
+
+    The reference is `reference_token_ids` when given (e.g. transformers generate's), else the method whose config is
+    None (a "none" method is added first when `methods` has none). Greedy only: `temperature` must be 0, where
+    speculation is exactly lossless. The warm-up decodes warmup_prompts prompts x warmup_tokens tokens per method,
+    uncounted and untimed. ignore_eos (default) makes every method generate max_tokens per prompt.
+    errors="record" keeps going when a method's engine cannot be built (its result carries `error`).
+    """
+    import torch
+
+    from extractor import LLM, SamplingParams
+
+    if temperature != 0:
+        raise ValueError(f"temperature={temperature}: the evaluation decodes greedily (temperature 0), where "
+                         "speculative decoding must reproduce plain decoding token for token")
+    if not prompts:
+        raise ValueError("no prompts to evaluate on")
+    if max_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_tokens ({max_tokens}) and repeats ({repeats}) must be >= 1")
+    if errors not in ("raise", "record"):
+        raise ValueError(f"errors={errors!r}: use 'raise' or 'record'")
+    methods = dict(methods)
+    if not any(cfg is None for cfg in methods.values()):
+        methods = {NONE_METHOD: None, **methods}
+    prompts = list(prompts)
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        results: dict[str, EvalResult] = {}
+        engines: dict[str, Any] = {}
+        for name, cfg in methods.items():
+            results[name] = EvalResult(name, dict(cfg) if cfg is not None else None, num_prompts=len(prompts))
+            try:
+                engines[name] = LLM(model=target_path, speculative_config=cfg, device=device)
+            except Exception as e:  # noqa: BLE001 - recorded for the report when asked to, else re-raised
+                if errors == "raise":
+                    raise
+                results[name].error = f"{type(e).__name__}: {e}"
+                logger.warning("method %s skipped: %s", name, results[name].error)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        warm = SamplingParams(temperature=0.0, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=ignore_eos)
+        for llm in engines.values():
+            llm.generate(prompts[:max(1, warmup_prompts)], warm)
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        before = {name: spec_decode_counts(llm.get_metrics()) for name, llm in engines.items()}
+        names = list(engines)
+        for rep in range(repeats):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                t0 = time.perf_counter()
+                outs = engines[name].generate(prompts, sp, use_tqdm=progress)
+                times[name].append(time.perf_counter() - t0)
+                failed = [o.error for o in outs if o.error]
+                if failed:
+                    raise RuntimeError(f"method {name}: {len(failed)} of {len(outs)} requests failed, first: "
+                                       f"{failed[0]}")
+                results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        for name, llm in engines.items():
+            r = results[name]
+            r.counts = spec_decode_counts(llm.get_metrics()) - before[name]
+            r.seconds = statistics.median(times[name])
+            r.num_output_tokens = sum(len(t) for t in r.token_ids)
+            llm.shutdown()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    plain = next((results[n] for n, cfg in methods.items() if cfg is None and n in engines), None)
+    reference = reference_token_ids if reference_token_ids is not None else (plain.token_ids if plain else None)
+    for r in results.values():
+        if r.error is None and reference is not None:
+            r.mismatches = check_lossless(reference, r.token_ids, r.method)
+            if r.mismatches:
+                logger.error("method %s is NOT lossless: %d of %d prompts differ from the reference; first: %s",
+                             r.method, len(r.mismatches), len(prompts), r.mismatches[0])
+        if r.error is None and plain is not None and plain.tokens_per_s:
+            r.speedup = r.tokens_per_s / plain.tokens_per_s
+    out = list(results.values())
+    lossy = [r for r in out if r.mismatches]
+    if strict and lossy:
+        detail = "; ".join(f"{r.method}: {len(r.mismatches)} prompts differ, first {r.mismatches[0]}" for r in lossy)
+        raise LossyOutputError(f"greedy outputs differ from the reference ({detail}); speculative decoding must be "
+                               "lossless, so the engine or the proposer is wrong", out)
+    return out
+
+
+# -- printing -------------------------------------------------------------------------------------------------------
+
+
+def spec_decode_lines(total_num_output_tokens: int, counts: SpecDecodeCounts) -> list[str]:
+    """The lines vLLM's examples/offline_inference/spec_decode.py prints after generating."""
+    drafts = counts.num_drafts
+    lines = ["-" * 50,
+             f"total_num_output_tokens: {total_num_output_tokens}",
+             f"num_drafts: {drafts}",
+             f"num_draft_tokens: {counts.num_draft_tokens}",
+             f"num_accepted_tokens: {counts.num_accepted_tokens}",
+             f"mean acceptance length: {counts.mean_acceptance_length:.2f}",
+             "-" * 50]
+    lines += [f"acceptance at token {i}: {a:.2f}" for i, a in enumerate(counts.acceptance_per_position)]
+    return lines
+
+
+def result_lines(result: EvalResult) -> list[str]:
+    """A method's block: its name, then spec_decode.py's lines (speculative methods) and its throughput."""
+    head = f"== {result.method}" + (f" {json.dumps(result.speculative_config)}" if result.speculative else "")
+    if result.error:
+        return [head, f"skipped: {result.error}"]
+    lines = [head]
+    if result.speculative:
+        lines += spec_decode_lines(result.num_output_tokens, result.counts)
+    lines.append(f"tokens/s: {result.tokens_per_s:.1f} ({result.num_output_tokens} tokens in {result.seconds:.2f} s)"
+                 + ("" if result.lossless else f"  NOT LOSSLESS: {len(result.mismatches)} prompts differ"))
+    return lines
+
+
+def comparison_table(results: Sequence[EvalResult]) -> list[str]:
+    """A Markdown table: method | mean acceptance length | acceptance per position | tokens/s | speedup | lossless."""
+    lines = ["| method | mean acceptance length | acceptance per position | tokens/s | speedup vs none | lossless |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.method} | skipped: {r.error.splitlines()[0][:80]} | | | | |")
+            continue
+        al = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+        pos = " / ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-"
+        speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+        lossless = "yes" if r.lossless else f"**NO** ({len(r.mismatches)} prompts differ)"
+        lines.append(f"| {r.method} | {al} | {pos} | {r.tokens_per_s:.1f} | {speedup} | {lossless} |")
+    return lines
+
+
+# -- drafter checkpoints --------------------------------------------------------------------------------------------
+
+DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")
+
+
+def infer_method(drafter_dir: str) -> str:
+    """The speculative method of a drafter checkpoint, from its config.json (as vLLM infers it)."""
+    path = os.path.join(drafter_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{drafter_dir!r} holds no config.json; pass a drafter checkpoint folder "
+                         "(hsx train-drafter --out DIR)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-save the drafter checkpoint") from None
+    kind = config.get("speculators_model_type") or config.get("model_type")
+    if kind in DRAFTER_METHODS:
+        return kind
+    raise ValueError(f"cannot tell the method of the drafter in {drafter_dir!r} (speculators_model_type / model_type "
+                     f"{kind!r}); name it: --drafter METHOD:DIR with METHOD one of {', '.join(DRAFTER_METHODS)}")
+
+
+def load_prompts(path: str, limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL file, one {"prompt": text} object a line."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: expected an object with a string 'prompt'")
+            prompts.append(row["prompt"])
+            if limit is not None and len(prompts) == limit:
+                break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+# -- hsx eval-drafter -----------------------------------------------------------------------------------------------
+
+
+def add_eval_parser(subparsers) -> Any:
+    """Register `hsx eval-drafter` on the CLI's subparsers; returns the parser (its func is run_eval)."""
+    p = subparsers.add_parser(
+        "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
+        description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
+                    "print vLLM's spec_decode.py lines per method and a comparison table; fail (exit 1) when any "
+                    "speculative output differs from plain greedy decoding.")
+    p.add_argument("--model", default=None,
+                   help="target folder (default: the locally trained reference target, built and cached on first use)")
+    p.add_argument("--drafter", action="append", default=[], metavar="[METHOD:]DIR",
+                   help="a drafter checkpoint; METHOD (eagle3, medusa, mlp_speculator) is read from its config.json "
+                        "when omitted; repeatable")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3], metavar="K",
+                   help="draft lengths to evaluate (e.g. 3 5)")
+    p.add_argument("--no-ngram", action="store_true", help="leave out the ngram baseline")
+    p.add_argument("--prompts", default=None, metavar="JSONL",
+                   help='prompts, one {"prompt": ...} a line (default: the target folder\'s heldout_prompts.jsonl)')
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ngram: bool = True
+                 ) -> dict[str, dict[str, Any] | None]:
+    """none, ngram k (prompt_lookup 2..5, as vLLM's example), each (name, method, dir) drafter at each k."""
+    methods: dict[str, dict[str, Any] | None] = {NONE_METHOD: None}
+    for k in ks:
+        if ngram:
+            methods[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5,
+                                       "prompt_lookup_min": 2}
+        for name, method, path in drafters:
+            methods[f"{name} k={k}"] = {"method": method, "model": path, "num_speculative_tokens": k}
+    return methods
+
+
+def run_eval(args) -> int:
+    """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not; bad arguments raise ValueError."""
+    if any(k < 1 for k in args.num_speculative_tokens):
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--num-prompts and --max-tokens must be >= 1")
+    drafters = []
+    for spec in args.drafter:
+        method, sep, path = spec.partition(":")
+        if not sep or method not in DRAFTER_METHODS:
+            method, path = infer_method(spec), spec
+        if not os.path.isdir(path):
+            raise ValueError(f"--drafter {spec}: {path!r} is not a folder")
+        drafters.append((f"{method} ({os.path.basename(os.path.normpath(path))})", method, path))
+    model = args.model
+    if model is None:
+        from training.reference_target import build_reference_target
+
+        model = build_reference_target().path
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is not a local folder (hsx never downloads models)")
+    prompts_path = args.prompts or os.path.join(model, "heldout_prompts.jsonl")
+    if not os.path.isfile(prompts_path):
+        raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
+    prompts = load_prompts(prompts_path, args.num_prompts)
+    results = evaluate_speculation(model, prompts, eval_methods(drafters, args.num_speculative_tokens,
+                                                                not args.no_ngram),
+                                   args.max_tokens, repeats=args.repeats, threads=args.threads, device=args.device,
+                                   strict=False, errors="record")
+    for r in results:
+        print("\n".join(result_lines(r)))
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, target {model}")
+    print("\n".join(comparison_table(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=2)
+    lossy = [r.method for r in results if not r.lossless]
+    if lossy:
+        print(f"hsx eval-drafter: NOT LOSSLESS: {', '.join(lossy)} differ from plain greedy decoding")
+        return 1
+    return 0
