@@ -105,6 +105,14 @@ def _llama_config_for(target_dir: str, hidden_size: int, vocab_size: int, config
     return LlamaConfig(**kw)
 
 
+def _shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x [R, S, ...] -> out[:, t] = x[:, t + shift], zeros past the end."""
+    out = torch.zeros_like(x)
+    if shift < x.shape[1]:
+        out[:, :x.shape[1] - shift] = x[:, shift:]
+    return out
+
+
 def _attention_ready(layer_config):
     layer_config._attn_implementation = "sdpa"
     return layer_config
@@ -275,27 +283,35 @@ class Eagle3Drafter(Drafter):
         causal = (ar[:, None] >= ar[None, :])[None] & (document_ids[:, :, None] == document_ids[:, None, :])
         return torch.cat([causal | eye] + [eye] * step, dim=-1)[:, None]
 
-    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The test-time-training unroll: aux [R, S, A, H] (aux states of x_t), input_ids / position_ids /
+        document_ids [R, S] -> per step s, logits [R, S, D] of chain t's draft s (it predicts x_{t+2+s})."""
         from transformers import DynamicCache
 
-        dtype = self.fc.weight.dtype
+        hidden = self.fuse(aux.to(self.fc.weight.dtype))  # [R, S, H]
+        cache = DynamicCache()
+        out = []
+        for s in range(steps):
+            ids = _shift_left(input_ids, 1 + s)  # [R, S] x_{t+1+s}
+            hidden = self.decode(ids, hidden, position_ids + s, self.ttt_mask(document_ids, s), cache)
+            out.append(self.logits(hidden))
+        return out
+
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         n = max(batch.layer_ids)
-        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2).to(dtype)  # [R, S, A, H]
+        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         with torch.no_grad():
             t_logits = target.logits(batch.layer(n)).float()  # [R, S, V]: position t predicts x_{t+1}
             greedy = t_logits.argmax(-1)  # [R, S] the target's token
             teacher = F.softmax(t_logits[..., self.draft_ids], dim=-1)  # [R, S, D] on the draft vocabulary
         del t_logits
-        hidden = self.fuse(aux)  # [R, S, H]
-        cache = DynamicCache()
         steps = self.config.ttt_steps
-        loss = hidden.new_zeros((), dtype=torch.float32)
+        loss = torch.zeros((), dtype=torch.float32, device=aux.device)
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
-        for s in range(steps):
-            ids = batch.shifted(batch.input_ids, 1 + s)  # [R, S] x_{t+1+s}
-            hidden = self.decode(ids, hidden, batch.position_ids + s, self.ttt_mask(batch.document_ids, s), cache)
-            logp = F.log_softmax(self.logits(hidden).float(), dim=-1)  # [R, S, D] predicts x_{t+2+s}
+        for s, logits in enumerate(self.unroll(aux, batch.input_ids, batch.position_ids, batch.document_ids, steps)):
+            logp = F.log_softmax(logits.float(), dim=-1)  # [R, S, D] predicts x_{t+2+s}
             valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # [R, S]
             p = batch.shifted(teacher, 1 + s)  # [R, S, D] the target's distribution of x_{t+2+s}
             ce = -(p * logp).sum(-1)  # [R, S]
