@@ -1,0 +1,257 @@
+"""`Ingress`: the FastAPI app behind Ray Serve's HTTP proxy — vLLM's OpenAI routes, guarded, in front of the engines.
+
+    POST /v1/completions        prompt: text, token ids, or a list of either -> one engine prompt each
+    POST /v1/chat/completions   messages -> the chat template (on the engine replica) -> one engine prompt
+    GET  /v1/models             the served model
+    GET  /metrics               Prometheus text (serve.metrics)
+    GET  /health                200 while serving, 503 while draining; the only route without the API key
+
+Every route but /health checks `Authorization: Bearer <key>` (hmac.compare_digest) when a key is set; bodies are read
+up to --max-body-bytes; bad JSON or wrong types give 400 naming the field (serve.protocol); a full queue (Ray Serve's
+max_queued_requests on the engine handle raises BackPressureError) gives 503 with Retry-After; a replica lost
+mid-request gives 503. A request answers only once every file it names is durable; one that fails answers nothing
+and leaves no file (the other prompts' files of a failed list request are removed). `drain()` (called on SIGTERM by
+serve.server) refuses new requests and waits for those in flight.
+"""
+
+# no `from __future__ import annotations`: Serve rebuilds the route signatures and needs real annotations
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.config import ServeConfig
+from serve.engine import EngineReply, PromptRequest
+from serve.metrics import ServeMetrics
+from serve.protocol import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    chat_response,
+    completion_response,
+    models_response,
+    parse_body,
+)
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="hsx serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods, as OpenAI error objects."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    if exc.status_code == 404:
+        message += "; routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /metrics, /health"
+    err = APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else "method_not_allowed")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+@serve.ingress(app)
+class Ingress:
+    """A Serve deployment class (wrapped by serve.deployment in serve.server); `engine` is the Engine handle."""
+
+    def __init__(self, engine, config: ServeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServeMetrics()
+        self._key = config.api_key.encode() if config.api_key else None
+        self._in_flight = 0
+        self._draining = False
+        self._info: dict[str, Any] | None = None
+
+    # -- routes ---------------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        if self._draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self._serve(request, "models", self._models)
+
+    @app.get("/metrics")
+    async def metrics_text(self, request: Request) -> Response:
+        async def text(_: Request) -> Response:
+            return Response(self.metrics.text(), media_type=self.metrics.content_type)
+
+        return await self._serve(request, "metrics", text)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions", self._completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat", self._chat)
+
+    # -- lifecycle (called through the app's handle) ---------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (503), wait up to timeout_s for those in flight; returns how many are still running."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._in_flight
+
+    # -- guard ----------------------------------------------------------------------------------------------------
+    async def _serve(self, request: Request, endpoint: str, handler: Callable[[Request], Awaitable[Response]]
+                     ) -> Response:
+        start = time.perf_counter()
+        status = 500
+        try:
+            self._authorize(request)
+            if self._draining:
+                raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                               headers={"Retry-After": str(self.config.retry_after_s)})
+            self._in_flight += 1
+            try:
+                response = await handler(request)
+            finally:
+                self._in_flight -= 1
+            status = response.status_code
+            return response
+        except APIError as e:
+            status = e.status
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except asyncio.CancelledError:
+            status = 499  # the client went away; the engine removes what it wrote for it
+            raise
+        except Exception as e:
+            logger.exception("%s failed", endpoint)
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+            return JSONResponse(err.body(), status_code=500)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if endpoint in ("completions", "chat") and status == 200:
+                self.metrics.request_seconds.observe(time.perf_counter() - start)
+
+    def _authorize(self, request: Request) -> None:
+        if self._key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with (--api-key / $HSX_API_KEY)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = APIError(400, f"the request body is larger than the limit of {limit} bytes (--max-body-bytes); send "
+                                "fewer or shorter prompts per request", code="body_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # -- handlers -------------------------------------------------------------------------------------------------
+    async def _models(self, _: Request) -> Response:
+        if self._info is None:
+            self._info = await self.engine.info.remote()
+        return JSONResponse(models_response(self.config.model_name, self._info["max_model_len"]))
+
+    async def _completions(self, request: Request) -> Response:
+        body: CompletionBody = parse_body(CompletionBody, await self._read(request))
+        self._check_model(body.model)
+        prompts = body.prompts()
+        if len(prompts) > self.config.max_prompts_per_request:
+            raise APIError(400, f"{len(prompts)} prompts in one request, more than the limit of "
+                                f"{self.config.max_prompts_per_request} (--max-prompts-per-request)", param="prompt",
+                           code="too_many_prompts")
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"  # not 32 hex: the file keeps the id as its name
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+        if len(prompts) > 1 and kv.get("hidden_states_path"):
+            raise APIError(400, "kv_transfer_params.hidden_states_path names one file, but the request has "
+                                f"{len(prompts)} prompts; send one prompt per request with a custom path",
+                           param="kv_transfer_params.hidden_states_path", code="invalid_value")
+        requests = [PromptRequest(i, **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}),
+                                  max_tokens=body.max_tokens, **body.sampling(), kv_transfer_params=kv)
+                    for i, p in zip(ids, prompts)]
+        replies = await self._extract(requests)
+        return JSONResponse(completion_response(rid, self.config.model_name, replies, body.return_token_ids))
+
+    async def _chat(self, request: Request) -> Response:
+        body: ChatBody = parse_body(ChatBody, await self._read(request))
+        self._check_model(body.model)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+        req = PromptRequest(rid, messages=[m.template_dict() for m in body.messages],
+                            add_generation_prompt=body.add_generation_prompt,
+                            continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                            chat_template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit,
+                            **body.sampling(), kv_transfer_params=kv)
+        (reply,) = await self._extract([req])
+        return JSONResponse(chat_response(rid, self.config.model_name, reply, body.return_token_ids))
+
+    async def _extract(self, requests: list[PromptRequest]) -> list[EngineReply]:
+        """Every prompt through the engine replicas; all succeed or the request fails and keeps no file."""
+        self.metrics.queue_depth.inc(len(requests))
+        try:
+            results = await asyncio.gather(*(self._one(r) for r in requests), return_exceptions=True)
+        finally:
+            self.metrics.queue_depth.dec(len(requests))
+        for r in results:
+            if isinstance(r, EngineReply):
+                self.metrics.observe_reply(r)
+        failure = next((r for r in results if not isinstance(r, EngineReply)), None)
+        if failure is None:
+            failure = next((APIError(r.status, r.message, param=r.param, code=r.code) for r in results if not r.ok),
+                           None)
+        if failure is None:
+            return results
+        for r in results:  # all or nothing: the other prompts' files go
+            if isinstance(r, EngineReply) and r.ok:
+                self._discard(r.path)
+        raise failure  # an APIError, or anything else: _serve answers 500
+
+    async def _one(self, request: PromptRequest) -> EngineReply:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        try:
+            return await self.engine.extract.remote(request)
+        except BackPressureError:
+            raise APIError(503, f"the server is at capacity ({self.config.max_queued_requests} prompts queued, "
+                                "--max-queued-requests); retry after a moment", code="queue_full",
+                           headers=retry) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError) as e:
+            logger.warning("request %s: engine replica lost: %s", request.request_id, e)
+            raise APIError(503, "the engine replica serving this request was lost before the file was durable; "
+                                "nothing was acknowledged, retry the request", code="replica_lost",
+                           headers=retry) from None
+
+    def _discard(self, path: str | None) -> None:
+        from connectors import cleanup_hidden_states
+
+        if path is None:
+            return
+        try:
+            cleanup_hidden_states(path, storage_options=self.config.storage_options)
+            self.metrics.files_discarded.labels("request_failed").inc()
+        except OSError as e:
+            logger.warning("could not remove %s of a failed request: %s", path, e)
+

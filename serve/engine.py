@@ -1,0 +1,301 @@
+"""`Engine`: one Ray Serve replica holding one `extractor.LLM`, gathering concurrent prompts into engine batches.
+
+    PromptRequest       one prompt as the ingress sends it: text, token ids or chat messages, sampling, kv params
+    EngineReply         what comes back: token ids, text, the durable file's path, or an error (status + message)
+    Engine.extract(r)   validate and tokenize on the event loop (400/403 before anything runs), then
+                        Engine._run_batch: Ray Serve's @serve.batch gathers up to max_num_seqs prompts for
+                        batch_wait_timeout_s, one LLM.generate runs them (on a worker thread) and returns once every
+                        file is durable
+    Engine.info()       model name, max_model_len, layer ids (for /v1/models)
+
+A caller that goes away (client disconnect, timeout) cancels its `extract`: a prompt still waiting leaves the batch
+before it runs (Ray Serve drops cancelled requests); one already running cannot be stopped mid-batch (the engine has
+no abort hook), so its file is removed as soon as the batch returns — no file is left for a request nobody answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+from serve.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRequest:
+    """One prompt for the engine. Exactly one of prompt (text), prompt_token_ids, messages is set."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_tokens: int | None = 16
+    """None = the rest of max_model_len (chat's default, as vLLM)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineReply:
+    request_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    path: str | None = None
+    """The durable file (None on error)."""
+    status: int = 200
+    message: str | None = None
+    param: str | None = None
+    code: str | None = None
+    batch_size: int = 0
+    first_in_batch: bool = False
+    """Exactly one reply per batch says so (the ingress counts batches by it)."""
+    batch_seconds: float = 0.0
+    """The engine call this prompt ran in: compute plus durable writes."""
+    bytes_written: int = 0
+    replica: str = ""
+    discarded: int = 0
+    """Files this replica has removed so far because their clients went away (cumulative)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+@dataclass
+class _Item:
+    """A prompt admitted to the batch queue; shared by the waiting caller and the batch (same process)."""
+
+    request: PromptRequest
+    prompt_token_ids: list[int]
+    prompt_text: str | None
+    params: Any  # extractor.SamplingParams
+    abandoned: bool = False
+    reply: EngineReply | None = None
+
+
+class _Rejected(Exception):
+    def __init__(self, status: int, message: str, param: str | None, code: str) -> None:
+        super().__init__(message)
+        self.reply_fields = {"status": status, "message": message, "param": param, "code": code}
+
+
+class Engine:
+    """A Serve deployment class (wrapped by serve.deployment in serve.server)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        import torch
+
+        from connectors import storage
+        from connectors.paths import PathPolicy
+        from extractor import LLM
+
+        self.config = config
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.llm = LLM.from_config(config.engine_config(device), config.kv_transfer_config())
+        self.tokenizer = copy.deepcopy(self.llm.tokenizer)  # the event loop's own: the engine thread decodes with its
+        self.max_model_len = self.llm.runner.max_model_len
+        self.vocab_size = self.llm.runner.vocab_size
+        self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
+        self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
+        self._fs, _ = storage.open_url(config.output, config.storage_options)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-engine")
+        self._run_batch.set_max_batch_size(config.max_num_seqs)
+        self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self._batches = itertools.count()
+        self._discarded = 0
+        try:
+            self._replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # built outside Serve (a unit test of the class)
+            self._replica = "local"
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.config.model_name, "max_model_len": self.max_model_len,
+                "layer_ids": list(self.llm.spec.layer_ids), "dtype": self.llm.spec.dtype}
+
+    async def extract(self, request: PromptRequest) -> EngineReply:
+        try:
+            item = self._admit(request)
+        except _Rejected as e:
+            return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
+                               discarded=self._discarded)
+        try:
+            return await self._run_batch(item)
+        except asyncio.CancelledError:
+            item.abandoned = True  # a batch still running removes the file when it returns
+            if item.reply is not None:
+                self._discard(item.reply)
+            raise
+
+    # -- admission: every user error answered here, before anything runs or is written -----------------------------
+    def _admit(self, r: PromptRequest) -> _Item:
+        from connectors.paths import PathRejected
+        from extractor import SamplingParams
+
+        text = r.prompt
+        if r.messages is not None:
+            ids, text = self._apply_chat_template(r)
+        elif r.prompt_token_ids is not None:
+            ids = list(r.prompt_token_ids)
+        else:
+            ids = list(self.tokenizer(r.prompt).input_ids)
+        param = "messages" if r.messages is not None else "prompt"
+        if not ids:
+            raise _Rejected(400, "the prompt is empty (0 tokens); nothing to extract", param, "empty_prompt")
+        if len(ids) > self.max_prompt_tokens:
+            raise _Rejected(400, f"the prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens} "
+                                 "(--max-prompt-tokens / --max-model-len); shorten it", param, "prompt_too_long")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise _Rejected(400, f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                            param, "invalid_token_ids")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if r.max_tokens is None else r.max_tokens
+        if max_tokens > 0 and room <= 0:
+            raise _Rejected(400, f"the prompt has {len(ids)} tokens, leaving no room to generate within "
+                                 f"max_model_len={self.max_model_len}; send max_tokens=0 (prompt only) or a shorter "
+                                 "prompt", "max_tokens", "prompt_too_long")
+        if max_tokens > room:
+            raise _Rejected(400, f"max_tokens={max_tokens} with a {len(ids)}-token prompt exceeds max_model_len="
+                                 f"{self.max_model_len}; ask for at most {room}", "max_tokens", "max_tokens_too_large")
+        bad = [t for t in r.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise _Rejected(400, f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                            "stop_token_ids", "invalid_token_ids")
+        kv = dict(r.kv_transfer_params)
+        custom = kv.get("hidden_states_path")
+        if custom is not None:
+            try:
+                self._paths.locate(custom)
+            except PathRejected as e:
+                raise _Rejected(403, f"{e}; nothing was written", "kv_transfer_params.hidden_states_path",
+                                "path_not_allowed") from None
+        sampling = {k: v for k, v in (("temperature", r.temperature), ("top_p", r.top_p), ("top_k", r.top_k))
+                    if v is not None}
+        try:
+            params = SamplingParams(max_tokens=max_tokens, seed=r.seed, stop_token_ids=list(r.stop_token_ids),
+                                    ignore_eos=r.ignore_eos, extra_args={"kv_transfer_params": kv}, **sampling)
+        except (ValueError, TypeError) as e:
+            raise _Rejected(400, str(e), None, "invalid_value") from None
+        return _Item(r, ids, text, params)
+
+    def _apply_chat_template(self, r: PromptRequest) -> tuple[list[int], str]:
+        if r.add_generation_prompt and r.continue_final_message:
+            raise _Rejected(400, "add_generation_prompt and continue_final_message cannot both be true; set "
+                                 "add_generation_prompt=false to continue the last message", "continue_final_message",
+                            "invalid_value")
+        if r.continue_final_message and r.messages[-1].get("role") != "assistant":
+            raise _Rejected(400, "continue_final_message needs the last message to be the assistant's",
+                            "continue_final_message", "invalid_value")
+        try:
+            out = self.tokenizer.apply_chat_template(
+                r.messages, chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
+                continue_final_message=r.continue_final_message, tokenize=True, return_dict=True,
+                **(r.chat_template_kwargs or {}))
+        except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs: all the caller's input
+            raise _Rejected(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                            "messages", "chat_template_error") from None
+        ids = list(out["input_ids"])
+        return ids, self.tokenizer.decode(ids)
+
+    # -- the batch ------------------------------------------------------------------------------------------------
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)  # reset from the config in __init__
+    async def _run_batch(self, items: list[_Item]) -> list[EngineReply]:
+        loop = asyncio.get_running_loop()
+        replies = await loop.run_in_executor(self._executor, self._generate, items)
+        for item, reply in zip(items, replies):
+            item.reply = reply
+            if item.abandoned:
+                self._discard(reply)
+        for reply in replies:
+            reply.replica, reply.discarded = self._replica, self._discarded
+        return replies
+
+    def _generate(self, items: list[_Item]) -> list[EngineReply]:
+        """On the engine thread: one LLM.generate over the batch; returns once every file is durable."""
+        from connectors import storage
+
+        start = time.perf_counter()
+        prompts = [{"prompt_token_ids": i.prompt_token_ids, "prompt": i.prompt_text} for i in items]
+        outputs = self.llm.generate(prompts, [i.params for i in items],
+                                    request_ids=[i.request.request_id for i in items])
+        seconds = time.perf_counter() - start
+        batch = next(self._batches)
+        replies = []
+        for n, (item, out) in enumerate(zip(items, outputs)):
+            reply = EngineReply(item.request.request_id, list(out.prompt_token_ids), batch_size=len(items),
+                                first_in_batch=n == 0, batch_seconds=seconds)
+            if out.error is not None:
+                status, code = _classify(out.error)
+                reply.status, reply.message, reply.code = status, out.error, code
+            else:
+                completion = out.outputs[0]
+                reply.token_ids, reply.text = list(completion.token_ids), completion.text
+                reply.finish_reason = completion.finish_reason
+                reply.path = out.kv_transfer_params["hidden_states_path"]
+                try:
+                    reply.bytes_written = storage.size_of(self._fs, _fs_path(self._fs, reply.path))
+                except OSError:
+                    reply.bytes_written = 0
+            replies.append(reply)
+        logger.debug("batch %d: %d prompts in %.3fs", batch, len(items), seconds)
+        return replies
+
+    def _discard(self, reply: EngineReply) -> None:
+        """Remove the file of a request whose caller went away."""
+        from connectors import cleanup_hidden_states
+
+        if reply.path is None:
+            return
+        try:
+            cleanup_hidden_states(reply.path, storage_options=self.config.storage_options)
+            self._discarded += 1
+            logger.info("request %s: the client went away; removed %s", reply.request_id, reply.path)
+        except OSError as e:
+            logger.warning("request %s: the client went away, and removing %s failed: %s", reply.request_id,
+                           reply.path, e)
+        reply.path = None
+
+    def __del__(self) -> None:  # Serve calls it on graceful shutdown: pending writes finish first
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()
+
+
+def _fs_path(fs, path: str) -> str:
+    from connectors import storage
+
+    return path if storage.is_local(fs) else fs._strip_protocol(path)
+
+
+def _classify(error: str) -> tuple[int, str]:
+    """(status, code) of an engine error that admission did not catch. The engine reports errors as text (see the
+    report: a typed error kind on RequestOutput would replace this): a lost write is the server's fault; a path
+    another request owns is a conflict; the rest (checks the engine makes that admission does not repeat) are 400."""
+    if error.startswith("hidden states were not saved"):
+        return 500, "write_failed"
+    if "kv_transfer_params['overwrite']" in error:
+        return 409, "path_in_use"
+    if error.startswith(("RuntimeError:", "OSError:", "torch.", "OutOfMemoryError:")):
+        return 500, "engine_error"
+    return 400, "invalid_request"

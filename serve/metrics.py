@@ -1,0 +1,71 @@
+"""`ServeMetrics`: what GET /metrics shows, in Prometheus text (prometheus_client, a private registry per ingress).
+
+    hsx_serve_requests_total{endpoint, status}   HTTP requests answered, by endpoint and status code
+    hsx_serve_prompt_tokens_total                prompt tokens of successful requests
+    hsx_serve_generation_tokens_total            generated tokens of successful requests
+    hsx_serve_queue_depth                        prompts sent to the engine replicas and not yet answered
+    hsx_serve_batch_size                         prompts per engine batch (histogram, one observation per batch)
+    hsx_serve_batch_seconds                      one engine call: compute plus durable writes (histogram)
+    hsx_serve_request_seconds                    request arrival to response, the file durable (histogram)
+    hsx_serve_bytes_written_total                bytes of the files answered
+    hsx_serve_files_discarded_total{reason}      files removed: client_gone (the engine replicas report theirs with
+                                                 each reply), request_failed (other prompts of a failed request)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServeMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series (process-wide; the ingress process is ours)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("hsx_serve_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("hsx_serve_prompt_tokens", "prompt tokens of successful requests", registry=r)
+        self.generation_tokens = Counter("hsx_serve_generation_tokens", "generated tokens of successful requests",
+                                         registry=r)
+        self.queue_depth = Gauge("hsx_serve_queue_depth", "prompts at the engine replicas, not yet answered",
+                                 registry=r)
+        self.batch_size = Histogram("hsx_serve_batch_size", "prompts per engine batch", buckets=_SIZE_BUCKETS,
+                                    registry=r)
+        self.batch_seconds = Histogram("hsx_serve_batch_seconds", "engine call seconds (compute + durable writes)",
+                                       buckets=_SECONDS_BUCKETS, registry=r)
+        self.request_seconds = Histogram("hsx_serve_request_seconds", "request seconds, arrival to durable response",
+                                         buckets=_SECONDS_BUCKETS, registry=r)
+        self.bytes_written = Counter("hsx_serve_bytes_written", "bytes of files answered", registry=r)
+        self.files_discarded = Counter("hsx_serve_files_discarded", "files removed (client gone, request failed)",
+                                       ["reason"], registry=r)
+        self._discarded_by_replica: dict[str, int] = {}
+
+    def observe_reply(self, reply) -> None:
+        """One engine reply (serve.engine.EngineReply): tokens and bytes when it succeeded, its batch when it is the
+        batch's first."""
+        if reply.ok:
+            self.prompt_tokens.inc(len(reply.prompt_token_ids))
+            self.generation_tokens.inc(len(reply.token_ids))
+            self.bytes_written.inc(reply.bytes_written)
+        seen = self._discarded_by_replica.get(reply.replica, 0)
+        if reply.discarded > seen:
+            self.files_discarded.labels("client_gone").inc(reply.discarded - seen)
+            self._discarded_by_replica[reply.replica] = reply.discarded
+        if reply.first_in_batch:
+            self.batch_size.observe(reply.batch_size)
+            self.batch_seconds.observe(reply.batch_seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

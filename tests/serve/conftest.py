@@ -1,0 +1,137 @@
+"""A live `hsx serve` on loopback: the real CLI in its own process (its private local Ray), one per test module.
+
+    ServeProcess(model, output, **flags)   start `hsx serve`, wait for /health; .client() is the official openai
+                                           client, .post()/.get() plain requests; .stop() sends SIGTERM
+    served(...)                            the same as a context manager (the process group is killed at the end)
+
+Ray Serve takes 20-40 s to start on a 2-core machine, so each module starts one server and its tests share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+API_KEY = "hsx-test-key"
+LAYERS = (1, 2, 4)  # the tiny Llama has 4 decoder layers: 4 = last layer, pre-norm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, model: str, output: str, log_path: str, **flags) -> None:
+        self.model, self.output, self.port = model, output, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "jobs.cli", "serve", "--model", model, "--output", output,
+                "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, LAYERS))]
+        for name, value in flags.items():
+            argv += ["--" + name.replace("_", "-"), str(value)]
+        env = {**os.environ, "HSX_API_KEY": "", "RAY_DEDUP_LOGS": "0"}
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        # its own session: the test signals the hsx process alone, and kills the whole group at the end
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait_healthy(timeout_s=180)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hsx serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"hsx serve did not become healthy in {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-5000:]
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0,
+                             **{"timeout": 120, **kwargs})
+
+    def headers(self, key: str | None = API_KEY) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def post(self, path: str, body=None, *, key: str | None = API_KEY, timeout: float = 120, **kwargs):
+        if body is not None and not isinstance(body, (bytes, str)):
+            kwargs["json"] = body
+        elif body is not None:
+            kwargs["data"] = body
+        return requests.post(self.url + path, headers={**self.headers(key), **kwargs.pop("headers", {})},
+                             timeout=timeout, **kwargs)
+
+    def get(self, path: str, *, key: str | None = API_KEY, timeout: float = 30):
+        return requests.get(self.url + path, headers=self.headers(key), timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics: 'name{label="v",...}' -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for family in text_string_to_metric_families(self.get("/metrics").text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+    def stop(self, timeout_s: float = 90) -> int:
+        """SIGTERM to the hsx process; its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def served(model: str, output: str, log_path: str, **flags):
+    server = ServeProcess(model, output, log_path, **flags)
+    try:
+        yield server
+    finally:
+        try:
+            server.stop(timeout_s=60)
+        except subprocess.TimeoutExpired:
+            pass
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def serve_model(tiny_llama) -> str:
+    return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def server(serve_model, tmp_path_factory):
+    """The shared server of the API, protection and batching tests: one engine replica (so a later request runs
+    after an earlier one's batch), 8 prompts per batch, a small queue and small limits to hit."""
+    base = tmp_path_factory.mktemp("serve")
+    output, extra = str(base / "out"), str(base / "extra")
+    with served(serve_model, output, str(base / "serve.log"), max_num_seqs=8, max_queued_requests=8,
+                max_body_bytes=65536, max_prompt_tokens=64, allowed_roots=f"{output},{extra}") as s:
+        s.extra_root = extra
+        yield s
