@@ -234,3 +234,137 @@ def test_runs_without_aux_layers_are_refused_naming_the_layers(tiny_llama, tmp_p
         Eagle3Drafter.for_run(only_last, target, 3, aux_layer_ids=(3,))
     with pytest.raises(TypeError):
         Eagle3Drafter.for_run(only_last, target, 3, no_such_option=1)
+
+
+# -- the proposer, driven by hand with states from a plain transformers forward -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_head(eagle3_setup, tiny_llama, tmp_path_factory):
+    """(checkpoint folder, drafter): a few training steps on the run, saved in the speculators layout."""
+    ds, target, _ = eagle3_setup
+    drafter = _fresh(eagle3_setup)
+    batch = _batch(ds, list(range(len(ds))), max_tokens=512)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(4):
+        result = drafter.training_step(batch, target)
+        opt.zero_grad()
+        result.loss.backward()
+        opt.step()
+    folder = str(tmp_path_factory.mktemp("eagle3-head"))
+    drafter.eval().save_pretrained(folder, verifier=tiny_llama)
+    return folder, drafter
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    from extractor.config import EngineConfig
+    from extractor.runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", device="cpu"))
+
+
+def _aux_states(model, ids: list[int], layer_ids) -> torch.Tensor:
+    """[T, A, H] the target's states of `ids` at `layer_ids` (vLLM ids), from a plain transformers forward."""
+    from tests.training.runs import pre_norm_hidden_states
+
+    states = pre_norm_hidden_states(model, torch.tensor(ids))
+    return torch.stack([states[i] for i in layer_ids], dim=1)
+
+
+def _greedy():
+    from extractor.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def test_proposer_drafts_what_the_training_unroll_predicts(trained_head, runner, oracle_model):
+    """The cache-based decoding path and the masked training unroll agree: chain t = len(ctx) - 2 fed the
+    proposer's own drafts as its tokens predicts exactly those drafts."""
+    from training.drafters.eagle3 import Eagle3Proposer
+
+    folder, drafter = trained_head
+    model, tokenizer = oracle_model
+    ctx = tokenizer("the quick model reads a batch of hidden states")["input_ids"]
+    proposer = Eagle3Proposer(folder, runner, 3)
+    assert proposer.capture_layer_ids == (1, 2)
+    proposer.start([ctx])
+    proposer.observe([_aux_states(model, ctx[:-1], (1, 2))])
+    drafts = proposer.propose([ctx], [3], [_greedy()], [None])[0].token_ids
+    assert len(drafts) == 3
+
+    seq = ctx + drafts  # the unroll's step s at chain t embeds seq[t+1+s]
+    aux = torch.zeros(1, len(seq), 2, 64)
+    aux[0, :len(ctx) - 1] = _aux_states(model, ctx[:-1], (1, 2))
+    with torch.no_grad():
+        logits = drafter.unroll(aux, torch.tensor([seq]), torch.arange(len(seq))[None],
+                                torch.zeros(1, len(seq), dtype=torch.long), 3)
+    chain = len(ctx) - 2
+    assert [int(drafter.draft_ids[logits[s][0, chain].argmax()]) for s in range(3)] == drafts
+
+
+@pytest.mark.slow
+def test_proposer_cache_after_rollbacks_equals_a_fresh_one_and_decoding_stays_greedy(trained_head, runner,
+                                                                                     oracle_model):
+    """A hand-driven greedy speculative loop (target verification by a plain forward): at every round the
+    proposer, which keeps its cache and rolls back rejected drafts, drafts what a fresh proposer fed the whole
+    context drafts; the output equals transformers generate."""
+    from training.drafters.eagle3 import Eagle3Proposer
+
+    folder, _ = trained_head
+    model, tokenizer = oracle_model
+    prompts = [tokenizer("a small dog jumps over the river")["input_ids"], tokenizer("one two three four")["input_ids"]]
+    proposer = Eagle3Proposer(folder, runner, 3)
+    contexts = [list(p) for p in prompts]
+    proposer.start(contexts[:1])
+    proposer.join(contexts[1:])  # continuous batching: a row appended later
+    states = [_aux_states(model, c[:-1], (1, 2)) for c in contexts]
+    proposer.observe(states)
+    new_tokens = 8
+    while min(len(c) - len(p) for c, p in zip(contexts, prompts)) < new_tokens:
+        drafts = [d.token_ids for d in proposer.propose(contexts, [3, 2], [_greedy()] * 2, [None, None])]
+        assert [len(d) for d in drafts] == [3, 2]
+        fresh = Eagle3Proposer(folder, runner, 3)
+        fresh.start(contexts)
+        fresh.observe(states)
+        assert [d.token_ids for d in fresh.propose(contexts, [3, 2], [_greedy()] * 2, [None, None])] == drafts
+        accepted, observed, states = [], [], []
+        for ctx, draft in zip(contexts, drafts):
+            with torch.no_grad():
+                target = model(torch.tensor([ctx + draft])).logits[0, len(ctx) - 1:].argmax(-1).tolist()
+            a = 0
+            while a < len(draft) and draft[a] == target[a]:
+                a += 1
+            accepted.append(a)
+            old = len(ctx)
+            ctx += draft[:a] + [target[a]]
+            states.append(_aux_states(model, ctx[:-1], (1, 2)))
+            observed.append(states[-1][old - 1:])  # 1 + a new states
+        proposer.accepted(accepted)
+        proposer.observe(observed)
+    for p, ctx in zip(prompts, contexts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=len(ctx) - len(p), do_sample=False)[0].tolist()
+        assert ctx == ref
+    proposer.select([1])
+    assert len(proposer.propose(contexts[1:], [3], [_greedy()], [None])[0].token_ids) == 3
+
+
+def test_sampled_rows_get_draft_vocabulary_probabilities(trained_head, runner, oracle_model):
+    from extractor.sampling import SamplingParams
+    from training.drafters.eagle3 import Eagle3Proposer
+
+    folder, drafter = trained_head
+    model, tokenizer = oracle_model
+    ctx = tokenizer("write the data to the bucket")["input_ids"]
+    proposer = Eagle3Proposer(folder, runner, 3)
+    proposer.start([ctx])
+    proposer.observe([_aux_states(model, ctx[:-1], (1, 2))])
+    gen = torch.Generator().manual_seed(0)
+    draft = proposer.propose([ctx], [3], [SamplingParams(temperature=0.8, max_tokens=8)], [gen])[0]
+    assert draft.probs is not None and draft.probs.shape == (3, 512)
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(3))
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[drafter.draft_ids] = False
+    assert float(draft.probs[:, outside].abs().max()) == 0.0
+    assert all(bool(drafter.t2d[t]) for t in draft.token_ids)
