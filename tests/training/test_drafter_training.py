@@ -52,6 +52,17 @@ def test_training_writes_the_serving_checkpoint_and_a_report(oracle_run, tiny_ll
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
+def test_every_kind_trains_through_the_same_trainer(kind, oracle_run, tiny_llama, tmp_path):
+    from training.drafters.train import drafter_class
+
+    report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, kind=kind, steps=2, draft_vocab_size=None,
+                                   num_speculative_tokens=2))
+    assert report["kind"] == kind and report["steps"] == 2 and len(report["accuracy_per_position"]) == 2
+    back = drafter_class(kind).from_pretrained(str(tmp_path))
+    assert back.kind == kind
+
 def test_a_checkpoint_of_another_training_is_not_resumed(oracle_run, tiny_llama, tmp_path):
     train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=2))
     with pytest.raises(ValueError, match=r"another training \(lr: 0.003 in the checkpoint vs 0.01 now"):
