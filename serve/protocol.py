@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -163,8 +164,14 @@ def parse_body(cls: type[_Body], raw: bytes) -> _Body:
                            code="invalid_json") from None
         if first["type"] == "model_type":
             raise APIError(400, "the request body must be a JSON object", code="invalid_body") from None
-        param = _field_name(first["loc"])
+        param, union = _field_name(first["loc"])
         got = first.get("input")
+        if union:  # pydantic reports the first branch of a union ("Input should be a valid string"): say all of them
+            what = _UNION_HINTS.get(param.split(".")[-1].split("[")[0], "has the wrong type")
+            raise APIError(400, f"{param}: {what} (got {_short(got)})", param=param, code="invalid_value") from None
+        if first["type"] == "extra_forbidden":
+            raise APIError(400, f"{param}: unknown key; kv_transfer_params takes hidden_states_path, "
+                                "include_output_tokens, overwrite", param=param, code="invalid_value") from None
         detail = "" if first["type"] == "missing" else f" (got {_short(got)})"
         raise APIError(400, f"{param or 'body'}: {first['msg']}{detail}", param=param, code="invalid_value") from None
     bad = body.unsupported()
@@ -173,15 +180,23 @@ def parse_body(cls: type[_Body], raw: bytes) -> _Body:
     return body
 
 
-def _field_name(loc: tuple) -> str | None:
-    """pydantic's location -> "messages[0].content": union branch names (str, list[int], ...) dropped."""
-    out = ""
+_UNION_HINTS = {"prompt": "must be a string, a list of token ids, or a list of strings or of token-id lists",
+                "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+                "stop": "must be a string or a list of strings"}
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+def _field_name(loc: tuple) -> tuple[str | None, bool]:
+    """pydantic's location -> ("messages[0].content", whether a union branch was in it): branch tags dropped."""
+    out, union = "", False
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part and part[0].isalpha() and not any(c in part for c in "[]|,"):
+        elif _TYPE_TAG.match(part):
+            union = True
+        else:
             out += ("." if out else "") + part
-    return out or None
+    return out or None, union
 
 
 def _short(value: Any, limit: int = 60) -> str:

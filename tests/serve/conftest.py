@@ -66,17 +66,17 @@ class ServeProcess:
     def client(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0,
-                             **{"timeout": 120, **kwargs})
+        return openai.OpenAI(**{"base_url": self.url + "/v1", "api_key": API_KEY, "max_retries": 0, "timeout": 120,
+                                **kwargs})
 
     def headers(self, key: str | None = API_KEY) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def post(self, path: str, body=None, *, key: str | None = API_KEY, timeout: float = 120, **kwargs):
-        if body is not None and not isinstance(body, (bytes, str)):
+        if isinstance(body, (dict, list)):
             kwargs["json"] = body
         elif body is not None:
-            kwargs["data"] = body
+            kwargs["data"] = body  # bytes, or a generator: sent chunked, without Content-Length
         return requests.post(self.url + path, headers={**self.headers(key), **kwargs.pop("headers", {})},
                              timeout=timeout, **kwargs)
 

@@ -1,0 +1,190 @@
+"""Every bad input and protection case of `hsx serve`, each with its status code and its OpenAI-style error object:
+the API key, malformed JSON and wrong types, size and length limits, custom paths outside the allowed roots, the
+bounded queue, unsupported settings, and a client that goes away (its request aborted, no file left)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import openai
+import pytest
+import requests
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def error_of(r: requests.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def files(root: str) -> set[str]:
+    return set(glob.glob(os.path.join(root, "**", "*"), recursive=True))
+
+
+def completion(server, **fields) -> dict:
+    return {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 0, **fields}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_requests_without_the_api_key_get_401(server, path):
+    for key in (None, "wrong-key"):
+        err = error_of(server.post(path, completion(server), key=key), 401)
+        assert err["code"] == "invalid_api_key" and "Authorization: Bearer" in err["message"]
+    r = server.post(path, completion(server), headers={"Authorization": "Basic " + "x"}, key=None)
+    assert r.status_code == 401
+
+
+def test_models_and_metrics_need_the_key_but_health_does_not(server):
+    for path in ("/v1/models", "/metrics"):
+        assert error_of(server.get(path, key=None), 401)["type"] == "authentication_error"
+        assert server.get(path).status_code == 200
+    assert server.get("/health", key=None).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="nope").models.list()
+
+
+def test_malformed_json_gets_400(server):
+    err = error_of(server.post("/v1/completions", b'{"model": "m", "prompt": [1, 2'), 400)
+    assert err["code"] == "invalid_json" and "not valid JSON" in err["message"]
+    err = error_of(server.post("/v1/completions", b"[1, 2, 3]"), 400)
+    assert "JSON object" in err["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"prompt": [1, "two", 3]}, "prompt"),
+    ({"prompt": {"text": "hi"}}, "prompt"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"kv_transfer_params": {"include_output_tokens": "yes"}}, "kv_transfer_params.include_output_tokens"),
+    ({"kv_transfer_params": {"hidden_state_path": "x.safetensors"}}, "kv_transfer_params.hidden_state_path"),
+    ({"return_token_ids": 1}, "return_token_ids"),
+])
+def test_wrong_types_get_400_naming_the_field(server, fields, param):
+    err = error_of(server.post("/v1/completions", completion(server, **fields)), 400)
+    assert err["param"] == param and param in err["message"], err
+
+
+def test_missing_fields_get_400_naming_them(server):
+    err = error_of(server.post("/v1/completions", {"model": server.model}), 400)
+    assert err["param"] == "prompt" and "required" in err["message"].lower()
+    err = error_of(server.post("/v1/chat/completions", {"model": server.model, "messages": []}), 400)
+    assert err["param"] == "messages"
+    err = error_of(server.post("/v1/chat/completions", {"model": server.model, "messages": [{"content": "x"}]}), 400)
+    assert err["param"] == "messages[0].role"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"stream": True}, "stream"), ({"n": 2}, "n"), ({"stop": ["\n"]}, "stop"), ({"logprobs": 2}, "logprobs"),
+    ({"echo": True}, "echo"),
+])
+def test_settings_hsx_cannot_honour_get_400(server, fields, param):
+    err = error_of(server.post("/v1/completions", completion(server, **fields)), 400)
+    assert err["param"] == param and err["code"] == "unsupported"
+
+
+def test_an_unknown_model_gets_404(server):
+    err = error_of(server.post("/v1/completions", completion(server, model="gpt-4")), 404)
+    assert err["code"] == "model_not_found" and server.model in err["message"]
+
+
+def test_an_unknown_route_gets_404(server):
+    err = error_of(server.get("/v1/embeddings"), 404)
+    assert "/v1/completions" in err["message"]
+
+
+def test_a_body_over_the_limit_gets_400_naming_it(server):
+    before = files(server.output)
+    big = completion(server, prompt="word " * 20000)  # > --max-body-bytes 65536
+    err = error_of(server.post("/v1/completions", big), 400)
+    assert err["code"] == "body_too_large" and "65536" in err["message"] and "--max-body-bytes" in err["message"]
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}'
+    err = error_of(server.post("/v1/completions", chunks()), 400)
+    assert err["code"] == "body_too_large"
+    assert files(server.output) == before
+
+
+def test_a_prompt_over_the_limit_gets_400_naming_it(server):
+    before = files(server.output)
+    err = error_of(server.post("/v1/completions", completion(server, prompt=list(range(1, 80)))), 400)
+    assert err["code"] == "prompt_too_long" and "79 tokens" in err["message"] and "64" in err["message"]
+    err = error_of(server.post("/v1/completions", completion(server, prompt="hello " * 100)), 400)
+    assert err["code"] == "prompt_too_long"
+    assert files(server.output) == before
+
+
+@pytest.mark.parametrize("prompt, code", [([], "empty_prompt"), ("", "empty_prompt"), ([5, 100000], "invalid_token_ids")])
+def test_empty_prompts_and_ids_outside_the_vocabulary_get_400(server, prompt, code):
+    err = error_of(server.post("/v1/completions", completion(server, prompt=prompt)), 400)
+    assert err["code"] == code
+
+
+def test_max_tokens_past_max_model_len_gets_400(server):
+    err = error_of(server.post("/v1/completions", completion(server, max_tokens=100000)), 400)
+    assert err["param"] == "max_tokens" and "max_model_len" in err["message"]
+
+
+@pytest.mark.parametrize("custom", ["/etc/hsx-escape.safetensors", "../escape.safetensors",
+                                    "sub/../../escape.safetensors", "s3://bucket/x.safetensors"])
+def test_custom_paths_outside_the_allowed_roots_get_403_and_nothing_is_written(server, custom, tmp_path):
+    before = files(os.path.dirname(server.output))
+    r = server.post("/v1/completions", completion(server, kv_transfer_params={"hidden_states_path": custom}))
+    assert r.status_code in (400, 403)
+    err = error_of(r, r.status_code)
+    assert err["param"] == "kv_transfer_params.hidden_states_path" and "nothing was written" in err["message"]
+    assert files(os.path.dirname(server.output)) == before
+    assert not os.path.exists("/etc/hsx-escape.safetensors")
+
+
+def test_a_custom_path_under_another_allowed_root_is_written(server):
+    custom = os.path.join(server.extra_root, "a", "b.safetensors")
+    r = server.post("/v1/completions", completion(server, kv_transfer_params={"hidden_states_path": custom}))
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["hidden_states_path"] == custom
+    assert os.path.exists(custom)
+
+
+def test_a_custom_path_another_request_wrote_gets_409_unless_overwrite(server):
+    custom = os.path.join(server.output, "twice.safetensors")
+    body = completion(server, kv_transfer_params={"hidden_states_path": custom})
+    assert server.post("/v1/completions", body).status_code == 200
+    err = error_of(server.post("/v1/completions", body), 409)
+    assert err["code"] == "path_in_use" and "overwrite" in err["message"]
+    body["kv_transfer_params"]["overwrite"] = True
+    assert server.post("/v1/completions", body).status_code == 200
+
+
+def test_a_full_queue_gets_503_with_retry_after_and_keeps_no_file(server):
+    before = files(server.output)
+    # 60 prompts at once: one replica takes 16 (two batches of 8), 8 may queue, the rest are refused
+    r = server.post("/v1/completions", completion(server, prompt=[[5, 6, 7 + i] for i in range(60)], max_tokens=20,
+                                                  ignore_eos=True))
+    err = error_of(r, 503)
+    assert err["code"] == "queue_full" and "--max-queued-requests" in err["message"]
+    assert r.headers["Retry-After"] == "1"
+    assert files(server.output) == before  # the prompts that ran had their files removed: all or nothing
+    assert server.post("/v1/completions", completion(server)).status_code == 200  # and the server still serves
+
+
+def test_a_client_that_goes_away_leaves_no_file(server):
+    gone = os.path.join(server.output, "gone", "left.safetensors")
+    body = completion(server, max_tokens=1500, ignore_eos=True, temperature=0,
+                      kv_transfer_params={"hidden_states_path": gone})
+    before = server.metrics().get('hsx_serve_files_discarded_total{reason="client_gone"}', 0)
+    with pytest.raises(requests.Timeout):
+        server.post("/v1/completions", body, timeout=0.5)
+    # one replica runs batches in turn: this one runs after the abandoned batch returned (and removed its file)
+    assert server.post("/v1/completions", completion(server)).status_code == 200
+    assert not os.path.exists(gone) and not os.path.exists(gone + ".lock")
+    metrics = server.metrics()
+    assert metrics['hsx_serve_files_discarded_total{reason="client_gone"}'] == before + 1
+    assert metrics['hsx_serve_requests_total{endpoint="completions",status="499"}'] >= 1
