@@ -234,6 +234,16 @@ def test_for_run_refuses_unknown_options_conflicting_k_and_a_run_of_another_widt
     assert DRAFTERS[kind].required_layer_ids(4, None) == (4,)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_without_the_last_layer_is_refused(kind, run_batch, target):
+    batch, run_spec = run_batch
+    drafter = DRAFTERS[kind].for_run(run_spec, target, 2)
+    aux_only = DrafterBatch(batch.input_ids, batch.hidden_states[:, :, :2], batch.loss_mask, batch.position_ids,
+                            batch.document_ids, batch.layer_ids[:2])
+    with pytest.raises(ValueError, match=r"the run has layers \[1, 2\], not 4"):
+        drafter.training_step(aux_only, target)
+
+
 def test_configs_refuse_bad_values():
     with pytest.raises(ValueError, match="medusa_num_heads"):
         MedusaConfig(medusa_num_heads=0)
@@ -395,3 +405,4 @@ def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path
     with pytest.raises(ValueError, match="bad family option"):
         train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,
                                          progress=False, family_options={"num_layers": 2}))
+

@@ -105,6 +105,8 @@ class MedusaDrafter(Drafter):
         self.input_normalized = False
         """True when the run stored the last layer post-norm already (RunSpec.last_layer_normalized): then the
         stored state is used as is. Not part of the checkpoint (decoding always applies the target's norm)."""
+        self.last_layer_id: int | None = None
+        """N, the vLLM id of the layer training reads (set by for_run; None: the batch's highest stored id)."""
 
     @property
     def num_heads(self) -> int:
@@ -133,6 +135,7 @@ class MedusaDrafter(Drafter):
         check_run_fits(run_spec, target)
         drafter = cls(config, target.hidden_size, target.vocab_size, target.lm_head.float())
         drafter.input_normalized = bool(getattr(run_spec, "last_layer_normalized", False))
+        drafter.last_layer_id = int(run_spec.num_hidden_layers)
         return drafter
 
     # -- the model ---------------------------------------------------------------------------------------------
@@ -145,8 +148,7 @@ class MedusaDrafter(Drafter):
 
     # -- training ----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
-        n = max(batch.layer_ids)
-        last = batch.layer(n)  # [R, S, H] the stored last layer
+        last = batch.layer(self.last_layer_id or max(batch.layer_ids))  # [R, S, H] the stored last layer
         dtype = self.lm_heads[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]

@@ -136,6 +136,8 @@ class MLPSpeculatorDrafter(Drafter):
                 nn.init.normal_(module.weight, 0.0, std)
         self.input_normalized = False
         """True when the run stored the last layer post-norm already (RunSpec.last_layer_normalized)."""
+        self.last_layer_id: int | None = None
+        """N, the vLLM id of the layer training reads (set by for_run; None: the batch's highest stored id)."""
 
     @property
     def max_drafts(self) -> int:
@@ -158,6 +160,7 @@ class MLPSpeculatorDrafter(Drafter):
         check_run_fits(run_spec, target)
         drafter = cls(config, target.hidden_size, target.vocab_size)
         drafter.input_normalized = bool(getattr(run_spec, "last_layer_normalized", False))
+        drafter.last_layer_id = int(run_spec.num_hidden_layers)
         return drafter
 
     # -- the model ---------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class MLPSpeculatorDrafter(Drafter):
     # -- training ----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         n = self.config.n_predict
-        last = batch.layer(max(batch.layer_ids))  # [R, S, H]
+        last = batch.layer(self.last_layer_id or max(batch.layer_ids))  # [R, S, H] the stored last layer
         dtype = self.proj[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]
