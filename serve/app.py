@@ -4,7 +4,8 @@
     POST /v1/chat/completions   messages -> the chat template (on the engine replica) -> one engine prompt
     GET  /v1/models             the served model
     GET  /metrics               Prometheus text (serve.metrics)
-    GET  /health                200 while serving, 503 while draining; the only route without the API key
+    GET  /health                200 while serving (an engine replica answered), 503 while starting or draining;
+                                the only route without the API key
 
 Every route but /health checks `Authorization: Bearer <key>` (hmac.compare_digest) when a key is set; bodies are read
 up to --max-body-bytes; bad JSON or wrong types give 400 naming the field (serve.protocol); a full queue (Ray Serve's
@@ -72,8 +73,16 @@ class Ingress:
     # -- routes ---------------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
+        """200 once an engine replica has answered (so the first real request does not wait for the handle to
+        learn its replicas), 503 while starting or draining."""
         if self._draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if self._info is None:
+            try:
+                self._info = await asyncio.wait_for(self.engine.info.remote(), timeout=10)
+            except Exception as e:  # no replica yet, or it is still loading its model
+                return JSONResponse({"status": "starting", "detail": f"{type(e).__name__}: {e}"[:300]},
+                                    status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
