@@ -200,3 +200,13 @@ def test_cli_usage_errors_exit_2(oracle_run, tiny_llama, tmp_path, capsys):
             main([*base, *extra])
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.s3
+def test_a_run_on_s3_trains_with_its_storage_options(oracle_run, tiny_llama, s3_bucket, tmp_path):
+    url, options = s3_bucket
+    _, samples, spec = oracle_run
+    write_run(f"{url}/run", samples[:3], spec, storage_options=options)
+    report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, run=f"{url}/run", storage_options=options,
+                                   steps=1))
+    assert report["steps"] == 1 and report["samples"] == 3 and "storage_options" not in report["config"]
