@@ -1,7 +1,8 @@
 """Engine configuration: the typed form of what `LLM(...)` accepts, validated up front.
 
     EngineConfig                          every engine setting, checked in __post_init__
-    SpeculativeConfig                     speculative decoding (ngram, draft_model): method, k, lookup sizes, draft
+    SpeculativeConfig                     speculative decoding (ngram, draft_model, eagle3, medusa, mlp_speculator)
+    checkpoint_method(dir)                the method a draft checkpoint is for (vLLM's inference when 'method' is unset)
     speculative_config_from_dict(spec)    vLLM's speculative_config dict -> (SpeculativeConfig | None, layer ids)
     layer_ids_from_speculative_config     vLLM's speculative_config dict -> layer ids (None = default)
     canonical_dtype(name)                 the one dtype-name table (aliases such as bf16), used by engine and jobs
@@ -13,6 +14,7 @@ so every error names the argument to change and nothing is parsed twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -26,13 +28,16 @@ STORED_DTYPES = DTYPES[1:]
 # Unambiguous aliases only: "float" and "double" are refused (torch reads "float" as float32, users often mean fp16).
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 SPECULATIVE_METHOD = "extract_hidden_states"
-SPECULATION_METHODS = ("ngram", "draft_model")
+SPECULATION_METHODS = ("ngram", "draft_model", "eagle3", "medusa", "mlp_speculator")
 """Speculative decoding methods (the target generates, a proposer drafts); extract_hidden_states is not one."""
+DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")
+"""Methods whose draft is a head trained on the target's states (training/drafters/): `model` = its checkpoint."""
 _SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
-              "draft_model": ("method", "num_speculative_tokens", "model")}
+              "draft_model": ("method", "num_speculative_tokens", "model"),
+              **{m: ("method", "num_speculative_tokens", "model") for m in DRAFTER_METHODS}}
 # vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
 # otherwise the one value hsx can honour.
-_NOT_YET_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+_NOT_YET_METHODS = ("eagle", "mtp")
 """vLLM speculative methods whose drafters hsx does not have yet: refused with a message saying so."""
 _SPEC_IGNORED = {"enforce_eager": None, "disable_padded_drafter_batch": None, "max_model_len": None,
                  "parallel_drafting": False, "use_heterogeneous_vocab": False}
@@ -116,7 +121,8 @@ class SpeculativeConfig:
     """Speculative decoding: a proposer drafts `num_speculative_tokens` tokens, one target forward verifies them."""
 
     method: str
-    """"ngram" (prompt lookup in the request's own tokens) or "draft_model" (a smaller causal LM, same vocabulary)."""
+    """"ngram" (prompt lookup in the request's own tokens), "draft_model" (a smaller causal LM, same vocabulary), or a
+    head trained on the target's states: "eagle3", "medusa", "mlp_speculator" (training/drafters/)."""
     num_speculative_tokens: int
     """k, tokens drafted per step (>= 1)."""
     prompt_lookup_max: int = 5
@@ -124,7 +130,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     """ngram: shortest suffix n-gram tried; no match of any length = no draft this step."""
     model: str | None = None
-    """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's)."""
+    """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's); eagle3 /
+    medusa / mlp_speculator: the trained head's checkpoint folder (`hsx train-drafter --out`)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_METHODS:
@@ -138,12 +145,65 @@ class SpeculativeConfig:
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
                 raise ValueError(f"prompt_lookup_min={lo!r}, prompt_lookup_max={hi!r}: need integers with "
                                  "1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 2 and 5)")
-        if self.method == "draft_model":
+        if self.method == "draft_model" or self.method in DRAFTER_METHODS:
+            what = "the draft causal LM" if self.method == "draft_model" else f"the {self.method} checkpoint"
             if not self.model:
-                raise ValueError("method 'draft_model' needs 'model': a local folder with the draft causal LM")
+                raise ValueError(f"method {self.method!r} needs 'model': a local folder with {what}")
             if not os.path.isdir(str(self.model)):
                 raise ValueError(f"draft model {self.model!r} does not exist or is not a folder; pass a local folder "
-                                 "holding the draft's config.json and weights (hub ids are not fetched for drafts)")
+                                 f"holding {what} (config.json and weights; hub ids are not fetched for drafts)")
+            found = checkpoint_method(str(self.model))
+            if found != self.method:
+                raise ValueError(f"speculative method {self.method!r} but {self.model} holds "
+                                 f"{_describe_checkpoint(found)}; use method {found!r} for it, or point 'model' at "
+                                 f"{what}")
+
+
+def _read_checkpoint_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{model_dir} has no config.json; a draft folder holds config.json and its weights") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return raw
+
+
+def checkpoint_method(model_dir: str) -> str | None:
+    """The speculative method a draft checkpoint is for, from its config.json (as vLLM infers it): a speculators
+    EAGLE-3 config -> "eagle3", model_type "mlp_speculator" / "medusa" -> those, any causal LM -> "draft_model";
+    None when the config is none of these."""
+    raw = _read_checkpoint_config(model_dir)
+    if raw.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    if raw.get("model_type") in ("mlp_speculator", "medusa"):
+        return raw["model_type"]
+    if any(str(a).endswith("ForCausalLM") for a in raw.get("architectures") or []):
+        return "draft_model"
+    return None
+
+
+def checkpoint_num_speculative_tokens(model_dir: str) -> int | None:
+    """The k a drafter checkpoint was built for (MLPSpeculator n_predict, Medusa num_heads, the speculators config's
+    speculative_tokens), None when it does not say."""
+    raw = _read_checkpoint_config(model_dir)
+    for key in ("n_predict", "num_heads", "medusa_num_heads"):
+        if isinstance(raw.get(key), int):
+            return raw[key]
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
+    if methods and isinstance(methods[0], dict) and isinstance(methods[0].get("speculative_tokens"), int):
+        return methods[0]["speculative_tokens"]
+    return None
+
+
+def _describe_checkpoint(method: str | None) -> str:
+    return {"eagle3": "an EAGLE-3 (speculators) checkpoint", "medusa": "a Medusa checkpoint",
+            "mlp_speculator": "an MLPSpeculator checkpoint", "draft_model": "a causal LM (a draft_model draft)",
+            None: "no checkpoint hsx recognises (not EAGLE-3, Medusa, MLPSpeculator or a causal LM)"}[method]
 
 
 def speculative_config_from_dict(spec: Mapping[str, Any] | None
@@ -159,9 +219,25 @@ def speculative_config_from_dict(spec: Mapping[str, Any] | None
         raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
     method = spec.get("method")
     if method is None:
-        raise ValueError(f"speculative_config {dict(spec)!r} has no 'method': vLLM infers it from the draft's config "
-                         "(e.g. mlp_speculator for an MLPSpeculator checkpoint), hsx does not; set 'method' to one of "
-                         f"{', '.join(SPECULATION_METHODS)} (or {SPECULATIVE_METHOD} for extraction)")
+        if not spec.get("model"):
+            raise ValueError(f"speculative_config {dict(spec)!r} has no 'method' and no draft 'model' to infer it from; "
+                             f"set 'method' to one of {', '.join(SPECULATION_METHODS)} (or {SPECULATIVE_METHOD} for "
+                             "extraction)")
+        model = str(spec["model"])
+        if not os.path.isdir(model):
+            raise ValueError(f"draft model {model!r} does not exist or is not a folder; pass a local folder holding "
+                             "the draft (hub ids are not fetched for drafts), or set 'method'")
+        method = checkpoint_method(model)
+        if method is None:
+            raise ValueError(f"speculative_config has no 'method' and {model} holds {_describe_checkpoint(None)}; set "
+                             f"'method' to one of {', '.join(SPECULATION_METHODS)}")
+        spec = {**spec, "method": method}
+        logger.info("speculative method %r inferred from %s", method, model)
+    if method in DRAFTER_METHODS and "num_speculative_tokens" not in spec and spec.get("model") and \
+            os.path.isdir(str(spec["model"])):
+        k = checkpoint_num_speculative_tokens(str(spec["model"]))
+        if k is not None:
+            spec = {**spec, "num_speculative_tokens": k}
     if method in _NOT_YET_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not supported by hsx yet (its drafter is not "
                          f"implemented); hsx decodes speculatively with {', '.join(SPECULATION_METHODS)} "

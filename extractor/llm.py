@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS,
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
-from extractor.runner import BatchState, ModelRunner
+from extractor.runner import BatchState, ModelRunner, can_rearrange
 from extractor.sampling import SamplingParams, make_generator, sample_next
 from extractor.verification import verify
 
@@ -156,6 +157,8 @@ class LLM:
         spec = config.speculative
         self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else _NoWrites()
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
+        if self.proposer is not None:  # a speculative engine captures only what its proposer reads
+            self.runner.set_capture(tuple(self.proposer.capture_layer_ids))
         self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._eos = self.runner.eos_token_ids()
         self._counter = itertools.count()
@@ -186,23 +189,20 @@ class LLM:
             raise ValueError("request_ids must be unique within one generate() call")
         requests = [self._make_request(i, rid, p, sp) for i, (rid, p, sp) in enumerate(zip(rids, prompts, params))]
         runnable = [r for r in requests if r.error is None]
-        batches = plan_batches(runnable, length=lambda r: len(r.prompt_token_ids),
-                               group=lambda r: r.params.max_tokens > 0,
+        progress = _progress(len(runnable), use_tqdm)
+        prompt_only = [r for r in runnable if r.params.max_tokens == 0]
+        batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids), group=lambda r: 0,
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
                                max_num_seqs=self.config.max_num_seqs,
                                forward_cost_tokens=FORWARD_COST_TOKENS.get(self.runner.device.type,
                                                                            DEFAULT_FORWARD_COST_TOKENS))
-        progress = _progress(len(runnable), use_tqdm)
         for batch in batches:
             try:
-                self._run_batch(batch.items, batch.chunk_size)
-            except Exception as e:  # fails the batch's unfinished requests, not the others
-                logger.exception("batch of %d requests failed", len(batch.items))
-                for r in batch.items:
-                    if r.finish_reason is None:  # finished ones are already being written
-                        self.connector.abort_request(r.request_id)
-                        r.error = f"{type(e).__name__}: {e}"
+                self._run_prompt_batch(batch.items, batch.chunk_size)
+            except Exception as e:  # fails the batch's requests, not the others
+                self._fail(batch.items, e)
             progress.update(len(batch.items))
+        self._run_generating([r for r in runnable if r.params.max_tokens > 0], progress)
         progress.close()
         failures = self.connector.wait_for_save()
         for r in requests:
@@ -230,7 +230,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self.connector.shutdown()
-        self.runner.capture.close()
+        self.runner.close()
 
     # -- requests -----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -304,90 +304,166 @@ class LLM:
             raise ValueError(f"loss_mask has {len(req.loss_mask)} values for {n} prompt tokens; give one per token")
 
     # -- execution ----------------------------------------------------------------------------------------------------
-    def _run_batch(self, batch: list[_Request], chunk_size: int) -> None:
-        generating = batch[0].params.max_tokens > 0
-        rows = [r.prompt_token_ids for r in batch]
+    def _fail(self, requests: Sequence[_Request], e: Exception) -> None:
+        """Fail the unfinished ones of `requests` after an exception in their forward (finished ones are written)."""
+        logger.error("a forward of %d requests failed: %s: %s", len(requests), type(e).__name__, e,
+                     exc_info=(type(e), e, e.__traceback__))
+        for r in requests:
+            if r.finish_reason is None and r.error is None:
+                self.connector.abort_request(r.request_id)
+                r.error = f"{type(e).__name__}: {e}"
 
-        def on_chunk(c0: int, c1: int, states: torch.Tensor, starts: list[int]) -> None:  # states: [B, c1 - c0, L, H]
+    def _prefill(self, batch: list[_Request], chunk_size: int, generating: bool
+                 ) -> tuple[torch.Tensor | None, BatchState | None, list[torch.Tensor] | None]:
+        """Prefill `batch`: captured prompt states go to the connector (extraction) or, for a proposer that reads
+        target states, are returned per row ([T_b, L, H] on the device)."""
+        observe = self.proposer is not None and bool(self.proposer.capture_layer_ids)
+        parts: list[list[torch.Tensor]] = [[] for _ in batch]
+
+        def on_chunk(c0: int, c1: int, states: torch.Tensor | None, starts: list[int]) -> None:
+            if states is None:  # states: [B, c1 - c0, L, H]
+                return
             for b, r in enumerate(batch):
                 start, end = starts[b], starts[b] + len(r.prompt_token_ids)  # row b's columns
                 lo, hi = max(c0, start), min(c1, end)
                 if lo >= hi:
                     continue
-                ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
-                self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:hi - c0])
-
-        logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
-                                            on_chunk=on_chunk)
-        if not generating:
-            for r in batch:
-                r.finish_reason = "length"
-                r.kv_transfer_params = self.connector.request_finished(r.request_id)
-            return
-        if self.proposer is not None:
-            self._speculate(batch, logits, state)
-            return
-        active = list(batch)
-        while True:
-            tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
-            keep = []
-            for i, (r, t) in enumerate(zip(active, tokens)):
-                r.output_ids.append(t)
-                reason = self._finish_reason(r, t)
-                if reason is None:
-                    keep.append(i)
+                if observe:
+                    parts[b].append(states[b, lo - c0:hi - c0])
                 else:
-                    r.finish_reason = reason
-                    r.kv_transfer_params = self.connector.request_finished(r.request_id)
-            if not keep:
-                return
-            if len(keep) < len(active):
-                state.select(keep)
-                active = [active[i] for i in keep]
-            capture = any(r.include_output_tokens for r in active)
-            logits, states = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
-            if capture:
-                for b, r in enumerate(active):  # states[b]: [1, L, H], the rows of the token just fed
-                    if r.include_output_tokens:
-                        self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
+                    ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
+                    self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:hi - c0])
 
-    def _speculate(self, batch: list[_Request], logits: torch.Tensor, state: BatchState) -> None:
-        """Speculative decoding of one batch: the first token from the prefill's logits, then per step one proposal
-        per row and one target forward verifying all rows' drafts together (rows keep different numbers)."""
-        k = self.config.speculative.num_speculative_tokens
-        first = sample_next(logits, [r.params for r in batch], [r.generator for r in batch])
-        active = [r for r, t in zip(batch, first) if not self._emit(r, [t])]
-        if not active:
-            return
-        if len(active) < len(batch):
-            state.select([i for i, r in enumerate(batch) if r.finish_reason is None])
-        self.proposer.start([r.prompt_token_ids + r.output_ids for r in active])
-        while active:
-            contexts = [r.prompt_token_ids + r.output_ids for r in active]
-            # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
-            ks = [min(k, self._room(r) - 1) for r in active]
-            drafts = self.proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
-            if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
-                raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
-                                   f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
-            rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
-            target_logits = self.runner.extend(state, rows)  # [B, W, V]; row b's tokens in its last columns
-            width = target_logits.shape[1]
-            accepted = []
-            for b, (r, d) in enumerate(zip(active, drafts)):
-                n = len(d.token_ids)
-                tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
-                self.stats.observe_draft(n, a)
-                state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
-                accepted.append(a)
-                self._emit(r, tokens)
-            self.proposer.accepted(accepted)
-            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
-            if len(keep) < len(active):
-                if keep:
-                    state.select(keep)
+        rows = [r.prompt_token_ids for r in batch]
+        logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
+                                            on_chunk=on_chunk, to_host=not observe)
+        return logits, state, ([torch.cat(p) for p in parts] if observe else None)
+
+    def _run_prompt_batch(self, batch: list[_Request], chunk_size: int) -> None:
+        self._prefill(batch, chunk_size, generating=False)
+        for r in batch:
+            r.finish_reason = "length"
+            r.kv_transfer_params = self.connector.request_finished(r.request_id)
+
+    def _run_generating(self, requests: list[_Request], progress) -> None:
+        """Continuous batching: up to max_num_seqs requests decode together (speculatively with a proposer); when
+        rows finish, waiting requests are prefilled (longest first, under max_num_batched_tokens) and join the
+        running batch. A cache that cannot be rearranged (sliding-window layers) runs each batch to its end."""
+        waiting = deque(sorted(requests, key=lambda r: len(r.prompt_token_ids), reverse=True))
+        running: list[_Request] = []
+        state: BatchState | None = None
+        while waiting or running:
+            if waiting and len(running) < self.config.max_num_seqs and \
+                    (state is None or (can_rearrange(state.cache) and
+                                       (self.proposer is None or self.proposer.can_join()))):
+                group, chunk = self._admissible(waiting, self.config.max_num_seqs - len(running))
+                try:
+                    joined, new_state = self._admit(group, chunk, running)
+                except Exception as e:  # fails the group, not the running rows
+                    self._fail(group, e)
+                    joined, new_state = [], None
+                progress.update(len(group) - len(joined))
+                if joined:
+                    if state is None:
+                        state = new_state
+                    else:
+                        state.merge(new_state)
+                    running.extend(joined)
+            if not running:
+                continue
+            try:
+                self._step(running, state)
+            except Exception as e:  # the running rows' caches are in an unknown state: fail them all
+                self._fail(running, e)
+                progress.update(len(running))
+                running, state = [], None
+                continue
+            keep = [i for i, r in enumerate(running) if r.finish_reason is None]
+            if len(keep) < len(running):
+                progress.update(len(running) - len(keep))
+                if not keep:
+                    running, state = [], None
+                    continue
+                state.select(keep)
+                if self.proposer is not None:
                     self.proposer.select(keep)
-                active = [active[i] for i in keep]
+                running = [running[i] for i in keep]
+            state.maybe_compact()
+
+    def _admissible(self, waiting: deque, free: int) -> tuple[list[_Request], int]:
+        """Pop the next prefill group: the longest waiting requests, at most `free`, padded to the first (longest)
+        within max_num_batched_tokens; a prompt over the budget goes alone, prefilled in chunks of the budget."""
+        budget = self.config.max_num_batched_tokens
+        longest = len(waiting[0].prompt_token_ids)
+        n = max(1, min(free, budget // longest if longest <= budget else 1, len(waiting)))
+        return [waiting.popleft() for _ in range(n)], min(longest, budget)
+
+    def _admit(self, group: list[_Request], chunk_size: int, running: list[_Request]
+               ) -> tuple[list[_Request], BatchState | None]:
+        """Prefill `group`, sample each row's first token; the rows still unfinished, with their cache."""
+        logits, state, states = self._prefill(group, chunk_size, generating=True)
+        first = sample_next(logits, [r.params for r in group], [r.generator for r in group])
+        keep = [i for i, (r, t) in enumerate(zip(group, first)) if not self._emit(r, [t])]
+        if not keep:
+            return [], None
+        if len(keep) < len(group):
+            state.select(keep)
+        joined = [group[i] for i in keep]
+        if self.proposer is not None:
+            contexts = [r.prompt_token_ids + r.output_ids for r in joined]
+            if running:
+                self.proposer.join(contexts)
+            else:
+                self.proposer.start(contexts)
+            if states is not None:
+                empty = states[0][:0]
+                self.proposer.observe([empty] * len(running) + [states[i] for i in keep])
+        return joined, state
+
+    def _step(self, active: list[_Request], state: BatchState) -> None:
+        """One decode step of the running rows: one token each, or (with a proposer) a verified draft each."""
+        if self.proposer is not None:
+            self._speculate(active, state)
+            return
+        capture = any(r.include_output_tokens for r in active)
+        logits, states = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
+        if capture:
+            for b, r in enumerate(active):  # states[b]: [1, L, H], the rows of the token just fed
+                if r.include_output_tokens:
+                    self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
+        tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
+        for r, t in zip(active, tokens):
+            self._emit(r, [t])
+
+    def _speculate(self, active: list[_Request], state: BatchState) -> None:
+        """One speculative step: one proposal per row, one target forward verifying all rows' drafts together (rows
+        keep different numbers), the rejected positions rolled back, the proposer told what was kept."""
+        k = self.config.speculative.num_speculative_tokens
+        contexts = [r.prompt_token_ids + r.output_ids for r in active]
+        # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
+        ks = [min(k, self._room(r) - 1) for r in active]
+        drafts = self.proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
+        if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
+            raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
+                               f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
+        rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
+        observe = bool(self.proposer.capture_layer_ids)
+        # [B, W, V] (and [B, W, L, H]); row b's tokens in its last columns
+        target_logits, target_states = self.runner.extend(state, rows, capture=observe)
+        width = target_logits.shape[1]
+        accepted, kept_states = [], []
+        for b, (r, d) in enumerate(zip(active, drafts)):
+            n = len(d.token_ids)
+            tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
+            self.stats.observe_draft(n, a)
+            state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
+            accepted.append(a)
+            if observe:  # the states of the last token and the a accepted drafts
+                kept_states.append(target_states[b, width - 1 - n:width - n + a])
+            self._emit(r, tokens)
+        self.proposer.accepted(accepted)
+        if observe:
+            self.proposer.observe(kept_states)
 
     def _emit(self, r: _Request, tokens: list[int]) -> bool:
         """Append tokens to r's output one by one, stopping at the first that finishes it; True when finished."""

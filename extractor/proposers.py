@@ -19,13 +19,15 @@ contexts[b][:-1] for every row, i.e. every token but the newest, whose state the
 
     NgramProposer        prompt lookup: the continuation of the longest suffix n-gram seen earlier in the context
     DraftModelProposer   a smaller HF causal LM with the target's vocabulary, its own KV cache rolled back on rejection
-    make_proposer(config, runner)   the proposer a SpeculativeConfig names
+    make_proposer(config, runner)   the proposer a SpeculativeConfig names (eagle3 / medusa / mlp_speculator: the
+                                    trained heads' proposers in training/drafters/, Cls(model_dir, runner, k))
 
 A new drafter (EAGLE-3, Medusa, MLPSpeculator) is one more Proposer subclass; the verification loop does not change.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 from abc import ABC, abstractmethod
@@ -67,6 +69,10 @@ class Proposer(ABC):
 
     def join(self, contexts: Sequence[list[int]]) -> None:  # noqa: B027 - optional hook
         """Rows appended after the current ones (continuous batching); contexts as in start()."""
+
+    def can_join(self) -> bool:
+        """Whether join() can add rows now (False: the engine runs the current rows to their end first)."""
+        return True
 
     def observe(self, states: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """states[b]: [n_b, len(capture_layer_ids), H] (engine device and dtype) the target's states of row b's
@@ -119,6 +125,7 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"draft model {model_dir} has a vocabulary of {out_vocab} tokens, the target "
                              f"{target.config.model} has {target.vocab_size}: draft_model needs a draft with the "
                              "target's tokenizer and vocabulary (e.g. a smaller model of the same family)")
+        _check_same_tokens(model_dir, target)
         self.pad_id, self.device = target.pad_id, target.device
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._state = None
@@ -126,16 +133,33 @@ class DraftModelProposer(Proposer):
         self._drafted = 0  # drafts of the last propose() fed to the cache beyond the context (K - 1)
 
     def start(self, contexts) -> None:
+        self._state = None
+        self._fed = []
+        self._drafted = 0
+        self.join(contexts)
+
+    def can_join(self) -> bool:
+        from extractor.runner import can_rearrange
+
+        return self._state is None or can_rearrange(self._state.cache)
+
+    @torch.inference_mode()
+    def join(self, contexts) -> None:
+        """Prefill the new rows' contexts but their newest token (fed with the next propose) and append them."""
         from transformers import DynamicCache
 
-        from extractor.runner import BatchState
+        from extractor.runner import BatchState, forward_rows
 
         b = len(contexts)
-        self._state = BatchState(DynamicCache(config=self.model.config),
-                                 torch.zeros((b, 0), dtype=torch.long, device=self.device),
-                                 torch.zeros(b, dtype=torch.long, device=self.device))
-        self._fed = [0] * b
-        self._drafted = 0
+        new = BatchState(DynamicCache(config=self.model.config),
+                         torch.zeros((b, 0), dtype=torch.long, device=self.device),
+                         torch.zeros(b, dtype=torch.long, device=self.device))
+        forward_rows(self.model, new, [list(ctx[:-1]) for ctx in contexts], self.pad_id, self._cache_kw, last=1)
+        if self._state is None:
+            self._state = new
+        else:
+            self._state.merge(new)
+        self._fed += [len(ctx) - 1 for ctx in contexts]
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators) -> list[Draft]:
@@ -171,10 +195,32 @@ class DraftModelProposer(Proposer):
             self._state.rollback(b, self._drafted - kept)
             self._fed[b] += kept
         self._drafted = 0
+        self._state.maybe_compact()
 
     def select(self, keep) -> None:
         self._state.select(list(keep))
         self._fed = [self._fed[i] for i in keep]
+
+
+def _check_same_tokens(model_dir: str, target) -> None:
+    """A draft that ships a tokenizer must map every token string to the target's id (same size is not enough)."""
+    import os
+
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    mine, theirs = AutoTokenizer.from_pretrained(model_dir).get_vocab(), target.tokenizer.get_vocab()
+    if mine != theirs:
+        differ = sorted((set(mine.items()) ^ set(theirs.items())), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"draft model {model_dir} has a tokenizer whose vocabulary differs from the target "
+                         f"{target.config.model}'s (e.g. {differ}): draft_model needs the target's tokenizer; use a "
+                         "draft of the same family, or remove the draft's tokenizer files if its ids are the target's")
+
+
+_DRAFTER_PROPOSERS = {"eagle3": ("training.drafters.eagle3", "Eagle3Proposer"),
+                      "medusa": ("training.drafters.medusa", "MedusaProposer"),
+                      "mlp_speculator": ("training.drafters.mlp_speculator", "MLPSpeculatorProposer")}
 
 
 def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
@@ -183,4 +229,8 @@ def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft_model":
         return DraftModelProposer(config.model, runner)
+    if config.method in _DRAFTER_PROPOSERS:  # trained heads: training/drafters/, imported only when used
+        module, name = _DRAFTER_PROPOSERS[config.method]
+        cls = getattr(importlib.import_module(module), name)
+        return cls(config.model, runner, config.num_speculative_tokens)
     raise ValueError(f"no proposer for speculative method {config.method!r}")  # SpeculativeConfig checks first

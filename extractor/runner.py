@@ -3,8 +3,10 @@
     ModelRunner(config)
     prefill(rows, chunk_size, want_logits, keep_cache, on_chunk) -> (logits [B, V] | None, BatchState)
     decode(state, tokens, capture) -> (logits [B, V], states [B, 1, L, H] | None)
-    extend(state, rows) -> logits [B, W, V]     several new tokens per row (speculative verification)
+    extend(state, rows, capture) -> (logits [B, W, V], states [B, W, L, H] | None)   several new tokens per row
+    set_capture(layer_ids)                       the layers captured from now on (none: prefill hands on no states)
     BatchState.rollback(row, n)                  forget a row's last n tokens (rejected drafts)
+    BatchState.merge(other) / compact()          continuous batching: add rows; squeeze masked columns out
 
 Rows that will generate are left-padded so every row's last token sits in the last column: logits are computed for
 that column only (`logits_to_keep=1`); position ids come from the attention mask, so padding never shifts a row's
@@ -15,12 +17,20 @@ forward stops after the deepest requested layer.
 
 Rows of one batch may advance by different numbers of tokens (speculative decoding accepts a different number of
 drafts per row): `extend` left-pads each row's new tokens to the widest with masked holes, and `rollback` masks a
-row's rejected positions out of its attention mask. The cache keeps those columns (every row grows by the same width
-per step) but no later token attends to them; positions come from each row's own count, so holes never shift them.
+row's rejected positions out of its attention mask. No later token attends to those columns; positions come from
+each row's own count, so holes never shift them. `compact` squeezes the holes out (each row's kept columns moved to
+the right edge, in order; keys carry their rotary encoding, so moving them changes nothing), which the engine does
+when they waste much of the cache.
+
+Continuous batching: `merge` appends the rows of another BatchState (a newly prefilled group) to a running one, the
+narrower side left-padded with masked columns. Both need plain per-layer key/value caches (transformers'
+`DynamicLayer`); `can_rearrange(cache)` says whether a cache is one (sliding-window and other layouts are not: the
+engine then runs such batches to the end before admitting more).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -50,6 +60,79 @@ class BatchState:
         self.attention_mask = self.attention_mask[idx]
         self.next_position = self.next_position[idx]
 
+    @property
+    def width(self) -> int:
+        return int(self.attention_mask.shape[1])
+
+    @torch.inference_mode()
+    def merge(self, other: BatchState) -> None:
+        """Append `other`'s rows after this state's rows (both must satisfy can_rearrange)."""
+        width = max(self.width, other.width)
+        mine, theirs = _cache_layers(self.cache), _cache_layers(other.cache)
+        if mine is None or theirs is None or len(mine) != len(theirs):
+            raise ValueError("these caches cannot be merged (not plain key/value caches of the same model)")
+        for a, b in zip(mine, theirs):
+            ref = a if _has_kv(a) else b if _has_kv(b) else None
+            if ref is None:
+                continue
+            parts_k, parts_v = [], []
+            for layer, rows in ((a, self.batch_size), (b, other.batch_size)):
+                if _has_kv(layer):
+                    k, v = layer.keys, layer.values
+                else:  # a state that has seen no tokens yet: [rows, heads, 0, dim]
+                    k = ref.keys.new_zeros((rows, ref.keys.shape[1], 0, ref.keys.shape[3]))
+                    v = ref.values.new_zeros((rows, ref.values.shape[1], 0, ref.values.shape[3]))
+                parts_k.append(_left_pad(k, width - k.shape[2]))
+                parts_v.append(_left_pad(v, width - v.shape[2]))
+            keys, values = torch.cat(parts_k), torch.cat(parts_v)
+            if not a.is_initialized:
+                a.lazy_initialization(keys, values)
+            a.keys, a.values = keys, values
+        pad = width - self.width, width - other.width
+        self.attention_mask = torch.cat([_left_pad(self.attention_mask, pad[0], dim=1),
+                                         _left_pad(other.attention_mask, pad[1], dim=1)])
+        self.next_position = torch.cat([self.next_position, other.next_position])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.attention_mask.shape[0])
+
+    def waste(self) -> float:
+        """Share of the cache's columns that no row attends to any more (holes and padding)."""
+        if self.width == 0:
+            return 0.0
+        kept = int(self.attention_mask.sum(-1).max())
+        return 1.0 - kept / self.width
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Drop the columns no row attends to: each row's kept columns move, in order, to the right edge of a cache
+        as wide as the row with the most (requires can_rearrange)."""
+        layers = _cache_layers(self.cache)
+        if layers is None:
+            raise ValueError("this cache cannot be compacted (not a plain key/value cache)")
+        mask = self.attention_mask.bool()
+        counts = mask.sum(-1)  # [B]
+        width = int(counts.max()) if counts.numel() else 0
+        # source column of each target column: row b's kept columns, in order, in its last counts[b] slots
+        order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)[:, -width:] if width else \
+            torch.zeros((mask.shape[0], 0), dtype=torch.long, device=mask.device)  # [B, width]
+        new_mask = torch.arange(width, device=mask.device)[None, :] >= (width - counts)[:, None]  # [B, width]
+        for layer in layers:
+            if not _has_kv(layer):
+                continue
+            idx = order[:, None, :, None]
+            layer.keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self.attention_mask = new_mask.to(self.attention_mask.dtype)
+
+    def maybe_compact(self, threshold: float = 0.5, min_width: int = 64) -> bool:
+        """compact() when more than `threshold` of at least `min_width` columns are waste; True if it did."""
+        if self.width >= min_width and self.waste() > threshold and can_rearrange(self.cache):
+            self.compact()
+            return True
+        return False
+
     @torch.inference_mode()
     def rollback(self, row: int, n: int) -> None:
         """Forget row `row`'s last `n` tokens: they stay in the cache, masked, and its next position moves back."""
@@ -59,6 +142,34 @@ class BatchState:
         assert n <= real.numel(), (n, real.numel())
         self.attention_mask[row, real[-n:]] = 0
         self.next_position[row] -= n
+
+
+def _cache_layers(cache) -> list | None:
+    """The cache's per-layer key/value holders when every one is a plain DynamicLayer (full attention), else None."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return list(layers)
+
+
+def can_rearrange(cache) -> bool:
+    """Whether BatchState.merge / compact can rearrange this cache's rows and columns."""
+    return _cache_layers(cache) is not None
+
+
+def _has_kv(layer) -> bool:
+    return bool(layer.is_initialized) and layer.keys.dim() == 4
+
+
+def _left_pad(x: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
+    """x with n zero columns prepended along `dim`."""
+    if n <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def forward_rows(model, state: BatchState, rows: list[list[int]], pad_id: int, cache_kw: str,
@@ -125,14 +236,34 @@ class ModelRunner:
         self.hidden_size = int(self.hf_config.hidden_size)
         self.layer_ids = check_layer_ids(config.layer_ids or default_layer_ids(self.num_hidden_layers),
                                          self.num_hidden_layers)
-        self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), self.layer_ids)
+        self.capture: LayerCapture | None = None
+        self.set_capture(self.layer_ids)
         self.base = self.model.base_model
-        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        positions = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None)
+        if config.max_model_len and positions and config.max_model_len > positions:
+            raise ValueError(f"max_model_len={config.max_model_len} is more than {config.model} was built for "
+                             f"(max_position_embeddings={positions}): positions past it are untrained and outputs "
+                             f"degrade silently; use max_model_len <= {positions} (or leave it unset)")
+        self.max_model_len = config.max_model_len or positions or 2048
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
+
+    def set_capture(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture these layer ids from now on (empty: capture nothing; prefill hands on_chunk None)."""
+        if self.capture is not None:
+            self.capture.close()
+        self.capture = None
+        if layer_ids:
+            ids = check_layer_ids(layer_ids, self.num_hidden_layers)
+            self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), ids)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
 
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -186,18 +317,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
-                on_chunk: Callable[[int, int, torch.Tensor, list[int]], None]
+                on_chunk: Callable[[int, int, torch.Tensor | None, list[int]], None], to_host: bool = True
                 ) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
-        on_chunk(col_start, col_end, states, starts) gets CPU states [B, col_end - col_start, L, H] for padded columns
-        [col_start, col_end) of the batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
+        on_chunk(col_start, col_end, states, starts) gets states [B, col_end - col_start, L, H] (on the CPU, or on the
+        device with to_host=False; None when nothing is captured) for padded columns [col_start, col_end) of the
+        batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
         Rows are left-padded when logits or the cache are wanted (decoding follows), right-padded otherwise.
         """
         width = max(len(r) for r in rows)
         ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
         cache = self._new_cache() if (keep_cache or chunk_size < width) else None
-        early_exit = not want_logits and not keep_cache
+        capture = self.capture
+        early_exit = not want_logits and not keep_cache and capture is not None
         logits = None
         for c0 in range(0, width, chunk_size):
             c1 = min(width, c0 + chunk_size)
@@ -205,7 +338,8 @@ class ModelRunner:
                       "position_ids": positions[:, c0:c1], "use_cache": cache is not None}
             if cache is not None:
                 inputs[self._cache_kw] = cache
-            self.capture.begin(early_exit=early_exit)
+            if capture is not None:
+                capture.begin(early_exit=early_exit)
             try:
                 if want_logits and c1 == width:
                     logits = self._logits(**inputs)
@@ -214,8 +348,13 @@ class ModelRunner:
             except EarlyExit:
                 pass
             finally:
-                self.capture.end()
-            on_chunk(c0, c1, self._to_host(self.capture.collect()), starts)
+                if capture is not None:
+                    capture.end()
+            states = None
+            if capture is not None:
+                states = capture.collect()
+                states = self._to_host(states) if to_host else states
+            on_chunk(c0, c1, states, starts)
         state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
         return logits, state
 
@@ -226,22 +365,34 @@ class ModelRunner:
         state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.attention_mask[:, :1])], dim=1)
         inputs = {"input_ids": ids, "attention_mask": state.attention_mask,
                   "position_ids": state.next_position[:, None], "use_cache": True, self._cache_kw: state.cache}
+        with self._capturing(capture):
+            logits = self._logits(**inputs)
+            states = self.capture.collect().to("cpu") if capture else None
+        state.next_position = state.next_position + 1
+        return logits, states
+
+    @torch.inference_mode()
+    def extend(self, state: BatchState, rows: list[list[int]], capture: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each active row its new tokens (its last accepted token + drafts): logits [B, W, V] and, with
+        `capture`, the captured states [B, W, L, H] on the device; row b's tokens sit in its last len(rows[b])
+        columns."""
+        with self._capturing(capture):
+            logits = forward_rows(self.model, state, rows, self.pad_id, self._cache_kw)
+            return logits, (self.capture.collect() if capture else None)
+
+    @contextlib.contextmanager
+    def _capturing(self, capture: bool):
+        """Hooks armed for one forward when `capture`, silent otherwise."""
+        if capture and self.capture is None:
+            raise RuntimeError("capture requested but the runner captures no layers (internal error)")
+        if self.capture is None:
+            yield
+            return
         self.capture.enabled = capture
         self.capture.begin(early_exit=False)
         try:
-            logits = self._logits(**inputs)
-        finally:
-            self.capture.enabled = True
-        state.next_position = state.next_position + 1
-        return logits, (self.capture.collect().to("cpu") if capture else None)
-
-    @torch.inference_mode()
-    def extend(self, state: BatchState, rows: list[list[int]]) -> torch.Tensor:
-        """Feed each active row its new tokens (its last accepted token + drafts); logits [B, W, V], nothing captured."""
-        self.capture.enabled = False
-        self.capture.begin(early_exit=False)
-        try:
-            return forward_rows(self.model, state, rows, self.pad_id, self._cache_kw)
+            yield
         finally:
             self.capture.end()
             self.capture.enabled = True

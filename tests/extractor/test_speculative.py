@@ -233,10 +233,29 @@ def _other_vocab_model(like: str, out: str) -> str:
     return out
 
 
+def _swapped_tokenizer_draft(models, out: str) -> str:
+    """The 2-layer draft with a tokenizer of the same size whose two tokens trade ids."""
+    import json
+    import shutil
+
+    shutil.copytree(models["draft"], out)
+    models["tokenizer"].save_pretrained(out)
+    with open(os.path.join(out, "tokenizer.json")) as f:
+        data = json.load(f)
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        json.dump(data, f)
+    return out
+
+
 def test_bad_speculative_configs_are_clear_errors(models, tmp_path):
     target = models["target"]
-    with pytest.raises(ValueError, match="'medusa' is not supported.*ngram, draft_model"):
+    with pytest.raises(ValueError, match="method 'medusa' needs 'model'"):
         LLM(model=target, speculative_config={"method": "medusa", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="'lookahead' is not supported.*ngram, draft_model, eagle3"):
+        LLM(model=target, speculative_config={"method": "lookahead", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
         LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="needs num_speculative_tokens"):
@@ -253,6 +272,9 @@ def test_bad_speculative_configs_are_clear_errors(models, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 600 tokens.*has 512"):
         LLM(model=target, speculative_config={"method": "draft_model", "model": other_vocab,
                                               "num_speculative_tokens": 2})
+    swapped = _swapped_tokenizer_draft(models, str(tmp_path / "swapped-tokens"))
+    with pytest.raises(ValueError, match="tokenizer whose vocabulary differs"):
+        LLM(model=target, speculative_config={"method": "draft_model", "model": swapped, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="parallel_drafting=True is not supported"):
         LLM(model=target, speculative_config={"method": "draft_model", "model": models["draft"],
                                               "num_speculative_tokens": 2, "parallel_drafting": True})

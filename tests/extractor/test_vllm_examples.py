@@ -82,21 +82,27 @@ def _check_printed(text: str, counts: dict, acceptance_length: float, k: int) ->
         assert f"acceptance at token {i}: " in text
 
 
+@pytest.fixture(scope="module")
+def seed_llama(tiny_model_factory):
+    """The tiny Llama with room for the seed's max_model_len=16384 (hsx refuses a length past the model's)."""
+    return tiny_model_factory("llama", max_position_embeddings=16384)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_spec_decode_script_call_sequence(method, tiny_llama, capsys, caplog):
+def test_spec_decode_script_call_sequence(method, seed_llama, capsys, caplog):
     """spec_decode.py: LLM(model, **seed args, speculative_config), token-id prompts, generate, chat, get_metrics."""
     from transformers import AutoTokenizer
 
     from jobs.tiny_models import sample_text
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer = AutoTokenizer.from_pretrained(seed_llama)
     prompts = sample_text(6, seed=3) + ["one two three four one two three four one two three four"]
     # get_samples + "add_special_tokens is False to avoid adding bos twice"; multi_modal_data None for text datasets
     llm_prompts = [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False), "multi_modal_data": None}
                    for p in prompts]
     with caplog.at_level(logging.WARNING):
         # draft_model: the target itself as draft, so every drafted token must be accepted
-        llm = LLM(model=tiny_llama, speculative_config=_seed_spec_config(method, tiny_llama), **SEED_LLM_ARGS)
+        llm = LLM(model=seed_llama, speculative_config=_seed_spec_config(method, seed_llama), **SEED_LLM_ARGS)
     warned = [r.getMessage() for r in caplog.records if "no effect in hsx" in r.getMessage()]
     llm_warnings = [m for m in warned if m.startswith("LLM()")]
     assert len(llm_warnings) == 1 and "gpu_memory_utilization" in llm_warnings[0], warned
@@ -139,13 +145,16 @@ def _time_generation(llm, prompts, sampling_params, title):
 
 
 def test_mlpspeculator_script_flow(tiny_llama, tiny_model_factory, capsys):
-    """mlpspeculator.py: its speculative_config (no method, an MLPSpeculator checkpoint) is a clear error; the same
-    timing flow with a draft_model config runs and, greedy, gives the texts of the plain engine."""
+    """mlpspeculator.py: its speculative_config has no method (inferred from the checkpoint) and no k (taken from an
+    MLPSpeculator checkpoint's n_predict); a causal LM given that way needs k. The timing flow with a draft_model
+    config runs and, greedy, gives the texts of the plain engine."""
     draft = tiny_model_factory("llama", num_hidden_layers=2)
-    with pytest.raises(ValueError, match="no 'method'.*mlp_speculator.*ngram, draft_model"):
+    # without 'method' it is inferred from the checkpoint, as vLLM does: a causal LM is a draft_model draft
+    with pytest.raises(ValueError, match="method 'draft_model' needs num_speculative_tokens"):
         LLM(model=tiny_llama, speculative_config={"model": draft})
-    with pytest.raises(ValueError, match="'mlp_speculator' is not supported by hsx yet.*draft_model"):
-        LLM(model=tiny_llama, speculative_config={"method": "mlp_speculator", "model": draft})
+    with pytest.raises(ValueError, match="'mlp_speculator' but .* holds a causal LM.*use method 'draft_model'"):
+        LLM(model=tiny_llama, speculative_config={"method": "mlp_speculator", "model": draft,
+                                                   "num_speculative_tokens": 2})
 
     template = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
                 "request.\n\n### Instruction:\n{}\n\n### Response:\n")
