@@ -5,6 +5,7 @@
     hsx_serve_generation_tokens_total            generated tokens of successful requests
     hsx_serve_queue_depth                        prompts sent to the engine replicas and not yet answered
     hsx_serve_batch_size                         prompts per engine batch (histogram, one observation per batch)
+    hsx_serve_batches_total{replica}             engine batches by replica (Serve's replica id)
     hsx_serve_batch_seconds                      one engine call: compute plus durable writes (histogram)
     hsx_serve_request_seconds                    request arrival to response, the file durable (histogram)
     hsx_serve_bytes_written_total                bytes of the files answered
@@ -43,6 +44,7 @@ class ServeMetrics:
                                  registry=r)
         self.batch_size = Histogram("hsx_serve_batch_size", "prompts per engine batch", buckets=_SIZE_BUCKETS,
                                     registry=r)
+        self.batches = Counter("hsx_serve_batches", "engine batches by replica", ["replica"], registry=r)
         self.batch_seconds = Histogram("hsx_serve_batch_seconds", "engine call seconds (compute + durable writes)",
                                        buckets=_SECONDS_BUCKETS, registry=r)
         self.request_seconds = Histogram("hsx_serve_request_seconds", "request seconds, arrival to durable response",
@@ -65,6 +67,7 @@ class ServeMetrics:
             self._discarded_by_replica[reply.replica] = reply.discarded
         if reply.first_in_batch:
             self.batch_size.observe(reply.batch_size)
+            self.batches.labels(reply.replica).inc()
             self.batch_seconds.observe(reply.batch_seconds)
 
     def text(self) -> bytes:
