@@ -148,10 +148,10 @@ def test_packed_rows_never_pair_across_documents(eagle3_setup):
 def test_eagle3_overfits_a_tiny_run(eagle3_setup):
     ds, target, _ = eagle3_setup
     drafter = _fresh(eagle3_setup)
-    batch = _batch(ds, [0, 1, 2, 3], max_tokens=256)
+    batch = _batch(ds, [0, 1], max_tokens=128)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     losses = []
-    for _ in range(12):
+    for _ in range(8):
         result = drafter.training_step(batch, target)
         opt.zero_grad()
         result.loss.backward()
@@ -244,9 +244,9 @@ def trained_head(eagle3_setup, tiny_llama, tmp_path_factory):
     """(checkpoint folder, drafter): a few training steps on the run, saved in the speculators layout."""
     ds, target, _ = eagle3_setup
     drafter = _fresh(eagle3_setup)
-    batch = _batch(ds, list(range(len(ds))), max_tokens=512)
+    batch = _batch(ds, [0, 1, 2], max_tokens=256)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(4):
+    for _ in range(2):
         result = drafter.training_step(batch, target)
         opt.zero_grad()
         result.loss.backward()
