@@ -81,20 +81,20 @@ class ReferenceTargetConfig:
     """BPE vocabulary size, special tokens included."""
     context_length: int = 256
     """Training block length in tokens; also the checkpoint's max_position_embeddings (prompt + output must fit)."""
-    batch_size: int = 16
+    batch_size: int = 8
     """Blocks per optimizer step."""
-    steps: int = 180
+    steps: int = 360
     """Optimizer steps; tokens trained on = steps * batch_size * context_length."""
     learning_rate: float = 3e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only)."""
     heldout_fraction: float = 0.1
     """Share of stdlib files held out (by a hash of the relative path): never trained on, source of the prompts."""
-    heldout_blocks: int = 32
-    """Held-out blocks the final held-out loss is computed over (at most; fewer if the held-out split is short)."""
+    heldout_blocks: int = 64
+    """Held-out blocks (drawn from all held-out files) the final held-out loss is computed over (at most)."""
     max_train_files: int | None = None
     """Train on the first this many train files (sorted by path) only; None = all (tests use a few)."""
     num_prompts: int = 64
@@ -316,16 +316,27 @@ def _blocks(stream, length: int):
 
 
 def _heldout_blocks(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig):
-    """Up to heldout_blocks blocks of held-out text: files in a seeded order, tokenized until there are enough."""
+    """heldout_blocks blocks spread over the held-out files: from each file (in a seeded order) a stretch of about
+    two blocks starting at a random line, until there are heldout_blocks blocks."""
+    rng = random.Random(config.seed + 1)
     files = list(heldout)
-    random.Random(config.seed + 1).shuffle(files)
-    texts, chars = [], 0
-    for f in files:  # ~3 characters a token; twice what is needed, so the blocks are surely filled
-        texts.append(f.read())
-        chars += len(texts[-1])
-        if chars > 6 * config.heldout_blocks * config.context_length:
+    rng.shuffle(files)
+    blocks = []
+    for f in files:
+        text = f.read()
+        span = 2 * config.context_length * 8  # characters: a token is 2-5 of them, so this fills two blocks
+        if len(text) > span:
+            start = text.find("\n", rng.randrange(len(text) - span)) + 1
+            text = text[start:start + span]
+        ids = _token_stream(tokenizer, [text])[:2 * config.context_length]
+        blocks += list(_blocks(ids, config.context_length))
+        if len(blocks) >= config.heldout_blocks:
             break
-    return _blocks(_token_stream(tokenizer, texts), config.context_length)[:config.heldout_blocks]  # [n, S]
+    if not blocks:
+        raise ValueError("the held-out files are shorter than one block; lower context_length")
+    import torch
+
+    return torch.stack(blocks[:config.heldout_blocks])  # [n, S]
 
 
 def _lr(step: int, config: ReferenceTargetConfig) -> float:

@@ -47,6 +47,7 @@ def built(tmp_path_factory):
     return config, target, time.perf_counter() - started, stale
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_the_build_trains_and_records_its_losses(built):
     config, target, _, _ = built
     assert not target.cached
@@ -62,6 +63,7 @@ def test_the_build_trains_and_records_its_losses(built):
     assert report["train_files"] == 4 and report["train_tokens_seen"] == 16 * 4 * 48
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_the_checkpoint_loads_in_transformers_and_in_hsx_with_the_same_greedy_output(built):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,6 +88,7 @@ def test_the_checkpoint_loads_in_transformers_and_in_hsx_with_the_same_greedy_ou
     assert out.outputs[0].token_ids == oracle
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_a_second_call_returns_the_cached_folder_without_training(built):
     config, target, first_s, _ = built
     weights = os.path.join(target.path, "model.safetensors")
@@ -102,6 +105,7 @@ def test_a_second_call_returns_the_cached_folder_without_training(built):
     assert cache_key(dataclasses.replace(config, steps=17), train[:4], heldout) != os.path.basename(target.path)
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_a_half_written_temp_folder_is_never_used(built):
     _, target, _, stale = built
     assert os.path.isdir(stale)  # left alone (removed only once it is a day old) ...
@@ -110,6 +114,7 @@ def test_a_half_written_temp_folder_is_never_used(built):
     json.load(open(os.path.join(target.path, "config.json")))
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_a_final_folder_without_its_report_is_rebuilt(tmp_path):
     config = tiny_config(str(tmp_path), steps=2, warmup_steps=1)
     train, heldout = stdlib_corpus(config.heldout_fraction)
@@ -121,6 +126,7 @@ def test_a_final_folder_without_its_report_is_rebuilt(tmp_path):
     assert (broken / REPORT_NAME).is_file() and (broken / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # shares one tiny build: ~10 s of CPU
 def test_held_out_files_are_disjoint_from_train_files_and_prompts_come_from_them(built):
     config, target, _, _ = built
     train, heldout = stdlib_corpus(config.heldout_fraction)
