@@ -368,3 +368,46 @@ def test_sampled_rows_get_draft_vocabulary_probabilities(trained_head, runner, o
     outside[drafter.draft_ids] = False
     assert float(draft.probs[:, outside].abs().max()) == 0.0
     assert all(bool(drafter.t2d[t]) for t in draft.token_ids)
+
+
+# -- end to end: hsx's engine decodes with a trained head -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_drafts(tiny_llama, oracle_model,
+                                                                                     tmp_path):
+    """A head overfit (through train_drafter) on the target's own greedy continuations of three prompts, served by
+    LLM(speculative_config={"method": "eagle3", ...}): the output equals transformers generate token for token, and
+    the head's drafts are mostly accepted — which holds only if the engine hands the proposer the right layers'
+    states of the right tokens."""
+    from connectors import HiddenStatesSpec
+    from extractor import LLM, SamplingParams
+    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    from training.drafters.train import TrainDrafterConfig, train_drafter
+
+    model, tokenizer = oracle_model
+    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
+    layers, samples, refs = (1, 2, 4), [], []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
+        refs.append(full.tolist()[len(ids):])
+        states = pre_norm_hidden_states(model, full)
+        samples.append(Sample(f"g{i}", full, torch.stack([states[k] for k in layers], 1).contiguous(),
+                              torch.ones(len(full), dtype=torch.uint8)))
+    spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    write_run(str(tmp_path / "run"), samples, spec)
+    head = str(tmp_path / "head")
+    train_drafter(TrainDrafterConfig(run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=30, lr=1e-2,
+                                     batch_tokens=128, draft_vocab_size=64, max_grad_norm=1.0, device="cpu",
+                                     progress=False))
+
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu",
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert [o.outputs[0].token_ids for o in outputs] == refs
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    mean_al = 1 + metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts
+    assert drafts > 0 and mean_al >= 2.0, (mean_al, metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
