@@ -406,3 +406,67 @@ def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path
         train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,
                                          progress=False, family_options={"num_layers": 2}))
 
+
+
+
+# -- decoding through the engine (extractor.LLM with speculative_config) ----------------------------------------------
+def overfit_on_greedy_outputs(kind: str, model, sequences: list[list[int]], target: TargetHead, steps: int = 40):
+    """A drafter trained on the target's own greedy continuations (states from a plain transformers forward)."""
+    from training import PackCollator
+
+    n = model.config.num_hidden_layers
+    items = []
+    for seq in sequences:
+        ids = torch.tensor(seq)
+        items.append({"input_ids": ids, "hidden_states": pre_norm_hidden_states(model, ids)[n][:, None],
+                      "loss_mask": torch.ones(len(seq), dtype=torch.long)})
+    batch = DrafterBatch.from_packed(PackCollator(max(map(len, sequences)))(items), (n,))
+    spec = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=(n,), num_hidden_layers=n,
+                                                   hidden_size=model.config.hidden_size, dtype="float32"))
+    torch.manual_seed(0)
+    drafter = DRAFTERS[kind].for_run(spec, target, 3)
+    opt = torch.optim.Adam(drafter.parameters(), lr=1.5e-2)
+    for _ in range(steps):
+        loss = drafter.training_step(batch, target).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculative_decoding_equals_transformers_generate_and_a_fitted_drafter_is_accepted(
+        kind, tmp_path, oracle_model, tiny_llama, target):
+    from extractor import LLM, SamplingParams
+    from extractor.config import checkpoint_method, checkpoint_num_speculative_tokens
+    from jobs.tiny_models import sample_text
+
+    model, tokenizer = oracle_model
+    prompts = [tokenizer(t)["input_ids"] for t in sample_text(3, seed=11, min_words=2, max_words=10)] + [[5]]
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        expected.append(out[0, len(p):].tolist())
+    ckpt = str(tmp_path / kind)
+    drafter = overfit_on_greedy_outputs(kind, model, [p + e for p, e in zip(prompts, expected) if len(p) > 1], target)
+    drafter.save_pretrained(ckpt, verifier=tiny_llama)
+    assert (checkpoint_method(ckpt), checkpoint_num_speculative_tokens(ckpt)) == (kind, 3)  # what vLLM infers
+
+    # max_num_seqs=2: the 4 prompts join a running batch (continuous batching), so join/select are exercised
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2,
+              speculative_config={"method": kind, "model": ckpt, "num_speculative_tokens": 3})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=16))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    # measured 2.19 for both kinds, and 1.76 when the proposer keeps the first state a verification observes instead
+    # of the newest: the engine has to feed the drafter the right states for this to hold
+    assert drafts > 0 and 1 + accepted / drafts > 2.0, (drafts, accepted)
+    sampled = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=1))
+    assert all(len(o.outputs[0].token_ids) == 6 or o.outputs[0].finish_reason == "stop" for o in sampled)
