@@ -2,6 +2,7 @@
 
     python examples/spec_decode.py --method ngram --num-spec-tokens 3
     python examples/spec_decode.py --method draft_model --model TARGET_DIR --draft-model DRAFT_DIR
+    python examples/spec_decode.py --method eagle3 --model TARGET_DIR --draft-model HEAD_DIR   # hsx train-drafter
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
@@ -25,13 +26,15 @@ from extractor.metrics import Counter, Vector
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--method", choices=["ngram", "draft_model", "eagle3", "medusa", "mlp_speculator"], default="ngram",
+                   help="eagle3 / medusa / mlp_speculator: a head trained with `hsx train-drafter` (--draft-model DIR)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="k, tokens drafted per step")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="ngram: longest suffix n-gram tried")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix n-gram tried")
     p.add_argument("--model", default=None, help="target model folder (default: a tiny Llama built locally)")
     p.add_argument("--draft-model", default=None,
-                   help="draft_model: draft folder, same vocabulary (default with the tiny target: its first 2 layers)")
+                   help="draft_model: draft folder, same vocabulary (default with the tiny target: its first 2 layers); "
+                        "eagle3 / medusa / mlp_speculator: the trained head's folder")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per prompt")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -39,8 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='local JSONL: one {"prompt": ...} or ShareGPT {"conversations": [...]} object a line')
     p.add_argument("--print-output", action="store_true", help="print each prompt's generated text")
     args = p.parse_args(argv)
-    if args.draft_model and args.method != "draft_model":
-        p.error("--draft-model needs --method draft_model")
+    if args.draft_model and args.method == "ngram":
+        p.error("--draft-model needs --method draft_model, eagle3, medusa or mlp_speculator")
+    if args.method in ("eagle3", "medusa", "mlp_speculator") and not (args.model and args.draft_model):
+        p.error(f"--method {args.method} needs --model TARGET_DIR and --draft-model HEAD_DIR (a head trained on a run "
+                "of that target: hsx train-drafter --kind ... --out HEAD_DIR)")
     if args.method == "draft_model" and args.model and not args.draft_model:
         p.error("--method draft_model with --model needs --draft-model DIR (a smaller model with the same vocabulary)")
     return args
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> float:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
                     "prompt_lookup_min": args.prompt_lookup_min}
         else:
-            spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+            spec = {"method": args.method, "model": draft, "num_speculative_tokens": k}
         llm = LLM(model=model, speculative_config=spec)
         prompts = load_prompts(args.dataset_path, args.num_prompts)
         outputs = llm.generate(prompts, SamplingParams(temperature=args.temp, max_tokens=args.output_len))

@@ -144,12 +144,16 @@ def _time_generation(llm, prompts, sampling_params, title):
     return [o.outputs[0].text for o in outputs]
 
 
-def test_mlpspeculator_script_flow(tiny_llama, tiny_model_factory, capsys):
-    """mlpspeculator.py: its speculative_config has no method (inferred from the checkpoint) and no k (taken from an
-    MLPSpeculator checkpoint's n_predict); a causal LM given that way needs k. The timing flow with a draft_model
-    config runs and, greedy, gives the texts of the plain engine."""
+def test_mlpspeculator_script_flow(tiny_llama, tiny_model_factory, tmp_path, capsys):
+    """mlpspeculator.py as written: speculative_config={"model": ACCELERATOR} with an MLPSpeculator checkpoint (no
+    method, no k: both read from its config.json, as vLLM does); timed with and without speculation, and greedy,
+    the texts equal the plain engine's. A causal LM given that way is a draft_model draft and needs k."""
+    from training.drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter
+
+    accelerator = str(tmp_path / "accelerator")  # untrained: losslessness holds whatever it drafts
+    MLPSpeculatorDrafter(MLPSpeculatorConfig(n_predict=K), hidden_size=64, vocab_size=512).save_pretrained(
+        accelerator, verifier=tiny_llama)
     draft = tiny_model_factory("llama", num_hidden_layers=2)
-    # without 'method' it is inferred from the checkpoint, as vLLM does: a causal LM is a draft_model draft
     with pytest.raises(ValueError, match="method 'draft_model' needs num_speculative_tokens"):
         LLM(model=tiny_llama, speculative_config={"model": draft})
     with pytest.raises(ValueError, match="'mlp_speculator' but .* holds a causal LM.*use method 'draft_model'"):
@@ -165,13 +169,15 @@ def test_mlpspeculator_script_flow(tiny_llama, tiny_model_factory, capsys):
     plain = _time_generation(llm, prompts, sampling_params, "Without speculation")
     del llm
     gc.collect()
-    llm = LLM(model=tiny_llama, speculative_config={"method": "draft_model", "model": draft,
-                                                    "num_speculative_tokens": K})
+    llm = LLM(model=tiny_llama, speculative_config={"model": accelerator})
+    assert llm.config.speculative.method == "mlp_speculator" and llm.config.speculative.num_speculative_tokens == K
     spec = _time_generation(llm, prompts, sampling_params, "With speculation")
     out = capsys.readouterr().out
     assert out.count("time:  ") == 2 and "Without speculation\n" in out and "With speculation\n" in out
     assert spec == plain
-    assert [m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts"][0] > 0
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["vllm:spec_decode_num_drafts"].value > 0
+    assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == K
 
 
 def _example_lines(text: str, k: int) -> None:
