@@ -4,7 +4,9 @@ K heads on the target's last post-norm state, each `medusa_num_layers` residual 
     MedusaConfig            medusa_num_heads (K), medusa_num_layers (ModelOpt's names), loss weighting
     MedusaDrafter           the heads; kind "medusa": for_run / training_step / save_pretrained / from_pretrained
     MedusaProposer          drafts k tokens per row from the newest observed state (speculative_config method "medusa")
-    LastStates, pick_tokens the proposer helpers MLPSpeculatorProposer shares
+    predicted_mask, TeacherLogits, head_loss   which positions a draft trains on, the target's logits there, the loss
+    LastStates, pick_tokens the proposer helpers
+    (mlp_speculator.py reuses these helpers and the checkpoint file helpers at the end)
 
 Alignment (base.py): position t holds x_t and the target's state of x_t; the target's own lm_head reads that state
 and predicts x_{t+1}; head j (0-based) reads the same post-norm state and predicts x_{t+2+j}.
@@ -152,7 +154,7 @@ class MedusaDrafter(Drafter):
         dtype = self.lm_heads[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]
-            teacher = post @ target.lm_head.to(post.device, dtype).T  # [R, S, V] the target's logits
+        teacher = TeacherLogits.of(batch, post, target)
         weights = [self.config.medusa_decay_coefficient ** j for j in range(self.num_heads)]
         loss = post.new_zeros(())
         correct = torch.zeros(self.num_heads, dtype=torch.long)
@@ -161,7 +163,7 @@ class MedusaDrafter(Drafter):
             mask = predicted_mask(batch, 2 + j)  # [R, S] x_{t+2+j} is trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_j]
             logits = self.lm_heads[j](self.blocks[j](post[rows, cols]))  # [n_j, V]
-            soft = teacher[rows, cols + 1 + j].float()  # [n_j, V] the target's logits for x_{t+2+j}
+            soft = teacher.at(rows, cols + 1 + j)  # [n_j, V] the target's logits for x_{t+2+j}
             loss = loss + weights[j] * head_loss(logits, soft, batch.input_ids[rows, cols + 2 + j],
                                                  self.config.targets)
             correct[j] = int((logits.argmax(-1) == soft.argmax(-1)).sum())
@@ -218,6 +220,31 @@ class MedusaDrafter(Drafter):
 def predicted_mask(batch: DrafterBatch, shift: int) -> torch.Tensor:
     """[R, S] bool: the token `shift` after x_t is in x_t's sample and has loss_mask 1 (what a draft at t trains on)."""
     return batch.same_document(shift) & batch.shifted(batch.loss_mask, shift, False)
+
+
+@dataclass
+class TeacherLogits:
+    """The target's logits at the positions whose next token is trained (the only ones a draft's target is read
+    from), not [R, S, V] for the whole batch."""
+
+    logits: torch.Tensor  # [n, V] float32
+    index: torch.Tensor  # [R, S] int64: row of `logits` for position (r, s), -1 where none was computed
+
+    @classmethod
+    def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead) -> TeacherLogits:
+        """post [R, S, H] the target's post-norm last state of every position."""
+        needed = predicted_mask(batch, 1)  # [R, S] x_{s+1} trained and in x_s's sample
+        index = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+        index[needed] = torch.arange(int(needed.sum()), device=needed.device)
+        with torch.no_grad():
+            logits = (post[needed] @ target.lm_head.to(post.device, post.dtype).T).float()  # [n, V]
+        return cls(logits, index)
+
+    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[m, V] the target's logits at positions (rows[i], cols[i]) (each one whose next token is trained)."""
+        index = self.index[rows, cols]
+        assert bool((index >= 0).all()), "a draft target read at a position whose next token is not trained"
+        return self.logits[index]
 
 
 def head_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor, targets: str) -> torch.Tensor:

@@ -42,6 +42,7 @@ from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
 from training.drafters.medusa import (
     TARGETS,
     LastStates,
+    TeacherLogits,
     check_run_fits,
     head_loss,
     load_for_runner,
@@ -169,12 +170,15 @@ class MLPSpeculatorDrafter(Drafter):
         x = post_norm.to(self.proj[0].weight.dtype)
         return self.ln0(x) / SQRT2 if self.ln0 is not None else x
 
-    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage i: state [..., H or D], tokens [...] (the token before the one it predicts) -> (state [..., D],
-        logits [..., V])."""
+    def mix(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Stage i's state: state [..., H or D] and tokens [...] (the token before the one it predicts) -> [..., D]."""
         z = self.emb[i](tokens)  # [..., D]
         s = self.proj[i](state) + z * (self.emb_weight / self.state_weight)
-        s = F.gelu(self.ln[i](s))
+        return F.gelu(self.ln[i](s))
+
+    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage i: (its state [..., D], its logits [..., V])."""
+        s = self.mix(i, state, tokens)
         return s, self.head[i](s)
 
     def forward(self, post_norm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -194,17 +198,17 @@ class MLPSpeculatorDrafter(Drafter):
         dtype = self.proj[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]
-            teacher = post @ target.lm_head.to(post.device, dtype).T  # [R, S, V] the target's logits
+        teacher = TeacherLogits.of(batch, post, target)
         state = self.initial_state(post)  # [R, S, H] stages run over every position, teacher forced
         losses = []
         correct = torch.zeros(n, dtype=torch.long)
         counted = torch.zeros(n, dtype=torch.long)
         for i in range(n):
-            state, logits = self.stage(i, state, batch.shifted(batch.input_ids, 1 + i))  # token x_{t+1+i}
+            state = self.mix(i, state, batch.shifted(batch.input_ids, 1 + i))  # [R, S, D] fed x_{t+1+i}
             mask = predicted_mask(batch, 2 + i)  # [R, S] x_{t+2+i} trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_i]
-            picked = logits[rows, cols]  # [n_i, V]
-            soft = teacher[rows, cols + 1 + i].float()  # [n_i, V] the target's logits for x_{t+2+i}
+            picked = self.head[i](state[rows, cols])  # [n_i, V]
+            soft = teacher.at(rows, cols + 1 + i)  # [n_i, V] the target's logits for x_{t+2+i}
             losses.append(head_loss(picked, soft, batch.input_ids[rows, cols + 2 + i], self.config.targets))
             correct[i] = int((picked.argmax(-1) == soft.argmax(-1)).sum())
             counted[i] = rows.numel()
