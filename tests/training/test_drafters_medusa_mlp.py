@@ -57,6 +57,7 @@ def draft_logits(drafter, post: torch.Tensor, tokens: list[int]) -> torch.Tensor
 
 
 # -- training ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_step_loss_decreases_when_overfitting_a_run(kind, run_batch, target):
     batch, run_spec = run_batch
