@@ -4,8 +4,8 @@
     EngineReply         what comes back: token ids, text, the durable file's path, or an error (status + message)
     Engine.extract(r)   validate and tokenize on the event loop (400/403 before anything runs), then
                         Engine._run_batch: Ray Serve's @serve.batch gathers up to max_num_seqs prompts for
-                        batch_wait_timeout_s, one LLM.generate runs them (on a worker thread) and returns once every
-                        file is durable
+                        batch_wait_timeout_s; batches formed while the engine is busy are merged into its next call;
+                        one LLM.generate runs them (on a worker thread) and returns once every file is durable
     Engine.info()       model name, max_model_len, layer ids (for /v1/models)
 
 A caller that goes away (client disconnect, timeout) cancels its `extract`: a prompt still waiting leaves the batch
@@ -123,6 +123,8 @@ class Engine:
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()
+        self._waiting: list[tuple[list[_Item], asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
         self._discarded = 0
         try:
             self._replica = serve.get_replica_context().replica_id.unique_id
@@ -219,17 +221,41 @@ class Engine:
         return ids, self.tokenizer.decode(ids)
 
     # -- the batch ------------------------------------------------------------------------------------------------
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)  # reset from the config in __init__
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, max_concurrent_batches=1024)  # sizes set in __init__
     async def _run_batch(self, items: list[_Item]) -> list[EngineReply]:
+        """One batch Ray Serve gathered. Serve forms batches as requests arrive, whether or not the engine is free
+        (max_concurrent_batches bounds only their execution), so the batches formed while the engine runs wait here
+        and go into the next engine call together: one engine, full batches."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((items, done))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run_engine())
+        return await done
+
+    async def _run_engine(self) -> None:
+        """Run the waiting batches, merged, one engine call at a time, until none wait."""
         loop = asyncio.get_running_loop()
-        replies = await loop.run_in_executor(self._executor, self._generate, items)
-        for item, reply in zip(items, replies):
-            item.reply = reply
-            if item.abandoned:
-                self._discard(reply)
-        for reply in replies:
-            reply.replica, reply.discarded = self._replica, self._discarded
-        return replies
+        while self._waiting:
+            groups, self._waiting = self._waiting, []
+            items = [i for g, _ in groups for i in g if not i.abandoned]  # callers gone while waiting: dropped
+            try:
+                replies = await loop.run_in_executor(self._executor, self._generate, items) if items else []
+            except Exception as e:  # the engine call itself failed: every caller of it gets the error
+                for _, done in groups:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            by_item = {id(i): r for i, r in zip(items, replies)}
+            for item, reply in zip(items, replies):
+                item.reply = reply
+                if item.abandoned:
+                    self._discard(reply)
+            for reply in replies:
+                reply.replica, reply.discarded = self._replica, self._discarded
+            for group, done in groups:
+                if not done.done():  # never run (abandoned) prompts answer nobody: a placeholder keeps the shape
+                    done.set_result([by_item.get(id(i)) or EngineReply(i.request.request_id, status=499)
+                                     for i in group])
 
     def _generate(self, items: list[_Item]) -> list[EngineReply]:
         """On the engine thread: one LLM.generate over the batch; returns once every file is durable."""

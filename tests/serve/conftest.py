@@ -31,11 +31,11 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model: str, output: str, log_path: str, **flags) -> None:
+    def __init__(self, model: str, output: str, log_path: str, *, layers=LAYERS, **flags) -> None:
         self.model, self.output, self.port = model, output, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "jobs.cli", "serve", "--model", model, "--output", output,
-                "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, LAYERS))]
+                "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, layers))]
         for name, value in flags.items():
             argv += ["--" + name.replace("_", "-"), str(value)]
         env = {**os.environ, "HSX_API_KEY": "", "RAY_DEDUP_LOGS": "0"}

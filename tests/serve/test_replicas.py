@@ -39,6 +39,11 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def busy_replicas(server) -> list[str]:
+    """Replicas that have run batches (hsx_serve_batches_total{replica=...} > 0)."""
+    return [k for k, v in server.metrics().items() if k.startswith("hsx_serve_batches_total") and v > 0]
+
+
 def completion(server, i: int, **fields) -> dict:
     return {"model": server.model, "prompt": [4 + i % 300, 8, 15, 16 + i % 7], "max_tokens": 4, "temperature": 0,
             "return_token_ids": True, "kv_transfer_params": {"include_output_tokens": True}, **fields}
@@ -67,9 +72,12 @@ def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 60
-        while sum(1 for _, s, _ in results if s == 200) < 24 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # both replicas serving (the second may still be loading at first)
+            if sum(1 for _, s, _ in results if s == 200) >= 24 and len(busy_replicas(replicated)) >= 2:
+                break
+            time.sleep(0.2)
+        assert len(busy_replicas(replicated)) == 2, replicated.metrics()
         killed_at = time.monotonic()
         os.kill(pids[0], signal.SIGKILL)
         while sum(1 for t, s, _ in results if s == 200 and t > killed_at + 1) < 24 and time.monotonic() < deadline:
@@ -89,8 +97,6 @@ def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
         assert obj["token_ids"].tolist() == choice["prompt_token_ids"] + choice["token_ids"][:-1]
     lost = [body for s, body in failed if s == 503]
     assert all(b["error"]["code"] in ("replica_lost", "queue_full") for b in lost), lost[:3]
-    batches = {k: v for k, v in replicated.metrics().items() if k.startswith("hsx_serve_batches_total")}
-    assert len([v for v in batches.values() if v > 0]) >= 2, batches  # both replicas ran batches
 
 
 def test_sigterm_drains_requests_in_flight_then_exits(replicated):
