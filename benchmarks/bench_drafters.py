@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="a small target (1-2 min to train), few samples, few drafter steps: proves the plumbing")
+    ap.add_argument("--target-steps", type=int, default=None,
+                    help="reference target training steps (default: the config's, ~5 min on 2 cores; more = a better "
+                         "target, cached separately)")
     ap.add_argument("--train-tokens", type=int, default=None,
                     help="tokens of train text to extract (default 300000; --quick 12000)")
     ap.add_argument("--steps", type=int, default=None, help="drafter training steps (default 1500; --quick 10)")
@@ -76,12 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def target_config(args):
     from training.reference_target import ReferenceTargetConfig
 
+    sizes = {}
     if args.quick:
-        return ReferenceTargetConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                                     intermediate_size=192, vocab_size=1024, context_length=128, batch_size=8,
-                                     steps=60, warmup_steps=6, max_train_files=60, num_prompts=16, prompt_tokens=48,
-                                     threads=args.threads)
-    return ReferenceTargetConfig(threads=args.threads)
+        sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
+                     vocab_size=1024, context_length=128, batch_size=8, steps=60, warmup_steps=6, max_train_files=60,
+                     num_prompts=16, prompt_tokens=48)
+    if args.target_steps:
+        sizes["steps"] = args.target_steps
+    return ReferenceTargetConfig(threads=args.threads, **sizes)
 
 
 # -- the corpus and the runs ------------------------------------------------------------------------------------------

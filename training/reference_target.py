@@ -77,15 +77,15 @@ class ReferenceTargetConfig:
     """Key/value heads (grouped-query attention; num_attention_heads must divide by it)."""
     intermediate_size: int = 384
     """MLP width."""
-    vocab_size: int = 4096
+    vocab_size: int = 2048
     """BPE vocabulary size, special tokens included."""
     context_length: int = 256
     """Training block length in tokens; also the checkpoint's max_position_embeddings (prompt + output must fit)."""
     batch_size: int = 8
     """Blocks per optimizer step."""
-    steps: int = 360
+    steps: int = 400
     """Optimizer steps; tokens trained on = steps * batch_size * context_length."""
-    learning_rate: float = 3e-3
+    learning_rate: float = 4e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
     warmup_steps: int = 30
     """Linear warm-up steps."""
@@ -210,12 +210,11 @@ def stdlib_corpus(heldout_fraction: float, root: str | None = None) -> tuple[lis
 
 
 def _versions() -> dict[str, str]:
-    import tokenizers
-    import torch
-    import transformers
+    """Versions that change what a build produces; read from package metadata (no imports: a cache hit stays fast)."""
+    from importlib.metadata import version
 
-    return {"build": BUILD_VERSION, "python": sys.version.split()[0], "torch": torch.__version__,
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    return {"build": BUILD_VERSION, "python": sys.version.split()[0], "torch": version("torch"),
+            "transformers": version("transformers"), "tokenizers": version("tokenizers")}
 
 
 def cache_key(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list[CorpusFile]) -> str:
@@ -348,8 +347,9 @@ def _lr(step: int, config: ReferenceTargetConfig) -> float:
 
 
 def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig) -> list[str]:
-    """Snippets of held-out files, whole lines from a non-blank line on, between half and all of prompt_tokens
-    tokens long, chosen with the config's seed (a few per file, files in a seeded order)."""
+    """Snippets of held-out files, whole lines from a non-blank line on (the last one without its newline), between
+    half and all of prompt_tokens tokens long, chosen with the config's seed (a few per file, files in a seeded
+    order)."""
     rng = random.Random(config.seed)
     files = list(heldout)
     rng.shuffle(files)
@@ -367,7 +367,9 @@ def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig
             while end < len(lines) and n + costs[end] <= config.prompt_tokens:
                 n, end = n + costs[end], end + 1
             if n >= config.prompt_tokens // 2:
-                prompts.append("".join(lines[start:end]))
+                # without the last newline: the BPE merges a newline with the next line's indentation, so a prompt
+                # ending in a bare newline would end in a token the target rarely saw there
+                prompts.append("".join(lines[start:end]).removesuffix("\n"))
                 taken += 1
             if taken == per_file:
                 break
