@@ -157,6 +157,16 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     bad = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--drafter", str(tmp_path)])
     with pytest.raises(ValueError, match="no config.json"):
         bad.func(bad)
+    # as jobs/cli.py registers it: bad arguments become the CLI's usage error (one line, exit 2)
+
+    class UsageError(Exception):
+        pass
+
+    cli = argparse.ArgumentParser()
+    add_eval_parser(cli.add_subparsers(dest="command"), usage_error=UsageError)
+    bad = cli.parse_args(["eval-drafter", "--model", str(tmp_path / "missing"), "--prompts", str(prompts)])
+    with pytest.raises(UsageError, match="is not a local folder"):
+        bad.func(bad)
 
 
 def test_eval_methods_lists_none_ngram_and_each_drafter_per_k():

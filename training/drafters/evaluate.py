@@ -22,6 +22,7 @@ and after the timed calls, so the warm-up does not count.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -353,8 +354,9 @@ def load_prompts(path: str, limit: int | None = None) -> list[str]:
 # -- hsx eval-drafter -----------------------------------------------------------------------------------------------
 
 
-def add_eval_parser(subparsers) -> Any:
-    """Register `hsx eval-drafter` on the CLI's subparsers; returns the parser (its func is run_eval)."""
+def add_eval_parser(subparsers, usage_error: type[Exception] | None = None) -> Any:
+    """Register `hsx eval-drafter` on the CLI's subparsers; returns the parser. Its func is run_eval, with the
+    ValueErrors bad arguments raise re-raised as `usage_error` (the CLI's one-line exit-2 error) when given."""
     p = subparsers.add_parser(
         "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
         description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
@@ -376,8 +378,15 @@ def add_eval_parser(subparsers) -> Any:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.set_defaults(func=run_eval)
+    p.set_defaults(func=run_eval if usage_error is None else functools.partial(_run_eval_cli, usage_error=usage_error))
     return p
+
+
+def _run_eval_cli(args, usage_error: type[Exception]) -> int:
+    try:
+        return run_eval(args)
+    except ValueError as e:
+        raise usage_error(str(e)) from e
 
 
 def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ngram: bool = True
