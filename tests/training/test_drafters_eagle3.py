@@ -145,6 +145,32 @@ def test_packed_rows_never_pair_across_documents(eagle3_setup):
     assert float(packed1.loss) * int(packed1.counted[0]) == pytest.approx(total, rel=1e-4)
 
 
+
+def test_one_document_per_row_keeps_every_chains_computation(eagle3_setup):
+    """The unroll over a packed row (documents kept apart by the mask) equals the unroll over the same documents one
+    per row, position by position."""
+    from training.drafters.eagle3 import one_document_per_row
+
+    ds, _, drafter = eagle3_setup
+    packed = _batch(ds, [0, 1, 2], max_tokens=256)
+    split = one_document_per_row(packed)
+    assert split.input_ids.shape[0] == 3 and (split.document_ids[:, 0] == 0).all()
+    for row, i in enumerate((0, 1, 2)):
+        n = ds[i]["input_ids"].shape[0]
+        assert torch.equal(split.input_ids[row, :n], ds[i]["input_ids"]) and (split.document_ids[row, n:] == -1).all()
+
+    def run(b):
+        aux = torch.stack([b.layer(i) for i in drafter.aux_layer_ids], dim=2)
+        with torch.no_grad():
+            return drafter.unroll(aux, b.input_ids, b.position_ids, b.document_ids, 3)
+
+    whole, parts = run(packed), run(split)
+    for s in range(3):  # chains whose inputs x_{t+1..t+1+s} lie in their document (the others are never trained)
+        inside = packed.same_document(1 + s)[0]
+        rows = packed.document_ids[0][inside] - int(packed.document_ids[0][inside].min())
+        torch.testing.assert_close(whole[s][0][inside], parts[s][rows, packed.position_ids[0][inside]],
+                                   rtol=1e-4, atol=1e-5)
+
 def test_eagle3_overfits_a_tiny_run(eagle3_setup):
     ds, target, _ = eagle3_setup
     drafter = _fresh(eagle3_setup)
@@ -297,10 +323,10 @@ def test_proposer_drafts_what_the_training_unroll_predicts(trained_head, runner,
     aux = torch.zeros(1, len(seq), 2, 64)
     aux[0, :len(ctx) - 1] = _aux_states(model, ctx[:-1], (1, 2))
     with torch.no_grad():
-        logits = drafter.unroll(aux, torch.tensor([seq]), torch.arange(len(seq))[None],
-                                torch.zeros(1, len(seq), dtype=torch.long), 3)
+        outputs = drafter.unroll(aux, torch.tensor([seq]), torch.arange(len(seq))[None],
+                                 torch.zeros(1, len(seq), dtype=torch.long), 3)
     chain = len(ctx) - 2
-    assert [int(drafter.draft_ids[logits[s][0, chain].argmax()]) for s in range(3)] == drafts
+    assert [int(drafter.draft_ids[drafter.logits(outputs[s][0, chain]).argmax()]) for s in range(3)] == drafts
 
 
 @pytest.mark.slow

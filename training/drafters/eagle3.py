@@ -114,6 +114,32 @@ def _shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
     return out
 
 
+def one_document_per_row(batch: DrafterBatch) -> DrafterBatch:
+    """A packed batch [R, S, ...] rewritten as one document per row [G, L, ...] (L = the longest document, padding
+    after it), when that makes the attention smaller (G*L^2 < R*S^2). Documents never see each other, so every
+    chain's computation is unchanged; the TTT attention of a long packed row is mostly masked otherwise."""
+    valid = batch.document_ids >= 0  # [R, S]
+    starts = valid & (batch.position_ids == 0)  # a sample starts at position 0 (PackCollator)
+    groups = int(starts.sum())
+    if groups == 0:
+        return batch
+    length = int(batch.position_ids[valid].max()) + 1
+    r, s = batch.input_ids.shape
+    if groups * length * length >= r * s * s:
+        return batch
+    group = (starts.flatten().cumsum(0) - 1).reshape(r, s)[valid]  # [N] row of each real token
+    offset = batch.position_ids[valid]  # [N] its place in the row
+
+    def scatter(x: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((groups, length, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+        out[group, offset] = x[valid]
+        return out
+
+    return DrafterBatch(scatter(batch.input_ids, 0), scatter(batch.hidden_states, 0), scatter(batch.loss_mask, False),
+                        scatter(batch.position_ids, 0), scatter(torch.zeros_like(batch.document_ids), -1),
+                        batch.layer_ids)
+
+
 def _attention_ready(layer_config):
     layer_config._attn_implementation = "sdpa"
     return layer_config
@@ -287,7 +313,8 @@ class Eagle3Drafter(Drafter):
     def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """The test-time-training unroll: aux [R, S, A, H] (aux states of x_t), input_ids / position_ids /
-        document_ids [R, S] -> per step s, logits [R, S, D] of chain t's draft s (it predicts x_{t+2+s})."""
+        document_ids [R, S] -> per step s, the pre-norm outputs [R, S, H] of chain t's draft s (`logits` of it
+        predicts x_{t+2+s})."""
         from transformers import DynamicCache
 
         hidden = self.fuse(aux.to(self.fc.weight.dtype))  # [R, S, H]
@@ -296,10 +323,11 @@ class Eagle3Drafter(Drafter):
         for s in range(steps):
             ids = _shift_left(input_ids, 1 + s)  # [R, S] x_{t+1+s}
             hidden = self.decode(ids, hidden, position_ids + s, self.ttt_mask(document_ids, s), cache)
-            out.append(self.logits(hidden))
+            out.append(hidden)
         return out
 
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        batch = one_document_per_row(batch)  # the same result; attention costs G*L^2 instead of R*S^2
         n = max(batch.layer_ids)
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         with torch.no_grad():
@@ -311,17 +339,20 @@ class Eagle3Drafter(Drafter):
         loss = torch.zeros((), dtype=torch.float32, device=aux.device)
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
-        for s, logits in enumerate(self.unroll(aux, batch.input_ids, batch.position_ids, batch.document_ids, steps)):
-            logp = F.log_softmax(logits.float(), dim=-1)  # [R, S, D] predicts x_{t+2+s}
+        outputs = self.unroll(aux, batch.input_ids, batch.position_ids, batch.document_ids, steps)
+        for s, hidden in enumerate(outputs):
+            # chains t whose draft s (x_{t+2+s}) is trained and in t's document; only those reach the lm_head
             valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # [R, S]
-            p = batch.shifted(teacher, 1 + s)  # [R, S, D] the target's distribution of x_{t+2+s}
-            ce = -(p * logp).sum(-1)  # [R, S]
-            num = int(valid.sum())
-            loss = loss + self.config.step_loss_decay ** s * ce[valid].sum() / max(1, num)
+            rows, cols = valid.nonzero(as_tuple=True)  # [N]
+            counted[s] = rows.numel()
+            if not rows.numel():
+                continue
+            logits = self.logits(hidden[rows, cols]).float()  # [N, D]
+            p = teacher[rows, cols + 1 + s]  # [N, D] the target's distribution of x_{t+2+s}
+            loss = loss + self.config.step_loss_decay ** s * F.cross_entropy(logits, p)
             with torch.no_grad():
-                guess = self.draft_ids[logp.argmax(-1)]  # [R, S] target ids
-                correct[s] = int((guess == batch.shifted(greedy, 1 + s))[valid].sum())
-            counted[s] = num
+                guess = self.draft_ids[logits.argmax(-1)]  # [N] target ids
+                correct[s] = int((guess == greedy[rows, cols + 1 + s]).sum())
         return StepResult(loss, correct, counted)
 
     # -- checkpoint (speculators layout) ------------------------------------------------------------------------
