@@ -437,3 +437,7 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     drafts = metrics["vllm:spec_decode_num_drafts"].value
     mean_al = 1 + metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts
     assert drafts > 0 and mean_al >= 2.0, (mean_al, metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
+    # a sampled row (drafts with their probabilities) next to a greedy one: the greedy row is unchanged
+    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
+                                       SamplingParams(temperature=0.0, max_tokens=12)])
+    assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
