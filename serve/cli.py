@@ -41,3 +41,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return run(config, ready)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    except KeyboardInterrupt:  # a second Ctrl-C, or one that reached Ray's own processes (the whole process group)
+        print("hsx serve: interrupted before requests in flight drained: answered files are complete, requests that "
+              "got no answer should be retried. Send SIGTERM to the hsx process alone for a full drain", file=sys.stderr)
+        return 130

@@ -1,0 +1,32 @@
+"""`hsx serve` refuses bad settings with exit 2 naming the flag, before Ray or any replica starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from jobs.cli import main
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "--model"),
+    (["--model", "{model}"], "--output"),
+    (["--model", "/no/such/model", "--output", "{out}"], "--model /no/such/model"),
+    (["--model", "{model}", "--output", "{out}", "--layers", "1,9"], "--layers"),
+    (["--model", "{model}", "--output", "{out}", "--replicas", "0"], "--replicas"),
+    (["--model", "{model}", "--output", "{out}", "--port", "70000"], "--port"),
+    (["--model", "{model}", "--output", "{out}", "--dtype", "int8"], "--dtype"),
+    (["--model", "{model}", "--output", "{out}", "--api-key", " "], "--api-key"),
+    (["--model", "{model}", "--output", "{out}", "--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--model", "{model}", "--output", "{out}", "--storage-options", "{{not json"], "--storage-options"),
+])
+def test_bad_settings_exit_2_naming_the_flag_before_anything_starts(argv, needle, serve_model, tmp_path, capsys):
+    argv = [a.format(model=serve_model, out=tmp_path / "out") for a in argv]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle.format(model=serve_model) in err and "Traceback" not in err, err
+    assert time.monotonic() - start < 10
