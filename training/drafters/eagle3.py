@@ -330,10 +330,13 @@ class Eagle3Drafter(Drafter):
         batch = one_document_per_row(batch)  # the same result; attention costs G*L^2 instead of R*S^2
         n = max(batch.layer_ids)
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
-        with torch.no_grad():
-            t_logits = target.logits(batch.layer(n)).float()  # [R, S, V]: position t predicts x_{t+1}
-            greedy = t_logits.argmax(-1)  # [R, S] the target's token
-            teacher = F.softmax(t_logits[..., self.draft_ids], dim=-1)  # [R, S, D] on the draft vocabulary
+        with torch.no_grad():  # the target's prediction at u of x_{u+1}, only where x_{u+1} is trained
+            need = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
+            t_logits = target.logits(batch.layer(n)[need]).float()  # [M, V]
+            greedy = torch.zeros(need.shape, dtype=torch.long, device=need.device)  # [R, S] the target's token
+            greedy[need] = t_logits.argmax(-1)
+            teacher = torch.zeros((*need.shape, self.lm_head.out_features), device=need.device)  # [R, S, D]
+            teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
         del t_logits
         steps = self.config.ttt_steps
         loss = torch.zeros((), dtype=torch.float32, device=aux.device)
