@@ -105,6 +105,16 @@ def test_a_killed_training_resumes_where_it_stopped_and_ends_with_the_uninterrup
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+
+def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_a_tenth(oracle_run, tiny_llama, tmp_path):
+    constant = _config(oracle_run, tiny_llama, tmp_path, lr=1.0, warmup_steps=2, steps=10)
+    assert [constant.lr_at(i, 10) for i in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = _config(oracle_run, tiny_llama, tmp_path, lr=1.0, warmup_steps=2, steps=10, lr_schedule="cosine")
+    lrs = [cosine.lr_at(i, 10) for i in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert "steps" in cosine.resume_key() and "steps" not in constant.resume_key()  # cosine pins the length
+
 # -- bad input, refused before training --------------------------------------------------------------------------
 
 

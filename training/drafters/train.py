@@ -46,7 +46,8 @@ DRAFTERS = {
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.pt"
 REPORT_NAME = "report.json"
-RESUME_FIELDS = ("kind", "run", "model", "num_speculative_tokens", "lr", "weight_decay", "warmup_steps",
+LR_SCHEDULES = ("constant", "cosine")
+RESUME_FIELDS = ("kind", "run", "model", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
                  "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options")
 """Settings a resumed training must share with the checkpoint's."""
 
@@ -82,6 +83,8 @@ class TrainDrafterConfig:
     """k, the tokens drafted per step when decoding (Medusa heads, MLPSpeculator stages; EAGLE-3's default k)."""
     lr: float = 1e-4
     """AdamW learning rate (constant after warmup)."""
+    lr_schedule: str = "constant"
+    """After warmup: "constant", or "cosine" (down to lr/10 at the last step; a resume must keep --steps/--epochs)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -142,6 +145,8 @@ class TrainDrafterConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or self.num_workers < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
             raise ValueError("--warmup-steps, --num-workers, --max-grad-norm and --weight-decay must be >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule {self.lr_schedule!r}: use one of {list(LR_SCHEDULES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.kind != "eagle3":
@@ -159,7 +164,18 @@ class TrainDrafterConfig:
         return options
 
     def resume_key(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in RESUME_FIELDS}
+        names = RESUME_FIELDS + (("steps", "epochs") if self.lr_schedule != "constant" else ())
+        return {name: getattr(self, name) for name in names}
+
+    def lr_at(self, step: int, total: int) -> float:
+        """The learning rate of optimizer step `step` (0-based) of `total`."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "cosine":
+            span = max(1, total - self.warmup_steps - 1)
+            done = min(1.0, (step - self.warmup_steps) / span)
+            return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+        return self.lr
 
 
 # -- checks before training -------------------------------------------------------------------------------------
@@ -443,8 +459,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
                     break
                 batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
                 for group in optimizer.param_groups:
-                    group["lr"] = config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps \
-                        else config.lr
+                    group["lr"] = config.lr_at(step, total)
                 result = drafter.training_step(batch, target)
                 optimizer.zero_grad(set_to_none=True)
                 result.loss.backward()
