@@ -251,7 +251,8 @@ class Eagle3Drafter(Drafter):
         return model
 
     def prepare(self, dataset: Any) -> None:
-        """The draft vocabulary from the run's loss-masked tokens (one pass over the dataset)."""
+        """The draft vocabulary from the run's loss-masked tokens: one pass over the dataset, reading every item
+        whole (states included), before the first step."""
         if self.lm_head.out_features >= self.layer_config.vocab_size:
             return  # the whole vocabulary: nothing to choose
         vocab = build_draft_vocab(dataset, self.layer_config.vocab_size, self.lm_head.out_features)

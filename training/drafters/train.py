@@ -15,6 +15,10 @@ Every `checkpoint_every` steps OUT/checkpoint/ receives the model, optimizer, st
 position (epoch, batches done in it); a training started again with the same OUT continues from there and, with
 the same settings, ends with the weights an uninterrupted training reaches. `steps`/`epochs` may change on resume
 (train longer); the settings that shape the result may not (RESUME_FIELDS).
+
+The report (and the progress bar): steps, trained tokens (loss-masked), final_loss, accuracy_per_position and
+simulated_acceptance_length (StepResult's proxy: 1 + a0 + a0*a1 + ...) as means over the last 20 steps, wall time,
+the run, the target and the settings.
 """
 
 from __future__ import annotations
