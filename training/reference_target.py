@@ -273,7 +273,7 @@ def _load(folder: str, train, heldout, *, cached: bool) -> ReferenceTarget:
     with open(os.path.join(folder, REPORT_NAME)) as f:
         report = json.load(f)
     with open(os.path.join(folder, PROMPTS_NAME)) as f:
-        prompts = tuple(json.loads(line)["prompt"] for line in f if line.strip())
+        prompts = tuple(_end_prompt(json.loads(line)["prompt"]) for line in f if line.strip())  # also older folders'
     return ReferenceTarget(path=folder, train_files=tuple(train), heldout_files=tuple(heldout), prompts=prompts,
                            report=report, cached=cached)
 
@@ -346,9 +346,15 @@ def _lr(step: int, config: ReferenceTargetConfig) -> float:
     return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _end_prompt(text: str) -> str:
+    """A prompt ends at the last non-blank character: the BPE merges a newline with the next line's indentation, so
+    a prompt ending in newlines would end in tokens the target rarely saw there (its greedy output then degenerates)."""
+    return text.rstrip()
+
+
 def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig) -> list[str]:
-    """Snippets of held-out files, whole lines from a non-blank line on (the last one without its newline), between
-    half and all of prompt_tokens tokens long, chosen with the config's seed (a few per file, files in a seeded
+    """Snippets of held-out files, whole lines from a non-blank line on (ending at the last non-blank character),
+    between half and all of prompt_tokens tokens long, chosen with the config's seed (a few per file, files in a seeded
     order)."""
     rng = random.Random(config.seed)
     files = list(heldout)
@@ -367,9 +373,7 @@ def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig
             while end < len(lines) and n + costs[end] <= config.prompt_tokens:
                 n, end = n + costs[end], end + 1
             if n >= config.prompt_tokens // 2:
-                # without the last newline: the BPE merges a newline with the next line's indentation, so a prompt
-                # ending in a bare newline would end in a token the target rarely saw there
-                prompts.append("".join(lines[start:end]).removesuffix("\n"))
+                prompts.append(_end_prompt("".join(lines[start:end])))
                 taken += 1
             if taken == per_file:
                 break
