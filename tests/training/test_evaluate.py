@@ -174,3 +174,11 @@ def test_eval_methods_lists_none_ngram_and_each_drafter_per_k():
     assert list(methods) == ["none", "ngram k=3", "eagle3 (h) k=3", "ngram k=5", "eagle3 (h) k=5"]
     assert methods["eagle3 (h) k=5"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
     assert EvalResult("x", None).mean_acceptance_length is None
+
+
+def test_failed_requests_fail_the_method(tiny_llama):
+    too_long = PROMPTS[:2] + ["x " * 5000]  # longer than the model's 4096 positions: that request fails
+    with pytest.raises(RuntimeError, match="1 of 3 requests failed"):
+        evaluate_speculation(tiny_llama, too_long, {}, 2, threads=1)
+    (none,) = evaluate_speculation(tiny_llama, too_long, {}, 2, threads=1, errors="record")
+    assert "1 of 3 requests failed" in none.error and none.mean_acceptance_length is None

@@ -218,21 +218,35 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                 logger.warning("method %s skipped: %s", name, results[name].error)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         warm = SamplingParams(temperature=0.0, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=ignore_eos)
-        for llm in engines.values():
-            llm.generate(prompts[:max(1, warmup_prompts)], warm)
+
+        def run(name: str, params: SamplingParams, batch: list) -> list | None:
+            """One generate(); a method whose requests fail raises, or with errors="record" is dropped."""
+            outs = engines[name].generate(batch, params, use_tqdm=progress and params is sp)
+            failed = [o.error for o in outs if o.error]
+            if not failed:
+                return outs
+            message = f"method {name}: {len(failed)} of {len(outs)} requests failed, first: {failed[0]}"
+            if errors == "raise":
+                raise RuntimeError(message)
+            logger.warning("%s", message)
+            results[name].error = message
+            engines.pop(name).shutdown()
+            return None
+
+        for name in list(engines):
+            run(name, warm, prompts[:max(1, warmup_prompts)])
         times: dict[str, list[float]] = {name: [] for name in engines}
         before = {name: spec_decode_counts(llm.get_metrics()) for name, llm in engines.items()}
         names = list(engines)
         for rep in range(repeats):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
+                if name not in engines:
+                    continue
                 t0 = time.perf_counter()
-                outs = engines[name].generate(prompts, sp, use_tqdm=progress)
-                times[name].append(time.perf_counter() - t0)
-                failed = [o.error for o in outs if o.error]
-                if failed:
-                    raise RuntimeError(f"method {name}: {len(failed)} of {len(outs)} requests failed, first: "
-                                       f"{failed[0]}")
-                results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
+                outs = run(name, sp, prompts)
+                if outs is not None:
+                    times[name].append(time.perf_counter() - t0)
+                    results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
         for name, llm in engines.items():
             r = results[name]
             r.counts = spec_decode_counts(llm.get_metrics()) - before[name]
