@@ -8,12 +8,13 @@
         from an oracle): speculation must be lossless under greedy decoding; a mismatch is logged as an error,
         marked on the result and, with strict=True, raised as LossyOutputError after all methods ran.
     check_lossless(reference, outputs, name) -> [Mismatch]    the comparison itself
-    spec_decode_lines(result) -> [str]    the lines vLLM's examples/offline_inference/spec_decode.py prints
+    spec_decode_lines(total_output_tokens, counts) -> [str]   the lines vLLM's offline spec_decode.py prints
+    result_lines(result) -> [str]         a method's block: its config, those lines, tokens/s, a lossless warning
     comparison_table(results) -> [str]    method | AL | acceptance per position | tokens/s | speedup | lossless
     spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics()
     infer_method(drafter_dir)             eagle3 / medusa / mlp_speculator from a drafter checkpoint's config.json
 
-    hsx eval-drafter (add_eval_parser / run_eval; jobs/cli.py registers them)
+    hsx eval-drafter                      add_eval_parser(subparsers, usage_error) / run_eval(args)
 
 Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
 token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
