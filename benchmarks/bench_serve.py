@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--replica-cpus", type=int, help="--cpus-per-replica (= the replica's torch threads); default "
+                                                      "this process's torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", help="working folder (default: a temp folder, removed)")
     args = ap.parse_args()
@@ -150,7 +152,7 @@ def main() -> None:
 
     server = ServeProcess(model_dir, os.path.join(work, "online"), os.path.join(work, "serve.log"), layers=layers,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          device=args.device, cpus_per_replica=threads, max_queued_requests=4 * args.clients,
+                          device=args.device, cpus_per_replica=args.replica_cpus or threads, max_queued_requests=4 * args.clients,
                           max_prompt_tokens=args.max_len)
     try:
         run_online(server, prompts[:32], args.clients)  # warm-up
@@ -177,7 +179,8 @@ def main() -> None:
     ratios = [len(prompts) / b["wall"] / (len(prompts) / a["wall"]) for a, b in zip(rounds["offline"], rounds["online"])]
     ratio = statistics.median(ratios)
     print(f"\n{len(prompts)} prompts, {tokens} tokens (lengths {args.min_len}-{args.max_len}), layers {layers}, "
-          f"hidden {args.hidden_size} x {n} layers, {args.device}, {threads} threads, max_num_seqs "
+          f"hidden {args.hidden_size} x {n} layers, {args.device}, {threads} threads offline, "
+          f"{args.replica_cpus or threads} in the replica, max_num_seqs "
           f"{args.max_num_seqs}, {args.repeats} rounds (medians), load average {os.getloadavg()[0]:.1f}\n")
     print("| | prompts/s | tokens/s | p50 latency | p99 latency | wall |")
     print("|---|---:|---:|---:|---:|---:|")

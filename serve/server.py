@@ -36,7 +36,9 @@ def build_app(config: ServeConfig, gpus_per_replica: float):
     engine = serve.deployment(
         Engine, name="Engine", num_replicas=config.replicas, max_ongoing_requests=ongoing,
         max_queued_requests=queued, backpressure_config=backpressure,
-        ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus_per_replica},
+        ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus_per_replica,
+                           # torch's CPU threads = the CPUs the replica holds: more would spin against its neighbours
+                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(config.cpus_per_replica)))}}},
         graceful_shutdown_timeout_s=config.drain_timeout_s, health_check_period_s=2, health_check_timeout_s=30)
     capacity = config.replicas * ongoing + queued
     ingress = serve.deployment(
