@@ -69,6 +69,11 @@ class Ingress:
         self._in_flight = 0
         self._draining = False
         self._info: dict[str, Any] | None = None
+        from connectors.paths import PathOwners, PathPolicy
+
+        # who owns each custom path, across replicas: each replica's connector knows only its own requests
+        self._policy = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
+        self._owners = PathOwners()
 
     # -- routes ---------------------------------------------------------------------------------------------------
     @app.get("/health")
@@ -199,7 +204,7 @@ class Ingress:
         requests = [PromptRequest(i, **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}),
                                   max_tokens=body.max_tokens, **body.sampling(), kv_transfer_params=kv)
                     for i, p in zip(ids, prompts)]
-        replies = await self._extract(requests)
+        replies = await self._owning(kv, rid, self._extract(requests))
         return JSONResponse(completion_response(rid, self.config.model_name, replies, body.return_token_ids))
 
     async def _chat(self, request: Request) -> Response:
@@ -212,8 +217,33 @@ class Ingress:
                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                             chat_template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit,
                             **body.sampling(), kv_transfer_params=kv)
-        (reply,) = await self._extract([req])
+        (reply,) = await self._owning(kv, rid, self._extract([req]))
         return JSONResponse(chat_response(rid, self.config.model_name, reply, body.return_token_ids))
+
+    async def _owning(self, kv: dict[str, Any], rid: str, work: Awaitable[list[EngineReply]]) -> list[EngineReply]:
+        """Run `work` owning kv's custom path (connectors.paths.PathOwners, as each connector does, but for every
+        replica at once): a path another request is writing, or wrote without overwrite, is 409 unless overwrite."""
+        from connectors.paths import PathInUse, PathRejected
+
+        custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
+        try:
+            dest = self._policy.locate(custom) if custom is not None else None
+        except PathRejected:
+            dest = None  # the replica answers 403 with the reason
+        if dest is None:
+            return await work
+        try:
+            self._owners.claim(dest, rid, overwrite)
+        except PathInUse as e:
+            work.close()
+            raise APIError(409, str(e), param="kv_transfer_params.hidden_states_path", code="path_in_use") from None
+        written = False
+        try:
+            replies = await work
+            written = True
+            return replies
+        finally:
+            self._owners.release(dest, rid, committed=written and not overwrite)
 
     async def _extract(self, requests: list[PromptRequest]) -> list[EngineReply]:
         """Every prompt through the engine replicas; all succeed or the request fails and keeps no file."""

@@ -4,7 +4,8 @@
                                            client, .post()/.get() plain requests; .stop() sends SIGTERM
     served(...)                            the same as a context manager (the process group is killed at the end)
 
-Ray Serve takes 20-40 s to start on a 2-core machine, so each module starts one server and its tests share it.
+Ray Serve takes 20-40 s to start on a 2-core machine, so every test of the package shares one server (`server`);
+the SIGTERM test, which stops it, runs last, and a test after it would get a fresh one.
 """
 
 from __future__ import annotations
@@ -125,13 +126,42 @@ def serve_model(tiny_llama) -> str:
     return tiny_llama
 
 
+class _Servers:
+    """The shared server, started on first use and again only if a test stopped it (the SIGTERM test does, last)."""
+
+    def __init__(self, model: str, base) -> None:
+        self.model, self.base, self.current, self.starts = model, base, None, 0
+        self._ctx = None
+
+    def get(self) -> ServeProcess:
+        if self.current is None or self.current.proc.poll() is not None:
+            self.close()
+            self.starts += 1
+            out = self.base / f"run{self.starts}"
+            output, extra = str(out / "out"), str(out / "extra")
+            self._ctx = served(self.model, output, str(out / "serve.log"), replicas=2, max_num_seqs=8,
+                               max_queued_requests=8, max_body_bytes=65536, max_prompt_tokens=64,
+                               allowed_roots=f"{output},{extra}")
+            os.makedirs(out, exist_ok=True)
+            self.current = self._ctx.__enter__()
+            self.current.extra_root = extra
+        return self.current
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = self.current = None
+
+
 @pytest.fixture(scope="session")
-def server(serve_model, tmp_path_factory):
-    """The shared server of the API, protection and batching tests: one engine replica (so a later request runs
-    after an earlier one's batch), 8 prompts per batch, a small queue and small limits to hit."""
-    base = tmp_path_factory.mktemp("serve")
-    output, extra = str(base / "out"), str(base / "extra")
-    with served(serve_model, output, str(base / "serve.log"), max_num_seqs=8, max_queued_requests=8,
-                max_body_bytes=65536, max_prompt_tokens=64, allowed_roots=f"{output},{extra}") as s:
-        s.extra_root = extra
-        yield s
+def _servers(serve_model, tmp_path_factory):
+    servers = _Servers(serve_model, tmp_path_factory.mktemp("serve"))
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def server(_servers) -> ServeProcess:
+    """The shared live server: two engine replicas, 8 prompts per batch, a queue of 8, small limits to hit. Started
+    once for the whole tests/serve session (Ray Serve's start is what costs)."""
+    return _servers.get()

@@ -1,6 +1,7 @@
-"""Two engine replicas on the server's local Ray: both serve; killing one replica's process mid-load loses no
-acknowledged file (requests in flight on it fail with 5xx, none answers a path to a missing file); SIGTERM drains
-the requests in flight (their files durable, their answers sent), refuses new ones, and exits 0."""
+"""Two engine replicas on the server's local Ray (the shared server of tests/serve): both serve; killing one
+replica's process mid-load loses no acknowledged file (requests in flight on it fail with 5xx, none answers a path
+to a missing file); SIGTERM drains the requests in flight (their files durable, their answers sent), refuses new
+ones, and exits 0. The SIGTERM test stops the shared server: it is the package's last test."""
 
 from __future__ import annotations
 
@@ -14,17 +15,8 @@ import pytest
 import requests
 
 from connectors import load_hidden_states
-from tests.serve.conftest import served
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def replicated(serve_model, tmp_path_factory):
-    base = tmp_path_factory.mktemp("serve-replicas")
-    with served(serve_model, str(base / "out"), str(base / "serve.log"), replicas=2, max_num_seqs=4,
-                max_queued_requests=64) as s:
-        yield s
 
 
 def engine_pids(server) -> list[int]:
@@ -49,8 +41,8 @@ def completion(server, i: int, **fields) -> dict:
             "return_token_ids": True, "kv_transfer_params": {"include_output_tokens": True}, **fields}
 
 
-def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
-    pids = engine_pids(replicated)
+def test_killing_one_replica_mid_load_loses_no_acknowledged_file(server):
+    pids = engine_pids(server)
     assert len(pids) == 2, pids
     results: list[tuple[float, int, dict]] = []
     stop = threading.Event()
@@ -61,9 +53,9 @@ def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
         while not stop.is_set():
             with lock:
                 i = next(counter)
-            body = completion(replicated, i)
+            body = completion(server, i)
             try:
-                r = replicated.post("/v1/completions", body, timeout=60)
+                r = server.post("/v1/completions", body, timeout=60)
                 results.append((time.monotonic(), r.status_code, r.json()))
             except requests.RequestException as e:  # a dropped connection acknowledges nothing either
                 results.append((time.monotonic(), -1, {"error": str(e)}))
@@ -74,10 +66,10 @@ def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # both replicas serving (the second may still be loading at first)
-            if sum(1 for _, s, _ in results if s == 200) >= 24 and len(busy_replicas(replicated)) >= 2:
+            if sum(1 for _, s, _ in results if s == 200) >= 24 and len(busy_replicas(server)) >= 2:
                 break
             time.sleep(0.2)
-        assert len(busy_replicas(replicated)) == 2, replicated.metrics()
+        assert len(busy_replicas(server)) == 2, server.metrics()
         killed_at = time.monotonic()
         os.kill(pids[0], signal.SIGKILL)
         while sum(1 for t, s, _ in results if s == 200 and t > killed_at + 1) < 24 and time.monotonic() < deadline:
@@ -99,34 +91,34 @@ def test_killing_one_replica_mid_load_loses_no_acknowledged_file(replicated):
     assert all(b["error"]["code"] in ("replica_lost", "queue_full") for b in lost), lost[:3]
 
 
-def test_sigterm_drains_requests_in_flight_then_exits(replicated):
+def test_sigterm_drains_requests_in_flight_then_exits(server):
     answers: list[requests.Response] = []
 
     def long_request(i: int) -> None:
-        answers.append(replicated.post("/v1/completions", completion(replicated, i, max_tokens=400, ignore_eos=True),
+        answers.append(server.post("/v1/completions", completion(server, i, max_tokens=400, ignore_eos=True),
                                        timeout=120))
 
     threads = [threading.Thread(target=long_request, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while replicated.metrics().get("hsx_serve_queue_depth", 0) < 6 and time.monotonic() < deadline:
+    while server.metrics().get("hsx_serve_queue_depth", 0) < 6 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert replicated.metrics()["hsx_serve_queue_depth"] == 6
-    replicated.proc.send_signal(signal.SIGTERM)
+    assert server.metrics()["hsx_serve_queue_depth"] == 6
+    server.proc.send_signal(signal.SIGTERM)
 
     refused = None
     while refused is None and any(t.is_alive() for t in threads):
         try:
-            r = replicated.get("/health", key=None, timeout=5)
+            r = server.get("/health", key=None, timeout=5)
         except requests.RequestException:
             break
         if r.status_code == 503:
-            refused = replicated.post("/v1/completions", completion(replicated, 999))
+            refused = server.post("/v1/completions", completion(server, 999))
         time.sleep(0.05)
     for t in threads:
         t.join(120)
-    assert replicated.proc.wait(90) == 0
+    assert server.proc.wait(90) == 0
     assert [a.status_code for a in answers] == [200] * 6
     for a in answers:
         body = a.json()
