@@ -38,7 +38,8 @@ class ServeConfig:
     max_model_len: int | None = None
     """Longest request in tokens (prompt + generated); default the model's max_position_embeddings."""
     max_num_seqs: int = 32
-    """Requests gathered into one engine call (Ray Serve's max_batch_size) and the engine's rows per forward."""
+    """Prompts per gathered batch (Ray Serve's max_batch_size) and the engine's rows per forward; a replica works on
+    up to twice as many at once (one engine call running, the next gathering), more wait in the queue."""
     max_num_batched_tokens: int = 8192
     """Token budget of one forward pass; longer batches are split by the engine."""
     batch_wait_timeout_s: float = 0.01
