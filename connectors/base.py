@@ -74,6 +74,13 @@ class HiddenStatesConnector(ABC):
     def abort_request(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Forget a request that failed before finishing."""
 
+    def write_seconds(self, request_id: str) -> float | None:
+        """Seconds the request's file took from request_finished to durable, once it is (None: not measured)."""
+        return None
+
+    def forget(self, path: str) -> None:  # noqa: B027 - optional hook
+        """A file this connector wrote was removed: requests may write that path again."""
+
     # -- engine, per batch / lifetime ---------------------------------------------------------------------------
     @abstractmethod
     def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:

@@ -207,6 +207,7 @@ class PathOwners:
     def __init__(self) -> None:
         self._live: dict[str, str] = {}
         self._committed: dict[str, str] = {}
+        self._keys: dict[str, str] = {}  # Destination.path -> key of the committed ones
 
     def claim(self, dest: Destination, request_id: str, overwrite: bool) -> None:
         """Make `request_id` the live owner of `dest`; PathInUse when another request owns it (unless `overwrite`)."""
@@ -232,6 +233,12 @@ class PathOwners:
             del self._live[dest.key]
         if committed:
             self._committed[dest.key] = request_id
+            self._keys[dest.path] = dest.key
+
+    def forget(self, path: str) -> None:
+        """The committed file at `path` (as Destination.path spelled it) is gone: nobody owns it any more."""
+        key = self._keys.pop(path, path)
+        self._committed.pop(key, None)
 
     @property
     def num_remembered(self) -> int:

@@ -22,6 +22,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         self._requests: dict[str, _Pending] = {}
         self._owners = PathOwners()
         self._futures: dict[str, Future] = {}
+        self._write_secs: dict[str, float] = {}
         self._lock = threading.Lock()
         self._spec_metadata = spec.to_metadata()
         self._dtype = spec.torch_dtype
@@ -206,7 +208,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
                                     include_output_tokens=pending.include_output_tokens, sample_id=info.sample_id)
         buffers = _buffers(c for chunks in tensors.values() for c in chunks)
         try:
-            future = self._writer.submit(buffers, self._write, pending, tensors, metadata)
+            future = self._writer.submit(buffers, self._write, pending, tensors, metadata, time.perf_counter())
         except BaseException:
             self._release(pending, written=False)
             raise
@@ -214,13 +216,16 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             self._futures[request_id] = future
         return {"hidden_states_path": pending.dest.path}
 
-    def _write(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
+    def _write(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str],
+               submitted: float) -> int:
         """On a writer thread. The file stops being live before the future completes: once `wait_for_save` returns,
         a later request for it sees it committed (or free), never still in flight."""
         written = False
         try:
             size = self._write_file(pending.dest, tensors, metadata)
             written = True
+            with self._lock:
+                self._write_secs[pending.info.request_id] = time.perf_counter() - submitted
             return size
         finally:
             self._release(pending, written=written)
@@ -236,6 +241,17 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
     def _release(self, pending: _Pending, *, written: bool) -> None:
         with self._lock:
             self._owners.release(pending.dest, pending.info.request_id, committed=written and pending.remember)
+
+    def write_seconds(self, request_id: str) -> float | None:
+        """Seconds request_id's file took from request_finished to durable (once; None if it was not written)."""
+        with self._lock:
+            return self._write_secs.pop(request_id, None)
+
+    def forget(self, path: str) -> None:
+        """A file this connector wrote has been removed (e.g. cleanup_hidden_states of an unwanted result): a later
+        request may write that path again without overwrite=True."""
+        with self._lock:
+            self._owners.forget(path)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.paths import PathInUse
 from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
@@ -65,6 +67,12 @@ class RequestOutput:
     """{"hidden_states_path": url} once the file is durable; None when the request failed."""
     error: str | None = None
     """Why this request failed (hsx extension); None on success."""
+    error_kind: str | None = None
+    """What kind of failure (hsx extension; None on success): "invalid" (the request itself: its prompt, params or
+    path), "path_in_use" (another request owns its hidden_states_path), "write_failed" (the file could not be made
+    durable), "engine" (the forward failed), "aborted" (abort_request)."""
+    write_seconds: float | None = None
+    """Seconds its file took from the request's end to durable (hsx extension); None when nothing was written."""
     finished: bool = True
 
     @property
@@ -84,6 +92,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     generator: torch.Generator | None = None
 
@@ -162,6 +171,9 @@ class LLM:
         self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._eos = self.runner.eos_token_ids()
         self._counter = itertools.count()
+        self._abort_lock = threading.Lock()
+        self._aborted: set[str] = set()
+        self._active: set[str] = set()  # request ids of the generate() calls running now
 
     # -- public API -------------------------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -172,6 +184,26 @@ class LLM:
         vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens (Counter, `.value`) and
         vllm:spec_decode_num_accepted_tokens_per_pos (Vector, `.values`, length k)."""
         return self.stats.metrics()
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stop requests of a generate() call running on another thread (vLLM's LLMEngine.abort_request): a waiting
+        request never runs, a running one leaves the batch at its next step; either writes no file and comes back
+        with error_kind "aborted". Ids of no running generate() call, or of finished requests, are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._abort_lock:
+            self._aborted.update(i for i in map(str, ids) if i in self._active)
+
+    def _take_aborted(self, requests: Sequence[_Request]) -> list[_Request]:
+        """The unfinished ones of `requests` aborted since they started, marked so and their files dropped."""
+        if not self._aborted:
+            return []
+        with self._abort_lock:
+            hit = [r for r in requests if r.request_id in self._aborted and r.error is None and r.finish_reason is None]
+            self._aborted.difference_update(r.request_id for r in hit)
+        for r in hit:
+            self.connector.abort_request(r.request_id)
+            r.error, r.error_kind = "aborted (abort_request)", "aborted"
+        return hit
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -187,6 +219,17 @@ class LLM:
             [str(next(self._counter)) for _ in prompts]
         if len(set(rids)) != len(rids):
             raise ValueError("request_ids must be unique within one generate() call")
+        with self._abort_lock:
+            self._active.update(rids)
+        try:
+            return self._generate(rids, prompts, params, use_tqdm)
+        finally:
+            with self._abort_lock:
+                self._active.difference_update(rids)
+                self._aborted.difference_update(rids)
+
+    def _generate(self, rids: list[str], prompts: list[PromptType], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
         requests = [self._make_request(i, rid, p, sp) for i, (rid, p, sp) in enumerate(zip(rids, prompts, params))]
         runnable = [r for r in requests if r.error is None]
         progress = _progress(len(runnable), use_tqdm)
@@ -197,8 +240,11 @@ class LLM:
                                forward_cost_tokens=FORWARD_COST_TOKENS.get(self.runner.device.type,
                                                                            DEFAULT_FORWARD_COST_TOKENS))
         for batch in batches:
+            if self._take_aborted(batch.items) and not any(r.error is None for r in batch.items):
+                progress.update(len(batch.items))
+                continue
             try:
-                self._run_prompt_batch(batch.items, batch.chunk_size)
+                self._run_prompt_batch([r for r in batch.items if r.error is None], batch.chunk_size)
             except Exception as e:  # fails the batch's requests, not the others
                 self._fail(batch.items, e)
             progress.update(len(batch.items))
@@ -209,6 +255,7 @@ class LLM:
             if r.request_id in failures:
                 err = failures[r.request_id]
                 r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
+                r.error_kind = "write_failed"
             if r.error is None:
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
                 self.stats.generation_tokens += len(r.output_ids)
@@ -257,6 +304,7 @@ class LLM:
                                                      sample_id=req.sample_id, loss_mask=mask))
         except (ValueError, TypeError) as e:
             req.error = str(e)
+            req.error_kind = "path_in_use" if isinstance(e, PathInUse) else "invalid"
             logger.warning("request %s failed: %s", rid, e)
         req.generator = make_generator(params) if req.error is None and params.max_tokens > 0 else None
         return req
@@ -311,7 +359,7 @@ class LLM:
         for r in requests:
             if r.finish_reason is None and r.error is None:
                 self.connector.abort_request(r.request_id)
-                r.error = f"{type(e).__name__}: {e}"
+                r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
 
     def _prefill(self, batch: list[_Request], chunk_size: int, generating: bool
                  ) -> tuple[torch.Tensor | None, BatchState | None, list[torch.Tensor] | None]:
@@ -353,6 +401,16 @@ class LLM:
         running: list[_Request] = []
         state: BatchState | None = None
         while waiting or running:
+            if self._aborted:
+                gone = self._take_aborted(list(waiting) + running)
+                if gone:
+                    progress.update(len(gone))
+                    waiting = deque(r for r in waiting if r.error is None)
+                    keep = [i for i, r in enumerate(running) if r.error is None]
+                    if len(keep) < len(running):
+                        running, state = self._keep_rows(running, state, keep)
+                    if not running and not waiting:
+                        break
             if waiting and len(running) < self.config.max_num_seqs and \
                     (state is None or (can_rearrange(state.cache) and
                                        (self.proposer is None or self.proposer.can_join()))):
@@ -381,14 +439,19 @@ class LLM:
             keep = [i for i, r in enumerate(running) if r.finish_reason is None]
             if len(keep) < len(running):
                 progress.update(len(running) - len(keep))
-                if not keep:
-                    running, state = [], None
-                    continue
-                state.select(keep)
-                if self.proposer is not None:
-                    self.proposer.select(keep)
-                running = [running[i] for i in keep]
-            state.maybe_compact()
+                running, state = self._keep_rows(running, state, keep)
+            if state is not None:
+                state.maybe_compact()
+
+    def _keep_rows(self, running: list[_Request], state: BatchState, keep: list[int]
+                   ) -> tuple[list[_Request], BatchState | None]:
+        """Only rows `keep` of the running batch continue (in the cache and the proposer too)."""
+        if not keep:
+            return [], None
+        state.select(keep)
+        if self.proposer is not None:
+            self.proposer.select(keep)
+        return [running[i] for i in keep], state
 
     def _admissible(self, waiting: deque, free: int) -> tuple[list[_Request], int]:
         """Pop the next prefill group: the longest waiting requests, at most `free`, padded to the first (longest)
@@ -498,7 +561,9 @@ class LLM:
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
             outputs=[CompletionOutput(0, text, list(r.output_ids), r.finish_reason if ok else None)],
-            kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error)
+            kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error,
+            error_kind=None if ok else r.error_kind or "invalid",
+            write_seconds=self.connector.write_seconds(r.request_id) if ok else None)
 
 
 class _NoWrites:
@@ -518,6 +583,12 @@ class _NoWrites:
 
     def wait_for_save(self) -> dict:
         return {}
+
+    def write_seconds(self, request_id) -> None:
+        return None
+
+    def forget(self, path) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass

@@ -9,8 +9,10 @@
     Engine.info()       model name, max_model_len, layer ids (for /v1/models)
 
 A caller that goes away (client disconnect, timeout) cancels its `extract`: a prompt still waiting leaves the batch
-before it runs (Ray Serve drops cancelled requests); one already running cannot be stopped mid-batch (the engine has
-no abort hook), so its file is removed as soon as the batch returns — no file is left for a request nobody answered.
+before it runs (Ray Serve drops cancelled requests); one already running is aborted (`LLM.abort_request`: it leaves
+the batch at the engine's next step and writes nothing); one that finished in the meantime has its file removed
+(and forgotten by the connector, so a retry may write that path) as soon as the batch returns — no file is left for
+a request nobody answered.
 """
 
 from __future__ import annotations
@@ -73,8 +75,12 @@ class EngineReply:
     batch_seconds: float = 0.0
     """The engine call this prompt ran in: compute plus durable writes."""
     bytes_written: int = 0
+    write_seconds: float | None = None
+    """Its file: request end to durable (the connector's measure)."""
     replica: str = ""
     discarded: int = 0
+    aborted: int = 0
+    """Requests this replica has stopped mid-batch because their clients went away (cumulative)."""
     """Files this replica has removed so far because their clients went away (cumulative)."""
 
     @property
@@ -126,6 +132,7 @@ class Engine:
         self._waiting: list[tuple[list[_Item], asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self._discarded = 0
+        self._aborted = 0
         try:
             self._replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # built outside Serve (a unit test of the class)
@@ -140,11 +147,12 @@ class Engine:
             item = self._admit(request)
         except _Rejected as e:
             return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
-                               discarded=self._discarded)
+                               discarded=self._discarded, aborted=self._aborted)
         try:
             return await self._run_batch(item)
         except asyncio.CancelledError:
             item.abandoned = True  # a batch still running removes the file when it returns
+            self.llm.abort_request(request.request_id)  # or, while it still decodes, stops it writing one
             if item.reply is not None:
                 self._discard(item.reply)
             raise
@@ -251,7 +259,7 @@ class Engine:
                 if item.abandoned:
                     self._discard(reply)
             for reply in replies:
-                reply.replica, reply.discarded = self._replica, self._discarded
+                reply.replica, reply.discarded, reply.aborted = self._replica, self._discarded, self._aborted
             for group, done in groups:
                 if not done.done():  # never run (abandoned) prompts answer nobody: a placeholder keeps the shape
                     done.set_result([by_item.get(id(i)) or EngineReply(i.request.request_id, status=499)
@@ -272,13 +280,15 @@ class Engine:
             reply = EngineReply(item.request.request_id, list(out.prompt_token_ids), batch_size=len(items),
                                 first_in_batch=n == 0, batch_seconds=seconds)
             if out.error is not None:
-                status, code = _classify(out.error)
+                status, code = _ERROR_STATUS.get(out.error_kind, (500, "engine_error"))
+                self._aborted += out.error_kind == "aborted"
                 reply.status, reply.message, reply.code = status, out.error, code
             else:
                 completion = out.outputs[0]
                 reply.token_ids, reply.text = list(completion.token_ids), completion.text
                 reply.finish_reason = completion.finish_reason
                 reply.path = out.kv_transfer_params["hidden_states_path"]
+                reply.write_seconds = out.write_seconds
                 try:
                     reply.bytes_written = storage.size_of(self._fs, _fs_path(self._fs, reply.path))
                 except OSError:
@@ -295,6 +305,7 @@ class Engine:
             return
         try:
             cleanup_hidden_states(reply.path, storage_options=self.config.storage_options)
+            self.llm.connector.forget(reply.path)
             self._discarded += 1
             logger.info("request %s: the client went away; removed %s", reply.request_id, reply.path)
         except OSError as e:
@@ -314,14 +325,6 @@ def _fs_path(fs, path: str) -> str:
     return path if storage.is_local(fs) else fs._strip_protocol(path)
 
 
-def _classify(error: str) -> tuple[int, str]:
-    """(status, code) of an engine error that admission did not catch. The engine reports errors as text (see the
-    report: a typed error kind on RequestOutput would replace this): a lost write is the server's fault; a path
-    another request owns is a conflict; the rest (checks the engine makes that admission does not repeat) are 400."""
-    if error.startswith("hidden states were not saved"):
-        return 500, "write_failed"
-    if "kv_transfer_params['overwrite']" in error:
-        return 409, "path_in_use"
-    if error.startswith(("RuntimeError:", "OSError:", "torch.", "OutOfMemoryError:")):
-        return 500, "engine_error"
-    return 400, "invalid_request"
+_ERROR_STATUS = {"invalid": (400, "invalid_request"), "path_in_use": (409, "path_in_use"),
+                 "write_failed": (500, "write_failed"), "engine": (500, "engine_error"), "aborted": (499, "aborted")}
+"""(status, code) per RequestOutput.error_kind of an engine error that admission did not catch."""

@@ -8,7 +8,10 @@
     hsx_serve_batches_total{replica}             engine batches by replica (Serve's replica id)
     hsx_serve_batch_seconds                      one engine call: compute plus durable writes (histogram)
     hsx_serve_request_seconds                    request arrival to response, the file durable (histogram)
+    hsx_serve_write_seconds                      one file: its request's end to durable on storage (histogram)
     hsx_serve_bytes_written_total                bytes of the files answered
+    hsx_serve_requests_aborted_total             requests stopped mid-batch (LLM.abort_request) because their client went
+                                                 away: nothing written
     hsx_serve_files_discarded_total{reason}      files removed: client_gone (the engine replicas report theirs with
                                                  each reply), request_failed (other prompts of a failed request)
 """
@@ -49,10 +52,15 @@ class ServeMetrics:
                                        buckets=_SECONDS_BUCKETS, registry=r)
         self.request_seconds = Histogram("hsx_serve_request_seconds", "request seconds, arrival to durable response",
                                          buckets=_SECONDS_BUCKETS, registry=r)
+        self.write_seconds = Histogram("hsx_serve_write_seconds", "file write seconds, request end to durable",
+                                       buckets=_SECONDS_BUCKETS, registry=r)
         self.bytes_written = Counter("hsx_serve_bytes_written", "bytes of files answered", registry=r)
         self.files_discarded = Counter("hsx_serve_files_discarded", "files removed (client gone, request failed)",
                                        ["reason"], registry=r)
         self._discarded_by_replica: dict[str, int] = {}
+        self.aborted = Counter("hsx_serve_requests_aborted", "requests stopped mid-batch, their client gone",
+                               registry=r)
+        self._aborted_by_replica: dict[str, int] = {}
 
     def observe_reply(self, reply) -> None:
         """One engine reply (serve.engine.EngineReply): tokens and bytes when it succeeded, its batch when it is the
@@ -61,10 +69,16 @@ class ServeMetrics:
             self.prompt_tokens.inc(len(reply.prompt_token_ids))
             self.generation_tokens.inc(len(reply.token_ids))
             self.bytes_written.inc(reply.bytes_written)
+            if reply.write_seconds is not None:
+                self.write_seconds.observe(reply.write_seconds)
         seen = self._discarded_by_replica.get(reply.replica, 0)
         if reply.discarded > seen:
             self.files_discarded.labels("client_gone").inc(reply.discarded - seen)
             self._discarded_by_replica[reply.replica] = reply.discarded
+        seen = self._aborted_by_replica.get(reply.replica, 0)
+        if reply.aborted > seen:
+            self.aborted.inc(reply.aborted - seen)
+            self._aborted_by_replica[reply.replica] = reply.aborted
         if reply.first_in_batch:
             self.batch_size.observe(reply.batch_size)
             self.batches.labels(reply.replica).inc()

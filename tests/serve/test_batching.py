@@ -48,4 +48,6 @@ def test_64_requests_from_16_threads_all_succeed_in_batches(server):
     assert delta(after, before, "hsx_serve_generation_tokens_total") == 64
     assert delta(after, before, "hsx_serve_bytes_written_total") == sizes
     assert delta(after, before, "hsx_serve_request_seconds_count") == 64
+    assert delta(after, before, "hsx_serve_write_seconds_count") == 64  # one write latency per file
+    assert delta(after, before, "hsx_serve_write_seconds_sum") > 0
     assert after["hsx_serve_queue_depth"] == 0

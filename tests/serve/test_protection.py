@@ -12,6 +12,8 @@ import openai
 import pytest
 import requests
 
+from connectors import load_hidden_states
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
@@ -180,14 +182,21 @@ def test_a_client_that_goes_away_leaves_no_file(server):
     gone = os.path.join(server.output, "gone", "left.safetensors")
     body = completion(server, max_tokens=1500, ignore_eos=True, temperature=0,
                       kv_transfer_params={"hidden_states_path": gone})
-    key = 'hsx_serve_files_discarded_total{reason="client_gone"}'
-    before = server.metrics().get(key, 0)
+    keys = ('hsx_serve_files_discarded_total{reason="client_gone"}', "hsx_serve_requests_aborted_total")
+    before = sum(server.metrics().get(k, 0) for k in keys)
     with pytest.raises(requests.Timeout):
         server.post("/v1/completions", body, timeout=0.5)
-    # a replica reports the files it removed with its next answers: ask until the one that ran it has answered
+    # the request is aborted mid-decode (or, had it finished, its file removed); a replica reports that with its
+    # next answers: ask until the one that ran it has answered
     deadline = time.monotonic() + 60
-    while server.metrics().get(key, 0) == before and time.monotonic() < deadline:
+    while sum(server.metrics().get(k, 0) for k in keys) == before and time.monotonic() < deadline:
         assert server.post("/v1/completions", completion(server)).status_code == 200
-    assert server.metrics().get(key, 0) == before + 1
+    assert sum(server.metrics().get(k, 0) for k in keys) == before + 1
+    assert server.metrics().get("hsx_serve_requests_aborted_total", 0) >= 1  # 1500 tokens: it was still running
     assert not os.path.exists(gone) and not os.path.exists(gone + ".lock")
+    # and the path is free again: a retry writes it (the connector forgot the aborted or removed request)
+    retry = server.post("/v1/completions", completion(server, prompt=[5, 6, 7], max_tokens=1,
+                                                      kv_transfer_params={"hidden_states_path": gone}))
+    assert retry.status_code == 200, retry.text
+    assert load_hidden_states(gone)["token_ids"].tolist()[:3] == [5, 6, 7]
     assert server.metrics()['hsx_serve_requests_total{endpoint="completions",status="499"}'] >= 1

@@ -1,0 +1,76 @@
+"""Hooks a server needs from the engine: abort_request, typed error kinds, write timings, forgetting a removed file."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from connectors import KVTransferConfig, cleanup_hidden_states, load_hidden_states
+from extractor import LLM, SamplingParams
+from extractor.runner import ModelRunner
+from tests.extractor.oracle import load_reference
+
+PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42], [7] * 11, [100, 3, 250, 61], [12, 13], [99, 98, 97]]
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _llm(model_dir, root, **kw):
+    return LLM(model=model_dir, dtype="float32", kv_transfer_config=KVTransferConfig(
+        kv_connector_extra_config={"shared_storage_path": str(root), "allow_custom_save_path": True}), **kw)
+
+
+def test_aborted_requests_stop_write_nothing_and_the_others_are_exact(tiny_llama, tmp_path, monkeypatch):
+    model, _ = load_reference(tiny_llama)
+    llm = _llm(tiny_llama, tmp_path, max_num_seqs=2)
+    ids = [f"r{i}" for i in range(len(PROMPTS))]
+    real_decode, steps = ModelRunner.decode, []
+
+    def decode(runner, state, tokens, capture):  # what another thread would do, at a known step
+        steps.append(len(tokens))
+        if len(steps) == 3:
+            llm.abort_request(["r0", "r5", "no-such-request"])  # r0 is running (longest first: r2, r0), r5 waits
+        return real_decode(runner, state, tokens, capture)
+
+    monkeypatch.setattr(ModelRunner, "decode", decode)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), request_ids=ids)
+    by_id = {o.request_id: o for o in outs}
+    for rid in ("r0", "r5"):
+        assert by_id[rid].error_kind == "aborted" and by_id[rid].kv_transfer_params is None
+        assert not os.path.exists(tmp_path / f"{rid}.safetensors")
+    assert len(by_id["r0"].outputs[0].token_ids) < 8 and by_id["r5"].outputs[0].token_ids == []
+    for rid, p in zip(ids, PROMPTS):
+        if rid not in ("r0", "r5"):
+            out = by_id[rid]
+            assert out.error is None and out.outputs[0].token_ids == hf_greedy(model, p, 8)
+            assert load_hidden_states(out.kv_transfer_params["hidden_states_path"])["token_ids"].tolist() == p
+            assert out.write_seconds is not None and out.write_seconds >= 0
+    # an abort of an id no call is running is ignored: the next request with that id runs
+    llm.abort_request("r0")
+    again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), request_ids=["r0"])
+    assert again[0].error is None
+    llm.shutdown()
+
+
+def test_errors_say_their_kind_and_a_forgotten_file_may_be_written_again(tiny_llama, tmp_path):
+    llm = _llm(tiny_llama, tmp_path)
+    custom = str(tmp_path / "mine.safetensors")
+    kv = {"kv_transfer_params": {"hidden_states_path": custom}}
+    outs = llm.generate([{"prompt_token_ids": []}, {"prompt_token_ids": [5, 6]}],
+                        [SamplingParams(max_tokens=0), SamplingParams(max_tokens=0, extra_args=kv)])
+    assert outs[0].error_kind == "invalid" and "empty" in outs[0].error
+    assert outs[1].error is None and outs[1].error_kind is None
+    second = llm.generate([{"prompt_token_ids": [7, 8]}], SamplingParams(max_tokens=0, extra_args=kv))[0]
+    assert second.error_kind == "path_in_use" and "overwrite" in second.error
+    cleanup_hidden_states(custom)
+    llm.connector.forget(custom)
+    third = llm.generate([{"prompt_token_ids": [7, 8]}], SamplingParams(max_tokens=0, extra_args=kv))[0]
+    assert third.error is None and load_hidden_states(custom)["token_ids"].tolist() == [7, 8]
+    llm.shutdown()
