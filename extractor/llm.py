@@ -54,7 +54,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """"stop" (EOS or a stop token), "length" (max_tokens or max_model_len), None when the request failed."""
+    """"stop" (EOS, a stop token or a stop string), "length" (max_tokens or max_model_len), None when it failed."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it (None: EOS, length, or failed), as vLLM reports it."""
 
 
 @dataclass
@@ -95,6 +97,9 @@ class _Request:
     error_kind: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     generator: torch.Generator | None = None
+    stop_reason: int | str | None = None
+    text_end: int | None = None  # where the output text is cut (a stop string); None = all of it
+    text_len: int = 0  # length of the decoded output text so far (stop-string search resumes there)
 
     @property
     def include_output_tokens(self) -> bool:
@@ -548,6 +553,9 @@ class LLM:
         if not r.params.ignore_eos and token in self._eos:
             return "stop"
         if token in r.params.stop_token_ids:
+            r.stop_reason = token
+            return "stop"
+        if r.params.stop and self._hit_stop_string(r):
             return "stop"
         if len(r.output_ids) >= r.params.max_tokens:
             return "length"
@@ -555,12 +563,32 @@ class LLM:
             return "length"
         return None
 
+    def _hit_stop_string(self, r: _Request) -> bool:
+        """Whether the output text now contains one of r's stop strings (searched from where the last token's text
+        could first complete one); records where the text ends and which string stopped it."""
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        start = r.text_len
+        r.text_len = len(text)
+        hits = []
+        for stop in r.params.stop:
+            i = text.find(stop, max(0, start - len(stop) + 1))
+            if i >= 0:
+                hits.append((i, stop))
+        if not hits:
+            return False
+        i, stop = min(hits)
+        r.stop_reason, r.text_end = stop, i + len(stop) if r.params.include_stop_str_in_output else i
+        return True
+
     def _output(self, r: _Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if r.output_ids else ""
+        if r.text_end is not None:
+            text = text[:r.text_end]
         ok = r.error is None
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(r.output_ids), r.finish_reason if ok else None)],
+            outputs=[CompletionOutput(0, text, list(r.output_ids), r.finish_reason if ok else None,
+                                      r.stop_reason if ok else None)],
             kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error,
             error_kind=None if ok else r.error_kind or "invalid",
             write_seconds=self.connector.write_seconds(r.request_id) if ok else None)

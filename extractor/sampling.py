@@ -26,6 +26,10 @@ class SamplingParams:
     """0 or -1 = off."""
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    """Stop strings: generation ends when the output text contains one; the text ends before it (unless
+    include_stop_str_in_output) and token_ids end with the token that completed it, as in vLLM."""
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     extra_args: dict[str, Any] | None = None
     """{"kv_transfer_params": {"hidden_states_path": ..., "include_output_tokens": bool, "overwrite": bool}};
@@ -41,6 +45,10 @@ class SamplingParams:
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(x, str) and x for x in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = stops
         params = self.kv_transfer_params
         if not isinstance(params, Mapping):
             raise TypeError(f"extra_args['kv_transfer_params'] must be a dict, got {type(params).__name__}")

@@ -52,6 +52,7 @@ class PromptRequest:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
@@ -63,6 +64,7 @@ class EngineReply:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     path: str | None = None
     """The durable file (None on error)."""
     status: int = 200
@@ -204,6 +206,7 @@ class Engine:
                     if v is not None}
         try:
             params = SamplingParams(max_tokens=max_tokens, seed=r.seed, stop_token_ids=list(r.stop_token_ids),
+                                    stop=list(r.stop),
                                     ignore_eos=r.ignore_eos, extra_args={"kv_transfer_params": kv}, **sampling)
         except (ValueError, TypeError) as e:
             raise _Rejected(400, str(e), None, "invalid_value") from None
@@ -286,7 +289,7 @@ class Engine:
             else:
                 completion = out.outputs[0]
                 reply.token_ids, reply.text = list(completion.token_ids), completion.text
-                reply.finish_reason = completion.finish_reason
+                reply.finish_reason, reply.stop_reason = completion.finish_reason, completion.stop_reason
                 reply.path = out.kv_transfer_params["hidden_states_path"]
                 reply.write_seconds = out.write_seconds
                 try:

@@ -1,7 +1,7 @@
 """The OpenAI wire format as vLLM's server shapes it: request bodies, error objects, response objects.
 
     CompletionBody / ChatBody     POST bodies, strict types (no "5" for 5, no true for 1); unknown fields ignored,
-                                  fields hsx cannot honour (stream, n > 1, logprobs, stop strings, ...) refused
+                                  fields hsx cannot honour (stream, n > 1, logprobs, ...) refused
     parse_body(cls, raw)          bytes -> body, or APIError 400 naming the field
     APIError                      an HTTP error with the OpenAI error object {"error": {message, type, param, code}}
     completion_response / chat_response
@@ -77,7 +77,8 @@ class _Sampling(_Body):
     def sampling(self) -> dict[str, Any]:
         """The sampling settings, as serve.engine.PromptRequest fields."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": self.ignore_eos}
+                "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": self.ignore_eos,
+                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or [])}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) of the first setting hsx cannot honour, or None."""
@@ -89,8 +90,6 @@ class _Sampling(_Body):
             return "best_of", "best_of is not supported; leave it out"
         if self.logprobs not in (None, False, 0):
             return "logprobs", "logprobs are not supported; leave them out (the hidden states are in the file)"
-        if self.stop:
-            return "stop", "stop strings are not supported by hsx's engine; pass stop_token_ids instead"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 return name, f"{name} is not supported; leave it out or send 0"
@@ -209,7 +208,7 @@ def completion_response(request_id: str, model: str, replies: list, return_token
     choices = []
     for i, r in enumerate(replies):
         choice = {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason,
-                  "stop_reason": None, "prompt_logprobs": None, "kv_transfer_params": {"hidden_states_path": r.path}}
+                  "stop_reason": r.stop_reason, "prompt_logprobs": None, "kv_transfer_params": {"hidden_states_path": r.path}}
         if return_token_ids:
             choice.update(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids)
         choices.append(choice)
@@ -220,7 +219,7 @@ def completion_response(request_id: str, model: str, replies: list, return_token
 
 def chat_response(request_id: str, model: str, reply, return_token_ids: bool) -> dict[str, Any]:
     choice = {"index": 0, "message": {"role": "assistant", "content": reply.text, "tool_calls": []},
-              "logprobs": None, "finish_reason": reply.finish_reason, "stop_reason": None}
+              "logprobs": None, "finish_reason": reply.finish_reason, "stop_reason": reply.stop_reason}
     out = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
            "choices": [choice], "usage": _usage([reply]), "system_fingerprint": None,
            "prompt_token_ids": reply.prompt_token_ids if return_token_ids else None,

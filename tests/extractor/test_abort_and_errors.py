@@ -74,3 +74,33 @@ def test_errors_say_their_kind_and_a_forgotten_file_may_be_written_again(tiny_ll
     third = llm.generate([{"prompt_token_ids": [7, 8]}], SamplingParams(max_tokens=0, extra_args=kv))[0]
     assert third.error is None and load_hidden_states(custom)["token_ids"].tolist() == [7, 8]
     llm.shutdown()
+
+
+def test_stop_strings_end_generation_as_vllm_does(tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    model, _ = load_reference(tiny_llama)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = [5, 17, 33, 2, 9]
+    plain = hf_greedy(model, prompt, 24)
+    full = tok.decode(plain, skip_special_tokens=True)
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # three characters from the middle of the greedy text
+    assert stop.strip() and stop in full
+    # the oracle: the shortest prefix of the plain greedy tokens whose text contains the stop string
+    n = next(n for n in range(1, len(plain) + 1) if stop in tok.decode(plain[:n], skip_special_tokens=True))
+    cut = tok.decode(plain[:n], skip_special_tokens=True)
+    llm = _llm(tiny_llama, tmp_path)
+    spec = LLM(model=tiny_llama, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                      "prompt_lookup_min": 1})
+    for engine in (llm, spec):
+        for include in (False, True):
+            (out,) = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "never-generated"],
+                include_stop_str_in_output=include))
+            c = out.outputs[0]
+            assert c.token_ids == plain[:n] and c.finish_reason == "stop" and c.stop_reason == stop
+            assert c.text == (cut[:cut.index(stop) + len(stop)] if include else cut[:cut.index(stop)])
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                                          stop_token_ids=[plain[3]]))
+    assert out.outputs[0].stop_reason == plain[3] and out.outputs[0].token_ids == plain[:plain.index(plain[3]) + 1]
+    llm.shutdown()

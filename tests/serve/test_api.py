@@ -85,6 +85,30 @@ def test_completion_with_text_and_output_tokens_matches_greedy_generation(server
     check_file(r.kv_transfer_params["hidden_states_path"], ids[:-1], oracle, expected)  # prompt + output minus last
 
 
+def test_a_stop_string_ends_the_completion_as_vllm_does(server, oracle, offline):
+    text = "The quick model reads a hidden state from the disk"
+    tok = offline.get_tokenizer()
+    free = server.client().completions.create(model=server.model, prompt=text, max_tokens=16, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = free.choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip()
+    free_ids = free.choices[0].token_ids
+    # the oracle: the shortest prefix of the free greedy tokens whose text holds the stop string
+    n = next(n for n in range(1, 17) if stop in tok.decode(free_ids[:n], skip_special_tokens=True))
+    r = server.client().completions.create(model=server.model, prompt=text, max_tokens=16, temperature=0, stop=stop,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                       "kv_transfer_params": {"include_output_tokens": True}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert choice.token_ids == free_ids[:n] and choice.text == full[:full.index(stop)]
+    ids = choice.prompt_token_ids + choice.token_ids[:-1]
+    expected, _ = offline_file(offline, text, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop,
+                                                             extra_args={"kv_transfer_params":
+                                                                         {"include_output_tokens": True}}))
+    check_file(r.kv_transfer_params["hidden_states_path"], ids, oracle, expected)
+
+
 def test_completion_with_a_list_of_prompts_writes_one_file_each(server, oracle, offline):
     prompts = ["A small cat", "Two rivers run far under the mountain", "Blue"]
     r = server.client().completions.create(model=server.model, prompt=prompts, max_tokens=0,
