@@ -5,7 +5,7 @@ K heads on the target's last post-norm state, each `medusa_num_layers` residual 
     MedusaDrafter           the heads; kind "medusa": for_run / training_step / save_pretrained / from_pretrained
     MedusaProposer          drafts k tokens per row from the newest observed state (speculative_config method "medusa")
     predicted_mask, TeacherLogits, head_loss   which positions a draft trains on, the target's logits there, the loss
-    LastStates, pick_tokens the proposer helpers
+    LastStateProposer, pick_tokens the proposer helpers (LastStateProposer: the newest verified state per row)
     (mlp_speculator.py reuses these helpers and the checkpoint file helpers at the end)
 
 Alignment (base.py): position t holds x_t and the target's state of x_t; the target's own lm_head reads that state
@@ -315,34 +315,6 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_d
 
 
 # -- decoding ------------------------------------------------------------------------------------------------------
-class LastStates:
-    """The newest observed state of each row of a proposer's batch ([H], the engine's device and dtype)."""
-
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor | None] = []
-
-    def start(self, n: int) -> None:
-        self.rows = [None] * n
-
-    def join(self, n: int) -> None:
-        self.rows += [None] * n
-
-    def check(self, contexts: Sequence) -> None:
-        if len(contexts) != len(self.rows):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self.rows)}: the engine "
-                               "must call start/join/select for every change of its rows")
-
-    def observe(self, states: Sequence[torch.Tensor]) -> None:
-        if len(states) != len(self.rows):
-            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self.rows)}")
-        for b, s in enumerate(states):  # s: [n_b, 1, H]
-            if s.shape[0]:
-                self.rows[b] = s[-1, 0]
-
-    def select(self, keep: Sequence[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
-
-
 def pick_tokens(logits: torch.Tensor, params: Sequence, generators: Sequence) -> tuple[list[int], list]:
     """One token per row of logits [B, V]: argmax for greedy rows, a draw from the row's sampling distribution
     (extractor.sampling.sampling_probs) otherwise; returns (tokens, probs [V] or None per row)."""
@@ -379,40 +351,62 @@ def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
     return drafter.to(runner.device, runner.dtype).eval().requires_grad_(False), norm
 
 
-class MedusaProposer(Proposer):
+class LastStateProposer(Proposer):
+    """A proposer that drafts from the newest verified state of each row: the target's last layer (pre-norm,
+    observed), to which subclasses apply the target's final norm (`self.norm`). Subclasses implement propose()
+    reading `self.rows[b]` ([H], None until the row's first state)."""
+
+    drafter_class: type
+    """The Drafter subclass its checkpoints hold."""
+
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
+        self.drafter, self.norm = load_for_runner(self.drafter_class, model_dir, runner, num_speculative_tokens)
+        self.capture_layer_ids = (int(runner.num_hidden_layers),)
+        self.k = num_speculative_tokens
+        self.device = runner.device
+        self.rows: list[torch.Tensor | None] = []
+
+    def start(self, contexts) -> None:
+        self.rows = [None] * len(contexts)
+
+    def join(self, contexts) -> None:
+        self.rows += [None] * len(contexts)
+
+    def observe(self, states) -> None:
+        if len(states) != len(self.rows):
+            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self.rows)}")
+        for b, s in enumerate(states):  # s: [n_b, 1, H]
+            if s.shape[0]:
+                self.rows[b] = s[-1, 0]
+
+    def select(self, keep) -> None:
+        self.rows = [self.rows[i] for i in keep]
+
+    def ready_rows(self, contexts, ks) -> list[int]:
+        """Rows to draft for: asked for tokens and with a state (checks the engine kept the rows in step)."""
+        if len(contexts) != len(self.rows):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self.rows)}: the engine "
+                               "must call start/join/select for every change of its rows")
+        return [b for b, k in enumerate(ks) if k > 0 and self.rows[b] is not None]
+
+
+class MedusaProposer(LastStateProposer):
     """speculative_config method "medusa": head j's choice from the newest verified state is draft j.
 
     The engine observes the last layer (pre-norm); the newest observed state is that of contexts[b][-2], whose
     heads predict the tokens after contexts[b][-1] (the target's own token). A row with no observed state yet
     (a one-token prompt) gets no draft."""
 
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        self.drafter, self.norm = load_for_runner(MedusaDrafter, model_dir, runner, num_speculative_tokens)
-        self.capture_layer_ids = (int(runner.num_hidden_layers),)
-        self.k = num_speculative_tokens
-        self.states = LastStates()
-
-    def start(self, contexts) -> None:
-        self.states.start(len(contexts))
-
-    def join(self, contexts) -> None:
-        self.states.join(len(contexts))
-
-    def observe(self, states) -> None:
-        self.states.observe(states)
-
-    def select(self, keep) -> None:
-        self.states.select(keep)
+    drafter_class = MedusaDrafter
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        self.states.check(contexts)
-        rows = [b for b, k in enumerate(ks) if k > 0 and self.states.rows[b] is not None]
+        rows = self.ready_rows(contexts, ks)
         drafts = [Draft([]) for _ in contexts]
         if not rows:
             return drafts
         k_max = min(max(ks[b] for b in rows), self.k)
-        x = self.norm(torch.stack([self.states.rows[b] for b in rows]))  # [B', H] post-norm
+        x = self.norm(torch.stack([self.rows[b] for b in rows]))  # [B', H] post-norm
         logits = self.drafter(x, k_max)  # [k_max, B', V]
         picks = [pick_tokens(logits[j], [params[b] for b in rows], [generators[b] for b in rows])
                  for j in range(k_max)]

@@ -37,15 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from extractor.proposers import Draft, Proposer
+from extractor.proposers import Draft
 from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
 from training.drafters.medusa import (
     TARGETS,
-    LastStates,
+    LastStateProposer,
     TeacherLogits,
     check_run_fits,
     head_loss,
-    load_for_runner,
     load_state,
     pick_tokens,
     predicted_mask,
@@ -260,39 +259,21 @@ class MLPSpeculatorDrafter(Drafter):
         return drafter
 
 
-class MLPSpeculatorProposer(Proposer):
+class MLPSpeculatorProposer(LastStateProposer):
     """speculative_config method "mlp_speculator": stage 0 reads the newest verified state (of contexts[b][-2])
     and the newest token contexts[b][-1]; stage i+1 the state of stage i and the token it drafted."""
 
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        self.drafter, self.norm = load_for_runner(MLPSpeculatorDrafter, model_dir, runner, num_speculative_tokens)
-        self.capture_layer_ids = (int(runner.num_hidden_layers),)
-        self.k = num_speculative_tokens
-        self.device = runner.device
-        self.states = LastStates()
-
-    def start(self, contexts) -> None:
-        self.states.start(len(contexts))
-
-    def join(self, contexts) -> None:
-        self.states.join(len(contexts))
-
-    def observe(self, states) -> None:
-        self.states.observe(states)
-
-    def select(self, keep) -> None:
-        self.states.select(keep)
+    drafter_class = MLPSpeculatorDrafter
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        self.states.check(contexts)
-        rows = [b for b, k in enumerate(ks) if k > 0 and self.states.rows[b] is not None]
+        rows = self.ready_rows(contexts, ks)
         drafts = [Draft([]) for _ in contexts]
         if not rows:
             return drafts
         k_max = min(max(ks[b] for b in rows), self.k)
         row_params, row_gens = [params[b] for b in rows], [generators[b] for b in rows]
-        state = self.drafter.initial_state(self.norm(torch.stack([self.states.rows[b] for b in rows])))  # [B', H]
+        state = self.drafter.initial_state(self.norm(torch.stack([self.rows[b] for b in rows])))  # [B', H]
         tokens = torch.tensor([contexts[b][-1] for b in rows], dtype=torch.long, device=self.device)  # [B']
         picked, probs = [], []
         for i in range(k_max):
