@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 32; --quick 6)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 128; --quick 24)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 3; --quick 1)")
+    ap.add_argument("--regenerate", type=int, default=0,
+                    help="regenerate: each record is a --prompt-len-token prompt and the run stores it plus the "
+                         "target's own greedy continuation of this many tokens (include_output_tokens), the "
+                         "self-distillation data EAGLE-3 / Medusa recipes train on; 0 = the corpus text as is")
+    ap.add_argument("--prompt-len", type=int, default=64, help="with --regenerate: prompt tokens per record")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (on a shared CPU 1 avoids spinning threads; default torch's)")
     ap.add_argument("--device", default=None, help="decoding and training device (default cpu / auto)")
@@ -116,14 +121,17 @@ def write_corpus(target, path: str, max_tokens: int, block: int) -> int:
     return total
 
 
-def extract(model: str, corpus: str, output: str, layers: tuple[int, ...] | None, threads: int | None):
-    """An hsx run (the `hsx run` job, local Ray) of `corpus` through `model`; resumes when `output` has one."""
+def extract(model: str, corpus: str, output: str, layers: tuple[int, ...] | None, threads: int | None,
+            regenerate: int = 0):
+    """An hsx run (the `hsx run` job, local Ray) of `corpus` through `model`; resumes when `output` has one. With
+    `regenerate`, each record is a prompt and the run also stores the target's greedy continuation."""
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    generation = dict(max_tokens=regenerate, temperature=0.0, include_output_tokens=True) if regenerate else {}
     config = JobConfig(model=model, corpus=(corpus,), output=output, layers=layers, dtype="float32",
-                       workers=1, cpus_per_worker=threads, progress=False, fail_on_error=True)
+                       workers=1, cpus_per_worker=threads, progress=False, fail_on_error=True, **generation)
     result = run_job(config)
     if result.failed:
         raise RuntimeError(f"extraction into {output}: {result.failed} samples failed, first {result.failures[:1]}")
@@ -230,16 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     n = AutoConfig.from_pretrained(target.path).num_hidden_layers
     aux = (2, n // 2, n - 3)
     work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-drafters",
-                                     f"{os.path.basename(target.path)}-t{args.train_tokens}")
+                                     f"{os.path.basename(target.path)}-t{args.train_tokens}"
+                                     + (f"-regen{args.regenerate}-p{args.prompt_len}" if args.regenerate else ""))
     os.makedirs(work, exist_ok=True)
     corpus = os.path.join(work, "train.jsonl")
     if not os.path.isfile(corpus):
-        tokens = write_corpus(target, corpus, args.train_tokens, rep["config"]["context_length"])
+        block = args.prompt_len if args.regenerate else rep["config"]["context_length"]
+        tokens = write_corpus(target, corpus, args.train_tokens, block)
         print(f"corpus: {tokens} train tokens -> {corpus}", flush=True)
 
     good = os.path.join(work, "run")
     t0 = time.perf_counter()
-    result = extract(target.path, corpus, good, None, args.threads)
+    result = extract(target.path, corpus, good, None, args.threads, args.regenerate)
     timings["extraction (good run)"] = time.perf_counter() - t0
     print(f"hsx run -> {good}: {result.ok} new samples, {result.skipped} already there, {result.tokens} tokens, "
           f"{timings['extraction (good run)']:.0f} s", flush=True)
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         rewrite_run(good, post, transform=post_norm_last_layer(target.path, good_ids, n))
         shifted_src = os.path.join(work, "run-aux-minus-one")
         t0 = time.perf_counter()
-        extract(target.path, corpus, shifted_src, tuple(a - 1 for a in aux) + (n,), args.threads)
+        extract(target.path, corpus, shifted_src, tuple(a - 1 for a in aux) + (n,), args.threads, args.regenerate)
         timings["extraction (shifted run)"] = time.perf_counter() - t0
         shifted = os.path.join(work, "run-aux-shifted-labelled-eagle3")
         rewrite_run(shifted_src, shifted, label_layer_ids=aux + (n,))
@@ -295,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, medians of {args.repeats}; "
               f"target {os.path.basename(target.path)} ({rep['parameters'] / 1e6:.2f}M parameters, held-out "
               f"perplexity {rep['heldout_perplexity']:.1f}); drafters {args.steps} steps on {args.train_tokens} "
-              "tokens", ""]
+              "tokens" + (f" of {args.prompt_len}-token prompts + {args.regenerate} regenerated tokens each"
+                          if args.regenerate else ""), ""]
     lines += comparison_table(results)
     plain = results[0]
     if plain.token_ids:  # what the target writes: a degenerate target (one token repeated) makes every AL high

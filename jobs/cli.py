@@ -8,6 +8,8 @@
     hsx verify   OUTPUT [--sample N | --all] [--recompute K]            check files, recompute some, mark bad ones
     hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
     hsx serve    --model M --output URL [--api-key K] [--replicas N]   the OpenAI-compatible service (serve/)
+    hsx train-drafter --kind K --run OUTPUT --model M --out DIR        train an EAGLE-3 / Medusa / MLPSpeculator head
+    hsx eval-drafter  --model M --drafter [METHOD:]DIR ...             speculative decoding: AL, tokens/s vs none
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
 `max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win. `hsx
@@ -375,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "dtype": ("float32", "bfloat16", "float16")},
                          config_file=False)
     train.set_defaults(func=_cmd_train_drafter)
+
+    from training.drafters.evaluate import add_eval_parser  # hsx eval-drafter: AL and tokens/s per method
+
+    add_eval_parser(sub, usage_error=UsageError)
 
     from serve.cli import add_serve_parser  # hsx serve: the OpenAI-compatible service (serve/)
 

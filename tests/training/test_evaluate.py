@@ -182,3 +182,13 @@ def test_failed_requests_fail_the_method(tiny_llama):
         evaluate_speculation(tiny_llama, too_long, {}, 2, threads=1)
     (none,) = evaluate_speculation(tiny_llama, too_long, {}, 2, threads=1, errors="record")
     assert "1 of 3 requests failed" in none.error and none.mean_acceptance_length is None
+
+
+def test_hsx_eval_drafter_is_a_subcommand_with_the_cli_exit_codes(tiny_llama, tmp_path, capsys):
+    from jobs.cli import EXIT_USAGE, main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval-drafter", "--model", str(tmp_path / "missing")])
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is not a local folder" in err and "Traceback" not in err

@@ -324,25 +324,23 @@ def comparison_table(results: Sequence[EvalResult]) -> list[str]:
 
 # -- drafter checkpoints --------------------------------------------------------------------------------------------
 
-DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")
+DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")  # extractor.config.DRAFTER_METHODS, kept import-free
 
 
 def infer_method(drafter_dir: str) -> str:
-    """The speculative method of a drafter checkpoint, from its config.json (as vLLM infers it)."""
-    path = os.path.join(drafter_dir, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{drafter_dir!r} holds no config.json; pass a drafter checkpoint folder "
-                         "(hsx train-drafter --out DIR)") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); re-save the drafter checkpoint") from None
-    kind = config.get("speculators_model_type") or config.get("model_type")
+    """The speculative method of a drafter checkpoint, from its config.json (extractor.config.checkpoint_method, as
+    vLLM infers it); only the trained-head methods."""
+    from extractor.config import checkpoint_method
+
+    if not os.path.isdir(drafter_dir):
+        raise ValueError(f"{drafter_dir!r} is not a folder; pass a drafter checkpoint folder (hsx train-drafter --out "
+                         "DIR)")
+    kind = checkpoint_method(drafter_dir)
     if kind in DRAFTER_METHODS:
         return kind
-    raise ValueError(f"cannot tell the method of the drafter in {drafter_dir!r} (speculators_model_type / model_type "
-                     f"{kind!r}); name it: --drafter METHOD:DIR with METHOD one of {', '.join(DRAFTER_METHODS)}")
+    raise ValueError(f"cannot tell the method of the drafter in {drafter_dir!r} (it holds "
+                     f"{'a causal LM' if kind == 'draft_model' else 'no drafter checkpoint hsx recognises'}); name "
+                     f"it: --drafter METHOD:DIR with METHOD one of {', '.join(DRAFTER_METHODS)}")
 
 
 def load_prompts(path: str, limit: int | None = None) -> list[str]:
