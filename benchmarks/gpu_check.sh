@@ -3,7 +3,8 @@
 #   1. the engine's tests on CUDA: tests/extractor (every engine test runs on CUDA when one is present, plus the
 #      CUDA-only fp32/bf16 oracle tests in test_cuda.py);
 #   2. benchmarks/bench_extraction.py on the Llama-3-8B shape in bf16: tokens/s, b/a, b/c, early exit, MFU, storage,
-#      and a torch.profiler breakdown (memory section skipped: it reloads the 8B model in subprocesses).
+#      and a torch.profiler breakdown (memory section skipped: it reloads the 8B model in subprocesses);
+#   3. benchmarks/bench_regeneration.py on the same model: regeneration with output-token files vs generate.
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -11,7 +12,7 @@
 # tenacity. On a machine that cannot reach a package index, carry tenacity as a wheel in .whl/ (it is pure Python):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl tenacity
 # The random 8B model (16 GB) is built under $HSX_GPU_SCRATCH (default /tmp/hsx-gpu), not in RESULTS_DIR; only
-# results.{json,md}, profiles.txt, machine.txt and two logs (six files) land in RESULTS_DIR.
+# results.{json,md}, profiles.txt, machine.txt, regeneration.md and three logs (eight files) land in RESULTS_DIR.
 set -uo pipefail
 results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR [bench_extraction.py flags]}
 shift
@@ -35,4 +36,9 @@ timeout 420 python3 benchmarks/bench_extraction.py --out "$scratch/bench" --mode
 cp "$scratch"/bench/results.json "$scratch"/bench/results.md "$results"/ 2>/dev/null
 for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done \
     > "$results/profiles.txt"
+
+# 3. regeneration (include_output_tokens, files written) vs transformers generate on the same 8B model
+timeout 240 python3 benchmarks/bench_regeneration.py --out "$scratch/regen" --model-dir "$scratch/model" \
+    --device cuda --num-prompts 256 --batch-size 128 --repeats 1 2>&1 | tee "$results/regeneration.log" || status=1
+cp "$scratch"/regen/results.md "$results"/regeneration.md 2>/dev/null
 exit $status
