@@ -353,8 +353,8 @@ def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
 
 class LastStateProposer(Proposer):
     """A proposer that drafts from the newest verified state of each row: the target's last layer (pre-norm,
-    observed), to which subclasses apply the target's final norm (`self.norm`). Subclasses implement propose()
-    reading `self.rows[b]` ([H], None until the row's first state)."""
+    observed), put through the target's final norm (`self.norm`). propose() picks the rows to draft for and hands
+    their post-norm states to the subclass's `draft_steps`, then cuts each row's draft to its own k."""
 
     drafter_class: type
     """The Drafter subclass its checkpoints hold."""
@@ -382,12 +382,30 @@ class LastStateProposer(Proposer):
     def select(self, keep) -> None:
         self.rows = [self.rows[i] for i in keep]
 
-    def ready_rows(self, contexts, ks) -> list[int]:
-        """Rows to draft for: asked for tokens and with a state (checks the engine kept the rows in step)."""
+    @torch.inference_mode()
+    def propose(self, contexts, ks, params, generators):
         if len(contexts) != len(self.rows):
             raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self.rows)}: the engine "
                                "must call start/join/select for every change of its rows")
-        return [b for b, k in enumerate(ks) if k > 0 and self.rows[b] is not None]
+        rows = [b for b, k in enumerate(ks) if k > 0 and self.rows[b] is not None]  # asked, and with a state
+        drafts = [Draft([]) for _ in contexts]
+        if not rows:
+            return drafts
+        k_max = min(max(ks[b] for b in rows), self.k)
+        x = self.norm(torch.stack([self.rows[b] for b in rows]))  # [B', H] post-norm
+        steps = self.draft_steps(x, [contexts[b][-1] for b in rows], k_max, [params[b] for b in rows],
+                                 [generators[b] for b in rows])
+        for r, b in enumerate(rows):
+            k = min(ks[b], k_max)
+            q = [steps[j][1][r] for j in range(k)]
+            drafts[b] = Draft([steps[j][0][r] for j in range(k)], torch.stack(q) if q[0] is not None else None)
+        return drafts
+
+    def draft_steps(self, x: torch.Tensor, last_tokens: list[int], k: int, params: Sequence, generators: Sequence
+                    ) -> list[tuple[list[int], list]]:
+        """k draft positions for rows with post-norm states x [B', H] and newest tokens `last_tokens`: per
+        position, pick_tokens' (tokens, probs) over the rows."""
+        raise NotImplementedError
 
 
 class MedusaProposer(LastStateProposer):
@@ -399,20 +417,6 @@ class MedusaProposer(LastStateProposer):
 
     drafter_class = MedusaDrafter
 
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        rows = self.ready_rows(contexts, ks)
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        k_max = min(max(ks[b] for b in rows), self.k)
-        x = self.norm(torch.stack([self.rows[b] for b in rows]))  # [B', H] post-norm
-        logits = self.drafter(x, k_max)  # [k_max, B', V]
-        picks = [pick_tokens(logits[j], [params[b] for b in rows], [generators[b] for b in rows])
-                 for j in range(k_max)]
-        for i, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            tokens = [picks[j][0][i] for j in range(k)]
-            probs = [picks[j][1][i] for j in range(k)]
-            drafts[b] = Draft(tokens, torch.stack(probs) if probs[0] is not None else None)
-        return drafts
+    def draft_steps(self, x, last_tokens, k, params, generators):
+        logits = self.drafter(x, k)  # [k, B', V]: every head reads the same state
+        return [pick_tokens(logits[j], params, generators) for j in range(k)]

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from extractor.proposers import Draft
 from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
 from training.drafters.medusa import (
     TARGETS,
@@ -265,25 +264,12 @@ class MLPSpeculatorProposer(LastStateProposer):
 
     drafter_class = MLPSpeculatorDrafter
 
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        rows = self.ready_rows(contexts, ks)
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        k_max = min(max(ks[b] for b in rows), self.k)
-        row_params, row_gens = [params[b] for b in rows], [generators[b] for b in rows]
-        state = self.drafter.initial_state(self.norm(torch.stack([self.rows[b] for b in rows])))  # [B', H]
-        tokens = torch.tensor([contexts[b][-1] for b in rows], dtype=torch.long, device=self.device)  # [B']
-        picked, probs = [], []
-        for i in range(k_max):
+    def draft_steps(self, x, last_tokens, k, params, generators):
+        state = self.drafter.initial_state(x)  # [B', H]
+        tokens = torch.tensor(last_tokens, dtype=torch.long, device=self.device)  # [B']
+        steps = []
+        for i in range(k):
             state, logits = self.drafter.stage(i, state, tokens)  # [B', D], [B', V]
-            ids, q = pick_tokens(logits, row_params, row_gens)
-            picked.append(ids)
-            probs.append(q)
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        for r, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            q = [probs[i][r] for i in range(k)]
-            drafts[b] = Draft([picked[i][r] for i in range(k)], torch.stack(q) if q[0] is not None else None)
-        return drafts
+            steps.append(pick_tokens(logits, params, generators))
+            tokens = torch.tensor(steps[-1][0], dtype=torch.long, device=self.device)
+        return steps
