@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from extractor.config import SpeculativeConfig
-from extractor.sampling import SamplingParams, sampling_probs
+from extractor.sampling import SamplingParams, sample_with_probs
 
 logger = logging.getLogger(__name__)
 
@@ -175,13 +175,9 @@ class DraftModelProposer(Proposer):
         tokens: list[list[int]] = [[] for _ in contexts]
         probs: list[list[torch.Tensor]] = [[] for _ in contexts]
         for step in range(k_max):
-            greedy_ids = logits.argmax(-1).tolist()
-            for b, (p, gen) in enumerate(zip(params, generators)):
-                if p.greedy:
-                    tokens[b].append(greedy_ids[b])
-                else:
-                    q = sampling_probs(logits[b], p)
-                    tokens[b].append(int(torch.multinomial(q, 1, generator=gen)))
+            for b, (t, q) in enumerate(zip(*sample_with_probs(logits, params, generators))):
+                tokens[b].append(t)
+                if q is not None:
                     probs[b].append(q)
             if step < k_max - 1:
                 logits = forward_rows(self.model, self._state, [[t[-1]] for t in tokens], self.pad_id, kw,

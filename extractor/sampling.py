@@ -89,6 +89,24 @@ def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     return out
 
 
+def sample_with_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                      generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One token per row of `logits` [B, V] and the distribution it was drawn from (what a drafter hands the
+    verifier as q): the argmax and None for greedy rows, a draw from sampling_probs ([V]) otherwise."""
+    greedy = logits.argmax(-1).tolist()
+    tokens: list[int] = []
+    probs: list[torch.Tensor | None] = []
+    for b, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            tokens.append(greedy[b])
+            probs.append(None)
+        else:
+            q = sampling_probs(logits[b], p)  # [V] float32 on the CPU
+            tokens.append(int(torch.multinomial(q, 1, generator=gen)))
+            probs.append(q)
+    return tokens, probs
+
+
 def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: logits [V] -> probabilities [V] (float32, CPU) after
     temperature, top-k and top-p. Speculative sampling verifies drafts against exactly this distribution."""

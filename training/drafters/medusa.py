@@ -5,7 +5,7 @@ K heads on the target's last post-norm state, each `medusa_num_layers` residual 
     MedusaDrafter           the heads; kind "medusa": for_run / training_step / save_pretrained / from_pretrained
     MedusaProposer          drafts k tokens per row from the newest observed state (speculative_config method "medusa")
     predicted_mask, TeacherLogits, head_loss   which positions a draft trains on, the target's logits there, the loss
-    LastStateProposer, pick_tokens the proposer helpers (LastStateProposer: the newest verified state per row)
+    LastStateProposer       the proposers' shared part: the newest verified state per row
     (mlp_speculator.py reuses these helpers and the checkpoint file helpers at the end)
 
 Alignment (base.py): position t holds x_t and the target's state of x_t; the target's own lm_head reads that state
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extractor.proposers import Draft, Proposer
+from extractor.sampling import sample_with_probs
 from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
 
 TARGETS = ("target", "tokens")
@@ -315,24 +316,6 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_d
 
 
 # -- decoding ------------------------------------------------------------------------------------------------------
-def pick_tokens(logits: torch.Tensor, params: Sequence, generators: Sequence) -> tuple[list[int], list]:
-    """One token per row of logits [B, V]: argmax for greedy rows, a draw from the row's sampling distribution
-    (extractor.sampling.sampling_probs) otherwise; returns (tokens, probs [V] or None per row)."""
-    from extractor.sampling import sampling_probs
-
-    greedy = logits.argmax(-1).tolist()
-    tokens, probs = [], []
-    for b, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            tokens.append(greedy[b])
-            probs.append(None)
-        else:
-            q = sampling_probs(logits[b], p)  # [V] float32 on the CPU
-            tokens.append(int(torch.multinomial(q, 1, generator=gen)))
-            probs.append(q)
-    return tokens, probs
-
-
 def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
     """A drafter checkpoint checked against the target `runner` holds, on its device and dtype, and its final norm."""
     from training.norm import FinalNorm
@@ -404,7 +387,7 @@ class LastStateProposer(Proposer):
     def draft_steps(self, x: torch.Tensor, last_tokens: list[int], k: int, params: Sequence, generators: Sequence
                     ) -> list[tuple[list[int], list]]:
         """k draft positions for rows with post-norm states x [B', H] and newest tokens `last_tokens`: per
-        position, pick_tokens' (tokens, probs) over the rows."""
+        position, extractor.sampling.sample_with_probs' (tokens, probs) over the rows."""
         raise NotImplementedError
 
 
@@ -419,4 +402,4 @@ class MedusaProposer(LastStateProposer):
 
     def draft_steps(self, x, last_tokens, k, params, generators):
         logits = self.drafter(x, k)  # [k, B', V]: every head reads the same state
-        return [pick_tokens(logits[j], params, generators) for j in range(k)]
+        return [sample_with_probs(logits[j], params, generators) for j in range(k)]

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from extractor.sampling import sample_with_probs
 from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
 from training.drafters.medusa import (
     TARGETS,
@@ -45,7 +46,6 @@ from training.drafters.medusa import (
     check_run_fits,
     head_loss,
     load_state,
-    pick_tokens,
     predicted_mask,
     read_config,
     read_tensors,
@@ -270,6 +270,6 @@ class MLPSpeculatorProposer(LastStateProposer):
         steps = []
         for i in range(k):
             state, logits = self.drafter.stage(i, state, tokens)  # [B', D], [B', V]
-            steps.append(pick_tokens(logits, params, generators))
+            steps.append(sample_with_probs(logits, params, generators))
             tokens = torch.tensor(steps[-1][0], dtype=torch.long, device=self.device)
         return steps
