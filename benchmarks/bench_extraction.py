@@ -271,7 +271,7 @@ def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
 def plan(llm: LLM, corpus: list[list[int]]):
     """The batches hsx runs for this corpus (its own planner, its own device cost)."""
     cost = FORWARD_COST_TOKENS.get(llm.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
-    return plan_batches(corpus, length=len, group=lambda s: 0, max_num_batched_tokens=llm.config.max_num_batched_tokens,
+    return plan_batches(corpus, length=len, max_num_batched_tokens=llm.config.max_num_batched_tokens,
                         max_num_seqs=llm.config.max_num_seqs, forward_cost_tokens=cost)
 
 

@@ -5,8 +5,8 @@ Requests are sorted by length (longest first) and split into runs of neighbours;
 to minimise padded tokens + `forward_cost_tokens` per forward (an exact dynamic programme over the sorted lengths):
 a batch of rows 2048, 1100, 900 pads 2046 tokens, so on a device where a forward costs as little as 64 tokens' work
 it is cheaper to run them apart. A prompt longer than the budget goes alone and is prefilled in chunks of
-`chunk_size` columns. Prompt-only requests and generating ones never share a batch (the former can stop the forward
-early and skip the lm_head).
+`chunk_size` columns. The engine plans prompt-only requests this way (they can stop the forward early and skip the
+lm_head); generating ones are batched continuously instead (extractor/llm.py).
 """
 
 from __future__ import annotations
@@ -33,19 +33,14 @@ class Batch(Generic[T]):
     """Columns per forward: max_len when the whole padded batch fits the budget."""
 
 
-def plan_batches(items: Sequence[T], length: Callable[[T], int], group: Callable[[T], object],
-                 max_num_batched_tokens: int, max_num_seqs: int,
+def plan_batches(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int, max_num_seqs: int,
                  forward_cost_tokens: int = DEFAULT_FORWARD_COST_TOKENS) -> list[Batch[T]]:
+    members = sorted(items, key=length, reverse=True)
+    lengths = [length(m) for m in members]
     batches: list[Batch[T]] = []
-    groups: dict[object, list[T]] = {}
-    for item in items:
-        groups.setdefault(group(item), []).append(item)
-    for members in groups.values():
-        members = sorted(members, key=length, reverse=True)
-        lengths = [length(m) for m in members]
-        for i, j in _cuts(lengths, max_num_batched_tokens, max_num_seqs, forward_cost_tokens):
-            longest = lengths[i]
-            batches.append(Batch(members[i:j], longest, min(longest, max_num_batched_tokens)))
+    for i, j in _cuts(lengths, max_num_batched_tokens, max_num_seqs, forward_cost_tokens):
+        longest = lengths[i]
+        batches.append(Batch(members[i:j], longest, min(longest, max_num_batched_tokens)))
     return batches
 
 

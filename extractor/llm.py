@@ -239,19 +239,19 @@ class LLM:
         runnable = [r for r in requests if r.error is None]
         progress = _progress(len(runnable), use_tqdm)
         prompt_only = [r for r in runnable if r.params.max_tokens == 0]
-        batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids), group=lambda r: 0,
+        batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids),
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
                                max_num_seqs=self.config.max_num_seqs,
                                forward_cost_tokens=FORWARD_COST_TOKENS.get(self.runner.device.type,
                                                                            DEFAULT_FORWARD_COST_TOKENS))
         for batch in batches:
-            if self._take_aborted(batch.items) and not any(r.error is None for r in batch.items):
-                progress.update(len(batch.items))
-                continue
-            try:
-                self._run_prompt_batch([r for r in batch.items if r.error is None], batch.chunk_size)
-            except Exception as e:  # fails the batch's requests, not the others
-                self._fail(batch.items, e)
+            self._take_aborted(batch.items)
+            live = [r for r in batch.items if r.error is None]
+            if live:
+                try:
+                    self._run_prompt_batch(live, batch.chunk_size)
+                except Exception as e:  # fails the batch's requests, not the others
+                    self._fail(live, e)
             progress.update(len(batch.items))
         self._run_generating([r for r in runnable if r.params.max_tokens > 0], progress)
         progress.close()
@@ -414,8 +414,6 @@ class LLM:
                     keep = [i for i, r in enumerate(running) if r.error is None]
                     if len(keep) < len(running):
                         running, state = self._keep_rows(running, state, keep)
-                    if not running and not waiting:
-                        break
             if waiting and len(running) < self.config.max_num_seqs and \
                     (state is None or (can_rearrange(state.cache) and
                                        (self.proposer is None or self.proposer.can_join()))):
