@@ -18,7 +18,11 @@
    Both should decode with a lower acceptance length than the good run: if they do not, the measurement has no teeth.
 5. Greedy decoding of held-out prompts (training/drafters/evaluate.py): none, ngram k=3 and 5, each drafter at each
    k, the teeth at k=3; vLLM's spec_decode.py lines per method, a comparison table, every output checked equal to
-   plain greedy decoding.
+   plain greedy decoding. All prompts decode together (vLLM's offline example submits them at once), then again one
+   request at a time (--one-at-a-time, default on; none, ngram and the good drafters): the latency regime
+   speculative decoding is for. On a small model a step costs about the same at any batch width, so a wide batch
+   runs until its slowest row is done and pays the drafter and the k+1-token verification every step; one request
+   at a time gains its own acceptance length.
 
 Work files live under --work (default $HSX_CACHE/bench-drafters or ~/.cache/hsx/bench-drafters), keyed by the target
 and sizes: a second run reuses the extraction runs (hsx run resumes) and trained drafters. Never pass/fail, except
@@ -65,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (on a shared CPU 1 avoids spinning threads; default torch's)")
     ap.add_argument("--device", default=None, help="decoding and training device (default cpu / auto)")
+    ap.add_argument("--one-at-a-time", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time none, ngram and the good drafters with max_num_seqs=1 (default on)")
     ap.add_argument("--work", default=None, help="work folder (runs, drafters); reused across invocations")
     ap.add_argument("--out", default=None, help="folder for results.json and results.md")
     args = ap.parse_args(argv)
@@ -290,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = args.num_speculative_tokens
     methods = eval_methods([(name, kind, out) for name, kind, out, teeth in drafters if not teeth], ks)
+    good_dirs = {out for _, _, out, teeth in drafters if not teeth}
     for name, kind, out, teeth in drafters:
         if teeth:
             methods[f"{name} k={ks[0]}"] = {"method": kind, "model": out, "num_speculative_tokens": ks[0]}
@@ -298,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     results = evaluate_speculation(target.path, prompts, methods, args.max_tokens, repeats=args.repeats,
                                    threads=args.threads, device=args.device, strict=False, errors="record")
     timings["evaluation"] = time.perf_counter() - t0
+    single = []
+    if args.one_at_a_time:
+        t0 = time.perf_counter()
+        good = {name: cfg for name, cfg in methods.items()
+                if cfg is None or cfg.get("method") == "ngram" or cfg.get("model") in good_dirs}
+        single = evaluate_speculation(target.path, prompts, good, args.max_tokens, repeats=args.repeats,
+                                      threads=args.threads, device=args.device, strict=False, errors="record",
+                                      max_num_seqs=1)
+        timings["evaluation, one request at a time"] = time.perf_counter() - t0
 
     lines = []
     for r in results:
@@ -307,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
               f"perplexity {rep['heldout_perplexity']:.1f}); drafters {args.steps} steps on {args.train_tokens} "
               "tokens" + (f" of {args.prompt_len}-token prompts + {args.regenerate} regenerated tokens each"
                           if args.regenerate else ""), ""]
-    lines += comparison_table(results)
+    lines += ["all prompts at once:"] + comparison_table(results)
+    if single:
+        lines += ["", "one request at a time (max_num_seqs=1):"] + comparison_table(single)
     plain = results[0]
     if plain.token_ids:  # what the target writes: a degenerate target (one token repeated) makes every AL high
         from transformers import AutoTokenizer
@@ -326,10 +344,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"target": {"path": target.path, **{k: v for k, v in rep.items() if k != "loss_curve"}},
                        "args": vars(args), "timings": timings, "skipped": skipped,
                        "training": {k: v for k, v in reports.items()},
-                       "results": [r.to_dict() for r in results]}, f, indent=2, default=str)
+                       "results": [r.to_dict() for r in results],
+                       "results_one_at_a_time": [r.to_dict() for r in single]}, f, indent=2, default=str)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-    lossy = [r.method for r in results if not r.lossless]
+    lossy = [f"{r.method} (max_num_seqs {r.max_num_seqs or 'default'})" for r in results + single if not r.lossless]
     if lossy:
         print(f"NOT LOSSLESS: {lossy}", file=sys.stderr)
         return 1

@@ -138,6 +138,7 @@ def test_a_method_that_cannot_start_is_recorded_or_raised(tiny_llama, tmp_path):
 
 
 def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path, capsys):
+    """One evaluation per --max-num-seqs value (all at once, then one request at a time), each lossless."""
     import argparse
 
     from training.drafters.evaluate import add_eval_parser
@@ -148,12 +149,20 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     add_eval_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "results.json"
     args = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "6",
-                              "-k", "2", "--threads", "1", "--json", str(out)])
+                              "-k", "2", "--threads", "1", "--json", str(out), "--max-num-seqs", "3", "1"])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    assert "| ngram k=2 |" in printed and "mean acceptance length:" in printed
+    assert "| ngram k=2 |" in printed and "mean acceptance length:" in printed and "one request at a time" in printed
     rows = json.loads(out.read_text())
-    assert [r["method"] for r in rows] == ["none", "ngram k=2"] and all(r["lossless"] for r in rows)
+    assert [(r["method"], r["max_num_seqs"]) for r in rows] == [("none", 3), ("ngram k=2", 3), ("none", 1),
+                                                                 ("ngram k=2", 1)]
+    assert all(r["lossless"] for r in rows)
+    # the same greedy decoding either way: identical drafts and acceptance counts
+    assert rows[1]["num_draft_tokens"] == rows[3]["num_draft_tokens"] > 0
+    assert rows[1]["num_accepted_tokens"] == rows[3]["num_accepted_tokens"]
+    zero = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-num-seqs", "0"])
+    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
+        zero.func(zero)
     bad = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--drafter", str(tmp_path)])
     with pytest.raises(ValueError, match="no config.json"):
         bad.func(bad)

@@ -125,6 +125,8 @@ class EvalResult:
     method: str
     speculative_config: dict[str, Any] | None
     num_prompts: int = 0
+    max_num_seqs: int = 0
+    """The engine's max_num_seqs (1: one request at a time; 0: the engine's default, every prompt at once)."""
     num_output_tokens: int = 0
     """Tokens generated over all prompts in one timed call."""
     seconds: float = 0.0
@@ -162,7 +164,8 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "speculative_config": self.speculative_config, "error": self.error,
-                "num_prompts": self.num_prompts, "num_output_tokens": self.num_output_tokens,
+                "num_prompts": self.num_prompts, "max_num_seqs": self.max_num_seqs,
+                "num_output_tokens": self.num_output_tokens,
                 "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "acceptance_per_position": self.acceptance_per_position, "num_drafts": self.counts.num_drafts,
@@ -176,7 +179,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                          *, repeats: int = 1, warmup_prompts: int = 2, warmup_tokens: int = 8, ignore_eos: bool = True,
                          reference_token_ids: Sequence[Sequence[int]] | None = None, device: str | None = None,
                          threads: int | None = None, strict: bool = True, errors: str = "raise",
-                         progress: bool = False) -> list[EvalResult]:
+                         progress: bool = False, max_num_seqs: int | None = None) -> list[EvalResult]:
     """Decode `prompts` with every method; figures per method, outputs checked against the reference.
 
     The reference is `reference_token_ids` when given (e.g. transformers generate's), else the method whose config is
@@ -184,6 +187,10 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     speculation is exactly lossless. The warm-up decodes warmup_prompts prompts x warmup_tokens tokens per method,
     uncounted and untimed. ignore_eos (default) makes every method generate max_tokens per prompt.
     errors="record" keeps going when a method's engine cannot be built (its result carries `error`).
+    max_num_seqs: how many requests decode together (the engine's max_num_seqs; default the engine's, 256: every
+    prompt at once, as vLLM's offline example submits them). 1 is the latency regime speculative decoding is for: each step costs about
+    the same at any width on a small model, so a wide batch runs until its slowest row is done, while one request
+    at a time gains its own acceptance length.
     """
     import torch
 
@@ -196,6 +203,8 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
         raise ValueError("no prompts to evaluate on")
     if max_tokens < 1 or repeats < 1:
         raise ValueError(f"max_tokens ({max_tokens}) and repeats ({repeats}) must be >= 1")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: every prompt at once)")
     if errors not in ("raise", "record"):
         raise ValueError(f"errors={errors!r}: use 'raise' or 'record'")
     methods = dict(methods)
@@ -209,9 +218,11 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
         results: dict[str, EvalResult] = {}
         engines: dict[str, Any] = {}
         for name, cfg in methods.items():
-            results[name] = EvalResult(name, dict(cfg) if cfg is not None else None, num_prompts=len(prompts))
+            results[name] = EvalResult(name, dict(cfg) if cfg is not None else None, num_prompts=len(prompts),
+                                       max_num_seqs=max_num_seqs or 0)
             try:
-                engines[name] = LLM(model=target_path, speculative_config=cfg, device=device)
+                batching = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+                engines[name] = LLM(model=target_path, speculative_config=cfg, device=device, **batching)
             except Exception as e:  # noqa: BLE001 - recorded for the report when asked to, else re-raised
                 if errors == "raise":
                     raise
@@ -388,6 +399,9 @@ def add_eval_parser(subparsers, usage_error: type[Exception] | None = None) -> A
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=None, metavar="N",
+                   help="requests decoding together, one evaluation per value (e.g. 256 1: every prompt at once, "
+                        "then one at a time, the latency regime speculation is for); default the engine's 256")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -440,18 +454,25 @@ def run_eval(args) -> int:
     if not os.path.isfile(prompts_path):
         raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
     prompts = load_prompts(prompts_path, args.num_prompts)
-    results = evaluate_speculation(model, prompts, eval_methods(drafters, args.num_speculative_tokens,
-                                                                not args.no_ngram),
-                                   args.max_tokens, repeats=args.repeats, threads=args.threads, device=args.device,
-                                   strict=False, errors="record")
-    for r in results:
-        print("\n".join(result_lines(r)))
-    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, target {model}")
-    print("\n".join(comparison_table(results)))
+    widths = args.max_num_seqs or [None]
+    if any(n < 1 for n in widths):
+        raise ValueError(f"--max-num-seqs must be >= 1, got {widths}")
+    methods = eval_methods(drafters, args.num_speculative_tokens, not args.no_ngram)
+    results = []
+    for width in widths:
+        batch = evaluate_speculation(model, prompts, methods, args.max_tokens, repeats=args.repeats,
+                                     threads=args.threads, device=args.device, strict=False, errors="record",
+                                     max_num_seqs=width)
+        for r in batch:
+            print("\n".join(result_lines(r)))
+        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, target {model}, "
+              + ("one request at a time" if width == 1 else f"max_num_seqs {width or 'default (256)'}"))
+        print("\n".join(comparison_table(batch)))
+        results += batch
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in results], f, indent=2)
-    lossy = [r.method for r in results if not r.lossless]
+    lossy = list(dict.fromkeys(r.method for r in results if not r.lossless))
     if lossy:
         print(f"hsx eval-drafter: NOT LOSSLESS: {', '.join(lossy)} differ from plain greedy decoding")
         return 1
