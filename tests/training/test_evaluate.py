@@ -201,3 +201,38 @@ def test_hsx_eval_drafter_is_a_subcommand_with_the_cli_exit_codes(tiny_llama, tm
     assert exit_.value.code == EXIT_USAGE
     err = capsys.readouterr().err
     assert "is not a local folder" in err and "Traceback" not in err
+
+
+def test_tokens_per_target_step_counts_the_targets_own_forwards(tiny_llama):
+    """tokens_per_target_step against the model's forward calls, counted per model instance by a hook on the model
+    class: with requests one at a time every decode step, drafted or not, is one target forward. The draft model is
+    the target itself, so its drafts are accepted and the figure is well above 1."""
+    from collections import Counter
+
+    from transformers import LlamaForCausalLM
+
+    calls: Counter = Counter()
+
+    def count(module, args, output):
+        if isinstance(module, LlamaForCausalLM):
+            calls[id(module)] += 1
+
+    same = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        none, ngram, draft = evaluate_speculation(tiny_llama, PROMPTS, {"ngram k=3": NGRAM3, "self k=3": same},
+                                                  MAX_TOKENS, warmup_prompts=1, warmup_tokens=1, threads=1,
+                                                  max_num_seqs=1)
+    finally:
+        handle.remove()
+    assert none.max_num_seqs == ngram.max_num_seqs == draft.max_num_seqs == 1
+    # per target: the warm-up's prefill, one prefill per prompt, then its decode steps
+    decode = len(PROMPTS) * (MAX_TOKENS - 1)
+    expected = Counter(1 + len(PROMPTS) + steps for steps in (decode, ngram.target_steps, draft.target_steps))
+    assert not expected - Counter(calls.values()), (expected, calls)
+    assert draft.counts.num_accepted_tokens > 0 and draft.tokens_per_target_step > 2
+    for r in (ngram, draft):
+        assert r.tokens_per_target_step == pytest.approx(decode / r.target_steps)
+        assert 0 < r.drafted_fraction <= 1 and r.counts.num_drafts <= r.target_steps
+    assert none.tokens_per_target_step is None and none.drafted_fraction is None
+    assert "| steps drafted | tokens per target step |" in "\n".join(comparison_table([none, ngram, draft]))

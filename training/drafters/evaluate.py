@@ -133,6 +133,8 @@ class EvalResult:
     """Median wall time of one timed generate() over all prompts."""
     counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     """Counters over the timed calls (warm-up excluded)."""
+    timed_calls: int = 0
+    """generate() calls the counters cover."""
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     """Each prompt's output token ids."""
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -159,6 +161,33 @@ class EvalResult:
         return self.counts.acceptance_per_position if self.speculative else []
 
     @property
+    def _decode_tokens(self) -> int:
+        """Tokens the timed calls decoded after each prompt's prefill (whose forward gives the first token)."""
+        return self.timed_calls * max(0, self.num_output_tokens - self.num_prompts)
+
+    @property
+    def target_steps(self) -> int:
+        """Target forwards after the prefills over the timed calls, per request: each gives one token plus the
+        drafts it accepted."""
+        return self._decode_tokens - (self.counts.num_accepted_tokens if self.speculative else 0)
+
+    @property
+    def tokens_per_target_step(self) -> float | None:
+        """Output tokens per target forward over every step, drafted or not. vLLM's mean acceptance length counts
+        only the steps that had a draft: a method that drafts rarely (ngram without a match) can have a high AL and
+        still save few forwards; this figure is what speculation saves."""
+        if not self.speculative or self.error or self.target_steps <= 0:
+            return None
+        return self._decode_tokens / self.target_steps
+
+    @property
+    def drafted_fraction(self) -> float | None:
+        """Share of target steps that verified a draft."""
+        if not self.speculative or self.error or self.target_steps <= 0:
+            return None
+        return self.counts.num_drafts / self.target_steps
+
+    @property
     def lossless(self) -> bool:
         return not self.mismatches
 
@@ -168,7 +197,9 @@ class EvalResult:
                 "num_output_tokens": self.num_output_tokens,
                 "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
                 "mean_acceptance_length": self.mean_acceptance_length,
-                "acceptance_per_position": self.acceptance_per_position, "num_drafts": self.counts.num_drafts,
+                "acceptance_per_position": self.acceptance_per_position,
+                "tokens_per_target_step": self.tokens_per_target_step, "drafted_fraction": self.drafted_fraction,
+                "timed_calls": self.timed_calls, "num_drafts": self.counts.num_drafts,
                 "num_draft_tokens": self.counts.num_draft_tokens,
                 "num_accepted_tokens": self.counts.num_accepted_tokens,
                 "lossless": self.lossless, "mismatches": [str(m) for m in self.mismatches[:10]]}
@@ -263,6 +294,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
             r = results[name]
             r.counts = spec_decode_counts(llm.get_metrics()) - before[name]
             r.seconds = statistics.median(times[name])
+            r.timed_calls = len(times[name])
             r.num_output_tokens = sum(len(t) for t in r.token_ids)
             llm.shutdown()
     finally:
@@ -318,18 +350,23 @@ def result_lines(result: EvalResult) -> list[str]:
 
 
 def comparison_table(results: Sequence[EvalResult]) -> list[str]:
-    """A Markdown table: method | mean acceptance length | acceptance per position | tokens/s | speedup | lossless."""
-    lines = ["| method | mean acceptance length | acceptance per position | tokens/s | speedup vs none | lossless |",
-             "|---|---|---|---|---|---|"]
+    """A Markdown table: method | mean acceptance length | acceptance per position | steps drafted | tokens per target
+    step | tokens/s | speedup | lossless."""
+    lines = ["| method | mean acceptance length | acceptance per position | steps drafted | tokens per target step "
+             "| tokens/s | speedup vs none | lossless |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.error:
-            lines.append(f"| {r.method} | skipped: {r.error.splitlines()[0][:80]} | | | | |")
+            lines.append(f"| {r.method} | skipped: {r.error.splitlines()[0][:80]} | | | | | | |")
             continue
         al = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
         pos = " / ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-"
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
         lossless = "yes" if r.lossless else f"**NO** ({len(r.mismatches)} prompts differ)"
-        lines.append(f"| {r.method} | {al} | {pos} | {r.tokens_per_s:.1f} | {speedup} | {lossless} |")
+        drafted = f"{r.drafted_fraction:.0%}" if r.drafted_fraction is not None else "-"
+        per_step = f"{r.tokens_per_target_step:.2f}" if r.tokens_per_target_step is not None else "1.00"
+        lines.append(f"| {r.method} | {al} | {pos} | {drafted} | {per_step} | {r.tokens_per_s:.1f} | {speedup} "
+                     f"| {lossless} |")
     return lines
 
 
