@@ -12,6 +12,11 @@ lengths in [--min-len, --max-len], sent as token ids with max_tokens=1 (what spe
               and --clients threads of the official openai client, each sending one prompt at a time from a shared
               queue; per-request latency = send to answer (file durable); throughput = prompts / wall time
 
+    offline, matched   when the replica holds fewer CPU threads than this process (--replica-cpus 1 on a 2-core
+              machine, where the HTTP side needs the other core), the offline engine also runs with the replica's
+              thread count: the same compute on both sides, so the ratio isolates what serving costs (HTTP, the
+              gather window, smaller batches), as it would on a GPU host whose HTTP side runs on spare host cores
+
 Warm-up on both sides first; --repeats rounds, offline and online alternating; medians reported. Never pass/fail: the
 issue's target (online/offline throughput >= 0.9) is printed beside the figure.
 """
@@ -61,12 +66,20 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def run_offline(llm, prompts: list[list[int]]) -> dict:
+def run_offline(llm, prompts: list[list[int]], threads: int | None = None) -> dict:
+    import torch
+
     from extractor import SamplingParams
 
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1))
-    wall = time.perf_counter() - start
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1))
+        wall = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error][:3]
     return {"wall": wall, "latencies": [wall] * len(prompts)}
 
@@ -156,10 +169,14 @@ def main() -> None:
                           max_prompt_tokens=args.max_len)
     try:
         run_online(server, prompts[:32], args.clients)  # warm-up
-        rounds = {"offline": [], "online": []}
+        replica_threads = args.replica_cpus or threads
+        matched = replica_threads < threads
+        rounds = {"offline": [], "online": [], "matched": []}
         before = server.metrics()
         for _ in range(args.repeats):
             rounds["offline"].append(run_offline(llm, prompts))
+            if matched:
+                rounds["matched"].append(run_offline(llm, prompts, replica_threads))
             rounds["online"].append(run_online(server, prompts, args.clients))
         after = server.metrics()
         engine = {k: after.get(k, 0) - before.get(k, 0) for k in
@@ -184,8 +201,13 @@ def main() -> None:
           f"{args.max_num_seqs}, {args.repeats} rounds (medians), load average {os.getloadavg()[0]:.1f}\n")
     print("| | prompts/s | tokens/s | p50 latency | p99 latency | wall |")
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| offline `LLM.generate` | {off['prompts/s']:.1f} | {off['tokens/s']:.0f} | {off['p50']:.2f} s | "
-          f"{off['p99']:.2f} s | {off['wall']:.2f} s |")
+    print(f"| offline `LLM.generate` ({threads} threads) | {off['prompts/s']:.1f} | {off['tokens/s']:.0f} | "
+          f"{off['p50']:.2f} s | {off['p99']:.2f} s | {off['wall']:.2f} s |")
+    if matched:
+        m = summary(rounds["matched"])
+        print(f"| offline `LLM.generate` ({replica_threads} thread{'s' if replica_threads > 1 else ''}, as the "
+              f"replica) | {m['prompts/s']:.1f} | {m['tokens/s']:.0f} | {m['p50']:.2f} s | {m['p99']:.2f} s | "
+              f"{m['wall']:.2f} s |")
     print(f"| `hsx serve`, {args.clients} clients | {on['prompts/s']:.1f} | {on['tokens/s']:.0f} | "
           f"{on['p50'] * 1000:.0f} ms | {on['p99'] * 1000:.0f} ms | {on['wall']:.2f} s |")
     online_wall = sum(r["wall"] for r in rounds["online"])
@@ -195,6 +217,10 @@ def main() -> None:
           f"({engine['hsx_serve_batch_seconds_sum']:.1f} s in engine calls)")
     print(f"throughput online / offline: {ratio:.2f} (target >= {TARGET_RATIO}); per round: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}")
+    if matched:
+        same = [a["wall"] / b["wall"] for a, b in zip(rounds["matched"], rounds["online"])]
+        print(f"throughput online / offline at the same {replica_threads} thread(s): {statistics.median(same):.2f} "
+              f"(target >= {TARGET_RATIO}); per round: {', '.join(f'{r:.2f}' for r in same)}")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

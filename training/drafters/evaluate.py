@@ -492,7 +492,7 @@ def run_eval(args) -> int:
         raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
     prompts = load_prompts(prompts_path, args.num_prompts)
     widths = args.max_num_seqs or [None]
-    if any(n < 1 for n in widths):
+    if any(n is not None and n < 1 for n in widths):
         raise ValueError(f"--max-num-seqs must be >= 1, got {widths}")
     methods = eval_methods(drafters, args.num_speculative_tokens, not args.no_ngram)
     results = []
