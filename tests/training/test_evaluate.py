@@ -160,6 +160,10 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     # the same greedy decoding either way: identical drafts and acceptance counts
     assert rows[1]["num_draft_tokens"] == rows[3]["num_draft_tokens"] > 0
     assert rows[1]["num_accepted_tokens"] == rows[3]["num_accepted_tokens"]
+    default = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "2",
+                                 "--no-ngram", "--threads", "1", "--json", str(out)])
+    assert default.func(default) == 0  # without --max-num-seqs: one evaluation at the engine's default width
+    assert [(r["method"], r["max_num_seqs"]) for r in json.loads(out.read_text())] == [("none", 0)]
     zero = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-num-seqs", "0"])
     with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
         zero.func(zero)
