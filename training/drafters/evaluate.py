@@ -18,7 +18,9 @@
 
 Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
 token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
-and after the timed calls, so the warm-up does not count.
+and after the timed calls, so the warm-up does not count. vLLM counts only the steps that had a draft, so beside AL:
+steps drafted = drafts / target steps and tokens per target step = decoded tokens / target forwards over every step
+(what speculation saves; equal to AL for a drafter that always drafts, lower for ngram when it finds no match).
 """
 
 from __future__ import annotations
