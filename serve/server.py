@@ -4,16 +4,21 @@
                               max_ongoing_requests = 2 x max_num_seqs: one batch running, one gathering;
                               max_queued_requests + Retry-After at the caller) bound into the Ingress deployment
     check(config)             what can fail before anything starts: settings, model folder, output storage
-    run(config, ready)        start Ray (jobs.pipeline.ray_cluster) and Serve, deploy, serve until SIGTERM/SIGINT,
-                              then drain (Ingress.drain: new requests 503, in-flight ones finish and their files
-                              become durable) and shut down; returns the exit status
+    run(config, ready)        start Ray (jobs.pipeline.ray_cluster) and Serve, deploy, wait for the replicas (SIGTERM
+                              stops the wait), serve until SIGTERM/SIGINT, then drain (Ingress.drain: new requests
+                              503, in-flight ones finish and their files become durable) and shut down; returns the
+                              exit status. On an existing cluster (--address) only what hsx started is removed
+    _probe_ray(address)       fail fast on an address where no Ray answers (gRPC), instead of ray.init's retries
+    _existing_serve(config)   a Serve already on the cluster: refused when on another host/port or running `hsx`
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from serve.config import ServeConfig
@@ -76,29 +81,50 @@ def check(config: ServeConfig) -> None:
 
 
 def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and stop. `ready(url)` is called once requests are accepted."""
+    """Serve until SIGTERM or SIGINT, then drain and stop. `ready(url)` is called once requests are accepted.
+
+    On a cluster given by --address (or $RAY_ADDRESS) hsx is a guest: it refuses what it would otherwise silently
+    get wrong (a Serve already listening elsewhere, an `hsx` application already deployed there), and on exit it
+    deletes only its own application, stopping Serve only when it started Serve and nothing else runs on it; the
+    cluster itself is never shut down.
+    """
     import ray
     from ray import serve
 
     from jobs.pipeline import ray_cluster
 
+    address = config.address or os.environ.get("RAY_ADDRESS") or None
+    if address and not ray.is_initialized():
+        _probe_ray(address)
     stop = threading.Event()
     with ray_cluster(config.address) as local:
         gpus = config.gpus_per_replica
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        if local:
-            _check_fits(config, gpus, ray.cluster_resources())
+        shortfall = _shortfall(config, gpus, ray.cluster_resources())
+        if shortfall and local:
+            raise ValueError(f"{shortfall}; lower --replicas, --cpus-per-replica or --gpus-per-replica, or pass "
+                             "--address for a cluster")
+        if shortfall:
+            # An existing cluster may autoscale (its resources now are not all it can have, and Ray exposes no
+            # reliable "this cluster has no autoscaler" signal), so this is a warning, as for `hsx run`: hsx waits
+            # for the replicas, says every 30 s what they wait for, and SIGTERM stops the wait cleanly.
+            logger.warning("%s; waiting for the cluster to add nodes (lower --replicas, --cpus-per-replica or "
+                           "--gpus-per-replica if it cannot; SIGTERM stops waiting)", shortfall)
+        serve_was_running = local or _existing_serve(config) is not None
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
+        deployed = False
         try:
-            ingress = serve.run(build_app(config, gpus), name=APP_NAME, route_prefix="/", blocking=False,
-                                logging_config={"log_level": "WARNING", "enable_access_log": False})
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
-            url = f"http://{config.host}:{config.port}"
+            ingress = _deploy(config, gpus)
+            deployed = True
+            if not _wait_running(stop):
+                logger.warning("stopped before the replicas were running; nothing was served")
+                return 0
             if ready is not None:
-                ready(url)
+                ready(f"http://{config.host}:{config.port}")
             stop.wait()
             left = ingress.drain.remote(config.drain_timeout_s).result(timeout_s=config.drain_timeout_s + 30)
             if left:
@@ -108,14 +134,117 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
             if local:
                 serve.shutdown()
             else:
-                serve.delete(APP_NAME)
+                if deployed:
+                    serve.delete(APP_NAME)
+                if not serve_was_running and not serve.status().applications:
+                    serve.shutdown()  # hsx started Serve on this cluster and nobody else deployed to it since
     return 0
 
 
-def _check_fits(config: ServeConfig, gpus: float, resources: dict) -> None:
+def _probe_ray(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
+    gRPC, the protocol of Ray's GCS and client server: a listener that is not Ray (the dashboard's 8265, a web
+    server) accepts the TCP connection, and ray.init then retries it for minutes."""
+    import socket
+
+    import grpc
+
+    target = address.split("://", 1)[-1].rsplit("/", 1)[0]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("http://", "https://")):
+        return  # "auto", "local", or a form Ray resolves (or refuses) itself
+    host = host.strip("[]") or "127.0.0.1"
+    fix = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the cluster runs, "
+           "or leave --address out to run on a private local Ray")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"--address {address}: cannot connect there ({e}). {fix}") from None
+    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ValueError(f"--address {address}: something listens there but it is not Ray (no gRPC answer in "
+                         f"{timeout_s:g} s). {fix}") from None
+    finally:
+        channel.close()
+
+
+def _existing_serve(config: ServeConfig):
+    """The Serve controller client already on this cluster, or None. ValueError when it listens on another HTTP
+    address (serve.start would keep its address and only log a warning, so hsx would announce a URL nobody serves)
+    or already has an `hsx` application (serve.run would replace another service without a word)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    http = client.http_config
+    if (http.host, http.port) != (config.host, config.port):
+        raise ValueError(f"Ray Serve already runs on this cluster with HTTP on {http.host}:{http.port}, and a Serve "
+                         f"instance has one HTTP address: pass --host {http.host} --port {http.port} to serve there, "
+                         f"or stop that Serve (`serve shutdown` against this cluster) to serve on "
+                         f"{config.host}:{config.port}")
+    if APP_NAME in serve.status().applications:
+        raise ValueError(f"Ray Serve on this cluster already runs an application named {APP_NAME!r} (another hsx "
+                         f"serve, or one that was killed): starting would replace it. Stop that hsx serve, or remove "
+                         f"the leftover with serve.delete({APP_NAME!r}) from a driver on this cluster")
+    return client
+
+
+def _deploy(config: ServeConfig, gpus: float):
+    """Deploy the application without waiting for its replicas (run() waits, and SIGTERM can stop the wait); the
+    ingress handle. ValueError when Serve refuses it (e.g. route prefix / taken by another application)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    target = serve.RunTarget(target=build_app(config, gpus), name=APP_NAME, route_prefix="/",
+                             logging_config={"log_level": "WARNING", "enable_access_log": False})
+    try:
+        return serve.run_many([target], wait_for_applications_running=False)[0]
+    except RayServeException as e:
+        raise ValueError(f"Ray Serve refused the {APP_NAME!r} application: {_first_line(e)}") from e
+
+
+def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
+    """Wait for the application to run: True once it does, False when `stop` is set first. ValueError when its
+    replicas fail to start (e.g. the model folder is missing on the cluster's nodes)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    report_at = time.monotonic() + report_every_s
+    while not stop.wait(0.25):
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            raise ValueError(f"the {APP_NAME!r} application was deleted from Ray Serve while it was starting")
+        if app.status == ApplicationStatus.RUNNING:
+            return True
+        if app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise ValueError(f"the replicas failed to start: {_last_line(app.message)}. On a cluster, --model and "
+                             "--output must be reachable from every node, and hsx installed there")
+        if time.monotonic() >= report_at:
+            report_at += report_every_s
+            waiting = "; ".join(d.message for d in app.deployments.values() if d.message) or app.message
+            logger.warning("still waiting for the replicas to start (%s)", waiting or app.status)
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message from Ray Serve"
+
+
+def _shortfall(config: ServeConfig, gpus: float, resources: dict) -> str | None:
+    """What the replicas need beyond the cluster's resources now, or None when they fit."""
     need_cpu, need_gpu = config.replicas * config.cpus_per_replica, config.replicas * gpus
     have_cpu, have_gpu = resources.get("CPU", 0), resources.get("GPU", 0)
-    if need_cpu > have_cpu or need_gpu > have_gpu:
-        raise ValueError(f"--replicas {config.replicas} need {need_cpu:g} CPUs and {need_gpu:g} GPUs, but this "
-                         f"machine's Ray has {have_cpu:g} CPUs and {have_gpu:g} GPUs; lower --replicas, "
-                         "--cpus-per-replica or --gpus-per-replica, or pass --address for a cluster")
+    if need_cpu <= have_cpu and need_gpu <= have_gpu:
+        return None
+    return (f"--replicas {config.replicas} need {need_cpu:g} CPUs and {need_gpu:g} GPUs, but the Ray cluster has "
+            f"{have_cpu:g} CPUs and {have_gpu:g} GPUs")
