@@ -121,7 +121,11 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
             ingress = _deploy(config, gpus)
             deployed = True
             if not _wait_running(stop):
-                logger.warning("stopped before the replicas were running; nothing was served")
+                # Ray Serve stops a replica that never started only after its grace period (it asks the pending
+                # actor to shut down, then kills it at graceful_shutdown_timeout_s = --drain-timeout-s)
+                logger.warning("stopped before the replicas were running; nothing was served. Removing the "
+                               "application: replicas still waiting for resources are stopped after "
+                               "--drain-timeout-s (%g s)", config.drain_timeout_s)
                 return 0
             if ready is not None:
                 ready(f"http://{config.host}:{config.port}")

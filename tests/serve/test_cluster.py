@@ -38,12 +38,12 @@ _OBSERVER = textwrap.dedent("""
     print("{}", flush=True)
     for line in sys.stdin:
         command, *args = line.split()
+        context._disconnect()  # no cached client: ask the cluster whether a Serve controller runs now
         if command == "serve":  # start Serve here, as another user of the cluster would, and leave it running
             serve.start(http_options={"host": "127.0.0.1", "port": int(args[0])})
         deadline = time.monotonic() + (15 if command in ("settled", "quit") else 0)  # ended actors free their CPUs shortly
         while ray.available_resources().get("CPU") != ray.cluster_resources().get("CPU") and time.monotonic() < deadline:
             time.sleep(0.2)
-        context._disconnect()  # no cached client: ask the cluster whether a Serve controller runs now
         client = context._get_global_client(raise_if_no_controller_running=False)
         print(json.dumps({"cpus": ray.cluster_resources().get("CPU"), "free_cpus": ray.available_resources().get("CPU"),
                           "apps": sorted(serve.status().applications) if client else None,
@@ -235,17 +235,18 @@ def test_cluster_too_small_warns_and_sigterm_stops_the_wait(cluster, observer, s
     them removes its application, and leaves alone the Serve that another driver had started there."""
     port = free_port()
     assert observer.ask(f"serve {port}") == {**EMPTY, "apps": [], "http": ["127.0.0.1", port]}
-    replicas = CLUSTER_CPUS + 1
-    proc = hsx_serve(serve_model, tmp_path, "--address", cluster, "--port", str(port), "--replicas", str(replicas))
+    need = CLUSTER_CPUS + 1  # one replica that no node can hold (none starts: nothing to stop on SIGTERM)
+    # --drain-timeout-s: Ray Serve stops a replica that never started after this grace period (default 60 s)
+    proc = hsx_serve(serve_model, tmp_path, "--address", cluster, "--port", str(port), "--cpus-per-replica", str(need),
+                     "--drain-timeout-s", "2")
     try:
         log = wait_for_log(tmp_path, "waiting for the cluster to add nodes", proc, timeout_s=60)
-        assert f"--replicas {replicas} need {replicas} CPUs and 0 GPUs, but the Ray cluster has {CLUSTER_CPUS} CPUs" \
-            in log, log
+        assert f"--replicas 1 need {need} CPUs and 0 GPUs, but the Ray cluster has {CLUSTER_CPUS} CPUs" in log, log
         deadline = time.monotonic() + 60  # SIGTERM once the application is deployed, its replicas pending
         while observer.state()["apps"] != ["hsx"] and time.monotonic() < deadline:
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+        assert proc.wait(30) == 0, (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
