@@ -120,19 +120,21 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
                 signal.signal(sig, lambda *_: stop.set())
             ingress = _deploy(config, gpus)
             deployed = True
-            if not _wait_running(stop):
+            running = _wait_running(stop)
+            if running:
+                if ready is not None:
+                    ready(f"http://{config.host}:{config.port}")
+                stop.wait()
+            if running or _ingress_up():  # the proxy routes to the ingress before the whole app is RUNNING
+                left = ingress.drain.remote(config.drain_timeout_s).result(timeout_s=config.drain_timeout_s + 30)
+                if left:
+                    logger.warning("drain timed out with %d requests still running (--drain-timeout-s %s)", left,
+                                   config.drain_timeout_s)
+            if not running:
                 # Ray Serve stops a replica that never started only after its grace period (it asks the pending
                 # actor to shut down, then kills it at graceful_shutdown_timeout_s = --drain-timeout-s)
-                logger.warning("stopped before the replicas were running; nothing was served. Removing the "
-                               "application: replicas still waiting for resources are stopped after "
-                               "--drain-timeout-s (%g s)", config.drain_timeout_s)
-                return 0
-            if ready is not None:
-                ready(f"http://{config.host}:{config.port}")
-            stop.wait()
-            left = ingress.drain.remote(config.drain_timeout_s).result(timeout_s=config.drain_timeout_s + 30)
-            if left:
-                logger.warning("drain timed out with %d requests still running (--drain-timeout-s %s)", left,
+                logger.warning("stopped before the replicas were all running. Removing the application: replicas "
+                               "still waiting for resources are stopped after --drain-timeout-s (%g s)",
                                config.drain_timeout_s)
         finally:
             if local:
@@ -220,6 +222,7 @@ def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
     report_at = time.monotonic() + report_every_s
     while not stop.wait(0.25):
         app = serve.status().applications.get(APP_NAME)
+        logger.debug("application %s: %s", APP_NAME, app.status if app else None)
         if app is None:
             raise ValueError(f"the {APP_NAME!r} application was deleted from Ray Serve while it was starting")
         if app.status == ApplicationStatus.RUNNING:
@@ -232,6 +235,16 @@ def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
             waiting = "; ".join(d.message for d in app.deployments.values() if d.message) or app.message
             logger.warning("still waiting for the replicas to start (%s)", waiting or app.status)
     return False
+
+
+def _ingress_up() -> bool:
+    """The Ingress deployment is healthy (it may answer requests while the Engine replicas still start)."""
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    app = serve.status().applications.get(APP_NAME)
+    ingress = app.deployments.get("Ingress") if app is not None else None
+    return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
 
 
 def _first_line(error: BaseException) -> str:
