@@ -9,7 +9,7 @@
                               503, in-flight ones finish and their files become durable) and shut down; returns the
                               exit status. On an existing cluster (--address) only what hsx started is removed
     _probe_ray(address)       fail fast on an address where no Ray answers (gRPC), instead of ray.init's retries
-    _existing_serve(config)   a Serve already on the cluster: refused when on another host/port or running `hsx`
+    _check_guest(config)      a Serve already on the cluster: refused when on another host/port or running `hsx`
 """
 
 from __future__ import annotations
@@ -111,9 +111,13 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
             # for the replicas, says every 30 s what they wait for, and SIGTERM stops the wait cleanly.
             logger.warning("%s; waiting for the cluster to add nodes (lower --replicas, --cpus-per-replica or "
                            "--gpus-per-replica if it cannot; SIGTERM stops waiting)", shortfall)
-        serve_was_running = local or _existing_serve(config) is not None
+        from ray.serve.context import _get_global_client
+
+        serve_was_running = local or _get_global_client(raise_if_no_controller_running=False) is not None
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
+        if not local:
+            _check_guest(config)  # after serve.start: also a Serve another driver started in the meantime
         deployed = False
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -176,17 +180,14 @@ def _probe_ray(address: str, timeout_s: float = 5.0) -> None:
         channel.close()
 
 
-def _existing_serve(config: ServeConfig):
-    """The Serve controller client already on this cluster, or None. ValueError when it listens on another HTTP
-    address (serve.start would keep its address and only log a warning, so hsx would announce a URL nobody serves)
-    or already has an `hsx` application (serve.run would replace another service without a word)."""
+def _check_guest(config: ServeConfig) -> None:
+    """ValueError when the cluster's Serve listens on another HTTP address than --host/--port (serve.start keeps
+    the running Serve's address and only logs a warning, so hsx would announce a URL nobody serves) or already has
+    an `hsx` application (serve.run would replace another service without a word)."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return None
-    http = client.http_config
+    http = _get_global_client().http_config
     if (http.host, http.port) != (config.host, config.port):
         raise ValueError(f"Ray Serve already runs on this cluster with HTTP on {http.host}:{http.port}, and a Serve "
                          f"instance has one HTTP address: pass --host {http.host} --port {http.port} to serve there, "
@@ -196,7 +197,6 @@ def _existing_serve(config: ServeConfig):
         raise ValueError(f"Ray Serve on this cluster already runs an application named {APP_NAME!r} (another hsx "
                          f"serve, or one that was killed): starting would replace it. Stop that hsx serve, or remove "
                          f"the leftover with serve.delete({APP_NAME!r}) from a driver on this cluster")
-    return client
 
 
 def _deploy(config: ServeConfig, gpus: float):
