@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="tokens of train text to extract (default 300000; --quick 12000)")
     ap.add_argument("--steps", type=int, default=None, help="drafter training steps (default 1500; --quick 10)")
     ap.add_argument("--drafter-lr", type=float, default=1e-3, help="drafter learning rate")
+    ap.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                    help="drafter learning-rate schedule (hsx train-drafter --lr-schedule)")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="drafter learning-rate warmup steps")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="drafter training tokens per packed batch (default 2048; --quick 1024)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=None,
@@ -215,6 +218,7 @@ def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None,
         return None, f"{type(e).__name__}: {e}"
     config = TrainDrafterConfig(kind=kind, run=run, model=model, out=out, steps=args.steps,
                                 num_speculative_tokens=max(args.num_speculative_tokens), lr=args.drafter_lr,
+                                lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                 batch_tokens=args.batch_tokens, device=args.device or "auto",
                                 progress=sys.stderr.isatty())
     return train_drafter(config), None
@@ -282,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind, label, run in jobs:
         name = kind + (f" ({label})" if label else "")
         out = os.path.join(work, "drafters", f"{kind}-{label.replace(' ', '-') or 'good'}-s{args.steps}"
-                           f"-lr{args.drafter_lr:g}-b{args.batch_tokens}")
+                           f"-lr{args.drafter_lr:g}-b{args.batch_tokens}"
+                           + (f"-{args.lr_schedule}-w{args.warmup_steps}" if args.lr_schedule != "constant"
+                              or args.warmup_steps else ""))
         t0 = time.perf_counter()
         report, why = train(kind, run, target.path, out, args)
         if why:
@@ -320,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += result_lines(r) + [""]
     lines += [f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, medians of {args.repeats}; "
               f"target {os.path.basename(target.path)} ({rep['parameters'] / 1e6:.2f}M parameters, held-out "
-              f"perplexity {rep['heldout_perplexity']:.1f}); drafters {args.steps} steps on {args.train_tokens} "
+              f"perplexity {rep['heldout_perplexity']:.1f}); drafters {args.steps} steps of {args.batch_tokens} tokens "
+              f"(lr {args.drafter_lr:g}, {args.lr_schedule}, warmup {args.warmup_steps}) on {args.train_tokens} "
               "tokens" + (f" of {args.prompt_len}-token prompts + {args.regenerate} regenerated tokens each"
                           if args.regenerate else ""), ""]
     lines += ["all prompts at once:"] + comparison_table(results)
