@@ -404,4 +404,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m jobs.cli` runs this file as __main__: go through the importable jobs.cli so the UsageError that
+    # serve/ and training/ import from jobs.cli is the one main() catches (else a usage error is a traceback, exit 1)
+    from jobs.cli import main as _main
+
+    sys.exit(_main())
