@@ -197,21 +197,33 @@ def _existing_local_cluster() -> str | None:
         return None
 
 
-def _probe(address: str, timeout_s: float = 10.0) -> None:
-    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address does not accept connections: Ray itself
-    keeps retrying an unreachable GCS for minutes before it gives up."""
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
+    gRPC, the protocol of Ray's GCS and client server: Ray itself keeps retrying an unreachable GCS for minutes, and
+    a listener that is not Ray (the dashboard's 8265, a web server) accepts the TCP connection all the same."""
     import socket
+
+    import grpc  # shipped with Ray (its GCS and client protocol)
 
     target = address.split("://", 1)[-1].rsplit("/", 1)[0]
     host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        return  # "auto", "local", or a form Ray resolves itself
+    if not sep or not port.isdigit() or address.startswith(("http://", "https://")):
+        return  # "auto", "local", or a form Ray resolves (or refuses) itself
+    host = host.strip("[]") or "127.0.0.1"
+    fix = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the cluster runs, "
+           "or leave --address out to run on a private local Ray")
     try:
-        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). Check the address "
-                         "(ray://HOST:10001, HOST:6379 or auto) and that the cluster runs, or leave --address out to "
-                         "run on a private local Ray") from e
+        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). {fix}") from None
+    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ValueError(f"--address {address}: something listens there but it is not Ray (no gRPC answer in "
+                         f"{timeout_s:g} s). {fix}") from None
+    finally:
+        channel.close()
 
 
 def _first_line(error: BaseException) -> str:

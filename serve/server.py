@@ -8,14 +8,12 @@
                               stops the wait), serve until SIGTERM/SIGINT, then drain (Ingress.drain: new requests
                               503, in-flight ones finish and their files become durable) and shut down; returns the
                               exit status. On an existing cluster (--address) only what hsx started is removed
-    _probe_ray(address)       fail fast on an address where no Ray answers (gRPC), instead of ray.init's retries
     _check_guest(config)      a Serve already on the cluster: refused when on another host/port or running `hsx`
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -93,9 +91,6 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
 
     from jobs.pipeline import ray_cluster
 
-    address = config.address or os.environ.get("RAY_ADDRESS") or None
-    if address and not ray.is_initialized():
-        _probe_ray(address)
     stop = threading.Event()
     with ray_cluster(config.address) as local:
         gpus = config.gpus_per_replica
@@ -149,35 +144,6 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
                 if not serve_was_running and not serve.status().applications:
                     serve.shutdown()  # hsx started Serve on this cluster and nobody else deployed to it since
     return 0
-
-
-def _probe_ray(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
-    gRPC, the protocol of Ray's GCS and client server: a listener that is not Ray (the dashboard's 8265, a web
-    server) accepts the TCP connection, and ray.init then retries it for minutes."""
-    import socket
-
-    import grpc
-
-    target = address.split("://", 1)[-1].rsplit("/", 1)[0]
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or address.startswith(("http://", "https://")):
-        return  # "auto", "local", or a form Ray resolves (or refuses) itself
-    host = host.strip("[]") or "127.0.0.1"
-    fix = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the cluster runs, "
-           "or leave --address out to run on a private local Ray")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ValueError(f"--address {address}: cannot connect there ({e}). {fix}") from None
-    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        raise ValueError(f"--address {address}: something listens there but it is not Ray (no gRPC answer in "
-                         f"{timeout_s:g} s). {fix}") from None
-    finally:
-        channel.close()
 
 
 def _check_guest(config: ServeConfig) -> None:

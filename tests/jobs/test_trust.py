@@ -306,6 +306,21 @@ def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
     assert "--address 127.0.0.1:1: cannot connect" in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3
+    # something listens there but it is not Ray (a dashboard or web port): refused in seconds, not minutes of retries
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", str(corpus),
+                               "--output", str(tmp_path / "out"), "--address", address, "--no-progress"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
+    assert f"--address {address}: something listens there but it is not Ray" in proc.stderr
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.s3

@@ -131,8 +131,8 @@ def test_address_where_no_ray_answers_exits_2_fast(serve_model, tmp_path, capsys
     with socket.socket() as listener:  # something listens, but it is not Ray (a dashboard port, a web server)
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
-        for address, needle in ((f"127.0.0.1:{closed}", "cannot connect there"),
-                                (f"ray://127.0.0.1:{closed}", "cannot connect there"),
+        for address, needle in ((f"127.0.0.1:{closed}", "cannot connect to a Ray cluster there"),
+                                (f"ray://127.0.0.1:{closed}", "cannot connect to a Ray cluster there"),
                                 (f"127.0.0.1:{listener.getsockname()[1]}", "something listens there but it is not Ray")):
             start = time.monotonic()
             with pytest.raises(SystemExit) as e:
