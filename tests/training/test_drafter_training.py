@@ -135,6 +135,28 @@ def test_a_run_from_another_model_is_refused(oracle_run, tiny_llama, tmp_path):
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
+def test_a_run_whose_model_fingerprint_differs_is_warned_about(oracle_run, tiny_llama, tmp_path, caplog):
+    """Same config, other weights (another fine-tune of one base): the config checks pass, the fingerprint the job
+    recorded does not match, and the trainer says so before training."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from connectors.run import RunSpec
+    from jobs.model import model_fingerprint
+
+    out, samples, spec = oracle_run
+    fingerprint = model_fingerprint(tiny_llama, AutoConfig.from_pretrained(tiny_llama))
+    for name, recorded, warned in (("same", fingerprint, False), ("other", "v2:0123456789abcdef", True)):
+        run = tmp_path / name
+        write_run(str(run), samples, spec, run_json=RunSpec.from_file_spec(spec, model_fingerprint=recorded))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="training.drafters.train"):
+            train_drafter(_config(oracle_run, tiny_llama, tmp_path / f"out-{name}", run=str(run), steps=1))
+        assert ("records model fingerprint v2:0123456789abcdef" in caplog.text) is warned, caplog.text
+        assert (fingerprint in caplog.text) is warned
+
+
 def test_a_run_without_the_layers_the_kind_needs_is_refused(oracle_run, tiny_llama, tmp_path):
     for layers, message in (((1, 2), r"needs layers \[4\].*missing \[4\].*--layers 1,2,4"),
                             ((4,), r"stores only layers \[4\].*--layers 1,2,4")):
