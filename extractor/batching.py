@@ -6,7 +6,8 @@ to minimise padded tokens + `forward_cost_tokens` per forward (an exact dynamic 
 a batch of rows 2048, 1100, 900 pads 2046 tokens, so on a device where a forward costs as little as 64 tokens' work
 it is cheaper to run them apart. A prompt longer than the budget goes alone and is prefilled in chunks of
 `chunk_size` columns. The engine plans prompt-only requests this way (they can stop the forward early and skip the
-lm_head); generating ones are batched continuously instead (extractor/llm.py).
+lm_head); generating ones are batched continuously instead (extractor/llm.py), each prefill group admitted being
+the first batch of this plan over the longest waiting requests (first_batch_rows).
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def plan_batches(items: Sequence[T], length: Callable[[T], int], max_num_batched
         longest = lengths[i]
         batches.append(Batch(members[i:j], longest, min(longest, max_num_batched_tokens)))
     return batches
+
+
+def first_batch_rows(lengths: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int,
+                     forward_cost_tokens: int = DEFAULT_FORWARD_COST_TOKENS) -> int:
+    """Rows of the first batch of plan_batches' plan over `lengths` (sorted, longest first): how many of the longest
+    waiting requests to prefill together now, so a long prompt does not pad a group of short ones to its length."""
+    if not lengths:
+        return 0
+    i, j = _cuts(list(lengths), max_num_batched_tokens, max_num_seqs, forward_cost_tokens)[0]
+    return j - i
 
 
 def _cuts(lengths: list[int], budget: int, max_rows: int, forward_cost: int) -> list[tuple[int, int]]:

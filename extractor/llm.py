@@ -30,7 +30,7 @@ import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
 from connectors.paths import PathInUse
-from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches
+from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, first_batch_rows, plan_batches
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
@@ -241,9 +241,7 @@ class LLM:
         prompt_only = [r for r in runnable if r.params.max_tokens == 0]
         batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids),
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                               max_num_seqs=self.config.max_num_seqs,
-                               forward_cost_tokens=FORWARD_COST_TOKENS.get(self.runner.device.type,
-                                                                           DEFAULT_FORWARD_COST_TOKENS))
+                               max_num_seqs=self.config.max_num_seqs, forward_cost_tokens=self._forward_cost_tokens)
         for batch in batches:
             self._take_aborted(batch.items)
             live = [r for r in batch.items if r.error is None]
@@ -456,12 +454,19 @@ class LLM:
             self.proposer.select(keep)
         return [running[i] for i in keep], state
 
+    @property
+    def _forward_cost_tokens(self) -> int:
+        """One forward's fixed cost in tokens' worth of work on this device (batching.FORWARD_COST_TOKENS)."""
+        return FORWARD_COST_TOKENS.get(self.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
+
     def _admissible(self, waiting: deque, free: int) -> tuple[list[_Request], int]:
         """Pop the next prefill group: the longest waiting requests, at most `free`, padded to the first (longest)
-        within max_num_batched_tokens; a prompt over the budget goes alone, prefilled in chunks of the budget."""
+        within max_num_batched_tokens, cut where padding the rest to the longest costs more than another forward
+        (batching.first_batch_rows); a prompt over the budget goes alone, prefilled in chunks of the budget."""
         budget = self.config.max_num_batched_tokens
         longest = len(waiting[0].prompt_token_ids)
-        n = max(1, min(free, budget // longest if longest <= budget else 1, len(waiting)))
+        lengths = [len(r.prompt_token_ids) for r in itertools.islice(waiting, min(free, len(waiting)))]
+        n = max(1, first_batch_rows(lengths, budget, free, self._forward_cost_tokens))
         return [waiting.popleft() for _ in range(n)], min(longest, budget)
 
     def _admit(self, group: list[_Request], chunk_size: int, running: list[_Request]

@@ -129,6 +129,37 @@ def test_waiting_requests_join_the_running_batch_and_outputs_stay_exact(tiny_lla
     llm.shutdown()
 
 
+def test_a_long_prompt_does_not_pad_the_short_ones_admitted_with_it(tiny_llama, tmp_path, monkeypatch):
+    """Generating requests (max_tokens=1, what speculators sends) arrive in random lengths, as an online server
+    gathers them: the admitted prefill group is cut where padding to the longest costs more than another forward
+    (batching.first_batch_rows), and every output and file still matches the oracle."""
+    ref = load_reference(tiny_llama)
+    layers = [1, 2, 4]
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate([20, 300, 22, 18, 21, 19, 20])]
+    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=8, speculative_config={
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
+        kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
+    groups: list[list[int]] = []
+    real_prefill = ModelRunner.prefill
+
+    def prefill(runner, rows, *args, **kwargs):
+        groups.append(sorted(len(r) for r in rows))
+        return real_prefill(runner, rows, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0))
+    # one forward of 7 rows x 300 columns would pad 1680 tokens; apart: the long one alone, then the six short ones
+    assert groups == [[300], [18, 19, 20, 20, 21, 22]]
+    for out, p in zip(outs, prompts):
+        assert out.error is None
+        assert out.outputs[0].token_ids == hf_greedy(ref[0], p, 1)
+        obj = load_hidden_states(out.kv_transfer_params["hidden_states_path"])
+        assert obj["token_ids"].tolist() == p
+        torch.testing.assert_close(obj["hidden_states"], reference_states(ref, p, layers), rtol=1e-4, atol=1e-4)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "draft"])
