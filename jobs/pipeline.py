@@ -159,12 +159,13 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
     """
     import ray
 
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        _probe(address)  # also when this process is connected already: an address nothing answers is an error
     if ray.is_initialized():
         yield False
         return
-    address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        _probe(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as e:

@@ -142,6 +142,21 @@ def test_address_where_no_ray_answers_exits_2_fast(serve_model, tmp_path, capsys
             assert f"--address {address}: {needle}" in err and "leave --address out" in err, err
             assert "Traceback" not in err, err
             assert time.monotonic() - start < 15, f"{address}: took {time.monotonic() - start:.1f}s"
+    # and when this process is connected to a Ray already (another test's, a notebook's): the dead address is still
+    # refused, not silently replaced by the session's Ray (where hsx would serve until killed)
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING")
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", serve_model, "--output", str(tmp_path / "out"), "--address",
+                  f"127.0.0.1:{closed}"])
+        assert e.value.code == 2 and "cannot connect to a Ray cluster there" in capsys.readouterr().err
+    finally:
+        if started:
+            ray.shutdown()
 
 
 EMPTY = {"cpus": CLUSTER_CPUS, "free_cpus": CLUSTER_CPUS, "apps": None, "http": None}  # no Serve, every CPU free
