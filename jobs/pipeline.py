@@ -169,9 +169,8 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
         try:
             ray.init(address=address, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({_first_line(e)}). Check "
-                             "the address (ray://HOST:10001, HOST:6379 or auto), or leave --address out to run on a "
-                             "private local Ray") from e
+            raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({_first_line(e)}). "
+                             f"{_ADDRESS_FIX}") from e
     else:
         existing = _existing_local_cluster()
         if existing:
@@ -198,6 +197,10 @@ def _existing_local_cluster() -> str | None:
         return None
 
 
+_ADDRESS_FIX = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the "
+                "cluster runs, or leave --address out to run on a private local Ray")
+
+
 def _probe(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
     gRPC, the protocol of Ray's GCS and client server: Ray itself keeps retrying an unreachable GCS for minutes, and
@@ -211,18 +214,16 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit() or address.startswith(("http://", "https://")):
         return  # "auto", "local", or a form Ray resolves (or refuses) itself
     host = host.strip("[]") or "127.0.0.1"
-    fix = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the cluster runs, "
-           "or leave --address out to run on a private local Ray")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). {fix}") from None
+        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). {_ADDRESS_FIX}") from None
     channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
         raise ValueError(f"--address {address}: something listens there but it is not Ray (no gRPC answer in "
-                         f"{timeout_s:g} s). {fix}") from None
+                         f"{timeout_s:g} s). {_ADDRESS_FIX}") from None
     finally:
         channel.close()
 

@@ -171,6 +171,8 @@ def _deploy(config: ServeConfig, gpus: float):
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
+    from jobs.pipeline import _first_line
+
     target = serve.RunTarget(target=build_app(config, gpus), name=APP_NAME, route_prefix="/",
                              logging_config={"log_level": "WARNING", "enable_access_log": False})
     try:
@@ -211,11 +213,6 @@ def _ingress_up() -> bool:
     app = serve.status().applications.get(APP_NAME)
     ingress = app.deployments.get("Ingress") if app is not None else None
     return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _last_line(text: str) -> str:

@@ -174,20 +174,24 @@ class EvalResult:
         return self._decode_tokens - (self.counts.num_accepted_tokens if self.speculative else 0)
 
     @property
+    def _speculative_steps(self) -> int | None:
+        """target_steps of a speculative method that ran and stepped; None otherwise (no per-step figures)."""
+        steps = self.target_steps
+        return steps if self.speculative and not self.error and steps > 0 else None
+
+    @property
     def tokens_per_target_step(self) -> float | None:
         """Output tokens per target forward over every step, drafted or not. vLLM's mean acceptance length counts
         only the steps that had a draft: a method that drafts rarely (ngram without a match) can have a high AL and
         still save few forwards; this figure is what speculation saves."""
-        if not self.speculative or self.error or self.target_steps <= 0:
-            return None
-        return self._decode_tokens / self.target_steps
+        steps = self._speculative_steps
+        return self._decode_tokens / steps if steps else None
 
     @property
     def drafted_fraction(self) -> float | None:
         """Share of target steps that verified a draft."""
-        if not self.speculative or self.error or self.target_steps <= 0:
-            return None
-        return self.counts.num_drafts / self.target_steps
+        steps = self._speculative_steps
+        return self.counts.num_drafts / steps if steps else None
 
     @property
     def lossless(self) -> bool:
@@ -221,9 +225,9 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     uncounted and untimed. ignore_eos (default) makes every method generate max_tokens per prompt.
     errors="record" keeps going when a method's engine cannot be built (its result carries `error`).
     max_num_seqs: how many requests decode together (the engine's max_num_seqs; default the engine's, 256: every
-    prompt at once, as vLLM's offline example submits them). 1 is the latency regime speculative decoding is for: each step costs about
-    the same at any width on a small model, so a wide batch runs until its slowest row is done, while one request
-    at a time gains its own acceptance length.
+    prompt at once, as vLLM's offline example submits them). 1 is the latency regime speculative decoding is for:
+    each step costs about the same at any width on a small model, so a wide batch runs until its slowest row is
+    done, while one request at a time gains its own acceptance length.
     """
     import torch
 

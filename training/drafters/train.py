@@ -218,8 +218,8 @@ def _same_model(run_spec, model_dir: str, hf) -> list[str]:
     return problems
 
 
-def _warn_if_other_weights(run_spec, model_dir: str, hf) -> bool:
-    """Warn (and return True) when the run's recorded model fingerprint (jobs.model.model_fingerprint: config,
+def _warn_if_other_weights(run_spec, model_dir: str, hf) -> None:
+    """Warn when the run's recorded model fingerprint (jobs.model.model_fingerprint: config,
     tokenizer, weight files' headers, sizes and times) differs from the target folder's. Not a refusal: a copy of the
     same model differs too (its files' times), but so does another fine-tune of the same base, which the config
     checks above cannot tell apart and whose states would train a drafter for the wrong model."""
@@ -227,15 +227,14 @@ def _warn_if_other_weights(run_spec, model_dir: str, hf) -> bool:
 
     recorded = run_spec.model_fingerprint or ""
     if not recorded.startswith(FINGERPRINT_SCHEME):
-        return False  # no fingerprint, or the first round's scheme: nothing to compare with
+        return  # no fingerprint, or the first round's scheme: nothing to compare with
     here = model_fingerprint(model_dir, hf)
     if here == recorded:
-        return False
+        return
     logger.warning("the run %s records model fingerprint %s, the target %s has %s: its weights, config or tokenizer "
                    "files are not the ones the run was extracted from (or they were copied since). If it is another "
                    "model (a different fine-tune of the same base), the drafter will learn the wrong states: train "
                    "against the model the run was extracted from", run_spec.model, recorded, model_dir, here)
-    return True
 
 
 def _committed_samples(config: TrainDrafterConfig) -> int | None:
