@@ -119,6 +119,56 @@ def run_online(server, prompts: list[list[int]], clients: int) -> dict:
     return {"wall": wall, "latencies": latencies}
 
 
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of every process on this machine, by pid, with a short role label."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            t = p.cpu_times()
+        except (psutil.Error, OSError):
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])
+        label = ("this process (the clients)" if p.pid == os.getpid() else
+                 "hsx serve (the driver)" if "jobs.cli" in cmd else
+                 cmd.split()[0].replace(".perform_graceful_shutdown", "") if cmd.startswith("ray::") else
+                 "other Ray processes" if "ray" in cmd else "everything else")
+        out[p.pid] = (label, t.user + t.system)
+    return out
+
+
+def engine_thread_schedstat() -> dict[int, tuple[float, float]]:
+    """Per engine replica pid: (seconds on a CPU, seconds runnable but waiting for one) so far of its compute thread,
+    from Linux's /proc/<pid>/task/<tid>/schedstat (empty where there is none). serve.engine names that thread
+    hsx-engine; threads it starts inherit the name, so the one with the most CPU time is taken."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if "ServeReplica:hsx:Engine" not in " ".join(p.info["cmdline"] or []):
+            continue
+        for task in glob.glob(f"/proc/{p.pid}/task/*"):
+            try:
+                with open(f"{task}/comm") as f:
+                    if f.read().strip() != "hsx-engine":
+                        continue
+                with open(f"{task}/schedstat") as f:
+                    run_ns, wait_ns, _ = (int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+            if run_ns / 1e9 > out.get(p.pid, (-1.0, 0.0))[0]:
+                out[p.pid] = (run_ns / 1e9, wait_ns / 1e9)
+    return out
+
+
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    roles: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        roles[label] = roles.get(label, 0.0) + seconds - before.get(pid, (label, 0.0))[1]
+    return roles
+
+
 def main() -> None:
     import torch
 
@@ -172,12 +222,20 @@ def main() -> None:
         replica_threads = args.replica_cpus or threads
         matched = replica_threads < threads
         rounds = {"offline": [], "online": [], "matched": []}
+        cpu: dict[str, float] = {}
+        engine_thread = [0.0, 0.0]  # the engine thread's seconds on a CPU, runnable waiting for one
         before = server.metrics()
         for _ in range(args.repeats):
             rounds["offline"].append(run_offline(llm, prompts))
             if matched:
                 rounds["matched"].append(run_offline(llm, prompts, replica_threads))
+            snap, sched = cpu_seconds(), engine_thread_schedstat()
             rounds["online"].append(run_online(server, prompts, args.clients))
+            for role, seconds in cpu_by_role(snap, cpu_seconds()).items():
+                cpu[role] = cpu.get(role, 0.0) + seconds
+            for pid, after_pid in engine_thread_schedstat().items():
+                if pid in sched:
+                    engine_thread = [a + (y - x) for a, x, y in zip(engine_thread, sched[pid], after_pid)]
         after = server.metrics()
         engine = {k: after.get(k, 0) - before.get(k, 0) for k in
                   ("hsx_serve_batch_size_count", "hsx_serve_batch_size_sum", "hsx_serve_batch_seconds_sum")}
@@ -215,6 +273,14 @@ def main() -> None:
           f"{engine['hsx_serve_batch_size_sum'] / max(1, engine['hsx_serve_batch_size_count']):.1f} prompts per batch, "
           f"busy {engine['hsx_serve_batch_seconds_sum'] / online_wall:.0%} of the wall time "
           f"({engine['hsx_serve_batch_seconds_sum']:.1f} s in engine calls)")
+    if any(engine_thread):
+        print(f"the engine's compute thread over the online rounds ({online_wall:.1f} s): on a CPU "
+              f"{engine_thread[0] / online_wall:.0%}, runnable but waiting for a CPU {engine_thread[1] / online_wall:.0%}, "
+              f"neither (waiting for work, the GIL or durable writes) "
+              f"{max(0.0, online_wall - sum(engine_thread)) / online_wall:.0%}")
+    print(f"CPU during the online rounds, in cores ({os.cpu_count()} on this machine): " + ", ".join(
+        f"{role} {seconds / online_wall:.2f}" for role, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])
+        if seconds / online_wall >= 0.01))
     print(f"throughput online / offline: {ratio:.2f} (target >= {TARGET_RATIO}); per round: "
           f"{', '.join(f'{r:.2f}' for r in ratios)}")
     if matched:

@@ -51,3 +51,25 @@ def test_64_requests_from_16_threads_all_succeed_in_batches(server):
     assert delta(after, before, "hsx_serve_write_seconds_count") == 64  # one write latency per file
     assert delta(after, before, "hsx_serve_write_seconds_sum") > 0
     assert after["hsx_serve_queue_depth"] == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="OS thread names are read from Linux's /proc")
+def test_the_engine_compute_thread_has_an_os_name(server):
+    """top -H, ps -L and benchmarks/bench_serve.py tell the engine's compute thread from Ray's threads by its name."""
+    import glob
+
+    import psutil
+
+    client = server.client()
+    client.completions.create(model=server.model, prompt=[3, 4, 5], max_tokens=1)  # the thread exists once it ran
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if "ServeReplica:hsx:Engine" in " ".join(p.info["cmdline"] or [])]
+    assert replicas, "no engine replica process found"
+    names = set()
+    for task in (t for p in replicas for t in glob.glob(f"/proc/{p.pid}/task/*/comm")):
+        try:
+            with open(task) as f:
+                names.add(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    assert "hsx-engine" in names, sorted(names)
