@@ -4,6 +4,9 @@
                                          raw:    input_ids [T], loss_mask [T], hidden_states [T, L, H]
                                          eagle3: input_ids [T], loss_mask [T],
                                                  aux_hidden_states [T, (L-1)*H], target_hidden_states [T, H]
+    ds.token_items()                   input_ids and loss_mask of every sample, reading only those two tensors (a
+                                       tokens-only pass, e.g. EAGLE-3's draft vocabulary; checksums are checked
+                                       when the items themselves are read)
     HiddenStatesDatasetConfig          what an item holds: layout, final norm, truncation, local cache
     ds.run_info                        the run's `connectors.run.RunSpec` (layers, dtype, model, norm status, ...)
     read_run_info(output)              that RunSpec: `connectors.run.read_run_spec`, or, for a run without run.json,
@@ -32,7 +35,7 @@ import math
 import mmap
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,9 +98,14 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
 # -- reading one file -------------------------------------------------------------------------------------------
 
 
-def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True) -> tuple[HiddenStatesFileInfo, dict]:
-    """Header and the leading `max_rows` rows of every tensor (all rows when None). With `verify`, the whole data
-    region is hashed and checked against the header's checksum (files without one are read as they are)."""
+ALL_TENSORS = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK)
+
+
+def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True, names: Sequence[str] = ALL_TENSORS
+               ) -> tuple[HiddenStatesFileInfo, dict]:
+    """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
+    `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
+    as they are); without it only those tensors' bytes are read."""
     if storage.is_local(fs):
         # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
         with storage.open_regular_file(path) as (fd, size):
@@ -111,7 +119,7 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True) -> tupl
                 check_checksum(info, data_checksum([view[info.data_start:]]))
         rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
         out = {}
-        for name in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK):
+        for name in names:
             if name in info.tensors:
                 e = info.tensors[name]
                 shape = (rows, *e.shape[1:])
@@ -125,7 +133,7 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True) -> tupl
                               lambda start, end: fs.cat_file(path, start=start, end=end))
     whole = len(probe) == info.size  # a small file arrives whole with its header
     rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
-    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
+    names = [n for n in names if n in info.tensors]
     checked = verify and info.checksum is not None
     data, base = None, 0  # bytes in hand, and the file offset of their first byte
     if whole:
@@ -291,6 +299,28 @@ class HiddenStatesDataset(Dataset):
         if self.config.include_sample_id:
             item["sample_id"] = self.sample_id(index)
         return item
+
+    def token_items(self, threads: int = 16) -> Iterator[dict[str, torch.Tensor]]:
+        """Every sample's input_ids [T] and loss_mask [T] (T after `max_length`, as items have), in dataset order,
+        reading only those two tensors' bytes from each file (one small read each; remote files `threads` at a
+        time) — for passes over the tokens alone, such as counting EAGLE-3's draft vocabulary, that would otherwise
+        read every hidden state. Headers are checked as for items; checksums are not (they cover the whole data
+        region): the states, and the checksum, are checked when the items themselves are read."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read(index: int) -> dict[str, torch.Tensor]:
+            info, tensors = _read_rows(self._filesystem(), self._abs_path(index), self.config.max_length,
+                                       verify=False, names=(TOKEN_IDS, LOSS_MASK))
+            self._check_file(info, index)
+            ids = tensors[TOKEN_IDS]
+            mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
+            return {"input_ids": ids, "loss_mask": mask}
+
+        if storage.is_local(self._filesystem()):
+            yield from map(read, range(len(self)))
+            return
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="hsx-tokens") as pool:
+            yield from pool.map(read, range(len(self)))  # in order; a failed read raises at its sample
 
     def _abs_path(self, index: int) -> str:
         return posixpath.join(self._roots[self._run_of[index]], self._paths[index].as_py())

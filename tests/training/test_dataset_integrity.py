@@ -134,3 +134,50 @@ def test_a_vllm_style_file_without_a_checksum_is_read_with_verify_on(tmp_path):
     replace_file(root, rows, 1, lambda p: safetensors.torch.save_file(
         {"token_ids": s.token_ids, "hidden_states": s.hidden_states}, p))
     assert torch.equal(HiddenStatesDataset(root)[1]["hidden_states"], s.hidden_states)
+
+
+def _expected_tokens(sample, max_length=None):
+    ids = sample.token_ids[:max_length]
+    mask = sample.loss_mask[:max_length].to(torch.long) if sample.loss_mask is not None else torch.ones_like(ids)
+    return ids, mask
+
+
+@pytest.mark.parametrize("max_length", [None, 4])
+def test_token_items_read_tokens_and_masks_without_the_states(run_root, max_length):
+    """A tokens-only pass (EAGLE-3's draft vocabulary) reads every sample's ids and mask, also where a file's states
+    are damaged: it neither reads nor hashes them; reading that item itself still fails its checksum."""
+    samples, _ = run_with_one_damaged_file(run_root, LARGE)
+    ds = HiddenStatesDataset(run_root, max_length=max_length)
+    got = list(ds.token_items(threads=2))
+    assert len(got) == len(samples)
+    for item, sample in zip(got, samples):
+        ids, mask = _expected_tokens(sample, max_length)
+        assert torch.equal(item["input_ids"], ids) and torch.equal(item["loss_mask"], mask)
+        assert set(item) == {"input_ids", "loss_mask"}
+    with pytest.raises(HiddenStatesFileError, match="checksum mismatch"):
+        ds[1]
+
+
+def test_token_items_fetch_a_small_share_of_a_remote_run(monkeypatch):
+    """On a remote run the pass fetches each file's header probe and its two small tensors, not the hidden states
+    (files of 400 x 3 x 256 float32 = 1.2 MB, the probe is 64 KiB)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    root = f"memory://tokens-{uuid.uuid4().hex[:8]}/run"
+    samples = random_samples(4, LARGE, seed=5, min_len=400, max_len=400)
+    write_run(root, samples, LARGE)
+    fetched = []  # bytes of data files returned; memory://'s cat_ranges reads through cat_file
+    cat_file = MemoryFileSystem.cat_file
+
+    def spy(self, path, start=None, end=None, **kw):
+        out = cat_file(self, path, start=start, end=end, **kw)
+        fetched.append(len(out) if "/data/" in path else 0)
+        return out
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", spy)
+    ds = HiddenStatesDataset(root)
+    got = list(ds.token_items())
+    assert [i["input_ids"].tolist() for i in got] == [s.token_ids.tolist() for s in samples]
+    states_bytes = sum(s.hidden_states.numel() * 4 for s in samples)
+    assert 0 < sum(fetched) <= len(samples) * (HEADER_PROBE_BYTES + 400 * 9), (sum(fetched), states_bytes)
+    assert sum(fetched) < states_bytes / 10

@@ -251,11 +251,13 @@ class Eagle3Drafter(Drafter):
         return model
 
     def prepare(self, dataset: Any) -> None:
-        """The draft vocabulary from the run's loss-masked tokens: one pass over the dataset, reading every item
-        whole (states included), before the first step."""
+        """The draft vocabulary from the run's loss-masked tokens: one pass over the dataset before the first step,
+        reading only token ids and loss masks where the dataset can (HiddenStatesDataset.token_items), whole items
+        otherwise."""
         if self.lm_head.out_features >= self.layer_config.vocab_size:
             return  # the whole vocabulary: nothing to choose
-        vocab = build_draft_vocab(dataset, self.layer_config.vocab_size, self.lm_head.out_features)
+        items = dataset.token_items() if hasattr(dataset, "token_items") else dataset
+        vocab = build_draft_vocab(items, self.layer_config.vocab_size, self.lm_head.out_features)
         self.set_vocab(vocab)
         self._init_lm_head()
 
