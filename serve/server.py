@@ -196,8 +196,9 @@ def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
         if app.status == ApplicationStatus.RUNNING:
             return True
         if app.status == ApplicationStatus.DEPLOY_FAILED:
-            raise ValueError(f"the replicas failed to start: {_last_line(app.message)}. On a cluster, --model and "
-                             "--output must be reachable from every node, and hsx installed there")
+            raise ValueError(f"the replicas failed to start: {_failure(app)}. Fix that and start again (on a "
+                             "cluster, --model and --output must be reachable from every node, and hsx installed "
+                             "there)")
         if time.monotonic() >= report_at:
             report_at += report_every_s
             waiting = "; ".join(d.message for d in app.deployments.values() if d.message) or app.message
@@ -213,6 +214,16 @@ def _ingress_up() -> bool:
     app = serve.status().applications.get(APP_NAME)
     ingress = app.deployments.get("Ingress") if app is not None else None
     return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
+
+
+def _failure(app) -> str:
+    """What failed, from a DEPLOY_FAILED application's status: each failed deployment's own error (the last line of
+    its message, the exception of its constructor's traceback), else the application's message."""
+    from ray.serve.schema import DeploymentStatus
+
+    failed = [f"{name}: {_last_line(d.message)}" for name, d in app.deployments.items()
+              if d.status in (DeploymentStatus.DEPLOY_FAILED, DeploymentStatus.UNHEALTHY) and d.message]
+    return "; ".join(failed) if failed else _last_line(app.message).rstrip(".")
 
 
 def _last_line(text: str) -> str:
