@@ -113,6 +113,9 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         if not local:
             _check_guest(config)  # after serve.start: also a Serve another driver started in the meantime
+        note = _unreachable_host(config)
+        if note:
+            logger.warning("%s", note)
         deployed = False
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,6 +217,27 @@ def _ingress_up() -> bool:
     app = serve.status().applications.get(APP_NAME)
     ingress = app.deployments.get("Ingress") if app is not None else None
     return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
+
+
+def _unreachable_host(config: ServeConfig) -> str | None:
+    """A warning when --host leaves the service unreachable from here: through Ray Client (a ray:// address) this
+    process is not on the cluster, and Serve's HTTP proxy listens on the cluster's head node, where a loopback host
+    answers only that node."""
+    import ipaddress
+
+    if not (config.address or "").startswith("ray://"):
+        return None
+    host = config.host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whether it resolves to loopback there is the cluster's business
+        return None
+    if not loopback:
+        return None
+    return (f"--host {config.host} with a Ray Client address ({config.address}): Serve's HTTP proxy listens on the "
+            f"cluster's head node, on its loopback interface, so only processes on that node can reach "
+            f"http://{config.host}:{config.port}; pass --host 0.0.0.0 (with --api-key) and use the head node's "
+            "address")
 
 
 def _failure(app) -> str:

@@ -68,3 +68,23 @@ def test_replicas_that_fail_to_start_exit_2_naming_the_engines_error(serve_model
     assert r.returncode == 2, r.stderr[-3000:]
     assert last.startswith("hsx serve: error: the replicas failed to start: Engine: "), last
     assert "SafetensorError" in last and "Fix that and start again" in last, last
+
+
+@pytest.mark.parametrize("address, host, warned", [
+    ("ray://head:10001", "127.0.0.1", True),
+    ("ray://head:10001", "localhost", True),
+    ("ray://head:10001", "[::1]", True),
+    ("ray://head:10001", "0.0.0.0", False),
+    ("ray://head:10001", "10.1.2.3", False),
+    ("10.1.2.3:6379", "127.0.0.1", False),  # hsx runs on a node of that cluster
+    (None, "127.0.0.1", False),
+])
+def test_a_loopback_host_through_ray_client_is_warned_about(address, host, warned):
+    """Through Ray Client (ray://) hsx is not on the cluster: the proxy's loopback address there is not reachable."""
+    from serve.config import ServeConfig
+    from serve.server import _unreachable_host
+
+    note = _unreachable_host(ServeConfig(model="m", output="/tmp/o", address=address, host=host))
+    assert (note is not None) == warned, note
+    if warned:
+        assert "--host 0.0.0.0" in note and address in note
