@@ -10,10 +10,15 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 API_KEY_ENV = "HSX_API_KEY"
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_PREFIX = re.compile(r"/|(/[A-Za-z0-9_.-]+)+")
 
 
 def _flag(name: str) -> str:
@@ -79,6 +84,11 @@ class ServeConfig:
     """Ray CPUs reserved per replica."""
     address: str | None = None
     """Ray cluster to run on (auto, HOST:6379, ray://HOST:10001); default a private local Ray started here."""
+    name: str = "hsx"
+    """The Ray Serve application's name. Two hsx serve on one cluster need different names and route prefixes."""
+    route_prefix: str = "/"
+    """Where the routes live on the HTTP address: /v1/completions under "/", /PREFIX/v1/completions under /PREFIX
+    (clients then use base_url http://HOST:PORT/PREFIX/v1)."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long to wait for requests in flight (and their writes) before exiting anyway."""
 
@@ -114,6 +124,12 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
             raise ValueError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(f"--name {self.name!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter "
+                             "or digit (e.g. hsx-llama)")
+        if not isinstance(self.route_prefix, str) or not _PREFIX.fullmatch(self.route_prefix):
+            raise ValueError(f"--route-prefix {self.route_prefix!r}: use / or /SEGMENT[/SEGMENT...] of letters, digits, "
+                             "'-', '_' or '.', without a trailing / (e.g. /llama)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError(f"--api-key is empty; pass a non-empty key or leave it (and ${API_KEY_ENV}) unset")
 
@@ -121,6 +137,12 @@ class ServeConfig:
         missing = [_flag(n) for n in ("model", "output") if not getattr(self, n)]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}: hsx serve needs the model to load and where files go")
+
+    @property
+    def base_url(self) -> str:
+        """Where the routes are: http://HOST:PORT plus the route prefix (clients add /v1)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port}" + ("" if self.route_prefix == "/" else self.route_prefix)
 
     @property
     def model_name(self) -> str:

@@ -8,7 +8,9 @@
                               stops the wait), serve until SIGTERM/SIGINT, then drain (Ingress.drain: new requests
                               503, in-flight ones finish and their files become durable) and shut down; returns the
                               exit status. On an existing cluster (--address) only what hsx started is removed
-    _check_guest(config)      a Serve already on the cluster: refused when on another host/port or running `hsx`
+    _check_guest(config)      a Serve already on the cluster: refused when on another host/port or already running an
+                              application named --name (two hsx serve on one cluster: different --name and
+                              --route-prefix)
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from serve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
-APP_NAME = "hsx"
 
 
 def build_app(config: ServeConfig, gpus_per_replica: float):
@@ -122,12 +123,12 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
                 signal.signal(sig, lambda *_: stop.set())
             ingress = _deploy(config, gpus)
             deployed = True
-            running = _wait_running(stop)
+            running = _wait_running(stop, config.name)
             if running:
                 if ready is not None:
-                    ready(f"http://{config.host}:{config.port}")
+                    ready(config.base_url)
                 stop.wait()
-            if running or _ingress_up():  # the proxy routes to the ingress before the whole app is RUNNING
+            if running or _ingress_up(config.name):  # the proxy routes to the ingress before the whole app is RUNNING
                 left = ingress.drain.remote(config.drain_timeout_s).result(timeout_s=config.drain_timeout_s + 30)
                 if left:
                     logger.warning("drain timed out with %d requests still running (--drain-timeout-s %s)", left,
@@ -143,7 +144,7 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
                 serve.shutdown()
             else:
                 if deployed:
-                    serve.delete(APP_NAME)
+                    serve.delete(config.name)
                 if not serve_was_running and not serve.status().applications:
                     serve.shutdown()  # hsx started Serve on this cluster and nobody else deployed to it since
     return 0
@@ -162,10 +163,13 @@ def _check_guest(config: ServeConfig) -> None:
                          f"instance has one HTTP address: pass --host {http.host} --port {http.port} to serve there, "
                          f"or stop that Serve (`serve shutdown` against this cluster) to serve on "
                          f"{config.host}:{config.port}")
-    if APP_NAME in serve.status().applications:
-        raise ValueError(f"Ray Serve on this cluster already runs an application named {APP_NAME!r} (another hsx "
-                         f"serve, or one that was killed): starting would replace it. Stop that hsx serve, or remove "
-                         f"the leftover with serve.delete({APP_NAME!r}) from a driver on this cluster")
+    apps = serve.status().applications
+    if config.name in apps:
+        raise ValueError(f"Ray Serve on this cluster already runs an application named {config.name!r} (another hsx "
+                         f"serve, or one that was killed): starting would replace it. Serve beside it with another "
+                         f"--name and --route-prefix (e.g. --name {config.name}-2 --route-prefix /{config.name}-2), "
+                         f"stop that hsx serve, or remove the leftover with serve.delete({config.name!r}) from a "
+                         "driver on this cluster")
 
 
 def _deploy(config: ServeConfig, gpus: float):
@@ -176,15 +180,15 @@ def _deploy(config: ServeConfig, gpus: float):
 
     from jobs.pipeline import _first_line
 
-    target = serve.RunTarget(target=build_app(config, gpus), name=APP_NAME, route_prefix="/",
+    target = serve.RunTarget(target=build_app(config, gpus), name=config.name, route_prefix=config.route_prefix,
                              logging_config={"log_level": "WARNING", "enable_access_log": False})
     try:
         return serve.run_many([target], wait_for_applications_running=False)[0]
     except RayServeException as e:
-        raise ValueError(f"Ray Serve refused the {APP_NAME!r} application: {_first_line(e)}") from e
+        raise ValueError(f"Ray Serve refused the {config.name!r} application: {_first_line(e)}") from e
 
 
-def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
+def _wait_running(stop: threading.Event, name: str, report_every_s: float = 30.0) -> bool:
     """Wait for the application to run: True once it does, False when `stop` is set first. ValueError when its
     replicas fail to start (e.g. the model folder is missing on the cluster's nodes)."""
     from ray import serve
@@ -192,10 +196,10 @@ def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
 
     report_at = time.monotonic() + report_every_s
     while not stop.wait(0.25):
-        app = serve.status().applications.get(APP_NAME)
-        logger.debug("application %s: %s", APP_NAME, app.status if app else None)
+        app = serve.status().applications.get(name)
+        logger.debug("application %s: %s", name, app.status if app else None)
         if app is None:
-            raise ValueError(f"the {APP_NAME!r} application was deleted from Ray Serve while it was starting")
+            raise ValueError(f"the {name!r} application was deleted from Ray Serve while it was starting")
         if app.status == ApplicationStatus.RUNNING:
             return True
         if app.status == ApplicationStatus.DEPLOY_FAILED:
@@ -209,12 +213,12 @@ def _wait_running(stop: threading.Event, report_every_s: float = 30.0) -> bool:
     return False
 
 
-def _ingress_up() -> bool:
+def _ingress_up(name: str) -> bool:
     """The Ingress deployment is healthy (it may answer requests while the Engine replicas still start)."""
     from ray import serve
     from ray.serve.schema import DeploymentStatus
 
-    app = serve.status().applications.get(APP_NAME)
+    app = serve.status().applications.get(name)
     ingress = app.deployments.get("Ingress") if app is not None else None
     return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
 

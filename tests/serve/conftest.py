@@ -32,9 +32,10 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model: str, output: str, log_path: str, *, layers=LAYERS, **flags) -> None:
-        self.model, self.output, self.port = model, output, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, model: str, output: str, log_path: str, *, layers=LAYERS, port: int | None = None,
+                 **flags) -> None:
+        self.model, self.output, self.port = model, output, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}" + str(flags.get("route_prefix", "")).rstrip("/")
         argv = [sys.executable, "-m", "jobs.cli", "serve", "--model", model, "--output", output,
                 "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, layers))]
         for name, value in flags.items():

@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import pytest
+import requests
 import torch
 
 from connectors import load_hidden_states
@@ -90,7 +91,17 @@ def cluster():
     """A real Ray head node (its own GCS and raylet processes) that hsx did not start: CLUSTER_CPUS logical CPUs."""
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": CLUSTER_CPUS, "include_dashboard": False})
+    # Serve's controller (started on this cluster by the first hsx) tries a failing replica constructor once, not 3
+    # times: test_replicas_that_fail_to_start_... waits for it to give up. Set before the raylet starts its workers.
+    retries = os.environ.get("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT")
+    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
+    try:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": CLUSTER_CPUS, "include_dashboard": False})
+    finally:
+        if retries is None:
+            os.environ.pop("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT")
+        else:
+            os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = retries
     try:
         yield c.address
     finally:
@@ -210,7 +221,36 @@ def test_a_second_hsx_is_refused_without_touching_the_first(hsx_on_cluster, clus
     assert f"pass --host 127.0.0.1 --port {server.port} to serve there" in log and "Traceback" not in log, log
     log = (tmp_path / "b" / "serve.log").read_text()
     assert "already runs an application named 'hsx'" in log and "Traceback" not in log, log
+    assert "--name hsx-2 --route-prefix /hsx-2" in log, log
     r = server.client().completions.create(model=serve_model, prompt=[5, 6, 7], max_tokens=0)  # the first serves on
+    assert os.path.exists(r.kv_transfer_params["hidden_states_path"])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_second_hsx_with_its_own_name_and_route_prefix_serves_beside_the_first(hsx_on_cluster, cluster, observer,
+                                                                                 serve_model, tmp_path):
+    """Two targets on one cluster: --name and --route-prefix give the second its own application under /b on the
+    same HTTP address; stopping it removes only its own application."""
+    server = hsx_on_cluster
+    second = ServeProcess(serve_model, str(tmp_path / "files"), str(tmp_path / "serve.log"), port=server.port,
+                          address=cluster, name="hsx-b", route_prefix="/b", max_num_seqs=4)
+    try:
+        assert observer.state()["apps"] == ["hsx", "hsx-b"]
+        # /health answers once an engine replica does, a moment before hsx sees the application RUNNING and says so
+        wait_for_log(tmp_path, f"on http://127.0.0.1:{server.port}/b (", second.proc, 60)
+        ids = [21, 8, 300, 4]
+        for s, root in ((second, second.output), (server, server.output)):  # each answers under its own prefix
+            r = s.client().completions.create(model=serve_model, prompt=ids, max_tokens=0)
+            path = r.kv_transfer_params["hidden_states_path"]
+            assert path.startswith(root) and load_hidden_states(path)["token_ids"].tolist() == ids
+        assert second.get("/health").status_code == 200 and second.get("/v1/models").status_code == 200
+        assert requests.get(f"http://127.0.0.1:{server.port}/b/nothing-here", timeout=10).status_code == 404
+        assert second.stop(timeout_s=90) == 0, second.log()
+    finally:
+        second.kill()
+    assert observer.state()["apps"] == ["hsx"]
+    r = server.client().completions.create(model=serve_model, prompt=[5, 6], max_tokens=0)  # the first serves on
     assert os.path.exists(r.kv_transfer_params["hidden_states_path"])
 
 
@@ -225,6 +265,27 @@ def test_sigterm_leaves_the_cluster_as_found(hsx_on_cluster, cluster, observer):
     assert observer.state(settled=True) == EMPTY
     assert port_is_free(server.port)
     assert fresh_driver_state(cluster) == EMPTY
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_replicas_that_fail_to_start_exit_2_naming_the_error_and_leave_the_cluster_as_found(cluster, observer,
+                                                                                            serve_model, tmp_path):
+    """A model folder that passes the up-front checks but whose weights are damaged: the Engine replica's constructor
+    fails, Ray Serve gives up, and hsx serve exits 2 with one line naming the deployment and the constructor's
+    error. It had started Serve on the cluster, so it removes Serve too: the cluster is as it was."""
+    import shutil
+
+    assert observer.state(settled=True) == EMPTY
+    broken = tmp_path / "broken-model"
+    shutil.copytree(serve_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 64)
+    proc = hsx_serve(str(broken), tmp_path, "--address", cluster, "--port", str(free_port()))
+    assert proc.wait(180) == 2, (tmp_path / "serve.log").read_text()[-3000:]
+    last = (tmp_path / "serve.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("hsx serve: error: the replicas failed to start: Engine: "), last
+    assert "SafetensorError" in last and "Fix that and start again" in last, last
+    assert observer.state(settled=True) == EMPTY
 
 
 def port_is_free(port: int, timeout_s: float = 10) -> bool:

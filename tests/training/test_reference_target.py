@@ -98,7 +98,7 @@ def test_a_second_call_returns_the_cached_folder_without_training(built):
     elapsed = time.perf_counter() - started
     assert again.cached and again.path == target.path and again.prompts == target.prompts
     assert os.path.getmtime(weights) == mtime
-    assert elapsed < 1.0 and elapsed < first_s / 3
+    assert elapsed < first_s / 3  # no training (the weights' mtime above); not a timing target
     # threads and cache root do not change what is built; training fields do
     assert build_reference_target(dataclasses.replace(config, threads=2), progress=False).path == target.path
     train, heldout = stdlib_corpus(config.heldout_fraction)
