@@ -26,7 +26,6 @@ from serve.config import ServeConfig
 logger = logging.getLogger(__name__)
 
 
-
 def build_app(config: ServeConfig, gpus_per_replica: float):
     from ray import serve
     from ray.serve.config import BackpressureConfig

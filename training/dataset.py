@@ -319,8 +319,11 @@ class HiddenStatesDataset(Dataset):
         if storage.is_local(self._filesystem()):
             yield from map(read, range(len(self)))
             return
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="hsx-tokens") as pool:
-            yield from pool.map(read, range(len(self)))  # in order; a failed read raises at its sample
+        threads = max(1, threads)
+        step = 8 * threads  # futures submitted ahead of the reader: a bounded window, not one per sample at once
+        with ThreadPoolExecutor(threads, thread_name_prefix="hsx-tokens") as pool:
+            for start in range(0, len(self), step):  # in order; a failed read raises at its sample
+                yield from pool.map(read, range(start, min(len(self), start + step)))
 
     def _abs_path(self, index: int) -> str:
         return posixpath.join(self._roots[self._run_of[index]], self._paths[index].as_py())
