@@ -269,26 +269,28 @@ def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path)
 # -- clear failures instead of tracebacks ----------------------------------------------------------------------------
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tiny_llama, tmp_path):
+def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     """`ray start` (or one that died) leaves its address in <tmp>/ray/ray_current_cluster; `hsx run` without
-    --address used to hit Ray's "num_cpus and num_gpus must not be provided" instead of running."""
+    --address used to hit Ray's "num_cpus and num_gpus must not be provided" instead of running. Every command
+    connects through jobs.pipeline.ray_cluster: in a fresh process (its own RAY_TMPDIR) it starts a private local Ray
+    beside the stale file and says how to use the registered cluster instead."""
     import subprocess
     import sys
     import tempfile
-
-    from tests.jobs.conftest import write_jsonl
 
     ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write("127.0.0.1:1")
-    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "prompt": "hello there"}])
+    script = ("import ray\nfrom jobs.pipeline import ray_cluster\n"
+              "with ray_cluster(None) as local:\n"
+              "    print('local', local, int(ray.cluster_resources()['CPU']), ray.get(ray.put(7)))\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", corpus,
-                           "--output", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 ok, 0 failed" in proc.stdout
+    assert proc.stdout.startswith("local True ") and proc.stdout.split()[-1] == "7", proc.stdout
+    assert int(proc.stdout.split()[2]) >= 4  # its own CPUs, not the registered cluster's
     assert "--address auto" in proc.stderr  # says which cluster it used and how to use the other
 
 
