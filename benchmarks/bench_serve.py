@@ -141,7 +141,8 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
 def engine_thread_schedstat() -> dict[int, tuple[float, float]]:
     """Per engine replica pid: (seconds on a CPU, seconds runnable but waiting for one) so far of its compute thread,
     from Linux's /proc/<pid>/task/<tid>/schedstat (empty where there is none). serve.engine names that thread
-    hsx-engine; threads it starts inherit the name, so the one with the most CPU time is taken."""
+    hsx-engine; threads it starts without a name of their own (torch's intra-op pool) inherit it, so the one with the
+    most CPU time is taken."""
     import psutil
 
     out = {}

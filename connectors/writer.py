@@ -3,6 +3,8 @@
     submit(buffers, fn, *args) -> Future  blocks while the bound is full (a fast producer waits, memory stays flat)
     drain()                               block until every submitted write has finished
     shutdown()
+    name_os_thread(name)                  the calling thread's OS-level name (top -H, ps -L); the pool's threads
+                                          are hsx-writer, serve's engine thread hsx-engine
 
 `buffers` is what the write keeps alive until it is done: {key: nbytes} of the buffers its tensors view. A buffer
 shared by several pending writes (the rows of one batch are views of one batch tensor) counts once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
@@ -17,13 +19,31 @@ from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 
+def name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux: prctl PR_SET_NAME, at most 15 bytes; shown by top -H, ps -L
+    and /proc/<pid>/task/<tid>/comm). Threads it starts inherit the name until they set their own. A no-op
+    elsewhere."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class BackgroundWriter:
     def __init__(self, num_threads: int, max_bytes_in_flight: int) -> None:
         if num_threads < 1:
             raise ValueError(f"num_writer_threads must be >= 1, got {num_threads}")
         if max_bytes_in_flight < 1:
             raise ValueError(f"max_bytes_in_flight must be >= 1, got {max_bytes_in_flight}")
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsx-writer")
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsx-writer",
+                                        initializer=name_os_thread, initargs=("hsx-writer",))
         self._max = max_bytes_in_flight
         self._in_flight = 0
         self._held: dict[Hashable, list[int]] = {}  # buffer key -> [pending writes holding it, nbytes]

@@ -116,6 +116,7 @@ class Engine:
 
         from connectors import storage
         from connectors.paths import PathPolicy
+        from connectors.writer import name_os_thread
         from extractor import LLM
 
         self.config = config
@@ -128,7 +129,7 @@ class Engine:
         self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
         self._fs, _ = storage.open_url(config.output, config.storage_options)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-engine",
-                                                               initializer=_name_os_thread, initargs=("hsx-engine",))
+                                                               initializer=name_os_thread, initargs=("hsx-engine",))
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()
@@ -321,22 +322,6 @@ class Engine:
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
-
-
-def _name_os_thread(name: str) -> None:
-    """Give the calling thread an OS-level name (Linux: prctl PR_SET_NAME, shown by top -H, ps -L and
-    /proc/<pid>/task/<tid>/comm), so the engine's compute thread can be told from Ray's threads; a no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 def _fs_path(fs, path: str) -> str:

@@ -72,4 +72,4 @@ def test_the_engine_compute_thread_has_an_os_name(server):
                 names.add(f.read().strip())
         except OSError:  # a thread that ended meanwhile
             pass
-    assert "hsx-engine" in names, sorted(names)
+    assert "hsx-engine" in names and "hsx-writer" in names, sorted(names)
