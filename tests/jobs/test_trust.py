@@ -294,34 +294,32 @@ def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     assert "--address auto" in proc.stderr  # says which cluster it used and how to use the other
 
 
-def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path):
-    import subprocess
-    import sys
-
-    from jobs.cli import EXIT_USAGE
-
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text('{"id": "a", "prompt": "hello"}\n')
-    # its own process: a test Ray this process may be connected to would be used instead of the address
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", str(corpus),
-                           "--output", str(tmp_path / "out"), "--address", "127.0.0.1:1", "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
-    assert "--address 127.0.0.1:1: cannot connect" in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3
-    # something listens there but it is not Ray (a dashboard or web port): refused in seconds, not minutes of retries
+def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsys):
+    """In this process (connected to a Ray already or not, as other tests leave it): the address given is probed
+    first (jobs.pipeline.ray_cluster), so nothing runs on another cluster than the one asked for."""
     import socket
     import time
 
+    from jobs.cli import EXIT_USAGE, main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "hello"}\n')
+    argv = ["run", "--model", tiny_llama, "--corpus", str(corpus), "--output", str(tmp_path / "out"), "--no-progress"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--address", "127.0.0.1:1"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--address 127.0.0.1:1: cannot connect" in err and len(err.strip().splitlines()) <= 3, err
+    # something listens there but it is not Ray (a dashboard or web port): refused in seconds, not minutes of retries
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", str(corpus),
-                               "--output", str(tmp_path / "out"), "--address", address, "--no-progress"],
-                              capture_output=True, text=True, timeout=120)
-    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
-    assert f"--address {address}: something listens there but it is not Ray" in proc.stderr
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--address", address])
+    assert e.value.code == EXIT_USAGE
+    assert f"--address {address}: something listens there but it is not Ray" in capsys.readouterr().err
     assert time.monotonic() - start < 30
 
 
