@@ -3,8 +3,9 @@
     submit(buffers, fn, *args) -> Future  blocks while the bound is full (a fast producer waits, memory stays flat)
     drain()                               block until every submitted write has finished
     shutdown()
-    name_os_thread(name)                  the calling thread's OS-level name (top -H, ps -L); the pool's threads
-                                          are hsx-writer, serve's engine thread hsx-engine
+    name_os_thread(name)                  the calling thread's OS-level name (top -H, ps -L)
+    named_thread_pool(n, name)            a ThreadPoolExecutor whose threads carry `name` in Python and the OS:
+                                          the writers are hsx-writer, serve's engine thread hsx-engine
 
 `buffers` is what the write keeps alive until it is done: {key: nbytes} of the buffers its tensors view. A buffer
 shared by several pending writes (the rows of one batch are views of one batch tensor) counts once, whole, from the first write that holds it until the last one finishes: the bound is on memory held, not on
@@ -36,14 +37,19 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def named_thread_pool(max_workers: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads are named `name` for Python (thread_name_prefix) and the OS (name_os_thread)."""
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name, initializer=name_os_thread,
+                              initargs=(name,))
+
+
 class BackgroundWriter:
     def __init__(self, num_threads: int, max_bytes_in_flight: int) -> None:
         if num_threads < 1:
             raise ValueError(f"num_writer_threads must be >= 1, got {num_threads}")
         if max_bytes_in_flight < 1:
             raise ValueError(f"max_bytes_in_flight must be >= 1, got {max_bytes_in_flight}")
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsx-writer",
-                                        initializer=name_os_thread, initargs=("hsx-writer",))
+        self._pool = named_thread_pool(num_threads, "hsx-writer")
         self._max = max_bytes_in_flight
         self._in_flight = 0
         self._held: dict[Hashable, list[int]] = {}  # buffer key -> [pending writes holding it, nbytes]

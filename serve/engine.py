@@ -18,7 +18,6 @@ a request nobody answered.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import itertools
 import logging
@@ -116,7 +115,7 @@ class Engine:
 
         from connectors import storage
         from connectors.paths import PathPolicy
-        from connectors.writer import name_os_thread
+        from connectors.writer import named_thread_pool
         from extractor import LLM
 
         self.config = config
@@ -128,8 +127,7 @@ class Engine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
         self._fs, _ = storage.open_url(config.output, config.storage_options)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-engine",
-                                                               initializer=name_os_thread, initargs=("hsx-engine",))
+        self._executor = named_thread_pool(1, "hsx-engine")
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()

@@ -239,7 +239,7 @@ def _unreachable_host(config: ServeConfig) -> str | None:
         return None
     return (f"--host {config.host} with a Ray Client address ({config.address}): Serve's HTTP proxy listens on the "
             f"cluster's head node, on its loopback interface, so only processes on that node can reach "
-            f"http://{config.host}:{config.port}; pass --host 0.0.0.0 (with --api-key) and use the head node's "
+            f"{config.base_url}; pass --host 0.0.0.0 (with --api-key) and use the head node's "
             "address")
 
 

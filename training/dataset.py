@@ -279,14 +279,8 @@ class HiddenStatesDataset(Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
-        fs = self._filesystem()
-        path = self._abs_path(index)
-        info, tensors = _read_rows(fs, path, self.config.max_length, self.config.verify)
-        self._check_file(info, index)
-        ids = tensors[TOKEN_IDS]  # [T]
+        item, tensors = self._read(index, self.config.verify, ALL_TENSORS)  # input_ids, loss_mask [T]
         states = tensors[HIDDEN_STATES]  # [T, L, H]
-        mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)  # [T]
-        item: dict[str, Any] = {"input_ids": ids, "loss_mask": mask}
         if self.config.layout == "raw":
             if self._norm is not None:
                 states[:, -1] = self._norm(states[:, -1])
@@ -309,12 +303,7 @@ class HiddenStatesDataset(Dataset):
         from concurrent.futures import ThreadPoolExecutor
 
         def read(index: int) -> dict[str, torch.Tensor]:
-            info, tensors = _read_rows(self._filesystem(), self._abs_path(index), self.config.max_length,
-                                       verify=False, names=(TOKEN_IDS, LOSS_MASK))
-            self._check_file(info, index)
-            ids = tensors[TOKEN_IDS]
-            mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
-            return {"input_ids": ids, "loss_mask": mask}
+            return self._read(index, False, (TOKEN_IDS, LOSS_MASK))[0]
 
         if storage.is_local(self._filesystem()):
             yield from map(read, range(len(self)))
@@ -324,6 +313,15 @@ class HiddenStatesDataset(Dataset):
         with ThreadPoolExecutor(threads, thread_name_prefix="hsx-tokens") as pool:
             for start in range(0, len(self), step):  # in order; a failed read raises at its sample
                 yield from pool.map(read, range(start, min(len(self), start + step)))
+
+    def _read(self, index: int, verify: bool, names: Sequence[str]) -> tuple[dict[str, Any], dict]:
+        """Sample `index`'s file read (the tensors in `names`) and checked against its run: ({"input_ids" [T],
+        "loss_mask" [T] (all ones when the file has none)}, the tensors read)."""
+        info, tensors = _read_rows(self._filesystem(), self._abs_path(index), self.config.max_length, verify, names)
+        self._check_file(info, index)
+        ids = tensors[TOKEN_IDS]
+        mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
+        return {"input_ids": ids, "loss_mask": mask}, tensors
 
     def _abs_path(self, index: int) -> str:
         return posixpath.join(self._roots[self._run_of[index]], self._paths[index].as_py())
