@@ -98,8 +98,9 @@ class _Request:
     kv_transfer_params: dict[str, Any] | None = None
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
-    text_end: int | None = None  # where the output text is cut (a stop string); None = all of it
-    text_len: int = 0  # length of the decoded output text so far (stop-string search resumes there)
+    stop_hit: bool = False  # a stop string ended the output: _output cuts the text there
+    text: str = ""  # the output text decoded so far, for the stop-string search (requests with stop strings only)
+    detok: Any = None  # the incremental decoder behind `text` (tokenizers' DecodeStream), made at the first token
 
     @property
     def include_output_tokens(self) -> bool:
@@ -567,26 +568,39 @@ class LLM:
         return None
 
     def _hit_stop_string(self, r: _Request) -> bool:
-        """Whether the output text now contains one of r's stop strings (searched from where the last token's text
-        could first complete one); records where the text ends and which string stopped it."""
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        start = r.text_len
-        r.text_len = len(text)
-        hits = []
-        for stop in r.params.stop:
-            i = text.find(stop, max(0, start - len(stop) + 1))
-            if i >= 0:
-                hits.append((i, stop))
-        if not hits:
+        """Whether the output text now contains one of r's stop strings. The text grows by each token's piece only
+        (the tokenizers library's incremental decoder; a whole re-decode per token made a long output cost O(n^2)),
+        and the search covers only where the new piece could complete a stop string."""
+        start = len(r.text)
+        r.text += self._text_piece(r)
+        if not any(stop in r.text[max(0, start - len(stop) + 1):] for stop in r.params.stop):
             return False
-        i, stop = min(hits)
-        r.stop_reason, r.text_end = stop, i + len(stop) if r.params.include_stop_str_in_output else i
+        r.stop_hit = True
         return True
+
+    def _text_piece(self, r: _Request) -> str:
+        """The text r's newest output token adds (empty while it ends inside a multi-byte character)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow (pure-Python) tokenizer: re-decode the whole output
+            return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)[len(r.text):]
+        if r.detok is None:
+            from tokenizers.decoders import DecodeStream
+            r.detok = DecodeStream(skip_special_tokens=True)
+        return r.detok.step(backend, r.output_ids[-1]) or ""
+
+    def _cut_at_stop(self, r: _Request, text: str) -> str:
+        """The output text up to the first stop string (and it, with include_stop_str_in_output); records which."""
+        hits = [(i, stop) for stop in r.params.stop if (i := text.find(stop)) >= 0]
+        if not hits:  # the whole-output decode differs from the incremental one (space clean-up): cut the latter
+            return self._cut_at_stop(r, r.text) if text != r.text else text
+        i, stop = min(hits)
+        r.stop_reason = stop
+        return text[:i + len(stop)] if r.params.include_stop_str_in_output else text[:i]
 
     def _output(self, r: _Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if r.output_ids else ""
-        if r.text_end is not None:
-            text = text[:r.text_end]
+        if r.stop_hit:
+            text = self._cut_at_stop(r, text)
         ok = r.error is None
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,

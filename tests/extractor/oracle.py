@@ -39,3 +39,14 @@ def reference_states(ref, token_ids, layer_ids) -> torch.Tensor:
     last = no_norm(ids, output_hidden_states=True).hidden_states[n] if n in layer_ids else None
     rows = [last[0] if i == n else hs[i][0] for i in layer_ids]
     return torch.stack(rows, dim=1).cpu()
+
+
+def stop_string_cut(tokenizer, token_ids, stop: str) -> int:
+    """How many of `token_ids` a greedy request with stop string `stop` keeps, as vLLM decides it: the first n whose
+    text holds `stop` once that text ends in whole characters (a text ending in U+FFFD has an incomplete UTF-8
+    character, which the next token may complete, so no stop is looked for there yet)."""
+    for n in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+        if not text.endswith("\ufffd") and stop in text:
+            return n
+    raise AssertionError(f"{stop!r} is not in the decoded text of {token_ids}")

@@ -9,7 +9,7 @@ import torch
 from connectors import KVTransferConfig, cleanup_hidden_states, load_hidden_states
 from extractor import LLM, SamplingParams
 from extractor.runner import ModelRunner
-from tests.extractor.oracle import load_reference
+from tests.extractor.oracle import load_reference, stop_string_cut
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42], [7] * 11, [100, 3, 250, 61], [12, 13], [99, 98, 97]]
 
@@ -86,8 +86,7 @@ def test_stop_strings_end_generation_as_vllm_does(tiny_llama, tmp_path):
     full = tok.decode(plain, skip_special_tokens=True)
     stop = full[len(full) // 2:len(full) // 2 + 3]  # three characters from the middle of the greedy text
     assert stop.strip() and stop in full
-    # the oracle: the shortest prefix of the plain greedy tokens whose text contains the stop string
-    n = next(n for n in range(1, len(plain) + 1) if stop in tok.decode(plain[:n], skip_special_tokens=True))
+    n = stop_string_cut(tok, plain, stop)  # the oracle: the plain greedy tokens, decoded by prefixes
     cut = tok.decode(plain[:n], skip_special_tokens=True)
     llm = _llm(tiny_llama, tmp_path)
     spec = LLM(model=tiny_llama, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,

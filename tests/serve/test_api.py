@@ -12,7 +12,7 @@ import torch
 from connectors import load_hidden_states
 from extractor import LLM, SamplingParams
 from tests.extractor.conftest import spec_config
-from tests.extractor.oracle import load_reference, reference_states
+from tests.extractor.oracle import load_reference, reference_states, stop_string_cut
 from tests.serve.conftest import LAYERS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -94,8 +94,7 @@ def test_a_stop_string_ends_the_completion_as_vllm_does(server, oracle, offline)
     stop = full[len(full) // 2:len(full) // 2 + 2]
     assert stop.strip()
     free_ids = free.choices[0].token_ids
-    # the oracle: the shortest prefix of the free greedy tokens whose text holds the stop string
-    n = next(n for n in range(1, 17) if stop in tok.decode(free_ids[:n], skip_special_tokens=True))
+    n = stop_string_cut(tok, free_ids, stop)  # the oracle: the free greedy tokens, decoded by prefixes
     r = server.client().completions.create(model=server.model, prompt=text, max_tokens=16, temperature=0, stop=stop,
                                            extra_body={"ignore_eos": True, "return_token_ids": True,
                                                        "kv_transfer_params": {"include_output_tokens": True}})
