@@ -127,6 +127,7 @@ class DraftModelProposer(Proposer):
                              "target's tokenizer and vocabulary (e.g. a smaller model of the same family)")
         _check_same_tokens(model_dir, target)
         self.pad_id, self.device = target.pad_id, target.device
+        self.budget = target.config.max_num_batched_tokens  # tokens per prefill forward, as the target's
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._state = None
         self._fed: list[int] = []  # row b's tokens in the draft cache
@@ -145,7 +146,8 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def join(self, contexts) -> None:
-        """Prefill the new rows' contexts but their newest token (fed with the next propose) and append them."""
+        """Prefill the new rows' contexts but their newest token (fed with the next propose) and append them, in
+        forwards of at most the engine's max_num_batched_tokens (the rows right-aligned, cut into column chunks)."""
         from transformers import DynamicCache
 
         from extractor.runner import BatchState, forward_rows
@@ -154,7 +156,12 @@ class DraftModelProposer(Proposer):
         new = BatchState(DynamicCache(config=self.model.config),
                          torch.zeros((b, 0), dtype=torch.long, device=self.device),
                          torch.zeros(b, dtype=torch.long, device=self.device))
-        forward_rows(self.model, new, [list(ctx[:-1]) for ctx in contexts], self.pad_id, self._cache_kw, last=1)
+        rows = [list(ctx[:-1]) for ctx in contexts]
+        width = max(len(r) for r in rows)
+        step = max(1, self.budget // b)
+        for end in range(width % step or step, width + 1, step):  # the last chunk ends at the last column
+            pieces = [r[max(0, len(r) - width + end - step):max(0, len(r) - width + end)] for r in rows]
+            forward_rows(self.model, new, pieces, self.pad_id, self._cache_kw, last=1)
         if self._state is None:
             self._state = new
         else:

@@ -174,12 +174,13 @@ def _left_pad(x: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
 
 def forward_rows(model, state: BatchState, rows: list[list[int]], pad_id: int, cache_kw: str,
                  last: int | None = None) -> torch.Tensor:
-    """Feed each row of `state` its new tokens `rows[b]` (at least one per row); return logits [B, W, V] where W is
-    the longest row and row b's tokens sit in its last len(rows[b]) columns (holes before them are masked).
-    `last`: logits of the last `last` columns only ([B, last, V]) where the model supports `logits_to_keep`."""
+    """Feed each row of `state` its new tokens `rows[b]`; return logits [B, W, V] where W is the longest row and row
+    b's tokens sit in its last len(rows[b]) columns (holes before them are masked; a row may get none, in a chunk of
+    a longer row's prefill). `last`: logits of the last `last` columns only ([B, last, V]) where the model supports
+    `logits_to_keep`."""
     device = state.attention_mask.device
     width = max(len(r) for r in rows)
-    assert min(len(r) for r in rows) >= 1
+    assert width >= 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     new_mask = torch.zeros((len(rows), width), dtype=torch.long)
     offsets = torch.zeros((len(rows), width), dtype=torch.long)

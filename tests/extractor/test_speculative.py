@@ -132,6 +132,25 @@ def test_greedy_speculation_equals_plain_decoding_and_transformers_token_for_tok
     assert metric(llm, "vllm:generation_tokens") == sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def test_a_draft_model_prefills_a_prompt_over_the_token_budget_in_chunks_and_stays_lossless(models):
+    # the draft's prefill honours max_num_batched_tokens as the target's does: no forward of the draft over more
+    # than 16 tokens (a forward hook on the draft records the widths), and greedy output stays transformers' own
+    budget = 16
+    long = [t for p in models["prompts"] for t in p][:53]  # 53 prompt tokens: four chunks of the budget
+    prompts = [long, models["prompts"][0], models["prompts"][1]]
+    llm = LLM(model=models["target"], max_num_batched_tokens=budget,
+              speculative_config={"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 3})
+    widths = []
+    llm.proposer.model.register_forward_pre_hook(lambda _, args, kw: widths.append(kw["input_ids"].shape),
+                                                with_kwargs=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for out, p in zip(outs, prompts):
+        assert out.error is None and out.outputs[0].token_ids == hf_greedy(models["model"], p, 12, [-1])
+    assert max(rows * cols for rows, cols in widths) <= budget
+    assert sum(1 for rows, cols in widths if rows == 1 and cols == budget) >= 3  # the long prompt went in chunks
+
+
 class _AlwaysWrong(Proposer):
     """Drafts k copies of a token the target will not choose (its argmax + 1), from a plain transformers forward."""
 
