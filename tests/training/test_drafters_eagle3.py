@@ -441,3 +441,15 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
                                        SamplingParams(temperature=0.0, max_tokens=12)])
     assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
+    # a token budget under the prompts' lengths: the head takes the prompts' states in forwards of at most 4 entries
+    # (its decode calls recorded) and drafts exactly what it drafted in one forward each
+    small = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=4,
+                speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    shapes, decode = [], small.proposer.drafter.decode
+    small.proposer.drafter.decode = lambda tok, *a: shapes.append(tuple(tok.shape)) or decode(tok, *a)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+            ] == refs
+    assert max(rows * cols for rows, cols in shapes) <= 4 and max(len(tokenizer(p)["input_ids"]) for p in prompts) > 4
+    again = {m.name: m for m in small.get_metrics()}
+    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+        assert again[name].value == metrics[name].value, name

@@ -550,6 +550,7 @@ class Eagle3Proposer(Proposer):
         self.k = int(num_speculative_tokens)
         self._draft_ids = self.drafter.draft_ids  # [D] target ids
         self._vocab = int(runner.vocab_size)
+        self.budget = int(runner.config.max_num_batched_tokens)  # entries per forward over the prompt, as the target
         self.start([])
 
     # -- the batch's rows --------------------------------------------------------------------------------------
@@ -622,9 +623,11 @@ class Eagle3Proposer(Proposer):
             else:
                 ids.append([])
                 hidden.append(None)
-        if any(ids):
-            out = self._cache.feed(drafter, ids, hidden)  # [B, W, H]
-            for b, r in enumerate(ids):
+        step = max(1, self.budget // len(contexts))  # a prompt's entries go in forwards of <= max_num_batched_tokens
+        for c0 in range(0, max(map(len, ids), default=0), step):
+            piece = [r[c0:c0 + step] for r in ids]
+            out = self._cache.feed(drafter, piece, [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])
+            for b, r in enumerate(piece):  # out: [B, W, H]
                 if r:
                     self._last[b] = out[b, -1]
                     self._fed[b] += len(r)
