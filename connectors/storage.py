@@ -268,7 +268,8 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
 
     Local disks: the whole file is written under a temp name and hard-linked to `path` (link fails if `path` exists:
     atomic, and no reader sees it partial), then fsynced. Object stores: fsspec's exclusive mode "xb" (s3fs sends
-    If-None-Match, which S3 enforces); other filesystems get fsspec's own exists check, which two writers can race.
+    If-None-Match: *, which S3 enforces; gcsfs sends ifGenerationMatch=0, which GCS answers with 412, raised as
+    FileExistsError); other filesystems get fsspec's own exists check, which two writers can race.
     """
     if is_local(fs):
         return _write_local(path, data, None, exclusive=True) is not None

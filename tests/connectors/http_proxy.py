@@ -33,6 +33,8 @@ class Exchange:
     status: int
     body_bytes: int
     """Response body bytes the proxy sent to the client."""
+    if_none_match: str | None = None
+    """The request's If-None-Match header (S3's create-only-if-absent precondition)."""
 
 
 class LoopbackProxy:
@@ -114,7 +116,8 @@ class LoopbackProxy:
                     length = response.getheader("Content-Length", "0") if self.command == "HEAD" else len(payload)
                     self.send_header("Content-Length", str(length))
                     proxy._record(Exchange(self.command, self.path, self.headers.get("Range"), response.status,
-                                           0 if self.command == "HEAD" else len(payload)))
+                                           0 if self.command == "HEAD" else len(payload),
+                                           self.headers.get("If-None-Match")))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(payload)

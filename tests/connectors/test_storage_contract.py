@@ -10,6 +10,7 @@ import re
 import threading
 import time
 
+import fsspec
 import pytest
 import safetensors.torch
 import torch
@@ -399,3 +400,23 @@ def test_remote_token_range_load_fetches_only_the_header_and_the_rows_asked_for(
         is_probe = b == 0 and e < HEADER_PROBE_BYTES
         in_rows = any(lo <= b and e < hi for lo, hi in wanted_spans)
         assert is_probe or in_rows, f"fetched bytes {b}-{e}, outside the header and the rows asked for"
+
+
+def test_an_exclusive_create_asks_the_store_to_refuse_an_existing_object(remote_backend):
+    # the writer lease's guarantee (one `hsx run` per output) rests on this: the upload carries the store's own
+    # create-only precondition, so two writers racing past any existence check cannot both succeed. S3 (moto) enforces
+    # If-None-Match; the GCS emulator ignores ifGenerationMatch=0 (real GCS answers 412, which gcsfs raises as
+    # FileExistsError), so there what reaches the server is the check
+    from connectors import storage
+
+    with LoopbackProxy(remote_backend.endpoint) as proxy:
+        fs = fsspec.filesystem(remote_backend.name, **remote_backend.options_via(proxy.endpoint))
+        path = remote_backend.key(f"{remote_backend.root}/run/writer.lease")
+        assert storage.create_exclusive(fs, path, b"first")
+        writes = [e for e in proxy.log if e.method in ("PUT", "POST")]
+        if remote_backend.name == "s3":
+            assert not storage.create_exclusive(fs, path, b"second")
+            assert [e.if_none_match for e in writes] == ["*"]
+        else:
+            assert writes and all("ifGenerationMatch=0" in e.path for e in writes), [e.path for e in writes]
+    assert remote_backend.fs.cat(path) == b"first"
