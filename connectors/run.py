@@ -404,17 +404,25 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
 
     def read_part(name: str) -> pa.Table:
         where = run.url_of(f"{MANIFEST_DIR}/{name}")
+        try:  # a part is small (manifest_flush_rows rows): read whole, so a storage error is told from damage
+            raw = run.read_bytes(f"{MANIFEST_DIR}/{name}")
+        except OSError as e:
+            detail = " ".join(str(e).split())
+            raise RunFormatError(f"cannot read manifest part {where}: {type(e).__name__}: {detail}; check that the "
+                                 "storage answers, then run the command again") from e
         try:
-            with run.fs.open(run.path(f"{MANIFEST_DIR}/{name}"), "rb") as f:
-                part = pq.ParquetFile(f)
-                names = part.schema_arrow.names
-                missing = [c for c in REQUIRED_COLUMNS if c not in names]
-                if missing:
-                    raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
-                                         f"{names}); it was not written by an hsx extraction job")
-                table = part.read(columns=[c for c in schema.names if c in names])
-        except (pa.ArrowInvalid, OSError) as e:
-            raise RunFormatError(f"cannot read manifest part {where} as Parquet: {e}") from e
+            part = pq.ParquetFile(pa.BufferReader(raw))
+            names = part.schema_arrow.names
+            missing = [c for c in REQUIRED_COLUMNS if c not in names]
+            if missing:
+                raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
+                                     f"{names}); it was not written by an hsx extraction job")
+            table = part.read(columns=[c for c in schema.names if c in names])
+        except (pa.ArrowInvalid, OSError) as e:  # pyarrow raises OSError for a damaged footer or page too
+            raise RunFormatError(
+                f"manifest part {where} is not readable Parquet ({' '.join(str(e).split())}); hsx commits a part whole, so it was damaged "
+                f"in storage: rename it to {name}.damaged (out of the manifest) and re-run the same `hsx run`, which "
+                "extracts the samples it recorded again") from e
         return pa.Table.from_arrays(
             [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
              for f in schema], schema=schema)

@@ -229,6 +229,28 @@ def test_unreadable_run_json_is_refused_with_the_reason(tmp_path, doc, match, ca
     assert e.value.code == EXIT_USAGE
 
 
+def test_a_damaged_manifest_part_is_one_line_naming_it_and_the_fix_and_the_fix_works(tmp_path, capsys):
+    from tests.training.runs import random_samples, write_run
+
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=2, hidden_size=8, dtype="float32", model="m")
+    out = str(tmp_path / "run")
+    write_run(out, random_samples(9, spec), spec, manifest_parts=3)
+    parts = sorted(os.listdir(os.path.join(out, "manifest")))
+    assert len(parts) == 3
+    middle = os.path.join(out, "manifest", parts[1])
+    raw = bytearray(open(middle, "rb").read())
+    raw[len(raw) // 2:len(raw) // 2 + 32] = bytes(32)  # bytes flipped in storage
+    open(middle, "wb").write(bytes(raw))
+    with pytest.raises(SystemExit) as e:
+        main(["status", out])
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert parts[1] in err and f"rename it to {parts[1]}.damaged" in err and "re-run the same `hsx run`" in err
+    os.rename(middle, middle + ".damaged")  # what the message says to do: the run reads again, without those rows
+    assert len(read_manifest(out)) == 6
+    assert main(["status", out]) == 0 and "6 ok" in capsys.readouterr().out
+
+
 # -- estimate = the writer's own bytes -------------------------------------------------------------------------------
 @pytest.mark.ray
 def test_estimate_matches_the_files_a_run_writes_with_non_ascii_ids(ray_cluster, tiny_llama, tmp_path):
