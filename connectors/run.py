@@ -419,10 +419,11 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
                                      f"{names}); it was not written by an hsx extraction job")
             table = part.read(columns=[c for c in schema.names if c in names])
         except (pa.ArrowInvalid, OSError) as e:  # pyarrow raises OSError for a damaged footer or page too
+            detail = " ".join(str(e).split())
             raise RunFormatError(
-                f"manifest part {where} is not readable Parquet ({' '.join(str(e).split())}); hsx commits a part whole, so it was damaged "
-                f"in storage: rename it to {name}.damaged (out of the manifest) and re-run the same `hsx run`, which "
-                "extracts the samples it recorded again") from e
+                f"manifest part {where} is not readable Parquet ({detail}); hsx commits a part whole, so it was "
+                f"damaged in storage: rename it to {name}.damaged (out of the manifest) and re-run the same `hsx run`, "
+                "which extracts the samples it recorded again") from e
         return pa.Table.from_arrays(
             [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
              for f in schema], schema=schema)
