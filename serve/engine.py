@@ -18,6 +18,7 @@ a request nobody answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -121,13 +122,17 @@ class Engine:
         self.config = config
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.llm = LLM.from_config(config.engine_config(device), config.kv_transfer_config())
-        self.tokenizer = copy.deepcopy(self.llm.tokenizer)  # the event loop's own: the engine thread decodes with its
+        self.tokenizer = copy.deepcopy(self.llm.tokenizer)  # admission's own: the engine thread decodes with its
         self.max_model_len = self.llm.runner.max_model_len
         self.vocab_size = self.llm.runner.vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
         self._fs, _ = storage.open_url(config.output, config.storage_options)
         self._executor = named_thread_pool(1, "hsx-engine")
+        # text prompts and chat templates are tokenized on this thread, one at a time, not on the event loop: a
+        # megabyte of text takes seconds, during which the loop would answer no other request (tokenizers releases
+        # the GIL, so the loop and the engine thread run on meanwhile)
+        self._admitter = named_thread_pool(1, "hsx-admit")
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()
@@ -146,7 +151,10 @@ class Engine:
 
     async def extract(self, request: PromptRequest) -> EngineReply:
         try:
-            item = self._admit(request)
+            if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
+                item = self._admit(request)
+            else:
+                item = await asyncio.get_running_loop().run_in_executor(self._admitter, self._admit, request)
         except _Rejected as e:
             return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
                                discarded=self._discarded, aborted=self._aborted)
@@ -317,6 +325,10 @@ class Engine:
         reply.path = None
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: pending writes finish first
+        admitter = getattr(self, "_admitter", None)
+        if admitter is not None:  # a prompt still being tokenized has no answer to wait for
+            with contextlib.suppress(Exception):  # at interpreter exit the executor's modules may be gone already
+                admitter.shutdown(wait=False, cancel_futures=True)
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()

@@ -55,13 +55,16 @@ def test_64_requests_from_16_threads_all_succeed_in_batches(server):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="OS thread names are read from Linux's /proc")
 def test_the_engine_compute_thread_has_an_os_name(server):
-    """top -H, ps -L and benchmarks/bench_serve.py tell the engine's compute thread from Ray's threads by its name."""
+    """top -H, ps -L and benchmarks/bench_serve.py tell the engine's compute thread (and the writers', and the one
+    that tokenizes text prompts) from Ray's threads by its name."""
     import glob
 
     import psutil
 
     client = server.client()
     client.completions.create(model=server.model, prompt=[3, 4, 5], max_tokens=1)  # the thread exists once it ran
+    for _ in range(4):  # a text prompt is tokenized on the admission thread, off the event loop (either replica)
+        client.completions.create(model=server.model, prompt="a text prompt", max_tokens=1)
     replicas = [p for p in psutil.process_iter(["cmdline"])
                 if "ServeReplica:hsx:Engine" in " ".join(p.info["cmdline"] or [])]
     assert replicas, "no engine replica process found"
@@ -72,4 +75,4 @@ def test_the_engine_compute_thread_has_an_os_name(server):
                 names.add(f.read().strip())
         except OSError:  # a thread that ended meanwhile
             pass
-    assert "hsx-engine" in names and "hsx-writer" in names, sorted(names)
+    assert {"hsx-engine", "hsx-writer", "hsx-admit"} <= names, sorted(names)
