@@ -53,6 +53,7 @@ class PromptRequest:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
@@ -214,7 +215,7 @@ class Engine:
                     if v is not None}
         try:
             params = SamplingParams(max_tokens=max_tokens, seed=r.seed, stop_token_ids=list(r.stop_token_ids),
-                                    stop=list(r.stop),
+                                    stop=list(r.stop), include_stop_str_in_output=r.include_stop_str_in_output,
                                     ignore_eos=r.ignore_eos, extra_args={"kv_transfer_params": kv}, **sampling)
         except (ValueError, TypeError) as e:
             raise _Rejected(400, str(e), None, "invalid_value") from None

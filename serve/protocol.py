@@ -62,6 +62,7 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     kv_transfer_params: KVTransferParams | None = None
     return_token_ids: bool = False
@@ -73,12 +74,21 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict | None = None
+    # vLLM's own sampling extensions (the client's extra_body) hsx's engine does not have: refused the same way
+    min_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool | None = None
+    skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The sampling settings, as serve.engine.PromptRequest fields."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": self.ignore_eos,
-                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or [])}
+                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                "include_stop_str_in_output": self.include_stop_str_in_output}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) of the first setting hsx cannot honour, or None."""
@@ -95,6 +105,14 @@ class _Sampling(_Body):
                 return name, f"{name} is not supported; leave it out or send 0"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported; leave it out"
+        no_ops = {"min_tokens": (None, 0), "min_p": (None, 0), "repetition_penalty": (None, 1),
+                  "use_beam_search": (None, False), "skip_special_tokens": (None, True), "bad_words": (None, []),
+                  "allowed_token_ids": (None,)}
+        for name, fine in no_ops.items():
+            if getattr(self, name) not in fine:
+                return name, (f"{name}={getattr(self, name)!r} is not supported by hsx's engine; leave it out"
+                              + (" (special tokens are always skipped in the text)" if name == "skip_special_tokens"
+                                 else ""))
         return None
 
 

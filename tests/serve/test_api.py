@@ -106,6 +106,11 @@ def test_a_stop_string_ends_the_completion_as_vllm_does(server, oracle, offline)
                                                              extra_args={"kv_transfer_params":
                                                                          {"include_output_tokens": True}}))
     check_file(r.kv_transfer_params["hidden_states_path"], ids, oracle, expected)
+    # include_stop_str_in_output (vLLM's extra_body field): the same tokens, the text through the stop string
+    kept = server.client().completions.create(model=server.model, prompt=text, max_tokens=16, temperature=0, stop=stop,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                          "include_stop_str_in_output": True}).choices[0]
+    assert kept.token_ids == free_ids[:n] and kept.text == full[:full.index(stop) + len(stop)]
 
 
 def test_completion_with_a_list_of_prompts_writes_one_file_each(server, oracle, offline):

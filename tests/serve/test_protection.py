@@ -84,11 +84,20 @@ def test_missing_fields_get_400_naming_them(server):
 
 @pytest.mark.parametrize("fields, param", [
     ({"stream": True}, "stream"), ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": True}, "echo"), ({"min_tokens": 4}, "min_tokens"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_settings_hsx_cannot_honour_get_400(server, fields, param):
     err = error_of(server.post("/v1/completions", completion(server, **fields)), 400)
     assert err["param"] == param and err["code"] == "unsupported"
+
+
+def test_the_no_op_values_of_those_settings_are_accepted(server):
+    # what vLLM's clients send when they mean "off": a request carrying them all is served as one without them
+    r = server.post("/v1/completions", completion(server, min_tokens=0, min_p=0.0, repetition_penalty=1.0,
+                                                  use_beam_search=False, skip_special_tokens=True, n=1, stream=False))
+    assert r.status_code == 200, r.text
+    assert r.json()["kv_transfer_params"]["hidden_states_path"]
 
 
 def test_an_unknown_model_gets_404(server):
