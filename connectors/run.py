@@ -418,15 +418,19 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
                 raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
                                      f"{names}); it was not written by an hsx extraction job")
             table = part.read(columns=[c for c in schema.names if c in names])
-        except (pa.ArrowInvalid, OSError) as e:  # pyarrow raises OSError for a damaged footer or page too
+            return pa.Table.from_arrays(
+                [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+                 for f in schema], schema=schema)
+        except RunFormatError:
+            raise
+        # pyarrow raises OSError for a damaged footer or page too, and damaged metadata can fail as text or types
+        except (pa.ArrowException, OSError, ValueError) as e:
             detail = " ".join(str(e).split())
             raise RunFormatError(
-                f"manifest part {where} is not readable Parquet ({detail}); hsx commits a part whole, so it was "
-                f"damaged in storage: rename it to {name}.damaged (out of the manifest) and re-run the same `hsx run`, "
-                "which extracts the samples it recorded again") from e
-        return pa.Table.from_arrays(
-            [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-             for f in schema], schema=schema)
+                f"manifest part {where} is not readable Parquet ({type(e).__name__}: {detail}); hsx commits a part "
+                f"whole, so it was damaged in storage: rename it to {name}.damaged (out of the manifest), re-run the "
+                "same `hsx run`, which extracts the samples it recorded again, and `hsx verify` again if the run "
+                "was verified (its marks may have been in that part)") from e
 
     if len(parts) == 1:
         tables = [read_part(parts[0])]

@@ -172,6 +172,10 @@ class LLM:
         spec = config.speculative
         self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else _NoWrites()
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
+        # stop strings are searched in text decoded token by token (tokenizers' DecodeStream) where that is the text
+        # decode() gives: a fast tokenizer that does not clean up spaces afterwards (transformers' own step)
+        self._incremental_text = (getattr(self.tokenizer, "backend_tokenizer", None) is not None
+                                  and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False))
         if self.proposer is not None:  # a speculative engine captures only what its proposer reads
             self.runner.set_capture(tuple(self.proposer.capture_layer_ids))
         self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
@@ -568,25 +572,39 @@ class LLM:
         return None
 
     def _hit_stop_string(self, r: _Request) -> bool:
-        """Whether the output text now contains one of r's stop strings. The text grows by each token's piece only
-        (the tokenizers library's incremental decoder; a whole re-decode per token made a long output cost O(n^2)),
-        and the search covers only where the new piece could complete a stop string."""
-        start = len(r.text)
-        r.text += self._text_piece(r)
-        if not any(stop in r.text[max(0, start - len(stop) + 1):] for stop in r.params.stop):
+        """Whether the output text now contains one of r's stop strings. The text grows by each token's piece (the
+        tokenizers library's incremental decoder; a whole re-decode per token made a long output cost O(n^2)), and
+        the search covers only where the new text could complete a stop string."""
+        start = self._advance_text(r)
+        if start is None or not any(stop in r.text[max(0, start - len(stop) + 1):] for stop in r.params.stop):
             return False
         r.stop_hit = True
         return True
 
-    def _text_piece(self, r: _Request) -> str:
-        """The text r's newest output token adds (empty while it ends inside a multi-byte character)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:  # a slow (pure-Python) tokenizer: re-decode the whole output
-            return self.tokenizer.decode(r.output_ids, skip_special_tokens=True)[len(r.text):]
-        if r.detok is None:
+    def _advance_text(self, r: _Request) -> int | None:
+        """Bring r.text up to r's newest output token; where it changed (None: not at all). As vLLM, text ending
+        inside a multi-byte character is held back until the character is whole."""
+        if r.detok is not False and self._incremental_text:
             from tokenizers.decoders import DecodeStream
-            r.detok = DecodeStream(skip_special_tokens=True)
-        return r.detok.step(backend, r.output_ids[-1]) or ""
+
+            if r.detok is None:
+                r.detok = DecodeStream(skip_special_tokens=True)
+            try:
+                piece = r.detok.step(self.tokenizer.backend_tokenizer, r.output_ids[-1])
+            except Exception:  # noqa: BLE001 - a byte-fallback decoder rewrote text it had already given
+                r.detok = False  # ("Invalid prefix encountered"): whole decodes for this request from here on
+            else:
+                if not piece:
+                    return None
+                r.text += piece
+                return len(r.text) - len(piece)
+        # a slow tokenizer, one that cleans up spaces, or a failed stream: the whole output decoded again
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or text == r.text:
+            return None
+        start = next((i for i, (a, b) in enumerate(zip(text, r.text)) if a != b), min(len(text), len(r.text)))
+        r.text = text
+        return start
 
     def _cut_at_stop(self, r: _Request, text: str) -> str:
         """The output text up to the first stop string (and it, with include_stop_str_in_output); records which."""

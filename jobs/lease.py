@@ -7,12 +7,12 @@ runs, given back when it ends.
     lease.release()
 
 The lease is a small JSON object ({"attempt", "host", "pid", "started", "renewed"}) created with an exclusive create
-(`storage.create_exclusive`: a hard link on local disks, If-None-Match on S3, ifGenerationMatch=0 on GCS), so of two `hsx run` started on one
-output at once exactly one gets it; the other exits 2 naming the holder. A lease left by a job that died is stale
-and is broken, with a warning, when its process is gone (same host) or it was not renewed for STALE_AFTER_S (any
-host); `--break-lease` breaks a lease that looks live (its holder is known to be gone). Breaking is re-checked
-against the lease's content right before it is removed, and every renewal checks that the lease is still ours, so
-a job whose lease was taken over stops before it commits more rows.
+(`storage.create_exclusive`: a hard link on local disks, If-None-Match on S3, ifGenerationMatch=0 on GCS), so of two
+`hsx run` started on one output at once exactly one gets it; the other exits 2 naming the holder. A lease left by a
+job that died is stale and is broken, with a warning, when its process is gone (same host) or it was not renewed for
+STALE_AFTER_S (any host); `--break-lease` breaks a lease that looks live (its holder is known to be gone). Breaking
+is re-checked against the lease's content right before it is removed, and every renewal checks that the lease is
+still ours, so a job whose lease was taken over stops before it commits more rows.
 """
 
 from __future__ import annotations

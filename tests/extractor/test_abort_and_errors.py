@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from connectors import KVTransferConfig, cleanup_hidden_states, load_hidden_states
@@ -103,3 +104,44 @@ def test_stop_strings_end_generation_as_vllm_does(tiny_llama, tmp_path):
                                                                           stop_token_ids=[plain[3]]))
     assert out.outputs[0].stop_reason == plain[3] and out.outputs[0].token_ids == plain[:plain.index(plain[3]) + 1]
     llm.shutdown()
+
+
+def _byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer (byte-fallback BPE: <0xNN> tokens, a Replace/ByteFallback/Fuse/Strip decoder), whose
+    streaming decoder rewrites text it already gave on some invalid bytes (tokenizers raises there)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{i:02X}>": i for i in range(256)}
+    vocab.update({"\u2581": 256, "a": 257, "b": 258, "c": 259, "\u2581c": 260, "x": 261, "<unk>": 262, "</s>": 263})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "c")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["streamed", "whole-decodes"])
+def test_stop_strings_hold_on_byte_fallback_text_that_a_streaming_decoder_cannot_take(tmp_path, incremental):
+    # the stop-string search on the text of each new token, against the oracle (decode by prefixes): the streaming
+    # decoder raises on 0xC2 0xA1 0xE1 then "\u2581c" (the request falls back to whole decodes, nothing fails), and
+    # whole decodes (slow tokenizers) hold a text ending inside a character until it is whole (0xE3 0x80 0x82)
+    from extractor.llm import _Request
+    from jobs.tiny_models import build_tiny_model
+
+    build_tiny_model("llama", str(tmp_path / "m"))
+    tok = _byte_fallback_tokenizer()
+    tok.save_pretrained(str(tmp_path / "m"))
+    llm = LLM(model=str(tmp_path / "m"), dtype="float32")
+    llm._incremental_text = incremental
+    for ids, stop in (([0xC2, 0xA1, 0xE1, 260, 257, 258], "ca"), ([261, 0xE3, 0x80, 0x82, 257, 258], "\u3002a")):
+        n = stop_string_cut(tok, ids, stop)
+        r = _Request(0, "r", None, [5], SamplingParams(stop=[stop], temperature=0))
+        for t in ids:
+            r.output_ids.append(t)
+            if llm._hit_stop_string(r):
+                break
+        assert (len(r.output_ids), r.stop_hit) == (n, True), (ids, stop)
+        out = llm._output(r).outputs[0]
+        full = tok.decode(ids[:n], skip_special_tokens=True)
+        assert out.text == full[:full.index(stop)] and out.stop_reason == stop

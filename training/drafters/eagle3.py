@@ -623,7 +623,8 @@ class Eagle3Proposer(Proposer):
             else:
                 ids.append([])
                 hidden.append(None)
-        step = max(1, self.budget // len(contexts))  # a prompt's entries go in forwards of <= max_num_batched_tokens
+        # the rows with entries share max_num_batched_tokens per forward (a joining prompt over it goes in chunks)
+        step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
         for c0 in range(0, max(map(len, ids), default=0), step):
             piece = [r[c0:c0 + step] for r in ids]
             out = self._cache.feed(drafter, piece, [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])
