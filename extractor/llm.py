@@ -585,9 +585,9 @@ class LLM:
         """Bring r.text up to r's newest output token; where it changed (None: not at all). As vLLM, text ending
         inside a multi-byte character is held back until the character is whole."""
         if r.detok is not False and self._incremental_text:
-            from tokenizers.decoders import DecodeStream
+            if r.detok is None:  # the request's first token: its decoder (the import only then, not per token)
+                from tokenizers.decoders import DecodeStream
 
-            if r.detok is None:
                 r.detok = DecodeStream(skip_special_tokens=True)
             try:
                 piece = r.detok.step(self.tokenizer.backend_tokenizer, r.output_ids[-1])
