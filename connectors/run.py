@@ -3,8 +3,12 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
 
     OUTPUT/run.json                                    RunSpec: what produced the run (versioned JSON)
     OUTPUT/data/<2 hex>/<digest>-<id>.safetensors      data_path(sample_id): one file per sample (see format.py)
-    OUTPUT/manifest/part-<attempt>-<seq>.parquet       MANIFEST_SCHEMA rows, one part per commit; authoritative: a
-                                                       data file counts only with an "ok" row
+    OUTPUT/manifest/part-<attempt>-<seq>-xxh3_<hex>.parquet
+                                                       MANIFEST_SCHEMA rows, one part per commit; authoritative: a
+                                                       data file counts only with an "ok" row; <hex> is the xxh3_64
+                                                       of the part's bytes, checked on every read (a flipped byte in
+                                                       a Parquet page or footer can otherwise read back as other
+                                                       data); parts named without it (older runs) read unchecked
 
     RunDir(url, storage_options)         the output root: url_of(rel), exists, read_bytes, put (atomic), list,
                                          check_reachable (storage answers, bucket exists)
@@ -51,7 +55,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from connectors import storage
-from connectors.format import FORMAT_NAME, FORMAT_VERSION, LAYER_ID_CONVENTION, HiddenStatesSpec
+from connectors.format import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LAYER_ID_CONVENTION,
+    HiddenStatesSpec,
+    data_checksum,
+)
 from connectors.paths import FILE_SUFFIX, id_digest
 
 RUN_JSON = "run.json"
@@ -384,9 +395,15 @@ def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str
     table = table.append_column("attempt", pa.array([attempt] * n, pa.string())).append_column("committed_at", now)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    name = f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}.parquet"
-    run.put(name, sink.getvalue().to_pybytes())
+    raw = sink.getvalue().to_pybytes()
+    digest = data_checksum([raw]).split(":", 1)[1]
+    name = f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}-{CHECKSUM_ALGORITHM}_{digest}.parquet"
+    run.put(name, raw)
     return name
+
+
+# The checksum a part's name carries (write_manifest_part); parts of older runs have none.
+_PART_CHECKSUM_RE = re.compile(rf"-{CHECKSUM_ALGORITHM}_([0-9a-f]{{16}})\.parquet$")
 
 
 def manifest_parts(run: RunDir) -> list[str]:
@@ -410,6 +427,13 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
             detail = " ".join(str(e).split())
             raise RunFormatError(f"cannot read manifest part {where}: {type(e).__name__}: {detail}; check that the "
                                  "storage answers, then run the command again") from e
+        damaged = (f"hsx commits a part whole, so it was damaged in storage: rename it to {name}.damaged (out of "
+                   "the manifest), re-run the same `hsx run`, which extracts the samples it recorded again, and "
+                   "`hsx verify` again if the run was verified (its marks may have been in that part)")
+        named = _PART_CHECKSUM_RE.search(name)
+        if named and data_checksum([raw]).split(":", 1)[1] != named.group(1):
+            raise RunFormatError(f"manifest part {where} does not match the {CHECKSUM_ALGORITHM} checksum in its "
+                                 f"name (its {len(raw)} bytes hash to {data_checksum([raw])}); {damaged}")
         try:
             part = pq.ParquetFile(pa.BufferReader(raw))
             names = part.schema_arrow.names
@@ -427,10 +451,7 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
         except (pa.ArrowException, OSError, ValueError) as e:
             detail = " ".join(str(e).split())
             raise RunFormatError(
-                f"manifest part {where} is not readable Parquet ({type(e).__name__}: {detail}); hsx commits a part "
-                f"whole, so it was damaged in storage: rename it to {name}.damaged (out of the manifest), re-run the "
-                "same `hsx run`, which extracts the samples it recorded again, and `hsx verify` again if the run "
-                "was verified (its marks may have been in that part)") from e
+                f"manifest part {where} is not readable Parquet ({type(e).__name__}: {detail}); {damaged}") from e
 
     if len(parts) == 1:
         tables = [read_part(parts[0])]
