@@ -116,6 +116,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+NGRAM_DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer drafts `num_speculative_tokens` tokens, one target forward verifies them."""
@@ -125,9 +128,10 @@ class SpeculativeConfig:
     head trained on the target's states: "eagle3", "medusa", "mlp_speculator" (training/drafters/)."""
     num_speculative_tokens: int
     """k, tokens drafted per step (>= 1)."""
-    prompt_lookup_max: int = 5
-    """ngram: longest suffix n-gram tried first."""
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int | None = None
+    """ngram: longest suffix n-gram tried first. Resolved as vLLM does: given alone, the other bound equals it;
+    neither given, both are 5 (vLLM's spec_decode_offline.py passes 5 and 2 explicitly)."""
+    prompt_lookup_min: int | None = None
     """ngram: shortest suffix n-gram tried; no match of any length = no draft this step."""
     model: str | None = None
     """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's); eagle3 /
@@ -142,6 +146,11 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = NGRAM_DEFAULT_LOOKUP
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
                 raise ValueError(f"prompt_lookup_min={lo!r}, prompt_lookup_max={hi!r}: need integers with "
                                  "1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 2 and 5)")

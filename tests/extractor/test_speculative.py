@@ -219,6 +219,29 @@ def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
     return 0.5 * float((freq - p).abs().sum())
 
 
+def test_ngram_lookup_bounds_default_as_vllms_do():
+    """vLLM's SpeculativeConfig: neither bound given -> both 5; one given -> the other equals it."""
+    from extractor.config import SpeculativeConfig
+
+    def bounds(**kw):
+        c = SpeculativeConfig("ngram", 3, **kw)
+        return c.prompt_lookup_min, c.prompt_lookup_max
+
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_max=3) == (3, 3)
+    assert bounds(prompt_lookup_min=4) == (4, 4)
+    assert bounds(prompt_lookup_min=2, prompt_lookup_max=5) == (2, 5)
+    # and the engine's proposer looks up exactly those: the 3-gram repeat drafts only when 3 is within the bounds
+    from extractor.proposers import make_proposer
+
+    ctx = [[7, 8, 9, 4, 7, 8, 9]]
+    drafted = {}
+    for kw in ({}, {"prompt_lookup_min": 3}):
+        proposer = make_proposer(SpeculativeConfig("ngram", 2, **kw), None)
+        drafted[bool(kw)] = list(proposer.propose(ctx, [2], [SamplingParams()], [None])[0].token_ids)
+    assert drafted == {False: [], True: [4, 7]}
+
+
 def test_rejection_sampling_keeps_the_target_distribution_and_skipping_the_residual_does_not():
     trials = 20000
     gen = torch.Generator().manual_seed(0)
