@@ -10,9 +10,30 @@ model, corpus and output paths (shared storage or object store URLs).
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+logger = logging.getLogger(__name__)
+
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# For the first seconds after a head node starts, its dashboard answers 500 "No available agent to submit job,
+# please try again later" (the job agent registers later): submit_job waits that long for it.
+AGENT_WAIT_S = 60.0
+
+
+def _agent_not_up(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and "no available agent" in str(error).lower()
+
+
+def _reason(error: BaseException) -> str:
+    """What the dashboard said, in one line: the exception its answer carries (the answer can hold the server's
+    whole traceback), else the answer."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    carried = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return carried[-1] if carried else " ".join(lines)
 
 
 def _client(address: str):
@@ -26,10 +47,22 @@ def _client(address: str):
 
 
 def submit_job(address: str, entrypoint: str, *, runtime_env: dict | None = None,
-               submission_id: str | None = None) -> str:
+               submission_id: str | None = None, agent_wait_s: float = AGENT_WAIT_S) -> str:
+    """The job id. ValueError (one line, naming the fix) when the cluster refuses the job or its job agent is not
+    up after `agent_wait_s`."""
     client = _client(address)
-    return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id,
-                             metadata={"tool": "hsx"})
+    retrying = Retrying(stop=stop_after_delay(agent_wait_s), wait=wait_exponential(multiplier=0.5, max=5),
+                        retry=retry_if_exception(_agent_not_up), reraise=True,
+                        before_sleep=lambda rs: logger.warning("the job agent of %s is not up yet; retrying", address))
+    try:
+        return retrying(client.submit_job, entrypoint=entrypoint, runtime_env=runtime_env,
+                        submission_id=submission_id, metadata={"tool": "hsx"})
+    except RuntimeError as e:  # the SDK's error for every refusal: "Request failed with status code N: reason"
+        said = _reason(e)
+        if _agent_not_up(e):
+            raise ValueError(f"the Ray cluster at {address} has no job agent up after {agent_wait_s:.0f} s ({said}); "
+                             "check `ray status` on the head, then submit again") from e
+        raise ValueError(f"the Ray cluster at {address} refused the job: {said}") from e
 
 
 def follow_job(address: str, job_id: str, poll_s: float = 1.0, out=None) -> str:

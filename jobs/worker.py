@@ -5,7 +5,10 @@ rows out.
                             file spec it recorded in run.json
     ExtractionWorker        Ray Data callable class: __call__(samples: pa.Table) -> results (RESULT_SCHEMA)
 
-The model loads on the first batch that has work (a worker that only sees skipped or failed records never loads it).
+The model starts loading on a background thread as the worker starts, so it loads while the read tasks and the
+tokenizer actors start up (each imports its libraries in a fresh process: seconds on a small machine); the first
+batch with work waits for it. A load that failed fails that batch with the load's error, and the next batch loads
+again, as a load on first use would.
 Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; the rest go to one
 `llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. `generate` returns once every
 file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
@@ -48,29 +51,45 @@ class WorkerSettings:
 
 class ExtractionWorker:
     def __init__(self, settings: WorkerSettings) -> None:
+        from connectors.writer import named_thread_pool
+
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         self.llm = None
+        if settings.cpu_threads:
+            import torch
 
-    def _engine(self):
-        """The engine, loaded on first use and checked against the run's file spec."""
-        if self.llm is not None:
-            return self.llm
+            # on this (the calling) thread, which runs the forwards: Ray sets OMP_NUM_THREADS from the reservation,
+            # and on a node with fewer cores than logical CPUs (a local Ray is started with at least 4) more threads
+            # than cores would only contend
+            torch.set_num_threads(max(1, min(settings.cpu_threads, len(os.sched_getaffinity(0)))))
+        self._loader = named_thread_pool(1, "hsx-load")
+        self._loading = self._loader.submit(self._load)
+
+    def _load(self):
+        """The engine, checked against the run's file spec (on the loader thread)."""
         from extractor import LLM
 
         s = self.settings
-        if s.cpu_threads:
-            import torch
-
-            # Ray sets OMP_NUM_THREADS from the reservation; on a node with fewer cores than logical CPUs (a local
-            # Ray is started with at least 4) more threads than cores would only contend
-            torch.set_num_threads(max(1, min(s.cpu_threads, len(os.sched_getaffinity(0)))))
-        self.llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
-                                                               kv_connector_extra_config=s.connector))
-        diff = s.run.file_spec().differences(self.llm.spec)
+        llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
+                                                          kv_connector_extra_config=s.connector))
+        diff = s.run.file_spec().differences(llm.spec)
         if diff:
+            llm.shutdown()
             raise RuntimeError(f"the engine loaded {diff} (run.json's value, the engine's), not what the job planned "
                                "from the model's config; the model changed under the job?")
+        return llm
+
+    def _engine(self):
+        """The engine, once its background load is done. Raises what the load raised; the next call loads again
+        (a storage that failed once may answer now)."""
+        if self.llm is None:
+            try:
+                self.llm = self._loading.result()
+            except BaseException:
+                self._loading = self._loader.submit(self._load)
+                raise
+            self._loader.shutdown(wait=False)
         return self.llm
 
     def _sampling_params(self, rel_path: str) -> SamplingParams:
@@ -135,6 +154,9 @@ class ExtractionWorker:
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)
+        loading = getattr(self, "_loading", None)
+        if llm is None and loading is not None and loading.done() and not loading.exception():
+            llm = loading.result()  # loaded, never used (the worker saw no work)
         if llm is not None:
             try:
                 llm.shutdown()

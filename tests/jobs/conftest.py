@@ -1,8 +1,11 @@
-"""Fixtures for the jobs tests: ONE local Ray (with its dashboard, for the job-submission test) for the whole session,
-corpus writers, and an independent transformers oracle.
+"""Fixtures for the jobs tests: ONE local Ray for the whole package (torn down after its last test, so its daemons
+idle through no other package's tests), a head node with a dashboard for the job-submission test alone, corpus
+writers, and an independent transformers oracle.
 
 Ray starts once (4-7 s here); every job in these tests runs on it, in-process or as a subprocess driver connected by
-address. Token auth is off for this test cluster so subprocess drivers and the job API connect without a token.
+address. It has no dashboard: on this 2-core machine the dashboard's agents cost about 1 s of every ~13 s job and
+4% of a core while idle. Token auth is off for these test clusters so subprocess drivers and the job API connect
+without a token.
 """
 
 from __future__ import annotations
@@ -24,11 +27,9 @@ RAY_TEST_CPUS = 6
 class RayTestCluster:
     address: str
     """GCS address for `hsx run --address` from a subprocess."""
-    dashboard_url: str
-    """http://127.0.0.1:PORT for the job submission API."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> RayTestCluster:
     import logging
 
@@ -36,12 +37,30 @@ def ray_cluster() -> RayTestCluster:
 
     if ray.is_initialized():
         ray.shutdown()
-    ctx = ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=True, dashboard_host="127.0.0.1",
-                   logging_level=logging.WARNING)
-    url = ctx.dashboard_url
-    yield RayTestCluster(address=ctx.address_info["gcs_address"],
-                         dashboard_url=url if url.startswith("http") else f"http://{url}")
+    ctx = ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, logging_level=logging.WARNING)
+    yield RayTestCluster(address=ctx.address_info["gcs_address"])
     ray.shutdown()
+
+
+@pytest.fixture
+def dashboard_url() -> str:
+    """http://127.0.0.1:PORT of the job submission API of a head node of its own (ray.cluster_utils), which the
+    test's process does not join."""
+    import socket
+
+    from ray.cluster_utils import Cluster
+
+    with socket.socket() as s:  # the shared cluster's node agent holds Ray's default agent port (52365)
+        s.bind(("127.0.0.1", 0))
+        agent_port = s.getsockname()[1]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": True,
+                                                            "dashboard_host": "127.0.0.1",
+                                                            "dashboard_agent_listen_port": agent_port})
+    try:
+        url = cluster.head_node.address_info["webui_url"]
+        yield url if url.startswith("http") else f"http://{url}"
+    finally:
+        cluster.shutdown()
 
 
 def write_jsonl(path, records, raw_lines=()) -> str:

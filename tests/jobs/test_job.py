@@ -274,7 +274,14 @@ def test_driver_killed_mid_run_then_rerun_is_exactly_once(ray_cluster, tiny_llam
 
 
 def test_worker_killed_mid_run_is_replaced_and_nothing_is_lost(ray_cluster, tiny_llama, tmp_path):
-    from ray.util.state import list_actors
+    import psutil
+
+    def worker_pids() -> list[int]:  # by process title ("ray::MapWorker(MapBatches(ExtractionWorker))[.submit]"):
+        pids = []  # the state API would need the dashboard, which the test cluster does not run
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if (p.info["cmdline"] or [""])[0].startswith("ray::MapWorker(MapBatches(ExtractionWorker))"):
+                pids.append(p.info["pid"])
+        return pids
 
     corpus, ids = _kill_corpus(tmp_path, 300)
     output = str(tmp_path / "out")
@@ -287,10 +294,9 @@ def test_worker_killed_mid_run_is_replaced_and_nothing_is_lost(ray_cluster, tiny
     deadline = time.monotonic() + 180
     while killed is None and job.is_alive() and time.monotonic() < deadline:
         if glob.glob(os.path.join(output, "data", "*", "*.safetensors")):
-            workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-                       if "ExtractionWorker" in (a.class_name or "")]
+            workers = worker_pids()
             if workers:
-                killed = workers[0].pid
+                killed = workers[0]
                 os.kill(killed, signal.SIGKILL)
                 done_at_kill = len(glob.glob(os.path.join(output, "data", "*", "*.safetensors")))
         time.sleep(0.02)
@@ -310,16 +316,24 @@ def _capture(results, errors, fn, *args):
 
 
 # -- job submission API ----------------------------------------------------------------------------------------------
-def test_submit_runs_the_job_through_ray_job_submission(ray_cluster, tiny_llama, tmp_path, capsys):
+def test_submit_runs_the_job_through_ray_job_submission(dashboard_url, tiny_llama, tmp_path, capsys):
     corpus = write_parquet(tmp_path / "c.parquet", [{"id": f"p{i}", "input_ids": [5, 6, 7 + i]} for i in range(4)])
     output = str(tmp_path / "out")
-    code = main(["submit", "--address", ray_cluster.dashboard_url, "--model", tiny_llama, "--corpus", corpus,
-                 "--output", output, "--no-progress", "--wait"])
+    argv = ["submit", "--address", dashboard_url, "--model", tiny_llama, "--corpus", corpus, "--output", output,
+            "--no-progress", "--submission-id", "hsx-test-1"]
+    # right after the head starts, its dashboard answers "No available agent ... try again later" for a while:
+    # submit waits for the agent instead of failing
+    code = main([*argv, "--wait"])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out[-3000:]
-    assert out.splitlines()[0].startswith("raysubmit_")
+    assert out.splitlines()[0] == "hsx-test-1"
     assert "4 ok, 0 failed" in out
     assert_exactly_once(output, {f"p{i}" for i in range(4)})
+    with pytest.raises(SystemExit) as e:  # a refused job (this id was used): one line naming why, no traceback
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "refused the job" in err and "hsx-test-1" in err and "already exists" in err, err
 
 
 # -- job-level failure -------------------------------------------------------------------------------------------------
