@@ -3,10 +3,10 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
 
     OUTPUT/run.json                                    RunSpec: what produced the run (versioned JSON)
     OUTPUT/data/<2 hex>/<digest>-<id>.safetensors      data_path(sample_id): one file per sample (see format.py)
-    OUTPUT/manifest/part-<attempt>-<seq>-xxh3_<hex>.parquet
+    OUTPUT/manifest/part-<attempt>-<seq>-xxh3_64_<hex>.parquet
                                                        MANIFEST_SCHEMA rows, one part per commit; authoritative: a
-                                                       data file counts only with an "ok" row; <hex> is the xxh3_64
-                                                       of the part's bytes, checked on every read (a flipped byte in
+                                                       data file counts only with an "ok" row; <hex> (16 digits) is
+                                                       the xxh3_64 of the part's bytes, checked on every read (a flipped byte in
                                                        a Parquet page or footer can otherwise read back as other
                                                        data); parts named without it (older runs) read unchecked
 
@@ -16,7 +16,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     read_run_spec(run) / write_run_spec(run, spec)
     data_path(sample_id)
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
-    write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer)
+    write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row
     committed_rows(table)                          per sample its last "ok" row, unless "invalid" came after it
     ok_rows(run)                                   the committed rows, sorted by sample id
@@ -385,10 +385,10 @@ def manifest_rows(rows: pa.Table | Sequence[Mapping[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=RESULT_SCHEMA)
 
 
-def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str, Any]], attempt: str, seq: int, *,
-                        storage_options: dict | None = None) -> str:
-    """Commit `rows` as one part file (atomic and durable); returns its name relative to the root."""
-    run = as_run_dir(run, storage_options)
+def encode_manifest_part(rows: pa.Table | Sequence[Mapping[str, Any]], attempt: str, seq: int) -> tuple[str, bytes]:
+    """One part file for `rows`: (its name relative to the root, its bytes). The name carries the checksum of the
+    bytes, which hold the commit time: a retry of a commit that may have landed must put these same two again (then
+    it replaces the part), not encode the rows anew (a second part with the same rows)."""
     table = manifest_rows(rows)
     n = table.num_rows
     now = pa.array([int(time.time() * 1000)] * n, pa.timestamp("ms", tz="UTC"))
@@ -397,13 +397,21 @@ def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str
     pq.write_table(table, sink, compression="zstd")
     raw = sink.getvalue().to_pybytes()
     digest = data_checksum([raw]).split(":", 1)[1]
-    name = f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}-{CHECKSUM_ALGORITHM}_{digest}.parquet"
+    return f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}-{CHECKSUM_ALGORITHM}_{digest}.parquet", raw
+
+
+def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str, Any]], attempt: str, seq: int, *,
+                        storage_options: dict | None = None) -> str:
+    """Commit `rows` as one part file (atomic and durable); returns its name relative to the root."""
+    run = as_run_dir(run, storage_options)
+    name, raw = encode_manifest_part(rows, attempt, seq)
     run.put(name, raw)
     return name
 
 
-# The checksum a part's name carries (write_manifest_part); parts of older runs have none.
-_PART_CHECKSUM_RE = re.compile(rf"-{CHECKSUM_ALGORITHM}_([0-9a-f]{{16}})\.parquet$")
+# The checksum a part's name carries (encode_manifest_part): "-<algorithm>_<hex>.parquet"; parts of older runs carry
+# none. A name with a checksum tag this hsx does not know is refused, not read unchecked.
+_PART_CHECKSUM_RE = re.compile(r"-(xxh3_\w+?)_([0-9a-f]+)\.parquet$")
 
 
 def manifest_parts(run: RunDir) -> list[str]:
@@ -431,7 +439,11 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
                    "the manifest), re-run the same `hsx run`, which extracts the samples it recorded again, and "
                    "`hsx verify` again if the run was verified (its marks may have been in that part)")
         named = _PART_CHECKSUM_RE.search(name)
-        if named and data_checksum([raw]).split(":", 1)[1] != named.group(1):
+        if named and named.group(1) != CHECKSUM_ALGORITHM:
+            raise RunFormatError(f"manifest part {where} carries a {named.group(1)} checksum, which this hsx does "
+                                 f"not know (it writes and checks {CHECKSUM_ALGORITHM}); read the run with the hsx "
+                                 "that wrote it, or a newer one")
+        if named and data_checksum([raw]).split(":", 1)[1] != named.group(2):
             raise RunFormatError(f"manifest part {where} does not match the {CHECKSUM_ALGORITHM} checksum in its "
                                  f"name (its {len(raw)} bytes hash to {data_checksum([raw])}); {damaged}")
         try:

@@ -146,14 +146,16 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            given = ", ".join(f"{n}={v!r}" for n, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi))
+                              if v is not None)
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in (lo, hi)) \
+                    or (lo is not None and hi is not None and lo > hi):
+                raise ValueError(f"{given}: need integers with 1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 2 "
+                                 f"and 5; one alone sets both, neither means {NGRAM_DEFAULT_LOOKUP})")
             if lo is None and hi is None:
                 lo = hi = NGRAM_DEFAULT_LOOKUP
-            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-            object.__setattr__(self, "prompt_lookup_min", lo)
-            object.__setattr__(self, "prompt_lookup_max", hi)
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
-                raise ValueError(f"prompt_lookup_min={lo!r}, prompt_lookup_max={hi!r}: need integers with "
-                                 "1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 2 and 5)")
+            object.__setattr__(self, "prompt_lookup_min", hi if lo is None else lo)
+            object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
         if self.method == "draft_model" or self.method in DRAFTER_METHODS:
             what = "the draft causal LM" if self.method == "draft_model" else f"the {self.method} checkpoint"
             if not self.model:

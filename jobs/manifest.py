@@ -24,10 +24,10 @@ from connectors.run import (
     OK,
     RunDir,
     committed_rows,
+    encode_manifest_part,
     manifest_parts,
     manifest_rows,
     read_manifest,
-    write_manifest_part,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class ManifestWriter:
         self.flush_seconds = flush_seconds
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
+        self._unsent: tuple[str, bytes, int] | None = None  # a part whose put raised: (name, bytes, rows)
         self._seq = 0
         self._last_flush = time.monotonic()
 
@@ -59,13 +60,23 @@ class ManifestWriter:
         return False
 
     def flush(self) -> None:
+        """Commit every row added. A put that raised may still have landed (a timeout after the store took the
+        object, a failed directory fsync), so its part is kept and the next flush puts the same name and bytes again,
+        replacing it: never a second part with the same rows. Rows added meanwhile go into the next part."""
         self._last_flush = time.monotonic()
-        if not self._pending_rows:
-            return
-        name = write_manifest_part(self.run, pa.concat_tables(self._pending), self.attempt, self._seq)
-        logger.debug("committed %d manifest rows to %s", self._pending_rows, name)
-        self._seq += 1
-        self._pending, self._pending_rows = [], 0
+        if self._unsent is not None:
+            self._put(*self._unsent)
+        if self._pending_rows:
+            name, raw = encode_manifest_part(pa.concat_tables(self._pending), self.attempt, self._seq)
+            self._unsent = (name, raw, self._pending_rows)
+            self._seq += 1
+            self._pending, self._pending_rows = [], 0
+            self._put(*self._unsent)
+
+    def _put(self, name: str, raw: bytes, rows: int) -> None:
+        self.run.put(name, raw)
+        self._unsent = None
+        logger.debug("committed %d manifest rows to %s", rows, name)
 @dataclass
 class Summary:
     ok: int = 0

@@ -14,6 +14,7 @@ import logging
 import re
 import time
 
+import requests
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ def submit_job(address: str, entrypoint: str, *, runtime_env: dict | None = None
     try:
         return retrying(client.submit_job, entrypoint=entrypoint, runtime_env=runtime_env,
                         submission_id=submission_id, metadata={"tool": "hsx"})
+    except requests.RequestException as e:  # the dashboard went away mid-request (not the builtin ConnectionError)
+        raise ValueError(f"the Ray dashboard at {address} stopped answering: {type(e).__name__}: {e}; check that "
+                         "the head is up, then submit again") from e
     except RuntimeError as e:  # the SDK's error for every refusal: "Request failed with status code N: reason"
         said = _reason(e)
         if _agent_not_up(e):

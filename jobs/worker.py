@@ -56,13 +56,6 @@ class ExtractionWorker:
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         self.llm = None
-        if settings.cpu_threads:
-            import torch
-
-            # on this (the calling) thread, which runs the forwards: Ray sets OMP_NUM_THREADS from the reservation,
-            # and on a node with fewer cores than logical CPUs (a local Ray is started with at least 4) more threads
-            # than cores would only contend
-            torch.set_num_threads(max(1, min(settings.cpu_threads, len(os.sched_getaffinity(0)))))
         self._loader = named_thread_pool(1, "hsx-load")
         self._loading = self._loader.submit(self._load)
 
@@ -84,12 +77,22 @@ class ExtractionWorker:
         """The engine, once its background load is done. Raises what the load raised; the next call loads again
         (a storage that failed once may answer now)."""
         if self.llm is None:
-            try:
-                self.llm = self._loading.result()
-            except BaseException:
+            if self._loading is None:  # the last load failed: this batch loads again
                 self._loading = self._loader.submit(self._load)
-                raise
+            try:
+                llm = self._loading.result()
+            except BaseException:
+                self._loading = None  # not at once: the failed load's memory is freed first, and without work no
+                raise  # load is wasted
             self._loader.shutdown(wait=False)
+            if self.settings.cpu_threads:
+                import torch
+
+                # here, on the thread that runs the forwards (OpenMP's thread count is per thread): Ray sets
+                # OMP_NUM_THREADS from the reservation, and on a node with fewer cores than logical CPUs (a local Ray
+                # is started with at least 4) more threads than cores would only contend
+                torch.set_num_threads(max(1, min(self.settings.cpu_threads, len(os.sched_getaffinity(0)))))
+            self.llm = llm
         return self.llm
 
     def _sampling_params(self, rel_path: str) -> SamplingParams:

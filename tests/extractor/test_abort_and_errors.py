@@ -91,7 +91,7 @@ def test_stop_strings_end_generation_as_vllm_does(tiny_llama, tmp_path):
     cut = tok.decode(plain[:n], skip_special_tokens=True)
     llm = _llm(tiny_llama, tmp_path)
     spec = LLM(model=tiny_llama, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                                      "prompt_lookup_min": 1})
+                                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 5})
     for engine in (llm, spec):
         for include in (False, True):
             (out,) = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(

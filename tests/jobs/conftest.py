@@ -1,6 +1,5 @@
-"""Fixtures for the jobs tests: ONE local Ray for the whole package (torn down after its last test, so its daemons
-idle through no other package's tests), a head node with a dashboard for the job-submission test alone, corpus
-writers, and an independent transformers oracle.
+"""Fixtures for the jobs tests: ONE local Ray for the whole session, a head node with a dashboard for the
+job-submission test alone, corpus writers, and an independent transformers oracle.
 
 Ray starts once (4-7 s here); every job in these tests runs on it, in-process or as a subprocess driver connected by
 address. It has no dashboard: on this 2-core machine the dashboard's agents cost about 1 s of every ~13 s job and
@@ -29,7 +28,7 @@ class RayTestCluster:
     """GCS address for `hsx run --address` from a subprocess."""
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def ray_cluster() -> RayTestCluster:
     import logging
 
@@ -42,25 +41,48 @@ def ray_cluster() -> RayTestCluster:
     ray.shutdown()
 
 
+_HEAD = """
+import sys
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": True,
+                                                        "dashboard_host": "127.0.0.1",
+                                                        "dashboard_agent_listen_port": int(sys.argv[1])})
+print(cluster.head_node.address_info["webui_url"], flush=True)
+sys.stdin.read()  # until the test closes it
+cluster.shutdown()
+"""
+
+
 @pytest.fixture
 def dashboard_url() -> str:
-    """http://127.0.0.1:PORT of the job submission API of a head node of its own (ray.cluster_utils), which the
-    test's process does not join."""
+    """http://127.0.0.1:PORT of the job submission API of a head node of its own, started by another process (with
+    its own RAY_TMPDIR): the test's process stays joined to the shared cluster, and its address file is not
+    touched."""
+    import shutil
     import socket
-
-    from ray.cluster_utils import Cluster
+    import subprocess
+    import sys
+    import tempfile
 
     with socket.socket() as s:  # the shared cluster's node agent holds Ray's default agent port (52365)
         s.bind(("127.0.0.1", 0))
         agent_port = s.getsockname()[1]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": True,
-                                                            "dashboard_host": "127.0.0.1",
-                                                            "dashboard_agent_listen_port": agent_port})
+    ray_tmp = tempfile.mkdtemp(prefix="hsx-ray-")  # short: Ray's unix sockets live under it (a 107-byte limit)
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    head = subprocess.Popen([sys.executable, "-c", _HEAD, str(agent_port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
     try:
-        url = cluster.head_node.address_info["webui_url"]
+        url = head.stdout.readline().strip()
+        assert url, f"the head node did not start (exit {head.poll()})"
         yield url if url.startswith("http") else f"http://{url}"
     finally:
-        cluster.shutdown()
+        head.stdin.close()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def write_jsonl(path, records, raw_lines=()) -> str:

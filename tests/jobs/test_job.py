@@ -276,11 +276,14 @@ def test_driver_killed_mid_run_then_rerun_is_exactly_once(ray_cluster, tiny_llam
 def test_worker_killed_mid_run_is_replaced_and_nothing_is_lost(ray_cluster, tiny_llama, tmp_path):
     import psutil
 
-    def worker_pids() -> list[int]:  # by process title ("ray::MapWorker(MapBatches(ExtractionWorker))[.submit]"):
-        pids = []  # the state API would need the dashboard, which the test cluster does not run
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            if (p.info["cmdline"] or [""])[0].startswith("ray::MapWorker(MapBatches(ExtractionWorker))"):
-                pids.append(p.info["pid"])
+    def worker_pids() -> list[int]:  # by process title ("ray::MapWorker(MapBatches(ExtractionWorker))[.submit]"),
+        pids = []  # among this process's descendants (its Ray's raylet and workers): the state API would need the
+        for p in psutil.Process().children(recursive=True):  # dashboard, which the test cluster does not run
+            try:
+                if (p.cmdline() or [""])[0].startswith("ray::MapWorker(MapBatches(ExtractionWorker))"):
+                    pids.append(p.pid)
+            except psutil.Error:  # gone meanwhile
+                pass
         return pids
 
     corpus, ids = _kill_corpus(tmp_path, 300)

@@ -48,6 +48,36 @@ def test_parts_appear_whole_and_pyarrow_reads_the_folder_as_the_manifest(tmp_pat
     assert committed_ids(out) == {"a", "b"}
 
 
+def test_a_commit_that_landed_but_raised_is_replaced_by_its_retry_not_doubled(tmp_path):
+    """A put can land and still raise (a timeout after the store took the object, a failed directory fsync); the
+    job's failure path flushes again. The retry must put the same part (it replaces the first), not encode the rows
+    anew: a part's name carries the checksum of bytes that hold the commit time, so a new encoding is a second part
+    and every row in it a duplicate "ok"."""
+    import errno
+
+    class LandsThenRaises(RunDir):
+        fails = 1
+
+        def put(self, rel, data):
+            super().put(rel, data)
+            if self.fails:
+                self.fails -= 1
+                raise OSError(errno.ETIMEDOUT, "timed out waiting for the store's answer")
+
+    out = LandsThenRaises(str(tmp_path / "run"))
+    w = ManifestWriter(out, "A", flush_rows=1000, flush_seconds=3600)
+    w.add(_rows(("a", "ok"), ("b", "ok")))
+    with pytest.raises(OSError, match="timed out"):
+        w.flush()
+    w.add(_rows(("c", "ok")))  # rows that arrive meanwhile go into the next part
+    w.flush()
+    assert len(os.listdir(tmp_path / "run" / "manifest")) == 2
+    s = summarize(out)
+    assert (s.ok, s.rows, s.duplicate_ok_rows) == (3, 3, 0)
+    w.flush()  # nothing left: no empty part, no repeat
+    assert len(os.listdir(tmp_path / "run" / "manifest")) == 2
+
+
 def test_summary_counts_samples_with_ok_winning_over_earlier_failures(tmp_path):
     out = RunDir(str(tmp_path))
     w = ManifestWriter(out, "A")

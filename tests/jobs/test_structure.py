@@ -292,6 +292,10 @@ def test_a_manifest_part_named_without_a_checksum_older_runs_still_reads(tmp_pat
     open(old, "wb").write(b"PAR1 not parquet PAR1")  # unchecked, but damage pyarrow sees is still the one line
     with pytest.raises(RunFormatError, match=r"is not readable Parquet.*rename it to part-.*\.parquet\.damaged"):
         read_manifest(out)
+    # a checksum this hsx does not know (a newer hsx's) is refused, not read unchecked
+    os.rename(old, old.replace(".parquet", "-xxh3_128_" + "0" * 32 + ".parquet"))
+    with pytest.raises(RunFormatError, match=r"carries a xxh3_128 checksum, which this hsx does not know"):
+        read_manifest(out)
 
 
 # -- estimate = the writer's own bytes -------------------------------------------------------------------------------

@@ -349,30 +349,33 @@ def test_an_unreachable_or_missing_output_is_one_line_and_exit_2(s3_server, s3_b
 def test_storage_failing_at_a_commit_fails_the_job_in_one_line_and_keeps_what_was_committed(
         ray_cluster, tiny_llama, tmp_path, monkeypatch, fail_at):
     import errno
+    import re
 
-    import jobs.manifest
     from jobs.config import JobConfig
     from jobs.pipeline import JobFailed, run_job
     from tests.jobs.conftest import write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(12)])
-    real = jobs.manifest.write_manifest_part
+    real = RunDir.put
     calls = []
 
-    def full_disk(run, rows, attempt, seq, **kw):  # the storage layer fails the way a full disk does
+    def full_disk(self, rel, data):  # the storage layer fails the way a full disk does, for manifest parts
+        if not rel.startswith("manifest/"):
+            return real(self, rel, data)
+        seq = int(re.search(r"-(\d{6})-xxh3_64_", rel).group(1))
         calls.append(seq)
         if fail_at == "the last commit" or seq >= 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(run, rows, attempt, seq, **kw)
+        return real(self, rel, data)
 
-    monkeypatch.setattr(jobs.manifest, "write_manifest_part", full_disk)
+    monkeypatch.setattr(RunDir, "put", full_disk)
     flush_rows = 10_000 if fail_at == "the last commit" else 1
     config = JobConfig(model=tiny_llama, corpus=(corpus,), output=str(tmp_path / "out"), progress=False,
                        manifest_flush_rows=flush_rows, tokens_per_task=16)
     with pytest.raises(JobFailed, match="No space left on device.*re-run the same command") as e:
         run_job(config)
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(jobs.manifest, "write_manifest_part", real)
+    monkeypatch.setattr(RunDir, "put", real)
     committed = len(read_manifest(config.output))
     if fail_at == "the last commit":
         assert committed == 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
-from connectors.run import RunDir, RunSpec, write_manifest_part, write_run_spec
+from connectors.run import MANIFEST_DIR, RunDir, RunSpec, manifest_parts, write_manifest_part, write_run_spec
 from connectors.storage import open_url
 
 
@@ -123,6 +123,9 @@ def write_manifest(output: str, rows: Sequence[dict], *, storage_options: dict |
     """The manifest as `parts` part files under OUTPUT/manifest/ (rows split in order), through the job's own part
     writer; a second call with the same `attempt` replaces the parts of the first."""
     run = RunDir(output, storage_options)
+    for name in manifest_parts(run):
+        if name.startswith(f"part-{attempt}-"):  # a part's name carries its bytes' checksum: remove, then write
+            run.fs.rm(run.path(f"{MANIFEST_DIR}/{name}"))
     per = -(-len(rows) // parts) if rows else 0
     for p in range(parts):
         write_manifest_part(run, list(rows[p * per:(p + 1) * per]), attempt, p)
