@@ -387,6 +387,8 @@ def test_storage_failing_at_a_commit_fails_the_job_in_one_line_and_keeps_what_wa
 
 @pytest.mark.ray
 def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
+    import time
+
     import ray
 
     from jobs.pipeline import registry_stats
@@ -394,7 +396,15 @@ def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
 
     registry = ray.remote(num_cpus=0)(SampleRegistry).remote(["a"])
     assert registry_stats(registry) == {"skipped": 0, "duplicates": 0, "claimed": 0}
-    ray.kill(registry)
+    ray.kill(registry)  # asynchronous: a call right after can still be answered, so wait until the actor is dead
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(registry.stats.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "ray.kill did not end the actor"
+        time.sleep(0.05)
     with caplog.at_level("WARNING", logger="jobs.pipeline"):
         assert registry_stats(registry) == {"skipped": 0, "duplicates": 0}
     assert "the sample registry died" in caplog.text
