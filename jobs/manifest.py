@@ -77,6 +77,8 @@ class ManifestWriter:
         self.run.put(name, raw)
         self._unsent = None
         logger.debug("committed %d manifest rows to %s", rows, name)
+
+
 @dataclass
 class Summary:
     ok: int = 0
