@@ -5,10 +5,11 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     OUTPUT/data/<2 hex>/<digest>-<id>.safetensors      data_path(sample_id): one file per sample (see format.py)
     OUTPUT/manifest/part-<attempt>-<seq>-xxh3_64_<hex>.parquet
                                                        MANIFEST_SCHEMA rows, one part per commit; authoritative: a
-                                                       data file counts only with an "ok" row; <hex> (16 digits) is
-                                                       the xxh3_64 of the part's bytes, checked on every read (a flipped byte in
-                                                       a Parquet page or footer can otherwise read back as other
-                                                       data); parts named without it (older runs) read unchecked
+                                                       data file counts only with an "ok" row; <hex> (16 digits)
+                                                       is the xxh3_64 of the part's bytes, checked on every read (a
+                                                       flipped byte in a Parquet page or footer can otherwise read
+                                                       back as other data); parts named without it (older runs)
+                                                       read unchecked
 
     RunDir(url, storage_options)         the output root: url_of(rel), exists, read_bytes, put (atomic), list,
                                          check_reachable (storage answers, bucket exists)
@@ -396,8 +397,12 @@ def encode_manifest_part(rows: pa.Table | Sequence[Mapping[str, Any]], attempt: 
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     raw = sink.getvalue().to_pybytes()
-    digest = data_checksum([raw]).split(":", 1)[1]
-    return f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}-{CHECKSUM_ALGORITHM}_{digest}.parquet", raw
+    return f"{MANIFEST_DIR}/part-{attempt}-{seq:06d}-{CHECKSUM_ALGORITHM}_{_part_digest(raw)}.parquet", raw
+
+
+def _part_digest(raw: bytes) -> str:
+    """The hex digits a part's name carries: the data checksum of its bytes, without the algorithm tag."""
+    return data_checksum([raw]).split(":", 1)[1]
 
 
 def write_manifest_part(run: RunDir | str, rows: pa.Table | Sequence[Mapping[str, Any]], attempt: str, seq: int, *,
@@ -443,9 +448,9 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
             raise RunFormatError(f"manifest part {where} carries a {named.group(1)} checksum, which this hsx does "
                                  f"not know (it writes and checks {CHECKSUM_ALGORITHM}); read the run with the hsx "
                                  "that wrote it, or a newer one")
-        if named and data_checksum([raw]).split(":", 1)[1] != named.group(2):
+        if named and (actual := _part_digest(raw)) != named.group(2):
             raise RunFormatError(f"manifest part {where} does not match the {CHECKSUM_ALGORITHM} checksum in its "
-                                 f"name (its {len(raw)} bytes hash to {data_checksum([raw])}); {damaged}")
+                                 f"name (its {len(raw)} bytes hash to {CHECKSUM_ALGORITHM}:{actual}); {damaged}")
         try:
             part = pq.ParquetFile(pa.BufferReader(raw))
             names = part.schema_arrow.names
