@@ -1,6 +1,7 @@
 """Online vs offline: `hsx serve` with concurrent clients against `LLM.generate` on the same prompts.
 
     python benchmarks/bench_serve.py                         # CPU: a small random Llama, 256 prompts, 16 clients
+    python benchmarks/bench_serve.py --hidden-size 1024 --layers-model 16 --repeats 3   # CPU, a model with real work
     python benchmarks/bench_serve.py --device cuda --prompts 2048 --hidden-size 1024 --layers-model 16
 
 Both sides run the same engine settings (model, layers, dtype, max_num_seqs, max_num_batched_tokens) and the same
