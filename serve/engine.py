@@ -2,7 +2,7 @@
 
     PromptRequest       one prompt as the ingress sends it: text, token ids or chat messages, sampling, kv params
     EngineReply         what comes back: token ids, text, the durable file's path, or an error (status + message)
-    Engine.extract(r)   validate and tokenize on the event loop (400/403 before anything runs), then
+    Engine.extract(r)   validate and tokenize (text on a thread of its own; 400/403 before anything runs), then
                         Engine._run_batch: Ray Serve's @serve.batch gathers up to max_num_seqs prompts for
                         batch_wait_timeout_s; batches formed while the engine is busy are merged into its next call;
                         one LLM.generate runs them (on a worker thread) and returns once every file is durable
@@ -103,6 +103,44 @@ class _Item:
     reply: EngineReply | None = None
 
 
+# pre-tokenizers that keep every character of the text (Split and Punctuation unless their behavior removes them)
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Punctuation", "Digits"}
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """The most UTF-8 bytes of a text one token can stand for, where that is bounded, else None.
+
+    Then a text of C characters has at least ceil(C / that) tokens, and a text too long for --max-prompt-tokens can be
+    refused without tokenizing it (megabytes take seconds). Bounded for fast byte-level BPE tokenizers (GPT-2, Llama-3,
+    Qwen): no normalizer, a byte-level pre-tokenizer and splits that keep every character, so each byte of the text is
+    in exactly one token, and a token covers at most as many bytes as its vocabulary piece has characters (one per byte)
+    or an added token has bytes. Not bounded (None) where a normalizer or pre-tokenizer may drop characters (NFKC,
+    BERT's cleaning, whitespace splitting), an added token absorbs the whitespace beside it (lstrip / rstrip), or
+    unknown characters fuse into one token."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # a tokenizer the tokenizers library cannot serialise: no claim
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    model = spec.get("model") or {}
+    if (spec.get("normalizer") is not None or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict)
+            or not any(step.get("type") == "ByteLevel" for step in steps)
+            or any(step.get("type") not in _KEEPING_PRE_TOKENIZERS or step.get("behavior") == "Removed"
+                   for step in steps)
+            or (model.get("fuse_unk") and model.get("unk_token") is not None)):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    return max([len(piece) for piece in model["vocab"]] + [len(a["content"].encode()) for a in added] + [1])
+
+
 class _Rejected(Exception):
     def __init__(self, status: int, message: str, param: str | None, code: str) -> None:
         super().__init__(message)
@@ -127,6 +165,7 @@ class Engine:
         self.max_model_len = self.llm.runner.max_model_len
         self.vocab_size = self.llm.runner.vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
+        self._bytes_per_token = max_bytes_per_token(self.tokenizer)
         self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
         self._fs, _ = storage.open_url(config.output, config.storage_options)
         self._executor = named_thread_pool(1, "hsx-engine")
@@ -152,6 +191,7 @@ class Engine:
 
     async def extract(self, request: PromptRequest) -> EngineReply:
         try:
+            self._refuse_text_too_long(request)
             if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
                 item = self._admit(request)
             else:
@@ -169,6 +209,17 @@ class Engine:
             raise
 
     # -- admission: every user error answered here, before anything runs or is written -----------------------------
+    def _refuse_text_too_long(self, r: PromptRequest) -> None:
+        """A text prompt with more characters than max_prompt_tokens tokens can cover is refused untokenized."""
+        if r.prompt is None or r.messages is not None or self._bytes_per_token is None:
+            return
+        floor = -(-len(r.prompt) // self._bytes_per_token)
+        if floor > self.max_prompt_tokens:
+            raise _Rejected(400, f"the prompt has at least {floor} tokens ({len(r.prompt)} characters, at most "
+                                 f"{self._bytes_per_token} per token for this tokenizer), more than the limit of "
+                                 f"{self.max_prompt_tokens} (--max-prompt-tokens / --max-model-len); shorten it",
+                            "prompt", "prompt_too_long")
+
     def _admit(self, r: PromptRequest) -> _Item:
         from connectors.paths import PathRejected
         from extractor import SamplingParams

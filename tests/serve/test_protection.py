@@ -200,7 +200,11 @@ def test_a_prompt_over_the_limit_gets_400_naming_it(server):
     err = error_of(server.post("/v1/completions", completion(server, prompt=list(range(1, 80)))), 400)
     assert err["code"] == "prompt_too_long" and "79 tokens" in err["message"] and "64" in err["message"]
     err = error_of(server.post("/v1/completions", completion(server, prompt="hello " * 100)), 400)
-    assert err["code"] == "prompt_too_long"
+    assert err["code"] == "prompt_too_long" and "has 401 tokens" in err["message"]  # tokenized: 600 characters may fit
+    # more characters than 64 tokens of this byte-level tokenizer can hold: refused before tokenizing
+    err = error_of(server.post("/v1/completions", completion(server, prompt="hello " * 10000)), 400)
+    assert err["code"] == "prompt_too_long" and err["param"] == "prompt"
+    assert "at least 4616 tokens (60000 characters, at most 13 per token" in err["message"] and "64" in err["message"]
     assert files(server.output) == before
 
 
