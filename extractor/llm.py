@@ -308,13 +308,15 @@ class LLM:
                 raise ValueError("kv_transfer_params on a request to a speculative-decoding engine, which writes no "
                                  "hidden states; drop them, or extract with an extract_hidden_states engine")
             mask = None if req.loss_mask is None else torch.tensor(req.loss_mask, dtype=torch.uint8)
+            # before the connector takes the request: nothing may fail between its start and the batch
+            req.generator = make_generator(params) if params.max_tokens > 0 else None
             self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
                                                      sample_id=req.sample_id, loss_mask=mask))
         except (ValueError, TypeError) as e:
             req.error = str(e)
             req.error_kind = "path_in_use" if isinstance(e, PathInUse) else "invalid"
+            req.generator = None
             logger.warning("request %s failed: %s", rid, e)
-        req.generator = make_generator(params) if req.error is None and params.max_tokens > 0 else None
         return req
 
     def _tokenize(self, req: _Request, prompt: PromptType) -> None:

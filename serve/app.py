@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serve.config import ServeConfig
 from serve.engine import EngineReply, PromptRequest
@@ -141,6 +142,9 @@ class Ingress:
         except asyncio.CancelledError:
             status = 499  # the client went away; the engine removes what it wrote for it
             raise
+        except ClientDisconnect:  # gone while still sending its body: nothing ran
+            status = 499
+            return Response(status_code=499)
         except Exception as e:
             logger.exception("%s failed", endpoint)
             err = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
@@ -248,17 +252,23 @@ class Ingress:
     async def _extract(self, requests: list[PromptRequest]) -> list[EngineReply]:
         """Every prompt through the engine replicas; all succeed or the request fails and keeps no file."""
         self.metrics.queue_depth.inc(len(requests))
+        tasks = [asyncio.ensure_future(self._one(r)) for r in requests]
         try:
-            results = await asyncio.gather(*(self._one(r) for r in requests), return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: the prompts still running are cancelled with it,
+            for t in tasks:             # and those that had finished keep no file either
+                if t.done() and not t.cancelled() and isinstance(t.result(), EngineReply) and t.result().ok:
+                    self._discard(t.result().path, "client_gone")
+            raise
         finally:
             self.metrics.queue_depth.dec(len(requests))
-        for r in results:
-            if isinstance(r, EngineReply):
-                self.metrics.observe_reply(r)
         failure = next((r for r in results if not isinstance(r, EngineReply)), None)
         if failure is None:
             failure = next((APIError(r.status, r.message, param=r.param, code=r.code) for r in results if not r.ok),
                            None)
+        for r in results:  # tokens and bytes count only for an answered request
+            if isinstance(r, EngineReply):
+                self.metrics.observe_reply(r, answered=failure is None)
         if failure is None:
             return results
         for r in results:  # all or nothing: the other prompts' files go
@@ -283,14 +293,14 @@ class Ingress:
                                 "nothing was acknowledged, retry the request", code="replica_lost",
                            headers=retry) from None
 
-    def _discard(self, path: str | None) -> None:
+    def _discard(self, path: str | None, reason: str = "request_failed") -> None:
         from connectors import cleanup_hidden_states
 
         if path is None:
             return
         try:
             cleanup_hidden_states(path, storage_options=self.config.storage_options)
-            self.metrics.files_discarded.labels("request_failed").inc()
+            self.metrics.files_discarded.labels(reason).inc()
         except OSError as e:
             logger.warning("could not remove %s of a failed request: %s", path, e)
 

@@ -117,8 +117,10 @@ class ServeConfig:
                 raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
-        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
-            raise ValueError(f"--max-queued-requests must be an integer >= 0, got {self.max_queued_requests!r}")
+        if (not isinstance(self.max_queued_requests, int) or isinstance(self.max_queued_requests, bool)
+                or self.max_queued_requests < 1):  # Ray Serve queues at least one
+            raise ValueError(f"--max-queued-requests must be a positive integer (prompts waiting for an engine "
+                             f"replica beyond those it runs), got {self.max_queued_requests!r}")
         for name in ("batch_wait_timeout_s", "drain_timeout_s", "cpus_per_replica", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -132,6 +134,9 @@ class ServeConfig:
                              "'-', '_' or '.', without a trailing / (e.g. /llama)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError(f"--api-key is empty; pass a non-empty key or leave it (and ${API_KEY_ENV}) unset")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
+                             "as they are (no client could send it); use letters, digits and punctuation")
 
     def check_required(self) -> None:
         missing = [_flag(n) for n in ("model", "output") if not getattr(self, n)]

@@ -103,6 +103,11 @@ class _Item:
     reply: EngineReply | None = None
 
 
+# apply_chat_template's own arguments, which decide what it returns: not the caller's to set through
+# chat_template_kwargs (return_tensors="np" would hand back arrays, truncation would cut the prompt silently)
+_CALL_KWARGS = {"tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                "return_assistant_tokens_mask"}
+
 # pre-tokenizers that keep every character of the text (Split and Punctuation unless their behavior removes them)
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Punctuation", "Digits"}
 
@@ -280,6 +285,11 @@ class Engine:
         if r.continue_final_message and r.messages[-1].get("role") != "assistant":
             raise _Rejected(400, "continue_final_message needs the last message to be the assistant's",
                             "continue_final_message", "invalid_value")
+        clash = sorted(set(r.chat_template_kwargs or {}) & _CALL_KWARGS)
+        if clash:
+            raise _Rejected(400, f"chat_template_kwargs may not set {', '.join(clash)}: hsx sets them itself (the "
+                                 "template's token ids, whole); pass only the template's own variables",
+                            "chat_template_kwargs", "invalid_value")
         try:
             out = self.tokenizer.apply_chat_template(
                 r.messages, chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,

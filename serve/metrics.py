@@ -62,10 +62,10 @@ class ServeMetrics:
                                registry=r)
         self._aborted_by_replica: dict[str, int] = {}
 
-    def observe_reply(self, reply) -> None:
-        """One engine reply (serve.engine.EngineReply): tokens and bytes when it succeeded, its batch when it is the
-        batch's first."""
-        if reply.ok:
+    def observe_reply(self, reply, answered: bool = True) -> None:
+        """One engine reply (serve.engine.EngineReply): tokens and bytes when it succeeded and its request was
+        answered with it (not a list request that failed as a whole), its batch when it is the batch's first."""
+        if reply.ok and answered:
             self.prompt_tokens.inc(len(reply.prompt_token_ids))
             self.generation_tokens.inc(len(reply.token_ids))
             self.bytes_written.inc(reply.bytes_written)

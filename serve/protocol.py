@@ -56,10 +56,10 @@ class KVTransferParams(_Body):
 
 class _Sampling(_Body):
     model: str
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)  # torch.Generator.manual_seed's range
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

@@ -35,15 +35,14 @@ def build_app(config: ServeConfig, gpus_per_replica: float):
 
     backpressure = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     ongoing = 2 * config.max_num_seqs
-    queued = config.max_queued_requests or 1  # Ray Serve: -1 (unbounded) or >= 1
     engine = serve.deployment(
         Engine, name="Engine", num_replicas=config.replicas, max_ongoing_requests=ongoing,
-        max_queued_requests=queued, backpressure_config=backpressure,
+        max_queued_requests=config.max_queued_requests, backpressure_config=backpressure,
         ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": gpus_per_replica,
                            # torch's CPU threads = the CPUs the replica holds: more would spin against its neighbours
                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(config.cpus_per_replica)))}}},
         graceful_shutdown_timeout_s=config.drain_timeout_s, health_check_period_s=2, health_check_timeout_s=30)
-    capacity = config.replicas * ongoing + queued
+    capacity = config.replicas * ongoing + config.max_queued_requests
     ingress = serve.deployment(
         Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=capacity + 64,
         max_queued_requests=capacity + 64, backpressure_config=backpressure, ray_actor_options={"num_cpus": 0},

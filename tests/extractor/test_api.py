@@ -219,6 +219,14 @@ def test_sampling_params_validate_their_fields():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unknown kv_transfer_params keys"):
         SamplingParams(extra_args={"kv_transfer_params": {"path": "x"}})
+    for bad in (float("inf"), float("nan"), -0.5):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            SamplingParams(temperature=bad)
+    for bad in (1 << 64, -(1 << 63) - 1, 1.5, True):  # torch's generator would overflow at the first sample
+        with pytest.raises(ValueError, match="seed must be an integer in"):
+            SamplingParams(seed=bad)
+    SamplingParams(seed=(1 << 64) - 1)
+    SamplingParams(seed=-(1 << 63))
 
 
 def test_after_an_early_exit_extraction_the_model_still_runs_to_the_end(tiny_llama, kv_config):

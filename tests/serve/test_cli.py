@@ -19,6 +19,8 @@ from jobs.cli import main
     (["--model", "{model}", "--output", "{out}", "--dtype", "int8"], "--dtype"),
     (["--model", "{model}", "--output", "{out}", "--api-key", " "], "--api-key"),
     (["--model", "{model}", "--output", "{out}", "--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--model", "{model}", "--output", "{out}", "--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--model", "{model}", "--output", "{out}", "--api-key", "clé"], "--api-key holds characters outside"),
     (["--model", "{model}", "--output", "{out}", "--storage-options", "{{not json"], "--storage-options"),
     (["--model", "{model}", "--output", "{out}", "--name", "two words"], "--name 'two words'"),
     (["--model", "{model}", "--output", "{out}", "--route-prefix", "llama"], "--route-prefix 'llama'"),

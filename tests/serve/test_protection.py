@@ -67,10 +67,33 @@ def test_malformed_json_gets_400(server):
     ({"kv_transfer_params": {"include_output_tokens": "yes"}}, "kv_transfer_params.include_output_tokens"),
     ({"kv_transfer_params": {"hidden_state_path": "x.safetensors"}}, "kv_transfer_params.hidden_state_path"),
     ({"return_token_ids": 1}, "return_token_ids"),
+    ({"seed": 1 << 64}, "seed"),  # past torch's generator: it failed the whole engine batch, every request a 500
+    ({"seed": -(1 << 63) - 1}, "seed"),
 ])
 def test_wrong_types_get_400_naming_the_field(server, fields, param):
     err = error_of(server.post("/v1/completions", completion(server, **fields)), 400)
     assert err["param"] == param and param in err["message"], err
+
+
+def test_an_infinite_temperature_gets_400(server):
+    body = b'{"model": "%s", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 1e400}' % server.model.encode()
+    err = error_of(server.post("/v1/completions", body), 400)  # 1e400 parses as infinity
+    assert err["param"] == "temperature", err
+
+
+def test_a_seed_at_the_edge_of_the_range_is_served(server):
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        r = server.post("/v1/completions", completion(server, max_tokens=2, temperature=1.0, seed=seed))
+        assert r.status_code == 200, r.text
+
+
+def test_chat_template_kwargs_that_change_what_the_template_returns_get_400(server):
+    for key, value in (("return_tensors", "np"), ("truncation", True), ("max_length", 2)):
+        r = server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 0,
+                                                 "messages": [{"role": "user", "content": "hello"}],
+                                                 "chat_template_kwargs": {key: value}})
+        err = error_of(r, 400)
+        assert err["param"] == "chat_template_kwargs" and key in err["message"], err
 
 
 def test_missing_fields_get_400_naming_them(server):
@@ -258,6 +281,34 @@ def test_a_full_queue_gets_503_with_retry_after_and_keeps_no_file(server):
     assert r.headers["Retry-After"] == "1"
     assert files(server.output) == before  # the prompts that ran had their files removed: all or nothing
     assert server.post("/v1/completions", completion(server)).status_code == 200  # and the server still serves
+
+
+def test_a_list_request_whose_client_goes_away_keeps_none_of_its_files(server):
+    """Its first prompt stops at once and its second decodes on when the client leaves: the finished prompt's file
+    goes too (the all-or-nothing rule holds for a request nobody answered)."""
+    def first_tokens(prompt, n):
+        r = server.post("/v1/completions", completion(server, prompt=prompt, max_tokens=n, temperature=0,
+                                                      ignore_eos=True, return_token_ids=True))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    # a token early in the first prompt's greedy output that the second prompt's 1500 greedy tokens never hold
+    early = first_tokens([5, 6, 7], 20)
+    outputs = {tuple(p): set(first_tokens(p, 1500)) for p in ([8, 9, 10], [11, 12], [13, 14, 15, 16], [17, 3])}
+    stop, slow = next((t, list(p)) for t in early for p, out in outputs.items() if t not in out)
+    keys = ('hsx_serve_files_discarded_total{reason="client_gone"}', "hsx_serve_requests_aborted_total")
+    before = {k: server.metrics().get(k, 0) for k in keys}
+    body = completion(server, prompt=[[5, 6, 7], slow], max_tokens=1500, temperature=0, ignore_eos=True,
+                      stop_token_ids=[stop])
+    with pytest.raises(requests.Timeout):
+        server.post("/v1/completions", body, timeout=1.0)
+    deadline = time.monotonic() + 60  # the abort is reported with the replica's next answers: ask until both count
+    while any(server.metrics().get(k, 0) == before[k] for k in keys) and time.monotonic() < deadline:
+        assert server.post("/v1/completions", completion(server)).status_code == 200
+    after = {k: server.metrics().get(k, 0) for k in keys}
+    assert after[keys[1]] >= before[keys[1]] + 1  # the decoding prompt: aborted, nothing written
+    assert after[keys[0]] >= before[keys[0]] + 1  # the finished prompt: its file removed
+    assert not glob.glob(os.path.join(server.output, "**", "cmpl-*-[01].safetensors"), recursive=True)
 
 
 def test_a_client_that_goes_away_leaves_no_file(server):
