@@ -88,6 +88,31 @@ def _split(url: str) -> tuple[type, str, bool]:
     return cls, path, local
 
 
+# what a file system takes (Linux's NAME_MAX and PATH_MAX) and an object store's key (S3's and GCS's 1024 bytes),
+# less what the writer adds to the file's name while it writes
+_NAME_MAX, _PATH_MAX, _KEY_MAX = 255, 4095, 1024
+
+
+def _check_lengths(custom: str, path: str, local: bool) -> None:
+    """Refuse a path no storage can hold, before anything is written (it would fail at write time instead)."""
+    from connectors.storage import TEMP_NAME_EXTRA
+
+    name = posixpath.basename(path).encode()
+    if local:
+        long_part = next((p for p in path.split("/")[:-1] if len(p.encode()) > _NAME_MAX), None)
+        if long_part is not None or len(name) + TEMP_NAME_EXTRA > _NAME_MAX or len(path.encode()) > _PATH_MAX:
+            raise PathRejected(f"hidden_states_path {custom[:80]!r}... is too long for a file system: a file name may "
+                               f"have at most {_NAME_MAX - TEMP_NAME_EXTRA} bytes here ({_NAME_MAX} less "
+                               f"{TEMP_NAME_EXTRA} for the writer's temporary name), a folder name {_NAME_MAX}, the "
+                               f"whole path {_PATH_MAX}; use shorter names")
+        return
+    key = path.partition("/")[2].encode()  # after the bucket
+    if len(key) + TEMP_NAME_EXTRA > _KEY_MAX:
+        raise PathRejected(f"hidden_states_path {custom[:80]!r}... is too long for an object store: a key may have at "
+                           f"most {_KEY_MAX - TEMP_NAME_EXTRA} bytes here ({_KEY_MAX} less {TEMP_NAME_EXTRA} for the "
+                           "writer's temporary name); use shorter names")
+
+
 class PathPolicy:
     """Decides the destination of every request for one connector."""
 
@@ -131,6 +156,7 @@ class PathPolicy:
             cls, path, local = _split(custom)
         except (ValueError, ImportError) as e:
             raise PathRejected(f"hidden_states_path {custom!r} has an unknown or unusable protocol: {e}") from e
+        _check_lengths(custom, path, local)
         symlink_escape: PathRejected | None = None
         for root_cls, root_path, _root_local in self._allowed:
             if cls is not root_cls:

@@ -80,6 +80,12 @@ from connectors.format import (
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+TEMP_NAME_EXTRA = len("..tmp-") + 32  # a file is written as .<name>.tmp-<32 hex> beside it first (temp_name)
+
+
+def temp_name(name: str) -> str:
+    """The name `name` is written under before it is renamed into place: hidden, unique, in the same folder."""
+    return f".{name}.tmp-{uuid.uuid4().hex}"
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gcs", "gs", "memory", "az", "abfs", "abfss", "adl"}
 _INSTALL_HINTS = {"s3": "pip install 'hsx[s3]' (s3fs)", "gs": "pip install 'hsx[gcs]' (gcsfs)",
                   "gcs": "pip install 'hsx[gcs]' (gcsfs)"}
@@ -252,7 +258,7 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, ro
         return len(data)
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    tmp = f"{parent}/.{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}"
+    tmp = f"{parent}/{temp_name(posixpath.basename(path))}"
     try:
         fs.pipe_file(tmp, data)
         fs.mv(tmp, path)
@@ -290,7 +296,7 @@ def _write_local(path: str, content: Content, root: str | None, *, exclusive: bo
     which fails if `path` exists (then None) — and the folder fsynced. The temp file is removed whatever happens.
     Returns the bytes written."""
     with local_parent(path, root) as (dir_fd, name):
-        tmp = f".{name}.tmp-{uuid.uuid4().hex}"
+        tmp = temp_name(name)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
                          dir_fd=dir_fd)

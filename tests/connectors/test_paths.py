@@ -195,3 +195,23 @@ def test_request_ids_of_any_shape_become_safe_distinct_names_inside_the_root(bac
         assert got["token_ids"].shape == (1 + i,)
     stored = {k for k in backend.files() if k.startswith(root_key + "/")}
     assert stored == set(keys.values())
+
+
+def test_paths_too_long_for_the_storage_are_refused_and_the_longest_allowed_is_written(backend, tmp_path,
+                                                                                       connector_factory):
+    """A name the storage cannot hold is a clear refusal before anything is written, not a write error later."""
+    connector = connector_factory(backend.root, make_spec(), storage_options=backend.storage_options,
+                                  allow_custom_save_path=True)
+    suffix = ".safetensors"
+    if backend.name == "local":  # a file name: 255 bytes less the writer's temporary .<name>.tmp-<32 hex>
+        longest, too_long = "n" * (217 - len(suffix)) + suffix, "n" * (218 - len(suffix)) + suffix
+        with pytest.raises(PathRejected, match="a folder name 255"):
+            connector.start_request(RequestInfo("deep", 3, {"hidden_states_path": "d" * 256 + "/x" + suffix}))
+    else:  # a key: 1024 bytes less the same 38
+        longest, too_long = "k" * 500 + suffix, "k" * 1100 + suffix
+    assert_rejected_and_nothing_written(connector, backend, tmp_path, too_long)
+    with pytest.raises(PathRejected, match="too long for an? (file system|object store)"):
+        connector.start_request(RequestInfo("long", 3, {"hidden_states_path": too_long}))
+    path = write_one(connector, "longest", {"hidden_states_path": longest})
+    assert connector.wait_for_save() == {}
+    assert load_hidden_states(path, storage_options=backend.storage_options)["hidden_states"].shape == (3, 3, 32)
