@@ -93,9 +93,9 @@ def _split(url: str) -> tuple[type, str, bool]:
 _NAME_MAX, _PATH_MAX, _KEY_MAX = 255, 4095, 1024
 
 
-def _check_lengths(custom: str, path: str, local: bool) -> None:
+def _check_lengths(custom: str, path: str, local: bool, cls: type) -> None:
     """Refuse a path no storage can hold, before anything is written (it would fail at write time instead)."""
-    from connectors.storage import TEMP_NAME_EXTRA
+    from connectors.storage import LOCK_SUFFIX, TEMP_NAME_EXTRA, writes_in_place
 
     name = posixpath.basename(path).encode()
     if local:
@@ -107,10 +107,12 @@ def _check_lengths(custom: str, path: str, local: bool) -> None:
                                f"whole path {_PATH_MAX}; use shorter names")
         return
     key = path.partition("/")[2].encode()  # after the bucket
-    if len(key) + TEMP_NAME_EXTRA > _KEY_MAX:
+    # stores that take a whole object at once add only the <key>.lock beside it; others write a temporary name first
+    extra, why = (len(LOCK_SUFFIX), "its .lock") if writes_in_place(cls) else (TEMP_NAME_EXTRA, "its temporary name")
+    if len(key) + extra > _KEY_MAX:
         raise PathRejected(f"hidden_states_path {custom[:80]!r}... is too long for an object store: a key may have at "
-                           f"most {_KEY_MAX - TEMP_NAME_EXTRA} bytes here ({_KEY_MAX} less {TEMP_NAME_EXTRA} for the "
-                           "writer's temporary name); use shorter names")
+                           f"most {_KEY_MAX - extra} bytes here ({_KEY_MAX} less {extra} for {why}); use shorter "
+                           "names")
 
 
 class PathPolicy:
@@ -156,7 +158,7 @@ class PathPolicy:
             cls, path, local = _split(custom)
         except (ValueError, ImportError) as e:
             raise PathRejected(f"hidden_states_path {custom!r} has an unknown or unusable protocol: {e}") from e
-        _check_lengths(custom, path, local)
+        _check_lengths(custom, path, local, cls)
         symlink_escape: PathRejected | None = None
         for root_cls, root_path, _root_local in self._allowed:
             if cls is not root_cls:

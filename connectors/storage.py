@@ -123,9 +123,14 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in _protocols(fs)
 
 
-def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+def _protocols(fs: fsspec.AbstractFileSystem | type) -> set[str]:
     p = fs.protocol
     return {p} if isinstance(p, str) else set(p)
+
+
+def writes_in_place(fs: fsspec.AbstractFileSystem | type) -> bool:
+    """Whether a put on this filesystem (or its class) lands whole at once, with no temporary name first."""
+    return bool(_protocols(fs) & _ATOMIC_PUT_PROTOCOLS)
 
 
 def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -253,7 +258,7 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, ro
         data = buf.getvalue()
     else:
         data = b"".join(content)  # one copy: fsspec puts take bytes
-    if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+    if writes_in_place(fs):
         fs.pipe_file(path, data)
         return len(data)
     if parent:
@@ -280,7 +285,7 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> b
     if is_local(fs):
         return _write_local(path, data, None, exclusive=True) is not None
     parent = posixpath.dirname(path)
-    if parent and not _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+    if parent and not writes_in_place(fs):
         fs.makedirs(parent, exist_ok=True)
     try:
         with fs.open(path, "xb") as f:
@@ -469,7 +474,7 @@ def _write_pending(fs: fsspec.AbstractFileSystem, path: str) -> bool:
         finally:
             os.close(fd)  # closing releases the shared lock, if it was taken
         return False  # an unheld lock file (vLLM leaves them behind after writing)
-    if _protocols(fs) & _ATOMIC_PUT_PROTOCOLS:
+    if writes_in_place(fs):
         # an object appears whole or not at all, so once it exists it is readable, whatever lock object is still
         # around (a writer that could not delete it, or one copied along with vLLM output); until then a lock
         # means "coming"

@@ -7,6 +7,7 @@ Greedy when temperature is 0; otherwise temperature, top-k and top-p, drawn from
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,10 +45,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator range), got "
-                             f"{self.seed!r}")
+        if self.seed is not None:
+            try:
+                seed = operator.index(self.seed)  # ints and integer scalars (numpy's), not floats or bools
+            except TypeError:
+                seed = None
+            if seed is None or isinstance(self.seed, bool) or not SEED_MIN <= seed <= SEED_MAX:
+                raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator range), "
+                                 f"got {self.seed!r}")
+            self.seed = seed
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         self.stop_token_ids = list(self.stop_token_ids or [])

@@ -257,8 +257,8 @@ class Ingress:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:  # the client went away: the prompts still running are cancelled with it,
             for t in tasks:             # and those that had finished keep no file either
-                if t.done() and not t.cancelled() and isinstance(t.result(), EngineReply) and t.result().ok:
-                    self._discard(t.result().path, "client_gone")
+                if t.done() and not t.cancelled() and t.exception() is None and t.result().ok:
+                    self._discard(t.result().path, "client_gone")  # (a failed prompt's error is not re-raised)
             raise
         finally:
             self.metrics.queue_depth.dec(len(requests))

@@ -134,6 +134,9 @@ class ServeConfig:
                              "'-', '_' or '.', without a trailing / (e.g. /llama)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError(f"--api-key is empty; pass a non-empty key or leave it (and ${API_KEY_ENV}) unset")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise ValueError("--api-key begins or ends with whitespace, which clients' headers do not carry; pass the "
+                             "key without it")
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")

@@ -116,11 +116,12 @@ def max_bytes_per_token(tokenizer) -> int | None:
     """The most UTF-8 bytes of a text one token can stand for, where that is bounded, else None.
 
     Then a text of C characters has at least ceil(C / that) tokens, and a text too long for --max-prompt-tokens can be
-    refused without tokenizing it (megabytes take seconds). Bounded for fast byte-level BPE tokenizers (GPT-2, Llama-3,
-    Qwen): no normalizer, a byte-level pre-tokenizer and splits that keep every character, so each byte of the text is
-    in exactly one token, and a token covers at most as many bytes as its vocabulary piece has characters (one per byte)
-    or an added token has bytes. Not bounded (None) where a normalizer or pre-tokenizer may drop characters (NFKC,
-    BERT's cleaning, whitespace splitting), an added token absorbs the whitespace beside it (lstrip / rstrip), or
+    refused without tokenizing it (megabytes take seconds). Bounded for fast byte-level BPE tokenizers (GPT-2's and
+    Llama-3's shapes): no normalizer, a byte-level pre-tokenizer and splits that keep every character, and every byte
+    in the vocabulary (or an unknown token, unfused, for those it lacks), so each byte of the text is in exactly one
+    token, and a token covers at most as many bytes as its vocabulary piece has characters (one per byte)
+    or an added token has bytes. Not bounded (None) where a normalizer or pre-tokenizer may drop characters (NFKC or
+    NFC, as Qwen2's, BERT's cleaning, whitespace splitting), an added token absorbs the whitespace beside it (lstrip / rstrip), or
     unknown characters fuse into one token."""
     import json
 
@@ -143,6 +144,11 @@ def max_bytes_per_token(tokenizer) -> int | None:
     added = spec.get("added_tokens") or []
     if any(a.get("lstrip") or a.get("rstrip") for a in added):
         return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if not set(ByteLevel.alphabet()) <= set(model["vocab"]) and (model.get("unk_token") is None
+                                                                  or model.get("fuse_unk")):
+        return None  # a byte the vocabulary lacks, with no unknown token for it, is dropped from the text
     return max([len(piece) for piece in model["vocab"]] + [len(a["content"].encode()) for a in added] + [1])
 
 

@@ -227,6 +227,9 @@ def test_sampling_params_validate_their_fields():
             SamplingParams(seed=bad)
     SamplingParams(seed=(1 << 64) - 1)
     SamplingParams(seed=-(1 << 63))
+    import numpy as np
+
+    assert SamplingParams(seed=np.int64(7)).seed == 7  # integer scalars are integers
 
 
 def test_after_an_early_exit_extraction_the_model_still_runs_to_the_end(tiny_llama, kv_config):

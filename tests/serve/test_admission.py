@@ -108,6 +108,14 @@ def test_dropping_characters_is_why_there_is_no_bound():
     assert len(fast("a" + " " * 19_998 + "b").input_ids) <= 4
 
 
+def test_a_vocabulary_missing_bytes_without_an_unknown_token_gets_no_bound():
+    tok = _byte_level()
+    tok.train_from_iterator(["ab" * 50], trainers.BpeTrainer(vocab_size=20, show_progress=False))  # bytes a, b only
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert len(fast("x" * 1000 + "ab").input_ids) <= 2  # the 1000 unknown bytes vanish: no bound can hold
+    assert max_bytes_per_token(fast) is None
+
+
 def test_an_added_token_that_absorbs_whitespace_gets_no_bound():
     fast = _fast(_byte_level())
     assert max_bytes_per_token(fast) is not None

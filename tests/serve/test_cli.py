@@ -21,6 +21,7 @@ from jobs.cli import main
     (["--model", "{model}", "--output", "{out}", "--max-queued-requests", "-1"], "--max-queued-requests"),
     (["--model", "{model}", "--output", "{out}", "--max-queued-requests", "0"], "--max-queued-requests"),
     (["--model", "{model}", "--output", "{out}", "--api-key", "clé"], "--api-key holds characters outside"),
+    (["--model", "{model}", "--output", "{out}", "--api-key", "key "], "--api-key begins or ends with whitespace"),
     (["--model", "{model}", "--output", "{out}", "--storage-options", "{{not json"], "--storage-options"),
     (["--model", "{model}", "--output", "{out}", "--name", "two words"], "--name 'two words'"),
     (["--model", "{model}", "--output", "{out}", "--route-prefix", "llama"], "--route-prefix 'llama'"),

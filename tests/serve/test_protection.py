@@ -182,17 +182,19 @@ def test_a_huge_body_is_refused_without_the_proxy_holding_it(server, framing):
 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
+    opening = b'{"model": "m", "prompt": ['
     total, piece = 512 << 20, b"1," * (1 << 19)  # 1 MiB pieces of a never-ending JSON list
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {server.headers()['Authorization']}\r\n"
             "Content-Type: application/json\r\n")
-    head += (f"Content-Length: {total}\r\n\r\n" if framing == "content-length" else
+    head += (f"Content-Length: {len(opening) + total}\r\n\r\n" if framing == "content-length" else
              "Transfer-Encoding: chunked\r\n\r\n")
-    answer, sent = b"", 0
+    answer, sent, sent_at_answer = b"", 0, None
+
     def framed(data: bytes) -> bytes:
         return data if framing == "content-length" else b"%x\r\n%s\r\n" % (len(data), data)
 
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        sock.sendall(head.encode() + framed(b'{"model": "m", "prompt": ['))
+        sock.sendall(head.encode() + framed(opening))
         try:
             while sent < total:
                 sock.sendall(framed(piece))
@@ -202,7 +204,9 @@ def test_a_huge_body_is_refused_without_the_proxy_holding_it(server, framing):
                     answer += sock.recv(65536)
                 except BlockingIOError:
                     pass
-                sock.setblocking(True)
+                sock.settimeout(60)  # blocking again, with the timeout (setblocking(True) would drop it)
+                if answer and sent_at_answer is None:
+                    sent_at_answer = sent
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server closed the connection after answering: as good as draining it
         sock.settimeout(30)
@@ -216,6 +220,7 @@ def test_a_huge_body_is_refused_without_the_proxy_holding_it(server, framing):
     assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
     assert b"body_too_large" in answer and b"--max-body-bytes" in answer
     assert peak - base < 128 << 20, f"the proxy grew by {(peak - base) >> 20} MiB while {sent >> 20} MiB were sent"
+    assert sent_at_answer is not None and sent_at_answer < total // 2, (sent_at_answer, total)  # answered early
 
 
 def test_a_prompt_over_the_limit_gets_400_naming_it(server):
