@@ -86,6 +86,8 @@ TEMP_NAME_EXTRA = len("..tmp-") + 32  # a file is written as .<name>.tmp-<32 hex
 def temp_name(name: str) -> str:
     """The name `name` is written under before it is renamed into place: hidden, unique, in the same folder."""
     return f".{name}.tmp-{uuid.uuid4().hex}"
+
+
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gcs", "gs", "memory", "az", "abfs", "abfss", "adl"}
 _INSTALL_HINTS = {"s3": "pip install 'hsx[s3]' (s3fs)", "gs": "pip install 'hsx[gcs]' (gcsfs)",
                   "gcs": "pip install 'hsx[gcs]' (gcsfs)"}

@@ -119,10 +119,10 @@ def max_bytes_per_token(tokenizer) -> int | None:
     refused without tokenizing it (megabytes take seconds). Bounded for fast byte-level BPE tokenizers (GPT-2's and
     Llama-3's shapes): no normalizer, a byte-level pre-tokenizer and splits that keep every character, and every byte
     in the vocabulary (or an unknown token, unfused, for those it lacks), so each byte of the text is in exactly one
-    token, and a token covers at most as many bytes as its vocabulary piece has characters (one per byte)
-    or an added token has bytes. Not bounded (None) where a normalizer or pre-tokenizer may drop characters (NFKC or
-    NFC, as Qwen2's, BERT's cleaning, whitespace splitting), an added token absorbs the whitespace beside it (lstrip / rstrip), or
-    unknown characters fuse into one token."""
+    token; and a token covers at most as many bytes as its vocabulary piece has characters (one per byte) or its
+    added token's text has bytes. Not bounded (None) where a normalizer or pre-tokenizer may drop characters (NFKC or
+    NFC, as Qwen2's; BERT's cleaning; whitespace splitting), where an added token absorbs the whitespace beside it
+    (lstrip / rstrip), or where unknown characters fuse into one token."""
     import json
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
