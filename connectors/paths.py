@@ -97,8 +97,8 @@ def _check_lengths(custom: str, path: str, local: bool, cls: type) -> None:
     """Refuse a path no storage can hold, before anything is written (it would fail at write time instead)."""
     from connectors.storage import LOCK_SUFFIX, TEMP_NAME_EXTRA, writes_in_place
 
-    name = posixpath.basename(path).encode()
     if local:
+        name = posixpath.basename(path).encode()
         long_part = next((p for p in path.split("/")[:-1] if len(p.encode()) > _NAME_MAX), None)
         if long_part is not None or len(name) + TEMP_NAME_EXTRA > _NAME_MAX or len(path.encode()) > _PATH_MAX:
             raise PathRejected(f"hidden_states_path {custom[:80]!r}... is too long for a file system: a file name may "

@@ -4,8 +4,6 @@ character can vanish (where no bound holds)."""
 
 from __future__ import annotations
 
-import glob
-import os
 import random
 
 import pytest
@@ -13,13 +11,14 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from serve.engine import max_bytes_per_token
+from training.reference_target import stdlib_corpus
 
 
 def stdlib_text(n_chars: int) -> str:
+    """At least n_chars of the standard library's sources (or all of them), in the reference target's file order."""
     parts, size = [], 0
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            parts.append(f.read())
+    for f in stdlib_corpus(heldout_fraction=0.0)[0]:
+        parts.append(f.read())
         size += len(parts[-1])
         if size > n_chars:
             break
@@ -66,7 +65,7 @@ def _byte_level() -> Tokenizer:
 
 def test_a_byte_level_tokenizer_with_splits_that_keep_every_character_is_bounded():
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([  # Llama-3 / Qwen's shape: a regex split, then bytes
+    tok.pre_tokenizer = pre_tokenizers.Sequence([  # Llama-3's shape: a regex split, then bytes
         pre_tokenizers.Split(r"\s+|\w+|[^\s\w]+", behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     fast = _fast(tok)

@@ -32,6 +32,14 @@ def completion(server, **fields) -> dict:
     return {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 0, **fields}
 
 
+def ask_until(server, done, timeout_s: float = 60) -> None:
+    """A replica reports aborts and removed files with its next answers: send requests until `done()` (or time out;
+    the caller's assertion then says what did not happen)."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        assert server.post("/v1/completions", completion(server)).status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_requests_without_the_api_key_get_401(server, path):
     for key in (None, "wrong-key"):
@@ -310,9 +318,7 @@ def test_a_list_request_whose_client_goes_away_keeps_none_of_its_files(server):
                       stop_token_ids=[stop])
     with pytest.raises(requests.Timeout):
         server.post("/v1/completions", body, timeout=1.0)
-    deadline = time.monotonic() + 60  # the abort is reported with the replica's next answers: ask until it is
-    while server.metrics().get(aborted, 0) == before and time.monotonic() < deadline:
-        assert server.post("/v1/completions", completion(server)).status_code == 200
+    ask_until(server, lambda: server.metrics().get(aborted, 0) != before)
     assert server.metrics().get(aborted, 0) >= before + 1  # the decoding prompt: aborted, nothing written
     assert set(glob.glob(pattern, recursive=True)) == listed  # and the finished one's file removed
 
@@ -327,9 +333,7 @@ def test_a_client_that_goes_away_leaves_no_file(server):
         server.post("/v1/completions", body, timeout=0.5)
     # the request is aborted mid-decode (or, had it finished, its file removed); a replica reports that with its
     # next answers: ask until the one that ran it has answered
-    deadline = time.monotonic() + 60
-    while sum(server.metrics().get(k, 0) for k in keys) == before and time.monotonic() < deadline:
-        assert server.post("/v1/completions", completion(server)).status_code == 200
+    ask_until(server, lambda: sum(server.metrics().get(k, 0) for k in keys) != before)
     assert sum(server.metrics().get(k, 0) for k in keys) == before + 1
     assert server.metrics().get("hsx_serve_requests_aborted_total", 0) >= 1  # 1500 tokens: it was still running
     assert not os.path.exists(gone) and not os.path.exists(gone + ".lock")
