@@ -186,6 +186,14 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
     return _retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root)
 
 
+def safetensors_content(tensors: Tensors, metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:
+    """A safetensors file's bytes, for put_atomic: our header (tensors in the given order, metadata in its own
+    order, so the same tensors give the same bytes in every process; safetensors' own `save` orders metadata by a
+    per-process hash) and each tensor's memory after it."""
+    entries, views = _layout(tensors)
+    return [encode_header(entries, metadata), *views]
+
+
 def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[memoryview]]:
     """name -> (dtype, shape) of every tensor, and the raw bytes of every chunk in file order (views, not copies)."""
     entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}

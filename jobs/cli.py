@@ -242,7 +242,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from jobs.lease import LeaseHeld
+    from connectors.lease import LeaseHeld
     from jobs.verify import VerifyConfig, verify_run
 
     config: VerifyConfig = config_from_args(args, VerifyConfig, required=())
@@ -255,6 +255,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from connectors.lease import LeaseLost
     from training.export import ExportConfig, export_run
 
     config: ExportConfig = config_from_args(args, ExportConfig, required=())
@@ -268,7 +269,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     try:
         s = export_run(config.output, config.dest, config.format, model_dir=config.model_dir,
-                       storage_options=config.storage_options, num_workers=config.num_workers, progress=progress)
+                       storage_options=config.storage_options, num_workers=config.num_workers, progress=progress,
+                       break_lease=config.break_lease)
+    except LeaseLost as e:
+        print(f"hsx export: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
     print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
@@ -355,11 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     from training.drafters.train import DRAFTERS, TrainDrafterConfig
 
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
-        from training.drafters.train import train_drafter
+        from connectors.lease import LeaseLost
+        from training.drafters.train import TrainingStopped, train_drafter
 
         config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig, required=())
         try:
             r = train_drafter(config)
+        except (TrainingStopped, LeaseLost) as e:  # bad data or a diverged training: it failed, nothing bad saved
+            print(f"hsx train-drafter: {e}", file=sys.stderr)
+            return EXIT_FAILED
         except (ValueError, FileNotFoundError) as e:
             raise UsageError(str(e)) from e
         acc = "/".join(f"{a:.3f}" for a in r["accuracy_per_position"])

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from connectors.lease import LeaseLost, WriterLease
 from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id, read_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
-from jobs.lease import LeaseLost, WriterLease
 from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress

@@ -36,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from connectors.outputs import check_output_file, write_output_file
 from connectors.run import (
     INVALID,
     RunDir,
@@ -147,6 +148,9 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
     spec = read_run_spec(run)
     if spec is None:
         raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
+    if config.report:  # checked before any work: the copy may not overwrite the run, its model or another one
+        check_output_file(config.report, flag="--report", inputs={"OUTPUT": config.output,
+                                                                  "--model-dir": config.model_dir})
     started = time.monotonic()
     report = VerifyReport(output=run.url, attempt=new_attempt_id(),
                           started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -186,6 +190,8 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
     from connectors.format import HiddenStatesFileError, HiddenStatesSpec
     from connectors.reader import verify_hidden_states
 
+    if not row.get("path"):
+        return "path: the manifest row has no path (the manifest was damaged or written by other code)"
     url = run.url_of(row["path"])
     try:
         info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0)
@@ -300,7 +306,7 @@ def _check_generated(last, ids, num_prompt: int, norm, lm_head, greedy: bool, de
 
 
 def _mark(run: RunDir, report: VerifyReport, rows: dict[str, dict]) -> None:
-    from jobs.lease import WriterLease
+    from connectors.lease import WriterLease
 
     lease = WriterLease.acquire(run, report.attempt)  # a writer like any job: never beside a running one
     try:
@@ -320,8 +326,7 @@ def _write_report(run: RunDir, report: VerifyReport, local_copy: str | None) -> 
     body = (json.dumps({**asdict(report), "ok": report.ok}, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     run.put(rel, body)
     if local_copy:
-        with open(local_copy, "wb") as f:
-            f.write(body)
+        write_output_file(check_output_file(local_copy, flag="--report"), body)
 
 
 def latest_report(run: RunDir) -> dict | None:

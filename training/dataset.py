@@ -30,12 +30,13 @@ data region is hashed, also when `max_length` keeps only the leading tokens. A f
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import mmap
 import os
 import posixpath
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,7 +239,10 @@ class HiddenStatesDataset(Dataset):
         self._roots = [run.root for run in runs]
         self._sample_ids = pa.concat_arrays([t["sample_id"].combine_chunks() for t in tables])
         self._paths = pa.concat_arrays([t["path"].combine_chunks() for t in tables])
-        self._num_tokens = np.concatenate([t["num_tokens"].to_numpy() for t in tables]).astype(np.int64)
+        self._checksums = pa.concat_arrays([t["checksum"].combine_chunks() for t in tables])
+        # a row without a token count (a damaged manifest) reads as -1: its file's count never matches it
+        self._num_tokens = np.concatenate([t["num_tokens"].fill_null(-1).to_numpy() for t in tables]
+                                          ).astype(np.int64)
         self._run_of = np.repeat(np.arange(len(tables), dtype=np.int32), [t.num_rows for t in tables])
 
         info = self.run_info
@@ -264,6 +268,19 @@ class HiddenStatesDataset(Dataset):
     def sample_ids(self) -> pa.Array:
         """[N] sample ids (a pyarrow string array), in dataset order."""
         return self._sample_ids
+
+    def committed_digest(self) -> str:
+        """sha256 over every sample's manifest row as the dataset reads it (id, path, token count, checksum), in
+        dataset order: equal exactly when the dataset reads the same committed files."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        step = 65536
+        for start in range(0, len(self), step):
+            rows = zip(self._sample_ids.slice(start, step).to_pylist(), self._paths.slice(start, step).to_pylist(),
+                       self._num_tokens[start:start + step].tolist(), self._checksums.slice(start, step).to_pylist())
+            digest.update(json.dumps(list(rows)).encode())
+        return digest.hexdigest()
 
     def sample_id(self, index: int) -> str:
         return self._sample_ids[index].as_py()
@@ -294,37 +311,58 @@ class HiddenStatesDataset(Dataset):
             item["sample_id"] = self.sample_id(index)
         return item
 
-    def token_items(self, threads: int = 16) -> Iterator[dict[str, torch.Tensor]]:
+    def token_items(self, threads: int = 16, on_error: Callable[[int, Exception], None] | None = None
+                    ) -> Iterator[dict[str, torch.Tensor]]:
         """Every sample's input_ids [T] and loss_mask [T] (T after `max_length`, as items have), in dataset order,
         reading only those two tensors' bytes from each file (one small read each; remote files `threads` at a
         time) — for passes over the tokens alone, such as counting EAGLE-3's draft vocabulary, that would otherwise
         read every hidden state. Headers are checked as for items; checksums are not (they cover the whole data
-        region): the states, and the checksum, are checked when the items themselves are read."""
+        region): the states, and the checksum, are checked when the items themselves are read. A sample that cannot
+        be read raises at its place, or, with `on_error(index, error)`, is reported there and left out."""
         from concurrent.futures import ThreadPoolExecutor
 
-        def read(index: int) -> dict[str, torch.Tensor]:
-            return self._read(index, False, (TOKEN_IDS, LOSS_MASK))[0]
+        def read(index: int) -> dict[str, torch.Tensor] | None:
+            try:
+                return self._read(index, False, (TOKEN_IDS, LOSS_MASK))[0]
+            except (OSError, ValueError) as e:
+                if on_error is None:
+                    raise
+                on_error(index, e)
+                return None
 
         if storage.is_local(self._filesystem()):
-            yield from map(read, range(len(self)))
+            yield from (item for item in map(read, range(len(self))) if item is not None)
             return
         threads = max(1, threads)
         step = 8 * threads  # futures submitted ahead of the reader: a bounded window, not one per sample at once
         with ThreadPoolExecutor(threads, thread_name_prefix="hsx-tokens") as pool:
             for start in range(0, len(self), step):  # in order; a failed read raises at its sample
-                yield from pool.map(read, range(start, min(len(self), start + step)))
+                chunk = pool.map(read, range(start, min(len(self), start + step)))
+                yield from (item for item in chunk if item is not None)
 
     def _read(self, index: int, verify: bool, names: Sequence[str]) -> tuple[dict[str, Any], dict]:
         """Sample `index`'s file read (the tensors in `names`) and checked against its run: ({"input_ids" [T],
         "loss_mask" [T] (all ones when the file has none)}, the tensors read)."""
-        info, tensors = _read_rows(self._filesystem(), self._abs_path(index), self.config.max_length, verify, names)
+        path = self._abs_path(index)
+        try:
+            info, tensors = _read_rows(self._filesystem(), path, self.config.max_length, verify, names)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{path} (sample {self.sample_id(index)!r}) is missing, though the manifest "
+                                    "commits it; run `hsx verify OUTPUT --all` (it marks the sample) and re-run the "
+                                    "same `hsx run` to extract it again") from e
         self._check_file(info, index)
         ids = tensors[TOKEN_IDS]
         mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
         return {"input_ids": ids, "loss_mask": mask}, tensors
 
     def _abs_path(self, index: int) -> str:
-        return posixpath.join(self._roots[self._run_of[index]], self._paths[index].as_py())
+        rel = self._paths[index].as_py()
+        root = self._roots[self._run_of[index]]
+        if not rel:
+            raise HiddenStatesFileError(root, f"sample {self.sample_id(index)!r}: its manifest row has no path (a "
+                                              "damaged manifest); run `hsx verify OUTPUT --all`, which marks it, and "
+                                              "re-run the same `hsx run` to extract it again")
+        return posixpath.join(root, rel)
 
     def _check_file(self, info: HiddenStatesFileInfo, index: int) -> None:
         run = self.run_info
@@ -340,6 +378,16 @@ class HiddenStatesDataset(Dataset):
             raise ValueError(f"{where} stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, "
                              f"but the run stores [T, {len(run.layer_ids)}, {run.hidden_size}] {run.dtype}; the run "
                              "is mixed")
+        recorded = info.metadata.get("sample_id")
+        if recorded is not None and recorded != self.sample_id(index):
+            raise ValueError(f"{where} holds sample {recorded!r}, not the manifest row's; the file was replaced or "
+                             "the row points at another sample's file — run `hsx verify OUTPUT --all` (it marks the "
+                             "sample) and re-run the same `hsx run` to extract it again")
+        committed = self._checksums[index].as_py()
+        if committed and info.checksum != committed:
+            raise ValueError(f"{where} records checksum {info.checksum}, the manifest row {committed}: the file was "
+                             "replaced after it was committed — run `hsx verify OUTPUT --all` (it marks the sample) "
+                             "and re-run the same `hsx run` to extract it again")
         expected = int(self._num_tokens[index])
         if info.num_tokens != expected:
             raise ValueError(f"{where} holds {info.num_tokens} tokens but the manifest says {expected}; the file was "

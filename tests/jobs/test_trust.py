@@ -163,7 +163,7 @@ def _dead_pid() -> int:
 
 
 def test_a_live_lease_refuses_a_second_writer_and_break_lease_takes_it(tmp_path):
-    from jobs.lease import LEASE_FILE, LeaseHeld, WriterLease
+    from connectors.lease import LEASE_FILE, LeaseHeld, WriterLease
 
     run = RunDir(str(tmp_path))
     first = WriterLease.acquire(run, "A")
@@ -173,7 +173,7 @@ def test_a_live_lease_refuses_a_second_writer_and_break_lease_takes_it(tmp_path)
     with pytest.raises(LeaseHeld, match="host elsewhere"):
         WriterLease.acquire(run, "B")
     second = WriterLease.acquire(run, "B", break_lease=True)
-    from jobs.lease import LeaseLost
+    from connectors.lease import LeaseLost
 
     with pytest.raises(LeaseLost, match="taken over"):
         first.renew()  # the first writer learns it lost the lease before it commits more
@@ -186,13 +186,13 @@ def test_a_live_lease_refuses_a_second_writer_and_break_lease_takes_it(tmp_path)
 def test_a_lease_left_by_a_dead_job_is_broken(tmp_path, holder, caplog):
     import time
 
-    from jobs.lease import LEASE_FILE, WriterLease
+    from connectors.lease import LEASE_FILE, WriterLease
 
     body = {"dead process here": _lease_doc(pid=_dead_pid()),
             "stale elsewhere": _lease_doc(host="elsewhere", pid=1, renewed=time.time() - 3600),
             "unreadable": b"{not json"}[holder]
     (tmp_path / LEASE_FILE).write_bytes(body)
-    with caplog.at_level("WARNING", logger="jobs.lease"):
+    with caplog.at_level("WARNING", logger="connectors.lease"):
         lease = WriterLease.acquire(RunDir(str(tmp_path)), "B")
     assert "breaking the lease" in caplog.text
     lease.release()
@@ -200,7 +200,7 @@ def test_a_lease_left_by_a_dead_job_is_broken(tmp_path, holder, caplog):
 
 def test_the_lease_is_exclusive_on_s3(s3_bucket):
     from connectors import storage
-    from jobs.lease import LeaseHeld, WriterLease
+    from connectors.lease import LeaseHeld, WriterLease
 
     url, options = s3_bucket
     run = RunDir(f"{url}/run", options)

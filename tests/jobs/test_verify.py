@@ -123,3 +123,28 @@ def test_verify_refuses_what_it_cannot_check(tmp_path, capsys):
         main(["verify", str(tmp_path), "--sample", "2", "--all"])
     assert e.value.code == EXIT_USAGE
     assert RunDir(str(tmp_path)).list("verify") == []
+
+
+def test_a_row_without_a_path_is_a_failed_sample_and_the_report_copy_is_guarded(tmp_path, capsys):
+    """An "ok" row with no path (a damaged manifest) is a failed sample: exit 1 naming it, no traceback; and
+    --report may not be written over the run (or inside it)."""
+    from connectors import HiddenStatesSpec
+    from tests.training.runs import random_samples, write_manifest, write_run
+
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=8, dtype="float32", model="m")
+    out = str(tmp_path / "run")
+    rows = write_run(out, random_samples(3, spec), spec)
+    rows[1] = {**rows[1], "path": None}
+    write_manifest(out, rows)
+    assert main(["verify", out, "--no-mark", "--report", str(tmp_path / "report.json")]) == EXIT_FAILED
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert "s00001" in captured.out and "path" in captured.out
+    failures = json.loads((tmp_path / "report.json").read_text())["failures"]
+    assert [f["sample_id"] for f in failures] == ["s00001"]
+    for report, message in ((f"{out}/run.json", "lies inside the OUTPUT folder"), (out, "is a folder")):
+        before = open(f"{out}/run.json", "rb").read()
+        with pytest.raises(SystemExit) as e:
+            main(["verify", out, "--no-mark", "--report", report])
+        assert e.value.code == EXIT_USAGE and message in capsys.readouterr().err
+        assert open(f"{out}/run.json", "rb").read() == before

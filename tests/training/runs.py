@@ -4,7 +4,8 @@
     random_samples(n, spec, ...)    random states of varied lengths (a loss mask on some, none on others)
     oracle_samples(model_dir, ...)  states from a plain transformers forward of a tiny model (the oracle)
     write_run(output, samples, spec, ...)   files via KVTransferConfig(...).create_connector(spec), the manifest
-                                            and run.json via connectors.run: the layout of an `hsx run` OUTPUT
+                                            (each row with the file's size and header checksum, as the job
+                                            records them) and run.json via connectors.run: an `hsx run` OUTPUT
     spec_run_json(spec) -> RunSpec          the run.json of a run whose files carry `spec`
     write_manifest(output, rows, parts=)    rows as manifest parts (connectors.run.write_manifest_part)
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.format import read_header
 from connectors.run import MANIFEST_DIR, RunDir, RunSpec, manifest_parts, write_manifest_part, write_run_spec
 from connectors.storage import open_url
 
@@ -104,8 +106,10 @@ def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
     failures = connector.wait_for_save()
     connector.shutdown()
     assert not failures, failures
-    for row in rows:
-        row["bytes"] = fs.size(posixpath.join(root, row["path"]))
+    for row in rows:  # as the job records them: each file's size and the data checksum its header carries
+        data = fs.cat_file(posixpath.join(root, row["path"]))
+        row["bytes"] = len(data)
+        row["checksum"] = read_header(row["path"], len(data), lambda a, b, d=data: d[a:b])[0].checksum
     rows += list(extra_rows)
     write_manifest(output, rows, storage_options=options, parts=manifest_parts)
     if run_json is not False:

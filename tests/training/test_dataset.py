@@ -189,8 +189,8 @@ def test_opening_a_million_row_manifest_reads_no_data_file(tmp_path):
     assert len(ds) == n and ds.num_tokens[123_456] == 123_456
     assert ds.run_info.layer_ids == (2, 16, 29, 32)
     assert not (tmp_path / "data").exists()  # no data file exists, so none could have been read
-    with pytest.raises(FileNotFoundError):
-        ds[0]  # reading an item is what touches files
+    with pytest.raises(FileNotFoundError, match=r"sample 'sample-0000000'\) is missing.*hsx verify"):
+        ds[0]  # reading an item is what touches files; the error names the sample and the fix
     assert elapsed < 30, f"opening took {elapsed:.1f}s"
 
 

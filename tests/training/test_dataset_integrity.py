@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from connectors import HiddenStatesFileError, HiddenStatesSpec
 from connectors.format import HEADER_PROBE_BYTES
-from tests.training.runs import random_samples, write_run
+from tests.training.runs import random_samples, write_manifest, write_run
 from training.dataset import HiddenStatesDataset
 
 SMALL = HiddenStatesSpec(layer_ids=(1, 2, 3), num_hidden_layers=4, hidden_size=8, dtype="bfloat16", model="tiny/x")
@@ -133,6 +133,9 @@ def test_a_vllm_style_file_without_a_checksum_is_read_with_verify_on(tmp_path):
     s = samples[1]
     replace_file(root, rows, 1, lambda p: safetensors.torch.save_file(
         {"token_ids": s.token_ids, "hidden_states": s.hidden_states}, p))
+    with pytest.raises(ValueError, match="records checksum None, the manifest row xxh3_64"):
+        HiddenStatesDataset(root)[1]  # its manifest row commits the checksummed file it replaced
+    write_manifest(root, [{**r, "checksum": None} for r in rows])  # as a run of vLLM's files records them
     assert torch.equal(HiddenStatesDataset(root)[1]["hidden_states"], s.hidden_states)
 
 

@@ -240,3 +240,28 @@ def test_tokens_per_target_step_counts_the_targets_own_forwards(tiny_llama):
         assert 0 < r.drafted_fraction <= 1 and r.counts.num_drafts <= r.target_steps
     assert none.tokens_per_target_step is None and none.drafted_fraction is None
     assert "| steps drafted | tokens per target step |" in "\n".join(comparison_table([none, ngram, draft]))
+
+
+def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_run, tiny_llama, tmp_path, capsys):
+    """A drafter it was given but could not evaluate (here a config.json whose hidden_size was damaged) fails the
+    command: exit 1 naming it, the other methods still measured; nothing is quietly left out. (emb_dim is
+    MLPSpeculator's name for the target's hidden size.)"""
+    from jobs.cli import EXIT_FAILED, main
+    from training.drafters.train import TrainDrafterConfig, train_drafter
+
+    drafter = tmp_path / "mlp"
+    train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(drafter), kind="mlp_speculator",
+                                     steps=1, batch_tokens=64, device="cpu", progress=False))
+    doc = json.loads((drafter / "config.json").read_text())
+    doc["emb_dim"] = 48  # not the target's 64
+    (drafter / "config.json").write_text(json.dumps(doc))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:1]))
+    code = main(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "3", "-k", "2",
+                 "--threads", "1", "--drafter", str(drafter), "--json", str(tmp_path / "r.json")])
+    printed = capsys.readouterr()
+    assert code == EXIT_FAILED, printed.out
+    assert "NOT EVALUATED: mlp_speculator (mlp) k=2" in printed.out and "Traceback" not in printed.err
+    rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert rows["none"]["lossless"] and rows["ngram k=2"]["error"] is None
+    assert rows["mlp_speculator (mlp) k=2"]["error"]

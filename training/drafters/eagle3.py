@@ -36,14 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from extractor.proposers import Draft, Proposer
-from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
+from training.drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
 from training.drafters.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_MODEL_TYPE = "eagle3"
-WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -392,18 +391,9 @@ class Eagle3Drafter(Drafter):
         return state
 
     def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(out_dir, exist_ok=True)
         if verifier:
             self.verifier = verifier
-        tmp = os.path.join(out_dir, f".{WEIGHTS_NAME}.tmp")
-        save_file(self.checkpoint_state(), tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, WEIGHTS_NAME))
-        tmp = os.path.join(out_dir, ".config.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.checkpoint_config(), f, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(out_dir, "config.json"))
+        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, device: torch.device | str = "cpu",

@@ -428,7 +428,7 @@ def add_eval_parser(subparsers, usage_error: type[Exception] | None = None) -> A
         "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
         description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
                     "print vLLM's spec_decode.py lines per method and a comparison table; fail (exit 1) when any "
-                    "speculative output differs from plain greedy decoding.")
+                    "speculative output differs from plain greedy decoding or a method could not be evaluated.")
     p.add_argument("--model", default=None,
                    help="target folder (default: the locally trained reference target, built and cached on first use)")
     p.add_argument("--drafter", action="append", default=[], metavar="[METHOD:]DIR",
@@ -473,7 +473,10 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
 
 
 def run_eval(args) -> int:
-    """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not; bad arguments raise ValueError."""
+    """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
+    trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
+    from connectors.outputs import check_output_file, write_output_file
+
     if any(k < 1 for k in args.num_speculative_tokens):
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.num_prompts < 1 or args.max_tokens < 1:
@@ -497,6 +500,9 @@ def run_eval(args) -> int:
     if not os.path.isfile(prompts_path):
         raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
     prompts = load_prompts(prompts_path, args.num_prompts)
+    if args.json:  # checked before any work: never over the model, a drafter or a run
+        check_output_file(args.json, flag="--json", inputs={"--model": model, **{
+            f"--drafter {name}": path for name, _, path in drafters}})
     widths = args.max_num_seqs or [None]
     if any(n is not None and n < 1 for n in widths):
         raise ValueError(f"--max-num-seqs must be >= 1, got {widths}")
@@ -513,10 +519,17 @@ def run_eval(args) -> int:
         print("\n".join(comparison_table(batch)))
         results += batch
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=2)
+        write_output_file(check_output_file(args.json, flag="--json"),
+                          json.dumps([r.to_dict() for r in results], indent=2).encode())
+    failed = 0
     lossy = list(dict.fromkeys(r.method for r in results if not r.lossless))
     if lossy:
         print(f"hsx eval-drafter: NOT LOSSLESS: {', '.join(lossy)} differ from plain greedy decoding")
-        return 1
-    return 0
+        failed = 1
+    skipped = {r.method: r.error for r in results if r.error}
+    if skipped:
+        method, error = next(iter(skipped.items()))
+        print(f"hsx eval-drafter: NOT EVALUATED: {', '.join(skipped)} could not be evaluated ({method}: "
+              f"{' '.join(error.split())[:300]}); fix or drop those --drafter folders")
+        failed = 1
+    return failed

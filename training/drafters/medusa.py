@@ -42,10 +42,9 @@ from torch import nn
 
 from extractor.proposers import Draft, Proposer
 from extractor.sampling import sample_with_probs
-from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
+from training.drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
 
 TARGETS = ("target", "tokens")
-WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -268,18 +267,6 @@ def check_run_fits(run_spec: Any, target: TargetHead) -> None:
 
 
 # -- checkpoint files (shared with mlp_speculator.py) ------------------------------------------------------------
-def write_checkpoint(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors (each tensor its own contiguous copy: safetensors refuses shared storage)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()},
-              os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-
-
 def read_config(model_dir: str, model_type: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extractor.sampling import sample_with_probs
-from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead
+from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
 from training.drafters.medusa import (
     TARGETS,
     LastStateProposer,
@@ -49,7 +49,6 @@ from training.drafters.medusa import (
     predicted_mask,
     read_config,
     read_tensors,
-    write_checkpoint,
 )
 
 SQRT2 = math.sqrt(2.0)

@@ -51,9 +51,12 @@ CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.pt"
 REPORT_NAME = "report.json"
 LR_SCHEDULES = ("constant", "cosine")
-RESUME_FIELDS = ("kind", "run", "model", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
-                 "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options")
-"""Settings a resumed training must share with the checkpoint's."""
+RESUME_FIELDS = ("kind", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
+                 "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options",
+                 "skip_bad_samples")
+"""Settings a resumed training must share with the checkpoint's (besides the run's and the model's identity)."""
+LEGACY_MARKERS = (f"{CHECKPOINT_DIR}/{STATE_NAME}", REPORT_NAME)
+"""Files that mark an --out as a training's output from before hsx wrote ownership markers."""
 
 
 def drafter_class(kind: str) -> type:
@@ -119,6 +122,11 @@ class TrainDrafterConfig:
     """fsspec options for a remote --run, as JSON (endpoint_url, credentials, ...)."""
     progress: bool = True
     """Show a progress bar (loss, per-position accuracy, simulated acceptance length) on stderr."""
+    skip_bad_samples: bool = False
+    """Skip (and count, in report.json) samples whose file is missing, damaged, not the manifest row's, or holds
+    NaN/Inf states, and batches whose loss or gradient is not finite, instead of stopping at the first one."""
+    break_lease: bool = False
+    """Take --out over from another training that looks alive (only when that one is known to be gone)."""
 
     def __post_init__(self) -> None:
         for name in ("storage_options", "family_options"):
@@ -168,8 +176,17 @@ class TrainDrafterConfig:
         return options
 
     def resume_key(self) -> dict[str, Any]:
+        """The settings a resume must share (the run's identity is compared apart: see run_identity)."""
         names = RESUME_FIELDS + (("steps", "epochs") if self.lr_schedule != "constant" else ())
-        return {name: getattr(self, name) for name in names}
+        return {**{name: getattr(self, name) for name in names}, "model": os.path.realpath(self.model)}
+
+    def output_folder(self):
+        """--out as a connectors.outputs.OutputFolder: never the model, the run or inside either; one writer."""
+        from connectors.outputs import OutputFolder
+
+        return OutputFolder(self.out, command="train-drafter", flag="--out",
+                            inputs={"--model": self.model, "--run": self.run}, legacy_markers=LEGACY_MARKERS,
+                            break_lease=self.break_lease)
 
     def lr_at(self, step: int, total: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total`."""
@@ -263,7 +280,7 @@ def check_run(config: TrainDrafterConfig):
                          "extraction first (`hsx run`), or see why its samples failed with `hsx status`")
     try:
         ds = HiddenStatesDataset(config.run, layout="raw", storage_options=config.storage_options,
-                                 max_length=config.batch_tokens, include_sample_id=False)
+                                 max_length=config.batch_tokens, include_sample_id=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
     spec = ds.run_info
@@ -289,7 +306,11 @@ def check_run(config: TrainDrafterConfig):
         raise ValueError(f"--kind {config.kind} needs layers {list(need)} but the run stores {list(spec.layer_ids)} "
                          f"(missing {missing}); re-extract with --layers {ids}")
     target = TargetHead.from_model_dir(config.model)
-    first = ds[0]["input_ids"]
+    first = next(CheckedFeed(ds, skip=config.skip_bad_samples).token_items(), None)
+    if first is None:
+        raise ValueError(f"--run {config.run}: none of its {len(ds)} samples can be read (see the warnings); run "
+                         f"`hsx verify {config.run} --all`, then re-run the extraction")
+    first = first["input_ids"]
     if first.numel() and int(first.max()) >= target.vocab_size:
         raise ValueError(f"--run {config.run} holds token id {int(first.max())}, outside the target's vocabulary of "
                          f"{target.vocab_size}: the run is from another tokenizer or model")
@@ -354,22 +375,46 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(folder: str, state: dict[str, Any]) -> None:
-    """OUT/checkpoint/state.pt, atomically (a kill mid-write leaves the previous checkpoint)."""
+    """OUT/checkpoint/state.pt, atomically and durably under a unique temporary name (a kill mid-write leaves the
+    previous checkpoint); refused when the model's weights are not all finite."""
+    import fsspec
     import torch
 
+    from connectors import storage
+
+    check_finite_weights(state["model"], f"the checkpoint of step {state['step']}")
+    fs = fsspec.filesystem("file")
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{STATE_NAME}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, STATE_NAME))
-    with open(os.path.join(folder, "step.json.tmp"), "w") as f:
-        json.dump({"step": state["step"]}, f)
-    os.replace(os.path.join(folder, "step.json.tmp"), os.path.join(folder, "step.json"))
+    storage.put_atomic(fs, os.path.join(folder, STATE_NAME), lambda f: torch.save(state, f))
+    storage.put_atomic(fs, os.path.join(folder, "step.json"), json.dumps({"step": state["step"]}).encode())
 
 
-def load_checkpoint(folder: str, config: TrainDrafterConfig) -> dict[str, Any] | None:
+def check_finite_weights(weights: dict[str, torch.Tensor], what: str) -> None:
+    """ValueError naming the tensors when a floating-point weight holds NaN/Inf: such a drafter is never saved."""
+    import torch
+
+    bad = {name: int((~torch.isfinite(w)).sum()) for name, w in weights.items()
+           if w.is_floating_point() and not bool(torch.isfinite(w).all())}
+    if bad:
+        listed = ", ".join(f"{name} ({n})" for name, n in list(bad.items())[:4])
+        raise TrainingStopped(f"{what} holds non-finite weights in {listed}{', ...' if len(bad) > 4 else ''}; it "
+                              "was not saved (the last checkpoint, if any, is kept): the training diverged — lower "
+                              "--lr or --max-grad-norm, or train in --dtype float32")
+
+
+def run_identity(ds) -> dict[str, Any]:
+    """What a resume must find unchanged in the run, whatever the spelling of --run: the sha256 of its run.json
+    document and of its committed set (every "ok" row the dataset reads), and the committed count."""
+    import hashlib
+
+    spec = json.dumps(ds.run_info.to_json(), sort_keys=True, default=str).encode()
+    return {"run_sha256": hashlib.sha256(spec).hexdigest(), "committed_samples": len(ds),
+            "committed_sha256": ds.committed_digest()}
+
+
+def load_checkpoint(folder: str, config: TrainDrafterConfig, identity: dict[str, Any] | None = None
+                    ) -> dict[str, Any] | None:
+    """The checkpoint in `folder` to resume, or None; ValueError when it belongs to another training or run."""
     import torch
 
     path = os.path.join(folder, STATE_NAME)
@@ -388,7 +433,105 @@ def load_checkpoint(folder: str, config: TrainDrafterConfig) -> dict[str, Any] |
         listed = "; ".join(f"{k}: {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in diff.items())
         raise ValueError(f"{path} belongs to another training ({listed}); use the same settings to resume, or pick "
                          "another --out")
+    if identity is not None:
+        _check_same_run(path, state.get("run_identity"), identity, config)
     return state
+
+
+def _check_same_run(path: str, theirs: dict[str, Any] | None, ours: dict[str, Any],
+                    config: TrainDrafterConfig) -> None:
+    fix = ("a training resumes only on the data it started with: pick another --out to train on the run as it is "
+           "now, or delete that checkpoint to start over")
+    if not theirs:
+        raise ValueError(f"{path} records no run identity (an older hsx wrote it), so hsx cannot tell that --run "
+                         f"{config.run} is the run it started on; {fix}")
+    if theirs.get("run_sha256") != ours["run_sha256"]:
+        raise ValueError(f"{path} was trained on another run: the run.json of --run {config.run} differs from the "
+                         f"one recorded when the training started; {fix}")
+    if theirs.get("committed_sha256") != ours["committed_sha256"]:
+        raise ValueError(f"{path} was trained on --run {config.run} as it was then: its manifest committed "
+                         f"{theirs.get('committed_samples')} samples when the training started and commits "
+                         f"{ours['committed_samples']} now (or the same number with other files: re-extracted, "
+                         f"marked invalid, added); {fix}")
+
+
+# -- the feed: every item checked ------------------------------------------------------------------------------
+
+
+class TrainingStopped(ValueError):
+    """Training cannot go on without training on bad data or saving bad weights; the message names the fix."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+class CheckedFeed:
+    """The training dataset's items, each checked before it reaches a batch: readable, the file its manifest row
+    commits (sample id and checksum, checked by the dataset), and finite. A bad item becomes {"bad": (sample_id,
+    reason)} so that the training process (not a DataLoader worker) decides: stop with one line naming the sample,
+    or, with `skip`, leave it out and count it."""
+
+    def __init__(self, ds, skip: bool) -> None:
+        self.ds = ds
+        self.skip = skip
+        self.skipped: dict[str, str] = {}
+        """sample id -> why it was left out (with `skip`; reasons seen by the token pass too)."""
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import torch
+
+        try:
+            item = self.ds[index]
+        except (OSError, ValueError) as e:
+            return {"bad": (self.ds.sample_id(index), _one_line(e))}
+        states = item["hidden_states"]  # [T, L, H]
+        finite = torch.isfinite(states)
+        if not bool(finite.all()):
+            t, layer, _ = (~finite).nonzero()[0].tolist()
+            layer_id = self.ds.run_info.layer_ids[layer]
+            return {"bad": (item["sample_id"], f"{int((~finite).sum())} NaN/Inf values in its hidden states (first "
+                                               f"at token {t}, layer id {layer_id}), though its checksum is intact: "
+                                               "the extraction produced them (an fp16 overflow?)")}
+        return item
+
+    def token_items(self):
+        """The dataset's tokens-only pass (EAGLE-3's draft vocabulary), under the same policy for bad samples."""
+        def bad(index: int, e: Exception) -> None:
+            self.skipped.setdefault(self.ds.sample_id(index), _one_line(e))
+            logger.warning("skipping sample %r: %s", self.ds.sample_id(index), _one_line(e))
+
+        try:
+            yield from self.ds.token_items(on_error=bad if self.skip else None)
+        except (OSError, ValueError) as e:
+            raise TrainingStopped(f"{_one_line(e)} (or pass --skip-bad-samples to train without such samples)"
+                                  ) from e
+
+    def collate(self, collate):
+        """`collate` over the good items of a batch: (packed batch or None, [(sample_id, reason), ...])."""
+        def call(items):
+            good = [it for it in items if "bad" not in it]
+            return (collate(good) if good else None), [it["bad"] for it in items if "bad" in it]
+
+        return call
+
+    def take_bad(self, bad: list[tuple[str, str]], step: int) -> None:
+        """Stop on the batch's bad samples, or record them (`skip`)."""
+        if not bad:
+            return
+        if not self.skip:
+            sid, reason = bad[0]
+            more = f" (and {len(bad) - 1} more in this batch)" if len(bad) > 1 else ""
+            raise TrainingStopped(f"training stopped before step {step + 1}: sample {sid!r}{more}: {reason}. Run "
+                                  "`hsx verify RUN --all` (it marks bad samples) and re-run the same `hsx run` to "
+                                  "re-extract them, or pass --skip-bad-samples to train without them")
+        for sid, reason in bad:
+            if sid not in self.skipped:
+                self.skipped[sid] = reason
+                logger.warning("skipping sample %r: %s", sid, reason)
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------
@@ -418,41 +561,59 @@ class _Window:
 
 
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
-    """Train `config.kind` on `config.run`; the report (see the module docstring), also in OUT/report.json."""
-    import torch
-    from torch.utils.data import DataLoader
+    """Train `config.kind` on `config.run`; the report (see the module docstring), also in OUT/report.json.
 
-    from training.collate import PackCollator
-    from training.drafters.base import DrafterBatch
+    Before any work: --out is checked (connectors.outputs: never the model, the run, inside either, or another
+    folder holding one; writable), then the run. Then --out is taken (one writer); a training refused or stopped
+    before its first checkpoint leaves no --out behind."""
+    import torch
 
     started = time.monotonic()
+    out = config.output_folder()
+    out.check()
     ds, target = check_run(config)
+    identity = run_identity(ds)
     cls = drafter_class(config.kind)
     device, dtype = _device(config.device), getattr(torch, config.dtype)
-    spec = ds.run_info
-    os.makedirs(config.out, exist_ok=True)
-    ckpt_dir = os.path.join(config.out, CHECKPOINT_DIR)
-    state = load_checkpoint(ckpt_dir, config)
-
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     try:
-        drafter = cls.for_run(spec, target, config.num_speculative_tokens, **config.drafter_options())
+        drafter = cls.for_run(ds.run_info, target, config.num_speculative_tokens, **config.drafter_options())
     except TypeError as e:  # an option the family's config does not have
         raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
                          ) from e
+    with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
+        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+        return _train(config, out, ds, target, drafter, state, identity, device, dtype, started)
+
+
+def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity, device, dtype, started: float
+           ) -> dict[str, Any]:
+    import fsspec
+    import torch
+    from torch.utils.data import DataLoader
+
+    from connectors import storage
+    from training.collate import PackCollator
+    from training.drafters.base import DrafterBatch
+
+    spec = ds.run_info
+    ckpt_dir = os.path.join(config.out, CHECKPOINT_DIR)
+    feed = CheckedFeed(ds, skip=config.skip_bad_samples)
     if state is None:
-        drafter.prepare(ds)
+        drafter.prepare(feed)
     drafter.to(device, dtype)
     target = target.to(device, dtype)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     window = _Window()
-    step, epoch, done_in_epoch, tokens = 0, 0, 0, 0
+    step, epoch, done_in_epoch, tokens, skipped_batches = 0, 0, 0, 0, 0
     if state is not None:
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, epoch, done_in_epoch, tokens = state["step"], state["epoch"], state["batch_in_epoch"], state["tokens"]
+        feed.skipped.update(state.get("skipped_samples", {}))
+        skipped_batches = state.get("skipped_batches", 0)
         window.items.extend(state["window"])
         _set_rng_state(state["rng"])
         logger.info("resuming %s from step %d (epoch %d, batch %d)", ckpt_dir, step, epoch, done_in_epoch)
@@ -460,13 +621,25 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
 
     per_epoch = len(epoch_batches(ds.num_tokens, config.seed, 0, config.batch_tokens))
     total = config.steps if config.steps is not None else max(1, math.ceil((config.epochs or 1.0) * per_epoch))
-    collate = PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate")
+    collate = feed.collate(PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate"))
 
     def checkpoint() -> None:
+        out.check_lease()
         save_checkpoint(ckpt_dir, {
             "step": step, "epoch": epoch, "batch_in_epoch": done_in_epoch, "tokens": tokens,
             "model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(),
-            "window": list(window.items), "resume_key": config.resume_key()})
+            "window": list(window.items), "resume_key": config.resume_key(), "run_identity": identity,
+            "skipped_samples": dict(feed.skipped), "skipped_batches": skipped_batches})
+
+    def not_finite(what: str, ids: list[str]) -> None:
+        shown = ", ".join(repr(i) for i in ids[:4]) + (", ..." if len(ids) > 4 else "")
+        if config.skip_bad_samples:
+            logger.warning("skipping the batch of step %d (samples %s): %s", step + 1, shown, what)
+            return
+        raise TrainingStopped(f"training stopped at step {step + 1}: {what} on the batch of samples {shown}; nothing "
+                              "of this step was applied or saved. Their stored states are finite, so the training "
+                              "diverged: lower --lr or --max-grad-norm, or train in --dtype float32 (or pass "
+                              "--skip-bad-samples to skip such batches)")
 
     bar = None
     if config.progress:
@@ -476,24 +649,45 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     drafter.train()
     try:
         while step < total:
+            steps_before, whole_epoch = step, done_in_epoch == 0
             batches = epoch_batches(ds.num_tokens, config.seed, epoch, config.batch_tokens)[done_in_epoch:]
-            loader = DataLoader(ds, batch_sampler=batches, collate_fn=collate, num_workers=config.num_workers)
-            for packed in loader:
+            loader = DataLoader(feed, batch_sampler=batches, collate_fn=collate, num_workers=config.num_workers)
+            for packed, bad in loader:
                 if step >= total:
                     break
+                done_in_epoch += 1
+                feed.take_bad(bad, step)
+                if packed is None:
+                    continue
+                ids = list(packed["sample_id"])
                 batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
+                if not bool(torch.isfinite(batch.hidden_states).all()):  # finite as stored, not in --dtype
+                    if not config.skip_bad_samples:
+                        raise TrainingStopped(f"training stopped at step {step + 1}: the states of samples "
+                                              f"{ids[:4]} overflow --dtype {config.dtype}; train in bfloat16 or "
+                                              "float32")
+                    skipped_batches += 1
+                    continue
                 for group in optimizer.param_groups:
                     group["lr"] = config.lr_at(step, total)
                 result = drafter.training_step(batch, target)
                 optimizer.zero_grad(set_to_none=True)
+                loss = float(result.loss.detach())
+                if not math.isfinite(loss):
+                    not_finite(f"the loss is {loss}", ids)
+                    skipped_batches += 1
+                    continue
                 result.loss.backward()
-                if config.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf))
+                if not math.isfinite(norm):
+                    not_finite(f"the gradient norm is {norm}", ids)
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped_batches += 1
+                    continue
                 optimizer.step()
                 step += 1
-                done_in_epoch += 1
                 tokens += int(batch.loss_mask.sum())
-                window.add(result.loss.item(), result.correct, result.counted)
+                window.add(loss, result.correct, result.counted)
                 if bar is not None:
                     fig = window.figures()
                     bar.set_postfix_str(f"loss {fig['loss']:.3f} acc "
@@ -503,6 +697,10 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
                 if step % config.checkpoint_every == 0:
                     checkpoint()
             else:
+                if whole_epoch and step == steps_before:
+                    raise TrainingStopped(f"--run {config.run}: a whole epoch gave no training step: every batch "
+                                          f"was skipped ({len(feed.skipped)} bad samples); run `hsx verify "
+                                          f"{config.run} --all` and re-run the extraction")
                 epoch, done_in_epoch = epoch + 1, 0
     finally:
         if bar is not None:
@@ -510,6 +708,8 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     checkpoint()
     drafter.eval()
     verifier = os.path.abspath(config.model)
+    check_finite_weights(drafter.state_dict(), "the trained drafter")
+    out.check_lease()
     drafter.save_pretrained(config.out, verifier=verifier)
     fig = window.figures()
     report = {
@@ -518,11 +718,11 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
         "resumed_from_step": resumed_from, "final_loss": fig["loss"], "accuracy_per_position": fig["accuracy"],
         "simulated_acceptance_length": fig["simulated_acceptance_length"],
         "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(spec.layer_ids),
-        "samples": len(ds), "wall_seconds": round(time.monotonic() - started, 3),
+        "samples": len(ds), "skipped_samples": len(feed.skipped), "skipped_batches": skipped_batches,
+        "skipped": dict(list(sorted(feed.skipped.items()))[:100]), "run_identity": identity,
+        "wall_seconds": round(time.monotonic() - started, 3),
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "storage_options"},
     }
-    tmp = os.path.join(config.out, f".{REPORT_NAME}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, os.path.join(config.out, REPORT_NAME))
+    storage.put_atomic(fsspec.filesystem("file"), os.path.join(config.out, REPORT_NAME),
+                       json.dumps(report, indent=2).encode())
     return report

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from connectors.outputs import OutputFolder
 from connectors.paths import safe_file_stem
 from connectors.run import RunSpec
 from training.dataset import RUN_COMPARED, HiddenStatesDataset
@@ -144,18 +145,23 @@ def _check_state(config: ExportConfig, ds: HiddenStatesDataset) -> dict[str, Any
 
 def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None,
                storage_options: dict | None = None, num_workers: int = 0,
-               progress: Callable[[ExportSummary], None] | None = None) -> ExportSummary:
+               progress: Callable[[ExportSummary], None] | None = None, break_lease: bool = False) -> ExportSummary:
     """Write the run at `output` into `dest` in `fmt`'s layout; resumes a partial export. See the module docstring.
 
     `progress(summary)` is called after every file written."""
     config = ExportConfig(output=output, dest=dest, format=fmt, model_dir=model_dir,
-                          storage_options=dict(storage_options or {}), num_workers=num_workers)
+                          storage_options=dict(storage_options or {}), num_workers=num_workers,
+                          break_lease=break_lease)
     start = time.perf_counter()
+    out = OutputFolder(dest, command="export", flag="DEST", inputs={"OUTPUT": output, "--model-dir": model_dir},
+                       legacy_markers=(STATE_FILE,), break_lease=break_lease)
+    out.check()  # before reading the run: DEST is never the run, the model, inside either, or another's folder
     probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False)
     layout = _LAYOUTS[fmt](dest, probe.run_info)
     norm_dir = _check_run(config, probe.run_info, layout)
     if norm_dir is not None:
         FinalNorm.from_model_dir(norm_dir)  # fail before writing anything
+        out.inputs["model"] = norm_dir  # the run's own model when --model-dir is not given: checked by open()
     ds = HiddenStatesDataset(output, storage_options=config.storage_options, layout=layout.dataset_layout,
                              normalize_last_layer=layout.needs_post_norm, model_dir=norm_dir)
     if fmt == "modelopt":
@@ -167,7 +173,13 @@ def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None
                                  f"file name {stem}.pt")
             stems[stem] = i
 
-    os.makedirs(dest, exist_ok=True)
+    with out.open():  # one writer per DEST; a refused export leaves no DEST behind
+        return _export(config, ds, layout, out, start, progress)
+
+
+def _export(config: ExportConfig, ds: HiddenStatesDataset, layout: Layout, out: OutputFolder, start: float,
+            progress: Callable[[ExportSummary], None] | None) -> ExportSummary:
+    output, dest, fmt = config.output, config.dest, config.format
     state = _check_state(config, ds)
     files.put(os.path.join(dest, STATE_FILE), json.dumps(state, indent=2).encode())
 
@@ -181,10 +193,13 @@ def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None
             todo.append(i)
     logger.info("export %s -> %s (%s): %d samples, %d already done", output, dest, fmt, len(ds), summary.skipped)
     for i, item in zip(todo, _read_ahead(ds, todo, config.num_workers)):
+        if summary.written % 256 == 0:
+            out.check_lease()
         layout.write(os.path.join(dest, layout.relpath(i, ds.sample_id(i))), item)
         summary.written += 1
         if progress is not None:
             progress(summary)
+    out.check_lease()
     layout.on_export_complete(ds)
     summary.seconds = time.perf_counter() - start
     return summary

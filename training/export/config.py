@@ -26,6 +26,8 @@ class ExportConfig:
     """fsspec options for reading OUTPUT, as JSON (e.g. {"client_kwargs": {"endpoint_url": "http://..."}})."""
     num_workers: int = 0
     """DataLoader worker processes reading samples ahead of the writer (0: read in the writing process)."""
+    break_lease: bool = False
+    """Take DEST over from another export that looks alive (only when that one is known to be gone)."""
 
     def __post_init__(self) -> None:
         from connectors.storage import parse_storage_options

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from connectors import storage
 from connectors.run import RunSpec
 from training.export import files
 
@@ -52,15 +53,13 @@ class SpeculatorsLayout:
             return False
 
     def write(self, path: str, item: dict[str, Any]) -> None:
-        import safetensors.torch
-
         tensors = {"token_ids": item["input_ids"].contiguous(),  # [T] int64
                    "hidden_states": item["hidden_states"].contiguous(),  # [T, L, H], last layer pre-norm
                    "loss_mask": item["loss_mask"].contiguous()}  # [T]
         meta = {"format": "speculators", "layer_ids": json.dumps(list(self.run.layer_ids)),
                 "layer_id_convention": self.run.layer_id_convention, "last_layer_normalized": "false",
                 "model": self.run.model, "sample_id": str(item["sample_id"])}
-        files.put(path, safetensors.torch.save(tensors, metadata=meta))
+        files.put(path, storage.safetensors_content(tensors, meta))
 
     def on_export_complete(self, ds: HiddenStatesDataset) -> None:
         """The `datasets.save_to_disk` folder: one Arrow stream file plus its JSON sidecars, rows in hs_{i} order."""

@@ -1,4 +1,4 @@
-"""One writer per run: OUTPUT/writer.lease, taken before run.json is written or checked, renewed while the job
+"""One writer per output: OUTPUT/writer.lease, taken before run.json is written or checked, renewed while the job
 runs, given back when it ends.
 
     WriterLease.acquire(run, attempt, break_lease=False) -> WriterLease    or LeaseHeld (a usage error, exit 2)
@@ -99,8 +99,11 @@ class WriterLease:
         return _body(self.attempt, self.started, now)
 
     @classmethod
-    def acquire(cls, run: RunDir, attempt: str, *, break_lease: bool = False) -> WriterLease:
-        """Take the output's lease, breaking a stale one; LeaseHeld when a live job holds it."""
+    def acquire(cls, run: RunDir, attempt: str, *, break_lease: bool = False, command: str = "hsx run",
+                harm: str = "Two writers would extract every sample twice") -> WriterLease:
+        """Take the output's lease, breaking a stale one; LeaseHeld when a live job holds it. `command` and `harm`
+        name the writer and what a second one would do, in that message (an output folder of `hsx train-drafter`
+        or `hsx export` takes the same lease, see connectors.outputs)."""
         path = run.path(LEASE_FILE)
         for _ in range(3):  # a broken lease may be re-taken by a racing writer between our remove and create
             now = time.time()
@@ -113,13 +116,13 @@ class WriterLease:
             holder = _Holder.parse(raw)
             reason = "its lease file is unreadable" if holder is None else holder.gone(now)
             if reason is None and not break_lease:
-                raise LeaseHeld(f"{run.url} is being written by another hsx run: {holder.describe(now)}. Two "
-                                "writers would extract every sample twice; wait for it to finish, or, if that job "
-                                "is gone (its machine died), re-run with --break-lease")
+                raise LeaseHeld(f"{run.url} is being written by another {command}: {holder.describe(now)}. {harm}; "
+                                "wait for it to finish, or, if that process is gone (its machine died), re-run with "
+                                "--break-lease")
             logger.warning("breaking the lease on %s (%s): %s", run.url, "--break-lease" if reason is None else
                            reason, raw.decode("utf-8", "replace")[:200])
             _remove_if_unchanged(run, raw)
-        raise LeaseHeld(f"could not take the lease on {run.url}: other writers keep taking it; is another hsx run "
+        raise LeaseHeld(f"could not take the lease on {run.url}: other writers keep taking it; is another {command} "
                         "starting on this output right now?")
 
     def renew(self) -> None:

@@ -1,0 +1,268 @@
+"""Output folders and files that cannot destroy inputs: what `hsx train-drafter --out`, `hsx export DEST`, `hsx verify
+--report` and `hsx eval-drafter --json` write to is checked before any work, and a folder has one writer.
+
+    OutputFolder(path, command=..., flag=..., inputs={flag: path})
+        .check()            ValueError naming the problem and the fix; creates nothing (also run by open())
+        .open()             context manager: creates the folder (and missing parents), probes that it is
+                            writable, writes the ownership marker, takes the folder's writer lease (one writer,
+                            connectors.lease); on an exception, a folder it created that holds only its own marker
+                            and lease is removed again, so a refused or failed command leaves nothing behind
+        .lease_lost         an Event set if another writer took the lease over meanwhile (check before writing)
+    check_output_file(path, flag=..., inputs={flag: path})   the same rules for one file (a JSON report)
+    holds_model(folder) / holds_run(folder)                  what the rules look for
+
+The rules, for local paths (symlinks resolved, so `./m`, `m/` and the absolute path are one folder):
+- the output is not one of the inputs, does not lie inside one, and does not contain one;
+- it does not lie inside a folder holding a model (config.json beside weight files) or a run (run.json or
+  manifest/), nor is it one — unless it is this command's own earlier output (its marker, OUT/.hsx-output.json,
+  names the command), which a re-run resumes;
+- an existing folder that is not this command's output must be empty, and a file path must not be a folder;
+- it can be written: a temporary file is created and removed in it (or its nearest existing parent) up front.
+Inputs that are URLs (s3://...) cannot overlap a local output and are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+
+import fsspec
+
+from connectors import storage
+from connectors.lease import LEASE_FILE, LeaseLost, WriterLease
+from connectors.run import MANIFEST_DIR, RUN_JSON, RunDir
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".hsx-output.json"
+"""An output folder's ownership marker: {"command", "created", "host"}, written when the folder is first taken."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".safetensors.index.json",
+                   ".bin.index.json")
+
+
+def _local(path: str | None) -> str | None:
+    """The resolved local path of `path`, or None for a URL (or nothing given)."""
+    if not path:
+        return None
+    protocol = str(path).split("://", 1)[0] if "://" in str(path) else "file"
+    if protocol not in ("file", "local"):
+        return None
+    return os.path.realpath(os.path.expanduser(str(path).removeprefix("file://")))
+
+
+def holds_model(folder: str) -> bool:
+    """Whether `folder` holds a model: a config.json beside weight files (a Hugging Face checkpoint, a drafter)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return "config.json" in names and any(n.endswith(WEIGHT_SUFFIXES) for n in names)
+
+
+def holds_run(folder: str) -> bool:
+    """Whether `folder` holds an extraction run (run.json, or a manifest/ folder)."""
+    return os.path.isfile(os.path.join(folder, RUN_JSON)) or os.path.isdir(os.path.join(folder, MANIFEST_DIR))
+
+
+def _what(folder: str) -> str | None:
+    if holds_run(folder):
+        return "an extraction run"
+    if holds_model(folder):
+        return "a model"
+    return None
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """`path`'s parent folders, nearest first, up to the filesystem root."""
+    here = os.path.dirname(path)
+    while True:
+        yield here
+        up = os.path.dirname(here)
+        if up == here:
+            return
+        here = up
+
+
+def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, is_file: bool) -> None:
+    fix = f"pick another {flag}: a new folder of its own" if not is_file else f"pick another {flag} path"
+    for name, given in inputs.items():
+        other = _local(given)
+        if other is None or not os.path.exists(other):
+            continue  # a URL, or nothing there to overwrite (the command's own checks say what is missing)
+        if path == other:
+            raise ValueError(f"{flag} {path} is the {name} folder; writing there would overwrite it — {fix}")
+        if _inside(path, other):
+            raise ValueError(f"{flag} {path} lies inside the {name} folder {other}; writing there could overwrite "
+                             f"it — {fix}")
+        if _inside(other, path):
+            raise ValueError(f"{flag} {path} contains the {name} folder {other}; writing there could overwrite "
+                             f"it — {fix}")
+    for folder in _ancestors(path):
+        what = _what(folder)
+        if what is not None:
+            raise ValueError(f"{flag} {path} lies inside {folder}, which holds {what}; writing there could "
+                             f"overwrite it — {fix} outside it")
+
+
+def _probe(folder: str, flag: str) -> None:
+    """Create and remove a temporary file in `folder` (which exists): ValueError when that fails."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".hsx-probe-", dir=folder)
+    except OSError as e:
+        raise ValueError(f"{flag} {folder} cannot be written ({e.strerror or e}); fix its permissions or pick "
+                         "another folder") from e
+    os.close(fd)
+    os.unlink(name)
+
+
+def _nearest_existing(path: str, flag: str) -> str:
+    """The nearest existing folder at or above `path`; ValueError when a file stands on the way."""
+    here = path
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ValueError(f"{flag} {path}: {here} is a file, not a folder; pick a path whose folders are folders")
+    return here
+
+
+def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None) -> str:
+    """The resolved path of an output file (a report) once it passes the module's rules; ValueError otherwise.
+    Creates nothing: the caller writes the file (atomically) when its work is done."""
+    resolved = _local(path)
+    if resolved is None:
+        raise ValueError(f"{flag} {path}: a local file path is expected")
+    if os.path.isdir(resolved):
+        raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+    _check_relations(resolved, flag, dict(inputs or {}), is_file=True)
+    _probe(_nearest_existing(os.path.dirname(resolved), flag), flag)
+    return resolved
+
+
+def write_output_file(path: str, data: bytes) -> None:
+    """Write a checked output file whole (temp name, fsync, rename), creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    storage.put_atomic(fsspec.filesystem("file"), path, data)
+
+
+class OutputFolder:
+    """A local folder one command writes (see the module docstring)."""
+
+    def __init__(self, path: str, *, command: str, flag: str = "--out", inputs: Mapping[str, str | None] | None = None,
+                 legacy_markers: tuple[str, ...] = (), break_lease: bool = False) -> None:
+        if not str(path or "").strip():
+            raise ValueError(f"{flag} is required")
+        resolved = _local(path)
+        if resolved is None:
+            raise ValueError(f"{flag} {path}: a local folder is expected (write it there, then copy it to the store)")
+        self.given = str(path)
+        self.path = resolved
+        self.command = command
+        self.flag = flag
+        self.inputs = dict(inputs or {})
+        self.legacy_markers = legacy_markers
+        """Files whose presence marks a folder as this command's output from before markers existed."""
+        self.break_lease = break_lease
+        self.lease_lost = threading.Event()
+
+    # -- checks -----------------------------------------------------------------------------------------------
+    def owned(self) -> bool:
+        """Whether the folder is this command's own earlier output (its marker, or a legacy marker file)."""
+        try:
+            with open(os.path.join(self.path, MARKER)) as f:
+                return json.load(f).get("command") == self.command
+        except (OSError, ValueError, AttributeError):
+            pass
+        return any(os.path.exists(os.path.join(self.path, name)) for name in self.legacy_markers)
+
+    def check(self) -> None:
+        """ValueError naming the problem and the fix when this folder must not be written; creates nothing."""
+        flag, path = self.flag, self.path
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {self.given} is a file, not a folder; pick a folder (new or empty)")
+        _check_relations(path, flag, self.inputs, is_file=False)
+        if os.path.isdir(path):
+            owned = self.owned()
+            what = _what(path)
+            if what is not None and not owned:
+                raise ValueError(f"{flag} {self.given} holds {what}; writing there would overwrite it — pick a "
+                                 "new folder")
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as e:
+                raise ValueError(f"{flag} {self.given} cannot be read ({e.strerror or e}); fix its permissions or "
+                                 "pick another folder") from e
+            if not owned and names:
+                shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                raise ValueError(f"{flag} {self.given} already holds {len(names)} entries ({shown}) and is not an "
+                                 f"output of hsx {self.command}; pick a new or empty folder")
+            for name in names:  # a model or run moved into an earlier output of ours
+                inner = os.path.join(path, name)
+                if os.path.isdir(inner) and (what := _what(inner)) is not None:
+                    raise ValueError(f"{flag} {self.given} contains {inner}, which holds {what}; move it out or "
+                                     "pick a new folder")
+            _probe(path, flag)
+        else:
+            _probe(_nearest_existing(path, flag), flag)
+
+    # -- taking it --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def open(self) -> Iterator[OutputFolder]:
+        """Check, create, mark, lease; yields self. See the module docstring for what is undone on failure."""
+        self.check()
+        created = []  # folders this call made, outermost first
+        here = self.path
+        while not os.path.exists(here):
+            created.insert(0, here)
+            here = os.path.dirname(here)
+        lease = None
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            lease = WriterLease.acquire(RunDir(self.path), f"{self.command}-{uuid.uuid4().hex[:12]}",
+                                        break_lease=self.break_lease, command=f"hsx {self.command}",
+                                        harm=f"Two writers of one {self.flag} would lose one result")
+            if not self.owned():
+                write_output_file(os.path.join(self.path, MARKER), json.dumps(
+                    {"command": self.command, "created": time.time(), "host": socket.gethostname()}).encode())
+            with lease.keep_alive() as lost:
+                self.lease_lost = lost
+                yield self
+        except BaseException:
+            if lease is not None:
+                lease.release()
+                lease = None
+            self._undo(created)
+            raise
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def check_lease(self) -> None:
+        """LeaseLost when another writer took this folder's lease over (stop before writing more)."""
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"the writer lease on {self.flag} {self.given} was taken over by another hsx "
+                               f"{self.command}; this one stops so that neither result is lost half-written")
+
+    def _undo(self, created: list[str]) -> None:
+        """Remove the folders this open() created when they hold nothing but the marker (and a lease)."""
+        if not created:
+            return
+        leftovers = set()
+        for root, dirs, files in os.walk(self.path):
+            leftovers.update(os.path.relpath(os.path.join(root, n), self.path) for n in files)
+            leftovers.update(os.path.relpath(os.path.join(root, n), self.path) + "/" for n in dirs)
+        if leftovers - {MARKER, LEASE_FILE}:
+            return  # the command wrote something (a checkpoint): keep it for a resume
+        shutil.rmtree(created[0], ignore_errors=True)
