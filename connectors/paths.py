@@ -23,6 +23,7 @@ import hashlib
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass
 
 import fsspec
@@ -170,6 +171,7 @@ class PathPolicy:
                     symlink_escape = e
                     continue
                 if root is not None:
+                    _check_local_way(custom, path, root)
                     return Destination(path, root)
             elif self._inside_remote(custom, path, root_path, cls):
                 return Destination(f"{_first_protocol(cls)}://{path}", None)
@@ -215,6 +217,33 @@ class PathPolicy:
     def _describe(allowed: tuple[type, str, bool]) -> str:
         cls, path, local = allowed
         return path if local else f"{_first_protocol(cls)}://{path}"
+
+
+def _check_local_way(raw: str, path: str, root: str) -> None:
+    """Refuse, before any work, a local path the write would fail on after it: a folder standing at the file's
+    name, a regular file (or something else) standing where a folder must be, or a symlink below the root (the write
+    walks folders without following links, and a link can be re-pointed between the check and the write)."""
+    here = root
+    parts = os.path.relpath(path, root).split(os.sep)
+    for i, part in enumerate(parts):
+        here = os.path.join(here, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return  # the rest is created by the write
+        except OSError as e:
+            raise PathRejected(f"hidden_states_path {raw!r}: {here} cannot be checked ({e.strerror or e})") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode) and not last:
+            raise PathRejected(f"hidden_states_path {raw!r} goes through the symlink {here}; hsx writes only "
+                               "through real folders (a link can be re-pointed mid-write): use the real path")
+        if last:
+            if stat.S_ISDIR(st.st_mode):
+                raise PathRejected(f"hidden_states_path {raw!r} is an existing folder; give the path of a file "
+                                   "(ending in .safetensors) inside it")
+        elif not stat.S_ISDIR(st.st_mode):
+            raise PathRejected(f"hidden_states_path {raw!r}: {here} is a file, not a folder, so nothing can be "
+                               "written below it; choose another path")
 
 
 def _first_protocol(cls: type) -> str:

@@ -208,7 +208,7 @@ class Ingress:
         requests = [PromptRequest(i, **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}),
                                   max_tokens=body.max_tokens, **body.sampling(), kv_transfer_params=kv)
                     for i, p in zip(ids, prompts)]
-        replies = await self._owning(kv, rid, self._extract(requests))
+        replies = await self._owning(kv, ids, self._extract(requests))
         return JSONResponse(completion_response(rid, self.config.model_name, replies, body.return_token_ids))
 
     async def _chat(self, request: Request) -> Response:
@@ -221,25 +221,47 @@ class Ingress:
                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                             chat_template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit,
                             **body.sampling(), kv_transfer_params=kv)
-        (reply,) = await self._owning(kv, rid, self._extract([req]))
+        (reply,) = await self._owning(kv, [rid], self._extract([req]))
         return JSONResponse(chat_response(rid, self.config.model_name, reply, body.return_token_ids))
 
-    async def _owning(self, kv: dict[str, Any], rid: str, work: Awaitable[list[EngineReply]]) -> list[EngineReply]:
-        """Run `work` owning kv's custom path (connectors.paths.PathOwners, as each connector does, but for every
-        replica at once): a path another request is writing, or wrote without overwrite, is 409 unless overwrite."""
+    async def _owning(self, kv: dict[str, Any], ids: list[str], work: Awaitable[list[EngineReply]]
+                      ) -> list[EngineReply]:
+        """Run `work` owning the files it writes (connectors.paths.PathOwners, as each connector does, but for every
+        replica at once): its default-named files (one per prompt id) while it runs, or its custom path. A custom
+        path another request is writing, wrote without overwrite, or that exists already (another request's
+        default-named file, a file from before) is 409 unless kv says overwrite."""
+        from connectors import storage
         from connectors.paths import PathInUse, PathRejected
 
         custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
+        if custom is None:
+            dests = [(self._policy.default_destination(i), i) for i in ids]
+        else:
+            try:
+                dests = [(self._policy.locate(custom), ids[0])]
+            except PathRejected:
+                dests = []  # the replica answers 403 with the reason
+        claimed = []
         try:
-            dest = self._policy.locate(custom) if custom is not None else None
-        except PathRejected:
-            dest = None  # the replica answers 403 with the reason
-        if dest is None:
-            return await work
-        try:
-            self._owners.claim(dest, rid, overwrite)
+            for dest, owner in dests:
+                self._owners.claim(dest, owner, overwrite)
+                claimed.append((dest, owner))
+            if custom is not None and dests and not overwrite:
+                dest = dests[0][0]
+                fs, path = storage.open_url(dest.path, self.config.storage_options)
+                try:
+                    exists = await asyncio.to_thread(fs.exists, path)
+                except OSError:  # the store cannot say now: the write itself will (a 5xx there, nothing lost)
+                    exists = False
+                if exists:
+                    raise PathInUse(f"request {ids[0]!r}: {dest.path} exists already (another request's file, "
+                                    "or one from before); refusing to overwrite it silently. Pass "
+                                    "kv_transfer_params['overwrite'] = True to replace it, or choose another "
+                                    "hidden_states_path")
         except PathInUse as e:
             work.close()
+            for dest, owner in claimed:
+                self._owners.release(dest, owner, committed=False)
             raise APIError(409, str(e), param="kv_transfer_params.hidden_states_path", code="path_in_use") from None
         written = False
         try:
@@ -247,7 +269,8 @@ class Ingress:
             written = True
             return replies
         finally:
-            self._owners.release(dest, rid, committed=written and not overwrite)
+            for dest, owner in claimed:
+                self._owners.release(dest, owner, committed=written and custom is not None and not overwrite)
 
     async def _extract(self, requests: list[PromptRequest]) -> list[EngineReply]:
         """Every prompt through the engine replicas; all succeed or the request fails and keeps no file."""

@@ -24,13 +24,16 @@ def add_serve_parser(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from jobs.cli import UsageError, config_from_args
     from serve.config import ServeConfig
-    from serve.server import check, run
+    from serve.server import check, open_server_warning, run
 
     config: ServeConfig = config_from_args(args, ServeConfig, required=())
     try:
         check(config)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    warning = open_server_warning(config)
+    if warning:
+        print(f"hsx serve: WARNING: {warning}", file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         print(f"hsx serve: {config.model_name} on {url} ({config.replicas} replica(s), files under {config.output}"

@@ -62,8 +62,9 @@ class ServeConfig:
     """Address to listen on (0.0.0.0 for every interface; then set --api-key)."""
     port: int = 8000
     """TCP port to listen on."""
-    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None)
-    """Require `Authorization: Bearer KEY` on every endpoint but /health (default $HSX_API_KEY; unset = open)."""
+    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV))
+    """Require `Authorization: Bearer KEY` on every endpoint but /health (default $HSX_API_KEY; unset = open; an
+    empty key, given either way, is refused)."""
     max_queued_requests: int = 256
     """Prompts waiting for a replica beyond those it is working on; more get 503 with Retry-After."""
     retry_after_s: int = 1
@@ -74,6 +75,12 @@ class ServeConfig:
     """Longest prompt in tokens; longer prompts get 400. Default max_model_len."""
     max_prompts_per_request: int = 256
     """Most prompts in one /v1/completions request (a list prompt)."""
+    trust_request_chat_template: bool = False
+    """Render a chat_template a /v1/chat/completions request sends (a Jinja program from the client); without this
+    flag such requests get 400 and only the model's own template is used (vLLM's rule)."""
+    chat_template_timeout_s: float = 1.0
+    """With --trust-request-chat-template: the longest a request's template may take to render (and its output is
+    bounded by --max-body-bytes); slower or larger ones get 400."""
 
     # -- Ray -----------------------------------------------------------------------------------------------------
     replicas: int = 1
@@ -121,6 +128,8 @@ class ServeConfig:
                 or self.max_queued_requests < 1):  # Ray Serve queues at least one
             raise ValueError(f"--max-queued-requests must be a positive integer (prompts waiting for an engine "
                              f"replica beyond those it runs), got {self.max_queued_requests!r}")
+        if not self.chat_template_timeout_s > 0:
+            raise ValueError(f"--chat-template-timeout-s must be > 0, got {self.chat_template_timeout_s}")
         for name in ("batch_wait_timeout_s", "drain_timeout_s", "cpus_per_replica", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -133,6 +142,9 @@ class ServeConfig:
             raise ValueError(f"--route-prefix {self.route_prefix!r}: use / or /SEGMENT[/SEGMENT...] of letters, digits, "
                              "'-', '_' or '.', without a trailing / (e.g. /llama)")
         if self.api_key is not None and not self.api_key.strip():
+            if os.environ.get(API_KEY_ENV) is not None and not os.environ[API_KEY_ENV].strip():
+                raise ValueError(f"${API_KEY_ENV} is set but empty, which would start a server anyone can use; set "
+                                 f"it to a key, or unset it (`unset {API_KEY_ENV}`) to serve without one")
             raise ValueError(f"--api-key is empty; pass a non-empty key or leave it (and ${API_KEY_ENV}) unset")
         if self.api_key is not None and self.api_key != self.api_key.strip():
             raise ValueError("--api-key begins or ends with whitespace, which clients' headers do not carry; pass the "

@@ -296,6 +296,8 @@ class Engine:
             raise _Rejected(400, f"chat_template_kwargs may not set {', '.join(clash)}: hsx sets them itself (the "
                                  "template's token ids, whole); pass only the template's own variables",
                             "chat_template_kwargs", "invalid_value")
+        if r.chat_template is not None:
+            self._check_request_template(r)
         try:
             out = self.tokenizer.apply_chat_template(
                 r.messages, chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
@@ -306,6 +308,30 @@ class Engine:
                             "messages", "chat_template_error") from None
         ids = list(out["input_ids"])
         return ids, self.tokenizer.decode(ids)
+
+    def _check_request_template(self, r: PromptRequest) -> None:
+        """A client's chat_template: refused unless the server trusts them, and then rendered first under bounds
+        (serve.templates): a template past them is refused before the tokenizer runs it."""
+        from serve.templates import TemplateRefused, check_request_template
+
+        if not self.config.trust_request_chat_template:
+            raise _Rejected(400, "this server does not render a chat_template sent with the request (a Jinja program "
+                                 "from the client); leave chat_template out to use the model's own, or start hsx "
+                                 "serve with --trust-request-chat-template", "chat_template",
+                            "chat_template_not_allowed")
+        variables = {**self.tokenizer.special_tokens_map, **(r.chat_template_kwargs or {}), "messages": r.messages,
+                     "tools": None, "documents": None, "add_generation_prompt": r.add_generation_prompt}
+        limit = self.config.max_body_bytes
+        if self._bytes_per_token is not None:
+            limit = min(limit, self.max_prompt_tokens * self._bytes_per_token)
+        try:
+            check_request_template(r.chat_template, variables, timeout_s=self.config.chat_template_timeout_s,
+                                   max_chars=limit)
+        except TemplateRefused as e:
+            raise _Rejected(400, f"{e}; nothing was run", "chat_template", "chat_template_too_costly") from None
+        except Exception as e:  # the template's own errors: syntax, raise_exception, a sandbox refusal
+            raise _Rejected(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                            "chat_template", "chat_template_error") from None
 
     # -- the batch ------------------------------------------------------------------------------------------------
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01, max_concurrent_batches=1024)  # sizes set in __init__

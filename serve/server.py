@@ -221,6 +221,23 @@ def _ingress_up(name: str) -> bool:
     return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
 
 
+def open_server_warning(config: ServeConfig) -> str | None:
+    """A warning when the service takes requests from anyone on the network: no API key, and --host not loopback."""
+    import ipaddress
+
+    if config.api_key is not None:
+        return None
+    host = config.host.strip("[]")
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may be reachable from anywhere
+        pass
+    return (f"no API key, and --host {config.host} listens beyond this machine: anyone who can reach port "
+            f"{config.port} can run the model and write files under --output; set --api-key (or $HSX_API_KEY), or "
+            "listen on 127.0.0.1")
+
+
 def _unreachable_host(config: ServeConfig) -> str | None:
     """A warning when --host leaves the service unreachable from here: through Ray Client (a ray:// address) this
     process is not on the cluster, and Serve's HTTP proxy listens on the cluster's head node, where a loopback host

@@ -40,7 +40,7 @@ class ServeProcess:
                 "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, layers))]
         for name, value in flags.items():
             argv += ["--" + name.replace("_", "-"), str(value)]
-        env = {**os.environ, "HSX_API_KEY": "", "RAY_DEDUP_LOGS": "0"}
+        env = {**{k: v for k, v in os.environ.items() if k != "HSX_API_KEY"}, "RAY_DEDUP_LOGS": "0"}
         self.log_path = log_path
         self._log = open(log_path, "wb")
         # its own session: the test signals the hsx process alone, and kills the whole group at the end

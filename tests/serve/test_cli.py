@@ -68,3 +68,30 @@ def test_a_loopback_host_through_ray_client_is_warned_about(address, host, warne
     assert (note is not None) == warned, note
     if warned:
         assert "--host 0.0.0.0" in note and address in note
+
+
+def test_an_empty_hsx_api_key_is_refused_like_an_empty_flag(serve_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HSX_API_KEY", "")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", serve_model, "--output", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "$HSX_API_KEY is set but empty" in err and "Traceback" not in err
+    monkeypatch.setenv("HSX_API_KEY", "   ")
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", serve_model, "--output", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("10.1.2.3", None, True),
+                                               ("myhost.example", None, True), ("0.0.0.0", "k", False),
+                                               ("127.0.0.1", None, False), ("localhost", None, False),
+                                               ("[::1]", None, False)])
+def test_an_open_server_beyond_loopback_is_warned_about(host, key, warned, monkeypatch):
+    from serve.config import ServeConfig
+    from serve.server import open_server_warning
+
+    monkeypatch.delenv("HSX_API_KEY", raising=False)
+    note = open_server_warning(ServeConfig(model="m", output="/tmp/o", host=host, api_key=key))
+    assert (note is not None) == warned, note
+    if warned:
+        assert "--api-key" in note and host in note

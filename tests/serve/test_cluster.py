@@ -122,7 +122,7 @@ def hsx_serve(model: str, out, *flags: str) -> subprocess.Popen:
             "--model", model, "--output", str(out / "files"),
             "--layers", ",".join(map(str, LAYERS)), *flags]
     log = open(out / "serve.log", "wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HSX_API_KEY": ""},
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "HSX_API_KEY"},
                             start_new_session=True)
 
 

@@ -343,3 +343,56 @@ def test_a_client_that_goes_away_leaves_no_file(server):
     assert retry.status_code == 200, retry.text
     assert load_hidden_states(gone)["token_ids"].tolist()[:3] == [5, 6, 7]
     assert server.metrics()['hsx_serve_requests_total{endpoint="completions",status="499"}'] >= 1
+
+
+def test_a_request_chat_template_gets_400_naming_the_flag(server):
+    """The server was not started with --trust-request-chat-template: a client's Jinja program is not run (the
+    bounds it would run under are tested in test_templates.py)."""
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"chat_template": "{% for a in range(99999) %}{% endfor %}"})
+    err = e.value.body
+    assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"], err
+    reply = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=1)  # the model's own template still serves
+    assert reply.choices[0].message is not None
+
+
+def test_a_custom_path_over_another_requests_default_named_file_gets_409(server):
+    first = server.post("/v1/completions", completion(server))
+    assert first.status_code == 200
+    theirs = first.json()["kv_transfer_params"]["hidden_states_path"]
+    before = open(theirs, "rb").read()
+    for custom in (theirs, os.path.relpath(theirs, server.output)):  # absolute, or relative to --output
+        err = error_of(server.post("/v1/completions", completion(
+            server, prompt=[9, 9, 9], kv_transfer_params={"hidden_states_path": custom})), 409)
+        assert err["code"] == "path_in_use" and "exists already" in err["message"] and "overwrite" in err["message"]
+    assert open(theirs, "rb").read() == before  # the other client's file is as it answered it
+
+
+@pytest.mark.parametrize("shape", ["existing folder", "file on the way", "symlink on the way"])
+def test_a_custom_path_that_cannot_be_written_is_refused_before_any_work(server, shape):
+    base = os.path.join(server.output, f"unwritable-{shape.replace(' ', '-')}")
+    os.makedirs(os.path.join(base, "real"), exist_ok=True)
+    if shape == "existing folder":
+        os.makedirs(os.path.join(base, "taken.safetensors"), exist_ok=True)
+        custom = os.path.join(base, "taken.safetensors")
+    elif shape == "file on the way":
+        with open(os.path.join(base, "afile"), "w") as f:
+            f.write("x")
+        custom = os.path.join(base, "afile", "x.safetensors")
+    else:  # points inside the root, but a link can be re-pointed between the check and the write
+        if not os.path.islink(os.path.join(base, "link")):
+            os.symlink(os.path.join(base, "real"), os.path.join(base, "link"))
+        custom = os.path.join(base, "link", "x.safetensors")
+    before = files(base)
+    started = time.monotonic()
+    r = server.post("/v1/completions", completion(server, max_tokens=200, ignore_eos=True,
+                                                  kv_transfer_params={"hidden_states_path": custom}))
+    err = error_of(r, 403)
+    assert err["param"] == "kv_transfer_params.hidden_states_path" and "nothing was written" in err["message"]
+    assert {"existing folder": "existing folder", "file on the way": "is a file, not a folder",
+            "symlink on the way": "goes through the symlink"}[shape] in err["message"], err
+    assert files(base) == before
+    assert time.monotonic() - started < 60
