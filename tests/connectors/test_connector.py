@@ -41,11 +41,13 @@ def test_rejected_path_fails_only_its_own_request(tmp_path, connector_factory):
 
 def test_failed_write_is_reported_for_its_request_only_and_leaves_nothing(tmp_path, connector_factory, caplog):
     root = tmp_path / "run"
-    (root / "blocked.safetensors").mkdir(parents=True)  # the target name is taken by a directory
+    root.mkdir()
     connector = connector_factory(str(root), make_spec(), allow_custom_save_path=True, max_write_attempts=3,
                                   write_retry_backoff_s=0.01)
     for rid, params in [("ok-1", {}), ("doomed", {"hidden_states_path": "blocked.safetensors"}), ("ok-2", {})]:
         connector.start_request(RequestInfo(rid, 4, params))
+        if rid == "doomed":  # the target name is taken by a directory after the request started (checked then)
+            (root / "blocked.safetensors").mkdir()
         connector.save_hidden_states(rid, *rows(4, 1.0))
         connector.request_finished(rid)
 
