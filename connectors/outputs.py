@@ -206,7 +206,7 @@ class OutputFolder:
                                  "pick another folder") from e
             if not owned and names:
                 shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-                raise ValueError(f"{flag} {self.given} already holds {len(names)} entries ({shown}) and is not an "
+                raise ValueError(f"{flag} {self.given} already holds {len(names)} {'entry' if len(names) == 1 else 'entries'} ({shown}) and is not an "
                                  f"output of hsx {self.command}; pick a new or empty folder")
             for name in names:  # a model or run moved into an earlier output of ours
                 inner = os.path.join(path, name)

@@ -16,6 +16,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     RunSpec                              frozen; to_json() / from_json(doc) / file_spec() / from_file_spec(spec)
     read_run_spec(run) / write_run_spec(run, spec)
     data_path(sample_id)
+    row_path_problem(rel)                why a manifest row's path cannot be read (absolute, `..`, missing), or None
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row
@@ -364,6 +365,20 @@ MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
 OK, FAILED, INVALID = "ok", "failed", "invalid"
 REQUIRED_COLUMNS = ("sample_id", "path", "num_tokens", "status")
 """What a reader of "ok" samples needs; the rest may be null."""
+
+
+def row_path_problem(rel: object) -> str | None:
+    """Why a manifest row's `path` cannot name a data file of its run, or None: it must be a relative path inside
+    OUTPUT (what the job writes), never absolute, a URL, or a way out through `..` (a damaged or planted manifest
+    would otherwise have readers open files outside the run)."""
+    if not rel:
+        return "the manifest row has no path (the manifest was damaged or written by other code)"
+    if not isinstance(rel, str):
+        return f"the manifest row's path is {type(rel).__name__}, not a string (a damaged manifest)"
+    if rel.startswith("/") or "://" in rel or "\\" in rel or any(seg in ("", ".", "..") for seg in rel.split("/")):
+        return (f"the manifest row's path {rel!r} is not a plain relative path inside the run (absolute, a URL, or "
+                "with '..' or empty segments): the manifest was damaged or written by other code")
+    return None
 
 
 def new_attempt_id() -> str:

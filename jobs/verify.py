@@ -45,6 +45,7 @@ from connectors.run import (
     new_attempt_id,
     read_manifest,
     read_run_spec,
+    row_path_problem,
     write_manifest_part,
 )
 
@@ -190,8 +191,8 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
     from connectors.format import HiddenStatesFileError, HiddenStatesSpec
     from connectors.reader import verify_hidden_states
 
-    if not row.get("path"):
-        return "path: the manifest row has no path (the manifest was damaged or written by other code)"
+    if (problem := row_path_problem(row.get("path"))) is not None:
+        return f"path: {problem}"
     url = run.url_of(row["path"])
     try:
         info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0)

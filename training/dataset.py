@@ -61,7 +61,7 @@ from connectors.format import (
     tensor_from_bytes,
 )
 from connectors.reader import read_hidden_states_info
-from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec
+from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_path_problem
 from training.norm import FinalNorm
 
 logger = logging.getLogger(__name__)
@@ -358,10 +358,10 @@ class HiddenStatesDataset(Dataset):
     def _abs_path(self, index: int) -> str:
         rel = self._paths[index].as_py()
         root = self._roots[self._run_of[index]]
-        if not rel:
-            raise HiddenStatesFileError(root, f"sample {self.sample_id(index)!r}: its manifest row has no path (a "
-                                              "damaged manifest); run `hsx verify OUTPUT --all`, which marks it, and "
-                                              "re-run the same `hsx run` to extract it again")
+        if (problem := row_path_problem(rel)) is not None:
+            raise HiddenStatesFileError(root, f"sample {self.sample_id(index)!r}: {problem}; run `hsx verify OUTPUT "
+                                              "--all`, which marks it, and re-run the same `hsx run` to extract it "
+                                              "again")
         return posixpath.join(root, rel)
 
     def _check_file(self, info: HiddenStatesFileInfo, index: int) -> None:

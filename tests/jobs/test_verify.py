@@ -135,13 +135,17 @@ def test_a_row_without_a_path_is_a_failed_sample_and_the_report_copy_is_guarded(
     out = str(tmp_path / "run")
     rows = write_run(out, random_samples(3, spec), spec)
     rows[1] = {**rows[1], "path": None}
+    os.makedirs(tmp_path / "elsewhere")  # sample 2's own valid file outside the run, its row pointing there
+    os.replace(f"{out}/{rows[2]['path']}", tmp_path / "elsewhere" / "s2.safetensors")
+    rows[2] = {**rows[2], "path": "../elsewhere/s2.safetensors"}
     write_manifest(out, rows)
     assert main(["verify", out, "--no-mark", "--report", str(tmp_path / "report.json")]) == EXIT_FAILED
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
     assert "s00001" in captured.out and "path" in captured.out
+    assert "s00002" in captured.out and "not a plain relative path inside the run" in captured.out
     failures = json.loads((tmp_path / "report.json").read_text())["failures"]
-    assert [f["sample_id"] for f in failures] == ["s00001"]
+    assert [f["sample_id"] for f in failures] == ["s00001", "s00002"]
     for report, message in ((f"{out}/run.json", "lies inside the OUTPUT folder"), (out, "is a folder")):
         before = open(f"{out}/run.json", "rb").read()
         with pytest.raises(SystemExit) as e:

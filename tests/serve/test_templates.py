@@ -36,6 +36,26 @@ BOMBS = {
     "format_map width": "{{ '{x:>1000000000}'.format_map({'x': 1}) }}",
     "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
     "deep nesting": "{{" + "(" * 5000 + "1" + ")" * 5000 + "}}",
+    # the work happens below the template, in jinja2's or C code: one call, no template line runs meanwhile
+    "lipsum": "{{ lipsum(n=100000) }}",
+    "indent width": "{{ ('a\n' * 100000) | indent(100000) }}",
+    "join separator": "{{ range(100000) | join('x' * 100000) }}",
+    "str.join separator": "{{ ('x' * 100000).join(range(100000) | map('string')) }}",
+    "replace chain": "{{ ('a' * 1000).replace('a', 'a' * 1000).replace('a', 'a' * 1000) }}",
+    "replace filter": "{{ ('a' * 1000) | replace('a', 'a' * 1000) | replace('a', 'a' * 1000) }}",
+    "wrapstring": "{{ ('a ' * 100000) | wordwrap(1, wrapstring='x' * 100000) }}",
+    "list of references printed": "{% set s = 'x' * 1000000 %}{{ [s] * 100000 }}",
+    "nested literals": "{% set a = 'x' * 100000 %}{% set b = [a, a, a, a, a, a, a, a, a, a] %}"
+                       "{% set c = [b, b, b, b, b, b, b, b, b, b] %}{% set d = [c, c, c, c, c, c, c, c, c, c] %}"
+                       "{{ d | string | length }}",
+    "nested macros": "{% macro m0() %}" + "x" * 1000 + "{% endmacro %}" + "".join(
+        f"{{% macro m{i + 1}() %}}" + f"{{{{ m{i}() }}}}" * 10 + "{% endmacro %}" for i in range(8))
+        + "{{ m8() | length }}",
+    "format fields": "{% set s = 'x' * 100000 %}{{ ('%(a)s' * 10000) % {'a': s} }}",
+    "str.format fields": "{% set s = 'x' * 100000 %}{{ ('{0}' * 10000).format(s) }}",
+    "sum of lists": "{{ ([[1]] * 100000) | sum(start=[]) | length }}",
+    "batch fill": "{% set s = 'x' * 100000 %}{{ [1] | batch(100000, fill_with=s) | list }}",
+    "urlize": "{{ ('www.' + 'a.' * 50000) | urlize }}",
 }
 
 
@@ -56,6 +76,35 @@ def test_an_ordinary_template_renders_what_the_tokenizer_renders(tokenizer):
     theirs = tokenizer.apply_chat_template(MESSAGES, chat_template=ORDINARY, add_generation_prompt=True,
                                            tokenize=False)
     assert ours == theirs and "[3]" in ours and "xxx" in ours and "007" in ours
+
+
+REALISTIC = ("{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+             "{% set ns.system = m['content'] | trim %}{% endif %}{% endfor %}"
+             "{% if tools %}{{ 'Tools:\n' + tools | tojson(indent=4) + '\n' }}{% endif %}"
+             "{{ '<|system|>%s\n' % ns.system }}"
+             "{% for m in messages if m['role'] != 'system' %}{{ '<|{}|>'.format(m['role']) }}"
+             "{{ m['content'] | trim | replace('\r\n', '\n') | indent(2) }}{{ ['', loop.index0 | string] | join(':') }}"
+             "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_long_conversation_through_a_realistic_template_is_not_refused(tokenizer):
+    """The bounds refuse amplification, not size: 200 turns of about 2000 characters (400k in all, under the 1 MiB
+    bound) through a template using tojson(indent), %, str.format, replace, indent and join render exactly what the
+    tokenizer renders."""
+    import random
+
+    rng = random.Random(3)
+    words = ["alpha", "beta", "gamma\r\n", "delta", "{x}", "%s", "\n"]
+    messages = [{"role": "system", "content": " keep it short "}] + [
+        {"role": ("user", "assistant")[i % 2], "content": " ".join(rng.choice(words) for _ in range(330))}
+        for i in range(200)]
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "parameters": {"type": "object"}}}
+             for i in range(20)]
+    variables = {**_variables(tokenizer), "messages": messages, "tools": tools}
+    ours = check_request_template(REALISTIC, variables, timeout_s=30, max_chars=1 << 20)
+    theirs = tokenizer.apply_chat_template(messages, chat_template=REALISTIC, tools=tools, add_generation_prompt=True,
+                                           tokenize=False)
+    assert ours == theirs and len(ours) > 350_000
 
 
 @pytest.mark.parametrize("name", list(BOMBS))

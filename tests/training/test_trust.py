@@ -252,13 +252,20 @@ def _damage(run, rows, how: str) -> str:
         write_manifest(str(run), rows)
     elif how == "file-missing":
         os.remove(run / rows[1]["path"])
+    elif how == "row-leaves-the-run":  # sample 1's own valid file, moved outside the run, the row pointing there
+        os.makedirs(run.parent / "elsewhere")
+        os.replace(run / rows[1]["path"], run.parent / "elsewhere" / "s1.safetensors")
+        rows = [dict(r) for r in rows]
+        rows[1]["path"] = "../elsewhere/s1.safetensors"
+        write_manifest(str(run), rows)
     return rows[1]["sample_id"]
 
 
 DAMAGE = {"file-replaced": "holds sample 's00002', not the manifest row's",
           "row-points-elsewhere": "holds sample 's00002', not the manifest row's",
           "checksum-differs": "records checksum xxh3_64:[0-9a-f]+, the manifest row xxh3_64",
-          "file-missing": "is missing, though the manifest commits it"}
+          "file-missing": "is missing, though the manifest commits it",
+          "row-leaves-the-run": "path '../elsewhere/s1.safetensors' is not a plain relative path inside the run"}
 
 
 @pytest.mark.parametrize("how", list(DAMAGE))

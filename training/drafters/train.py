@@ -525,9 +525,11 @@ class CheckedFeed:
         if not self.skip:
             sid, reason = bad[0]
             more = f" (and {len(bad) - 1} more in this batch)" if len(bad) > 1 else ""
-            raise TrainingStopped(f"training stopped before step {step + 1}: sample {sid!r}{more}: {reason}. Run "
-                                  "`hsx verify RUN --all` (it marks bad samples) and re-run the same `hsx run` to "
-                                  "re-extract them, or pass --skip-bad-samples to train without them")
+            reason = reason.rstrip(".")
+            fix = ("; or pass --skip-bad-samples to train without such samples" if "hsx verify" in reason else
+                   ". Run `hsx verify RUN --all` (it marks bad samples) and re-run the same `hsx run` to re-extract "
+                   "them, or pass --skip-bad-samples to train without them")
+            raise TrainingStopped(f"training stopped before step {step + 1}: sample {sid!r}{more}: {reason}{fix}")
         for sid, reason in bad:
             if sid not in self.skipped:
                 self.skipped[sid] = reason
