@@ -132,7 +132,7 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
             continue
         cmd = " ".join(p.info["cmdline"] or [])
         label = ("this process (the clients)" if p.pid == os.getpid() else
-                 "hsx serve (the driver)" if "jobs.cli" in cmd else
+                 "hsx serve (the driver)" if "cli.main" in cmd or " -m cli " in f" {cmd} " else
                  cmd.split()[0].replace(".perform_graceful_shutdown", "") if cmd.startswith("ray::") else
                  "other Ray processes" if "ray" in cmd else "everything else")
         out[p.pid] = (label, t.user + t.system)

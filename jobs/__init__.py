@@ -1,4 +1,4 @@
-"""hsx jobs: Ray batch jobs over prompt corpora, the manifest and exactly-once resume, the `hsx` CLI.
+"""hsx jobs: Ray batch jobs over prompt corpora, the manifest and exactly-once resume (their commands: cli/jobs.py).
 
 The only package that knows both the engine (extractor) and the storage side (connectors). In pipeline order:
 
@@ -11,14 +11,12 @@ The only package that knows both the engine (extractor) and the storage side (co
     worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
-    lease.py         WriterLease: one writer per run (OUTPUT/writer.lease), renewed while a job runs
     verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
+    cluster.py       the Ray session of a job or `hsx serve`: connect or start, probe, fit resources
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run
     submit.py        `hsx submit`: Ray's job submission API
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
-    cli.py           the `hsx` command
-    export.py        `hsx export`: rewrite a run for another trainer's layout
 """

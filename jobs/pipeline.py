@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
 from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id, read_run_spec
+from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter
@@ -149,90 +149,6 @@ def run_job(config: JobConfig) -> JobResult:
     return execute_job(prepare_job(config))
 
 
-@contextlib.contextmanager
-def ray_cluster(address: str | None) -> Iterator[bool]:
-    """Connect to Ray: the session's if already connected, `address` or $RAY_ADDRESS, else a private local one
-    started here — also when a `ray start` cluster runs on this machine (or left its address file behind): that one
-    is used only when asked for (--address auto). ValueError (exit 2) when the given address cannot be reached.
-
-    Yields True when the cluster was started here (its resources are all there will be).
-    """
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        _probe(address)  # also when this process is connected already: an address nothing answers is an error
-    if ray.is_initialized():
-        yield False
-        return
-    if address:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({_first_line(e)}). "
-                             f"{_ADDRESS_FIX}") from e
-    else:
-        existing = _existing_local_cluster()
-        if existing:
-            logger.warning("a Ray cluster started with `ray start` is registered on this machine (%s); this job "
-                           "starts a private local Ray instead. Pass --address auto to run on that cluster", existing)
-        # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 logging_level=logging.WARNING)
-    try:
-        yield not address
-    finally:
-        ray.shutdown()
-
-
-def _existing_local_cluster() -> str | None:
-    """The address a `ray start` on this machine recorded ($RAY_TMPDIR or /tmp, then ray/ray_current_cluster, as
-    Ray looks it up), if any."""
-    base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
-    path = os.path.join(base, "ray", "ray_current_cluster")
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-_ADDRESS_FIX = ("Check the address (HOST:6379, the head's GCS port; ray://HOST:10001; or auto) and that the "
-                "cluster runs, or leave --address out to run on a private local Ray")
-
-
-def _probe(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
-    gRPC, the protocol of Ray's GCS and client server: Ray itself keeps retrying an unreachable GCS for minutes, and
-    a listener that is not Ray (the dashboard's 8265, a web server) accepts the TCP connection all the same."""
-    import socket
-
-    import grpc  # shipped with Ray (its GCS and client protocol)
-
-    target = address.split("://", 1)[-1].rsplit("/", 1)[0]
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or address.startswith(("http://", "https://")):
-        return  # "auto", "local", or a form Ray resolves (or refuses) itself
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({e}). {_ADDRESS_FIX}") from None
-    channel = grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        raise ValueError(f"--address {address}: something listens there but it is not Ray (no gRPC answer in "
-                         f"{timeout_s:g} s). {_ADDRESS_FIX}") from None
-    finally:
-        channel.close()
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     """(GPUs, CPUs) each extraction worker reserves. Raises ValueError on a local cluster they cannot fit (another
     cluster may autoscale: a warning)."""
@@ -240,7 +156,7 @@ def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
 
     resources = ray.cluster_resources()
     available, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
-    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else (1.0 if available >= 1 else 0.0)
+    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else gpus_default()
     others = TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
     per_worker = config.cpus_per_worker
     if per_worker is None:
@@ -257,11 +173,8 @@ def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     if need_cpus > cpus:
         problems.append(f"--workers {config.workers} x --cpus-per-worker {per_worker:g} plus tokenizers "
                         f"needs {need_cpus:g} CPUs, the cluster has {cpus:g}")
-    if problems:
-        msg = "; ".join(problems) + "; lower --workers, --gpus-per-worker or --cpus-per-worker"
-        if local:
-            raise ValueError(msg)
-        logger.warning("%s (continuing: an autoscaling cluster may add nodes)", msg)
+    check_fits(problems, local=local, fix="lower --workers, --gpus-per-worker or --cpus-per-worker",
+               waiting="continuing: an autoscaling cluster may add nodes")
     return gpus, per_worker
 
 
@@ -377,7 +290,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                     except LeaseLost as e:
                         raise JobFailed(str(e)) from e
                     except OSError as e:  # the output's storage failed (gone, full, ...) while committing
-                        raise JobFailed(f"committing to {plan.output.url} failed: {_first_line(e)}; rows "
+                        raise JobFailed(f"committing to {plan.output.url} failed: {first_line(e)}; rows "
                                         "committed before are kept — fix the storage and re-run the same command "
                                         "to resume") from e
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
@@ -398,7 +311,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
         try:
             writer.flush()
         except OSError as e:
-            raise JobFailed(f"the last manifest commit to {plan.output.url} failed: {_first_line(e)}; their files "
+            raise JobFailed(f"the last manifest commit to {plan.output.url} failed: {first_line(e)}; their files "
                             "are written but not counted — fix the storage (free space, permissions) and re-run the "
                             "same command: those samples are extracted again") from e
     finally:
@@ -420,7 +333,7 @@ def registry_stats(registry) -> dict[str, int]:
     try:
         return ray.get(registry.stats.remote())
     except ray.exceptions.RayError as e:
-        logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown", _first_line(e))
+        logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown", first_line(e))
         return {"skipped": 0, "duplicates": 0}
 
 

@@ -16,10 +16,11 @@ import platform
 import time
 from types import EllipsisType
 
+from connectors.fingerprint import FINGERPRINT_SCHEME
 from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, manifest_parts, read_run_spec, write_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile
-from jobs.model import FINGERPRINT_SCHEME, ModelFacts
+from jobs.model import ModelFacts
 
 # RunSpec field -> the flag a user changes to change it
 IDENTITY = {

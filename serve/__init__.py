@@ -6,7 +6,6 @@
     app.py       Ingress: the FastAPI app (auth, body limits, routes, errors, metrics) in front of the engines
     metrics.py   ServeMetrics: the Prometheus text of GET /metrics
     server.py    build_app / check / run: deploy on a private local Ray or --address, drain on SIGTERM
-    cli.py       the `hsx serve` subcommand (registered by jobs/cli.py)
 
 Imports nothing heavy here: ray and fastapi load with engine.py / app.py / server.py.
 """

@@ -4,7 +4,7 @@
                               max_ongoing_requests = 2 x max_num_seqs: one batch running, one gathering;
                               max_queued_requests + Retry-After at the caller) bound into the Ingress deployment
     check(config)             what can fail before anything starts: settings, model folder, output storage
-    run(config, ready)        start Ray (jobs.pipeline.ray_cluster) and Serve, deploy, wait for the replicas (SIGTERM
+    run(config, ready)        start Ray (jobs.cluster.ray_cluster) and Serve, deploy, wait for the replicas (SIGTERM
                               stops the wait), serve until SIGTERM/SIGINT, then drain (Ingress.drain: new requests
                               503, in-flight ones finish and their files become durable) and shut down; returns the
                               exit status. On an existing cluster (--address) only what hsx started is removed
@@ -88,23 +88,17 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
     import ray
     from ray import serve
 
-    from jobs.pipeline import ray_cluster
+    from jobs.cluster import check_fits, gpus_default, ray_cluster
 
     stop = threading.Event()
     with ray_cluster(config.address) as local:
-        gpus = config.gpus_per_replica
-        if gpus is None:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        shortfall = _shortfall(config, gpus, ray.cluster_resources())
-        if shortfall and local:
-            raise ValueError(f"{shortfall}; lower --replicas, --cpus-per-replica or --gpus-per-replica, or pass "
-                             "--address for a cluster")
-        if shortfall:
-            # An existing cluster may autoscale (its resources now are not all it can have, and Ray exposes no
-            # reliable "this cluster has no autoscaler" signal), so this is a warning, as for `hsx run`: hsx waits
-            # for the replicas, says every 30 s what they wait for, and SIGTERM stops the wait cleanly.
-            logger.warning("%s; waiting for the cluster to add nodes (lower --replicas, --cpus-per-replica or "
-                           "--gpus-per-replica if it cannot; SIGTERM stops waiting)", shortfall)
+        gpus = config.gpus_per_replica if config.gpus_per_replica is not None else gpus_default()
+        # on a cluster that may autoscale, a warning: hsx waits for the replicas, says every 30 s what they wait
+        # for, and SIGTERM stops the wait cleanly
+        check_fits(_shortfall(config, gpus, ray.cluster_resources()), local=local,
+                   fix="lower --replicas, --cpus-per-replica or --gpus-per-replica"
+                       + (", or pass --address for a cluster" if local else ""),
+                   waiting="waiting for the cluster to add nodes; SIGTERM stops waiting")
         from ray.serve.context import _get_global_client
 
         serve_was_running = local or _get_global_client(raise_if_no_controller_running=False) is not None
@@ -176,14 +170,14 @@ def _deploy(config: ServeConfig, gpus: float):
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
-    from jobs.pipeline import _first_line
+    from jobs.cluster import first_line
 
     target = serve.RunTarget(target=build_app(config, gpus), name=config.name, route_prefix=config.route_prefix,
                              logging_config={"log_level": "WARNING", "enable_access_log": False})
     try:
         return serve.run_many([target], wait_for_applications_running=False)[0]
     except RayServeException as e:
-        raise ValueError(f"Ray Serve refused the {config.name!r} application: {_first_line(e)}") from e
+        raise ValueError(f"Ray Serve refused the {config.name!r} application: {first_line(e)}") from e
 
 
 def _wait_running(stop: threading.Event, name: str, report_every_s: float = 30.0) -> bool:
@@ -274,11 +268,11 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no message from Ray Serve"
 
 
-def _shortfall(config: ServeConfig, gpus: float, resources: dict) -> str | None:
-    """What the replicas need beyond the cluster's resources now, or None when they fit."""
+def _shortfall(config: ServeConfig, gpus: float, resources: dict) -> list[str]:
+    """What the replicas need beyond the cluster's resources now ([] when they fit)."""
     need_cpu, need_gpu = config.replicas * config.cpus_per_replica, config.replicas * gpus
     have_cpu, have_gpu = resources.get("CPU", 0), resources.get("GPU", 0)
     if need_cpu <= have_cpu and need_gpu <= have_gpu:
-        return None
-    return (f"--replicas {config.replicas} need {need_cpu:g} CPUs and {need_gpu:g} GPUs, but the Ray cluster has "
-            f"{have_cpu:g} CPUs and {have_gpu:g} GPUs")
+        return []
+    return [f"--replicas {config.replicas} need {need_cpu:g} CPUs and {need_gpu:g} GPUs, but the Ray cluster has "
+            f"{have_cpu:g} CPUs and {have_gpu:g} GPUs"]

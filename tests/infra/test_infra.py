@@ -11,7 +11,8 @@ import pytest
 import ray
 import yaml
 
-from jobs.cli import build_parser, config_from_args
+from cli.args import config_from_args
+from cli.main import build_parser
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -33,8 +34,8 @@ def rayjob():
 def test_hsx_entry_point_is_the_cli_main():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
-    assert project["project"]["scripts"]["hsx"] == "jobs.cli:main"
-    from jobs.cli import main
+    assert project["project"]["scripts"]["hsx"] == "cli.main:main"
+    from cli.main import main
 
     assert callable(main)
 

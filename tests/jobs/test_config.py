@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from jobs.cli import EXIT_USAGE, build_parser, config_from_args, config_to_argv, main
+from cli.args import EXIT_USAGE, config_from_args, config_to_argv
+from cli.main import build_parser, main
 from jobs.config import JobConfig, field_docs, flag
 
 

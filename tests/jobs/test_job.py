@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from cli.main import main
 from connectors import load_hidden_states, read_hidden_states_info
 from connectors.run import RunDir, committed_ids
-from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from jobs.config import JobConfig
 from jobs.estimate import estimate
 from jobs.pipeline import run_job
@@ -253,7 +254,7 @@ def test_driver_killed_mid_run_then_rerun_is_exactly_once(ray_cluster, tiny_llam
     output = str(tmp_path / "out")
     args = ["--model", tiny_llama, "--corpus", corpus, "--output", output, "--workers", "2", "--tokens-per-task",
             "64", "--manifest-flush-rows", "3", "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", *args, "--address", ray_cluster.address],
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", *args, "--address", ray_cluster.address],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     manifest = os.path.join(output, "manifest")
     deadline = time.monotonic() + 180

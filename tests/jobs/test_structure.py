@@ -11,6 +11,8 @@ import posixpath
 import pyarrow as pa
 import pytest
 
+from cli.args import EXIT_USAGE
+from cli.main import main
 from connectors import HiddenStatesSpec
 from connectors.run import (
     LEGACY_DATA_LAYOUT,
@@ -23,7 +25,6 @@ from connectors.run import (
     read_run_spec,
     write_run_spec,
 )
-from jobs.cli import EXIT_USAGE, main
 
 
 # -- durability: no "ok" row may point at bytes that were not on disk first ---------------------------------------

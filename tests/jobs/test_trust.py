@@ -113,8 +113,8 @@ def test_a_run_that_recorded_the_first_rounds_fingerprint_still_resumes(own_mode
 
     from transformers import AutoConfig
 
+    from connectors.fingerprint import model_fingerprint
     from connectors.run import read_run_spec, write_run_spec
-    from jobs.model import model_fingerprint
     from jobs.pipeline import prepare_job
 
     config = _config(own_model, tmp_path)
@@ -221,13 +221,13 @@ def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama
     import sys
     import time
 
-    from jobs.cli import EXIT_OK, EXIT_USAGE
+    from cli.args import EXIT_OK, EXIT_USAGE
     from tests.jobs.conftest import write_jsonl
 
     ids = [f"s{i:04d}" for i in range(300)]
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": i, "prompt": f"sample {i} " * 8} for i in ids])
     output = str(tmp_path / "out")
-    args = [sys.executable, "-m", "jobs.cli", "run", "--model", tiny_llama, "--corpus", corpus, "--output", output,
+    args = [sys.executable, "-m", "cli", "run", "--model", tiny_llama, "--corpus", corpus, "--output", output,
             "--tokens-per-task", "64", "--manifest-flush-rows", "5", "--no-progress", "--address", ray_cluster.address]
     first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -272,7 +272,7 @@ def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path)
 def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     """`ray start` (or one that died) leaves its address in <tmp>/ray/ray_current_cluster; `hsx run` without
     --address used to hit Ray's "num_cpus and num_gpus must not be provided" instead of running. Every command
-    connects through jobs.pipeline.ray_cluster: in a fresh process (its own RAY_TMPDIR) it starts a private local Ray
+    connects through jobs.cluster.ray_cluster: in a fresh process (its own RAY_TMPDIR) it starts a private local Ray
     beside the stale file and says how to use the registered cluster instead."""
     import subprocess
     import sys
@@ -282,7 +282,7 @@ def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write("127.0.0.1:1")
-    script = ("import ray\nfrom jobs.pipeline import ray_cluster\n"
+    script = ("import ray\nfrom jobs.cluster import ray_cluster\n"
               "with ray_cluster(None) as local:\n"
               "    print('local', local, int(ray.cluster_resources()['CPU']), ray.get(ray.put(7)))\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
@@ -296,11 +296,12 @@ def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
 
 def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsys):
     """In this process (connected to a Ray already or not, as other tests leave it): the address given is probed
-    first (jobs.pipeline.ray_cluster), so nothing runs on another cluster than the one asked for."""
+    first (jobs.cluster.ray_cluster), so nothing runs on another cluster than the one asked for."""
     import socket
     import time
 
-    from jobs.cli import EXIT_USAGE, main
+    from cli.args import EXIT_USAGE
+    from cli.main import main
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "prompt": "hello"}\n')
@@ -327,7 +328,8 @@ def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsy
 def test_an_unreachable_or_missing_output_is_one_line_and_exit_2(s3_server, s3_bucket, tiny_llama, tmp_path, capsys):
     import json
 
-    from jobs.cli import EXIT_USAGE, main
+    from cli.args import EXIT_USAGE
+    from cli.main import main
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "prompt": "hello"}\n')

@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
+from cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from cli.main import main
 from connectors.run import RunDir, committed_rows, read_manifest
-from jobs.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

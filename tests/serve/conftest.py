@@ -36,7 +36,7 @@ class ServeProcess:
                  **flags) -> None:
         self.model, self.output, self.port = model, output, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}" + str(flags.get("route_prefix", "")).rstrip("/")
-        argv = [sys.executable, "-m", "jobs.cli", "serve", "--model", model, "--output", output,
+        argv = [sys.executable, "-m", "cli", "serve", "--model", model, "--output", output,
                 "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, layers))]
         for name, value in flags.items():
             argv += ["--" + name.replace("_", "-"), str(value)]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jobs.cli import main
+from cli.main import main
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -38,13 +38,13 @@ def test_bad_settings_exit_2_naming_the_flag_before_anything_starts(argv, needle
     assert time.monotonic() - start < 10
 
 
-def test_python_dash_m_jobs_cli_gives_the_same_usage_error(tmp_path):
-    """`python -m jobs.cli` (how the serve tests and infra start hsx) runs jobs/cli.py as __main__: a usage error
-    raised in serve/ must still be exit 2 with one line, not a traceback."""
+def test_python_dash_m_cli_gives_the_same_usage_error(tmp_path):
+    """`python -m cli` (how the serve tests start hsx) runs cli/__main__.py: a usage error raised in serve/ must
+    still be exit 2 with one line, not a traceback."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "jobs.cli", "serve", "--model", "/no/such/model", "--output",
+    r = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", "/no/such/model", "--output",
                         str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--model /no/such/model: no such folder" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

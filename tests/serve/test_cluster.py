@@ -23,8 +23,8 @@ import pytest
 import requests
 import torch
 
+from cli.main import main
 from connectors import load_hidden_states
-from jobs.cli import main
 from tests.extractor.oracle import load_reference, reference_states
 from tests.serve.conftest import LAYERS, ServeProcess, free_port
 
@@ -116,9 +116,8 @@ def observer(cluster):
 
 
 def hsx_serve(model: str, out, *flags: str) -> subprocess.Popen:
-    """The `hsx` console script's entry point (jobs.cli:main) in its own process; not `python -m jobs.cli`, where
-    jobs.cli is __main__ and does not catch the UsageError class serve.cli raises (it imports jobs.cli again)."""
-    argv = [sys.executable, "-c", "import sys; from jobs.cli import main; sys.exit(main())", "serve",
+    """The `hsx` console script's entry point (cli.main:main) in its own process."""
+    argv = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())", "serve",
             "--model", model, "--output", str(out / "files"),
             "--layers", ",".join(map(str, LAYERS)), *flags]
     log = open(out / "serve.log", "wb")

@@ -80,7 +80,7 @@ def test_a_killed_training_resumes_where_it_stopped_and_ends_with_the_uninterrup
     argv = ["train-drafter", "--run", settings["run"], "--model", tiny_llama, "--out", str(killed), "--steps",
             str(10**6), "--lr", "3e-3", "--batch-tokens", "64", "--draft-vocab-size", "48", "--checkpoint-every", "2",
             "--device", "cpu", "--no-progress"]  # the same settings through `hsx train-drafter`
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     step_file = killed / "checkpoint" / "step.json"
     deadline = time.monotonic() + 240
@@ -195,7 +195,7 @@ def test_bad_settings_are_refused(oracle_run, tiny_llama, tmp_path):
 
 
 def test_cli_trains_and_exits_0(oracle_run, tiny_llama, tmp_path, capsys):
-    from jobs.cli import main
+    from cli.main import main
 
     code = main(["train-drafter", "--kind", "eagle3", "--run", oracle_run[0], "--model", tiny_llama, "--out",
                  str(tmp_path), "--steps", "2", "--batch-tokens", "64", "--draft-vocab-size", "40", "--ttt-steps", "2",
@@ -212,7 +212,7 @@ def test_cli_trains_and_exits_0(oracle_run, tiny_llama, tmp_path, capsys):
 def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(oracle_run, tiny_llama, tmp_path):
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
     write_run(str(tmp_path / "run"), random_samples(2, spec), spec)
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "train-drafter", "--run", str(tmp_path / "run"),
+    proc = subprocess.run([sys.executable, "-m", "cli", "train-drafter", "--run", str(tmp_path / "run"),
                            "--model", tiny_llama, "--out", str(tmp_path / "out"), "--steps", "1", "--device", "cpu"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -222,7 +222,7 @@ def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(oracle_run, tiny_l
 
 
 def test_cli_usage_errors_exit_2(oracle_run, tiny_llama, tmp_path, capsys):
-    from jobs.cli import main
+    from cli.main import main
 
     base = ["train-drafter", "--run", oracle_run[0], "--model", tiny_llama, "--out", str(tmp_path)]
     for extra, message in ((["--steps", "2", "--epochs", "1"], "--steps or --epochs, not both"),

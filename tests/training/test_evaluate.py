@@ -170,7 +170,7 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     bad = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--drafter", str(tmp_path)])
     with pytest.raises(ValueError, match="no config.json"):
         bad.func(bad)
-    # as jobs/cli.py registers it: bad arguments become the CLI's usage error (one line, exit 2)
+    # as cli/training.py registers it: bad arguments become the CLI's usage error (one line, exit 2)
 
     class UsageError(Exception):
         pass
@@ -198,7 +198,8 @@ def test_failed_requests_fail_the_method(tiny_llama):
 
 
 def test_hsx_eval_drafter_is_a_subcommand_with_the_cli_exit_codes(tiny_llama, tmp_path, capsys):
-    from jobs.cli import EXIT_USAGE, main
+    from cli.args import EXIT_USAGE
+    from cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["eval-drafter", "--model", str(tmp_path / "missing")])
@@ -246,7 +247,8 @@ def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_r
     """A drafter it was given but could not evaluate (here a config.json whose hidden_size was damaged) fails the
     command: exit 1 naming it, the other methods still measured; nothing is quietly left out. (emb_dim is
     MLPSpeculator's name for the target's hidden size.)"""
-    from jobs.cli import EXIT_FAILED, main
+    from cli.args import EXIT_FAILED
+    from cli.main import main
     from training.drafters.train import TrainDrafterConfig, train_drafter
 
     drafter = tmp_path / "mlp"

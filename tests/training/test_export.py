@@ -10,9 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from cli.args import EXIT_OK, EXIT_USAGE
+from cli.main import build_parser, main
 from connectors import HiddenStatesSpec
 from connectors.paths import safe_file_stem
-from jobs.cli import EXIT_OK, EXIT_USAGE, build_parser, main
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import spec_run_json, write_run
 from training import export

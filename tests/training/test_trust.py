@@ -111,7 +111,8 @@ def test_a_refused_or_stopped_training_leaves_no_out_behind(oracle_run, tiny_lla
 
 
 def test_cli_out_that_is_a_file_or_the_model_exits_2_with_one_line(oracle_run, model_copy, tmp_path, capsys):
-    from jobs.cli import EXIT_USAGE, main
+    from cli.args import EXIT_USAGE
+    from cli.main import main
 
     (tmp_path / "afile").write_text("x")
     before = _tree(model_copy)
@@ -346,7 +347,8 @@ def test_every_file_of_a_training_has_the_same_permissions(oracle_run, tiny_llam
 
 
 def test_cli_stopped_training_exits_1_with_one_line(nan_run, tiny_llama, tmp_path, capsys):
-    from jobs.cli import EXIT_FAILED, main
+    from cli.args import EXIT_FAILED
+    from cli.main import main
 
     code = main(["train-drafter", "--kind", "medusa", "--run", nan_run[0], "--model", tiny_llama, "--out",
                  str(tmp_path / "out"), "--steps", "6", "--batch-tokens", "24", "--device", "cpu", "--no-progress"])

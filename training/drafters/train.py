@@ -236,11 +236,11 @@ def _same_model(run_spec, model_dir: str, hf) -> list[str]:
 
 
 def _warn_if_other_weights(run_spec, model_dir: str, hf) -> None:
-    """Warn when the run's recorded model fingerprint (jobs.model.model_fingerprint: config,
+    """Warn when the run's recorded model fingerprint (connectors.fingerprint: config,
     tokenizer, weight files' headers, sizes and times) differs from the target folder's. Not a refusal: a copy of the
     same model differs too (its files' times), but so does another fine-tune of the same base, which the config
     checks above cannot tell apart and whose states would train a drafter for the wrong model."""
-    from jobs.model import FINGERPRINT_SCHEME, model_fingerprint
+    from connectors.fingerprint import FINGERPRINT_SCHEME, model_fingerprint
 
     recorded = run_spec.model_fingerprint or ""
     if not recorded.startswith(FINGERPRINT_SCHEME):

@@ -1,14 +1,15 @@
-"""`hsx serve`: the command (registered by jobs/cli.py). Flags map one to one onto serve.config.ServeConfig."""
+"""`hsx serve` (serve/): flags map one to one onto serve.config.ServeConfig."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from cli.args import UsageError, add_config_arguments, config_from_args
 
-def add_serve_parser(sub) -> None:
+
+def register(sub) -> None:
     """Add the `serve` subcommand to the `hsx` subparsers."""
-    from jobs.cli import add_config_arguments
     from serve.config import ServeConfig
 
     parser = sub.add_parser(
@@ -22,7 +23,6 @@ def add_serve_parser(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from jobs.cli import UsageError, config_from_args
     from serve.config import ServeConfig
     from serve.server import check, open_server_warning, run
 

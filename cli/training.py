@@ -1,0 +1,87 @@
+"""The training commands: export (training/export/), train-drafter (the trainer) and eval-drafter (speculative
+decoding with trained drafters)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cli.args import EXIT_FAILED, EXIT_OK, UsageError, add_config_arguments, config_from_args
+
+
+def register(sub) -> None:
+    """Add this floor's subcommands to the `hsx` subparsers."""
+    from training.export.config import FORMATS, ExportConfig
+
+    export = sub.add_parser("export", help="write a run in the layout of speculators, SpecForge or ModelOpt",
+                            description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in "
+                                        "the on-disk layout another drafter trainer reads. Streaming (one sample at a "
+                                        "time) and resumable (re-run the same command after an interruption: "
+                                        "finished samples are skipped).")
+    add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS},
+                         config_file=False)
+    export.set_defaults(func=_cmd_export)
+
+    # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
+    # one onto training.drafters.train.TrainDrafterConfig (cheap to import: torch loads when the command runs)
+    from training.drafters.train import DRAFTERS, TrainDrafterConfig
+
+    def _cmd_train_drafter(args: argparse.Namespace) -> int:
+        from connectors.lease import LeaseLost
+        from training.drafters.train import TrainingStopped, train_drafter
+
+        config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig, required=())
+        try:
+            r = train_drafter(config)
+        except (TrainingStopped, LeaseLost) as e:  # bad data or a diverged training: it failed, nothing bad saved
+            print(f"hsx train-drafter: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from e
+        acc = "/".join(f"{a:.3f}" for a in r["accuracy_per_position"])
+        print(f"trained {r['kind']} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "
+              f"{r['final_loss']:.4f}, accuracy per position {acc}, simulated acceptance length "
+              f"{r['simulated_acceptance_length']:.3f}; drafter in {r['out']}, report {r['out']}/report.json")
+        return EXIT_OK
+
+    train = sub.add_parser("train-drafter", help="train an EAGLE-3, Medusa or MLPSpeculator drafter on a run",
+                           description="Train a drafter on an extraction run (OUTPUT) against its target model; "
+                                       "writes the checkpoint serving engines load (speculative_config method = "
+                                       "--kind) and report.json to --out. Re-running the same command resumes from "
+                                       "--out/checkpoint.")
+    add_config_arguments(train, TrainDrafterConfig, choices={"kind": tuple(DRAFTERS),
+                                                             "dtype": ("float32", "bfloat16", "float16")},
+                         config_file=False)
+    train.set_defaults(func=_cmd_train_drafter)
+
+    from training.drafters.evaluate import add_eval_parser  # hsx eval-drafter: AL and tokens/s per method
+
+    add_eval_parser(sub, usage_error=UsageError)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from connectors.lease import LeaseLost
+    from training.export import ExportConfig, export_run
+
+    config: ExportConfig = config_from_args(args, ExportConfig, required=())
+    last = [time.monotonic()]  # report every 5 s, not at the first sample
+
+    def progress(s) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 5:
+            last[0] = now
+            print(f"  {s.written + s.skipped}/{s.samples} samples", file=sys.stderr, flush=True)
+
+    try:
+        s = export_run(config.output, config.dest, config.format, model_dir=config.model_dir,
+                       storage_options=config.storage_options, num_workers=config.num_workers, progress=progress,
+                       break_lease=config.break_lease)
+    except LeaseLost as e:
+        print(f"hsx export: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
+          f"{s.skipped} already done, {s.seconds:.1f}s")
+    return EXIT_OK
