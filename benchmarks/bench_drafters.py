@@ -7,7 +7,7 @@
    sources, cached; its held-out prompts come from stdlib files it never saw.
 2. An hsx run (jobs.pipeline, the `hsx run` job) over its train texts, as pre-tokenized records of at most the
    target's context length; default layers = EAGLE-3's [2, N//2, N-3] + N.
-3. Each drafter kind whose trainer exists (training.drafters.train; a kind whose module is missing is skipped and
+3. Each drafter kind whose trainer exists (training.trainer; a kind whose module is missing is skipped and
    said so) trained on that run.
 4. The teeth: the same EAGLE-3 recipe on deliberately wrong data, the bugs users hit:
    - "post-norm as pre-norm": the good run's last layer put through the target's final norm but still labelled
@@ -16,7 +16,7 @@
    - "aux ids shifted": a second hsx run extracting [1, N//2-1, N-4] (the 0-based output indices of SpecForge /
      ModelOpt read as vLLM ids) whose files are then rewritten through the connector labelled [2, N//2, N-3].
    Both should decode with a lower acceptance length than the good run: if they do not, the measurement has no teeth.
-5. Greedy decoding of held-out prompts (training/drafters/evaluate.py): none, ngram k=3 and 5, each drafter at each
+5. Greedy decoding of held-out prompts (training/evaluate.py): none, ngram k=3 and 5, each drafter at each
    k, the teeth at k=3; vLLM's spec_decode.py lines per method, a comparison table, every output checked equal to
    plain greedy decoding. All prompts decode together (vLLM's offline example submits them at once), then again one
    request at a time (--one-at-a-time, default on; none, ngram and the good drafters): the latency regime
@@ -192,7 +192,7 @@ def rewrite_run(src: str, dst: str, *, label_layer_ids: tuple[int, ...] | None =
 
 def post_norm_last_layer(model: str, layer_ids: tuple[int, ...], n: int):
     """[T, L, H] -> the same with layer id N replaced by final_norm(layer N): post-norm where pre-norm is claimed."""
-    from training.norm import FinalNorm
+    from extractor.norm import FinalNorm
 
     norm = FinalNorm.from_model_dir(model)
     pos = layer_ids.index(n)
@@ -211,7 +211,8 @@ def post_norm_last_layer(model: str, layer_ids: tuple[int, ...], n: int):
 def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None, str | None]:
     """(report, None) after training `kind` on `run` into `out`, or (None, why it was skipped)."""
     try:
-        from training.drafters.train import TrainDrafterConfig, drafter_class, train_drafter
+        from drafters.registry import drafter_class
+        from training.trainer import TrainDrafterConfig, train_drafter
 
         drafter_class(kind)
     except (ImportError, ValueError) as e:
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from training.drafters.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
+    from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
     from training.reference_target import build_reference_target, default_cache_root
 
     if args.threads:

@@ -24,12 +24,12 @@ def register(sub) -> None:
     export.set_defaults(func=_cmd_export)
 
     # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
-    # one onto training.drafters.train.TrainDrafterConfig (cheap to import: torch loads when the command runs)
-    from training.drafters.train import DRAFTERS, TrainDrafterConfig
+    # one onto training.trainer.TrainDrafterConfig (cheap to import: torch loads when the command runs)
+    from training.trainer import TrainDrafterConfig
 
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
         from connectors.lease import LeaseLost
-        from training.drafters.train import TrainingStopped, train_drafter
+        from training.trainer import TrainingStopped, train_drafter
 
         config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig, required=())
         try:
@@ -50,12 +50,11 @@ def register(sub) -> None:
                                        "writes the checkpoint serving engines load (speculative_config method = "
                                        "--kind) and report.json to --out. Re-running the same command resumes from "
                                        "--out/checkpoint.")
-    add_config_arguments(train, TrainDrafterConfig, choices={"kind": tuple(DRAFTERS),
-                                                             "dtype": ("float32", "bfloat16", "float16")},
+    add_config_arguments(train, TrainDrafterConfig, choices={"dtype": ("float32", "bfloat16", "float16")},
                          config_file=False)
     train.set_defaults(func=_cmd_train_drafter)
 
-    from training.drafters.evaluate import add_eval_parser  # hsx eval-drafter: AL and tokens/s per method
+    from training.evaluate import add_eval_parser  # hsx eval-drafter: AL and tokens/s per method
 
     add_eval_parser(sub, usage_error=UsageError)
 

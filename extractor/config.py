@@ -28,13 +28,24 @@ STORED_DTYPES = DTYPES[1:]
 # Unambiguous aliases only: "float" and "double" are refused (torch reads "float" as float32, users often mean fp16).
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 SPECULATIVE_METHOD = "extract_hidden_states"
-SPECULATION_METHODS = ("ngram", "draft_model", "eagle3", "medusa", "mlp_speculator")
-"""Speculative decoding methods (the target generates, a proposer drafts); extract_hidden_states is not one."""
-DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")
-"""Methods whose draft is a head trained on the target's states (training/drafters/): `model` = its checkpoint."""
+ENGINE_METHODS = ("ngram", "draft_model")
+"""Speculative methods the engine drafts for itself; the trained-head ones (eagle3, medusa, mlp_speculator, ...) come
+from the drafter registry (extractor/methods.py). extract_hidden_states is not a speculative decoding method."""
 _SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
-              "draft_model": ("method", "num_speculative_tokens", "model"),
-              **{m: ("method", "num_speculative_tokens", "model") for m in DRAFTER_METHODS}}
+              "draft_model": ("method", "num_speculative_tokens", "model")}
+_DRAFTER_KEYS = ("method", "num_speculative_tokens", "model")
+
+
+def drafter_methods() -> tuple[str, ...]:
+    """Methods whose draft is a head trained on the target's states (`model` = its checkpoint): the registry's."""
+    from extractor.methods import families
+
+    return tuple(sorted(families()))
+
+
+def speculation_methods() -> tuple[str, ...]:
+    """Every speculative decoding method: the engine's own, then the registered drafter families."""
+    return ENGINE_METHODS + drafter_methods()
 # vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
 # otherwise the one value hsx can honour.
 _NOT_YET_METHODS = ("eagle", "mtp")
@@ -125,7 +136,7 @@ class SpeculativeConfig:
 
     method: str
     """"ngram" (prompt lookup in the request's own tokens), "draft_model" (a smaller causal LM, same vocabulary), or a
-    head trained on the target's states: "eagle3", "medusa", "mlp_speculator" (training/drafters/)."""
+    head trained on the target's states: "eagle3", "medusa", "mlp_speculator" (drafters/)."""
     num_speculative_tokens: int
     """k, tokens drafted per step (>= 1)."""
     prompt_lookup_max: int | None = None
@@ -138,9 +149,9 @@ class SpeculativeConfig:
     medusa / mlp_speculator: the trained head's checkpoint folder (`hsx train-drafter --out`)."""
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATION_METHODS:
+        if self.method not in speculation_methods():
             raise ValueError(f"speculative method {self.method!r} is not supported; valid: "
-                             f"{', '.join(SPECULATION_METHODS)} (and {SPECULATIVE_METHOD} for extraction)")
+                             f"{', '.join(speculation_methods())} (and {SPECULATIVE_METHOD} for extraction)")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -156,7 +167,7 @@ class SpeculativeConfig:
                 lo = hi = NGRAM_DEFAULT_LOOKUP
             object.__setattr__(self, "prompt_lookup_min", hi if lo is None else lo)
             object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
-        if self.method == "draft_model" or self.method in DRAFTER_METHODS:
+        if self.method == "draft_model" or self.method in drafter_methods():
             what = "the draft causal LM" if self.method == "draft_model" else f"the {self.method} checkpoint"
             if not self.model:
                 raise ValueError(f"method {self.method!r} needs 'model': a local folder with {what}")
@@ -188,11 +199,15 @@ def checkpoint_method(model_dir: str) -> str | None:
     """The speculative method a draft checkpoint is for, from its config.json (as vLLM infers it): a speculators
     EAGLE-3 config -> "eagle3", model_type "mlp_speculator" / "medusa" -> those, any causal LM -> "draft_model";
     None when the config is none of these."""
+    from extractor.methods import families
+
     raw = _read_checkpoint_config(model_dir)
-    if raw.get("speculators_model_type") == "eagle3":
-        return "eagle3"
-    if raw.get("model_type") in ("mlp_speculator", "medusa"):
-        return raw["model_type"]
+    matching = [name for name, family in sorted(families().items()) if family.matches(raw)]
+    recorded = (raw.get("hsx") or {}).get("kind") if isinstance(raw.get("hsx"), dict) else None
+    if recorded in matching:  # hsx's own checkpoints name their family (one may share another's layout)
+        return recorded
+    if matching:
+        return matching[0]
     if any(str(a).endswith("ForCausalLM") for a in raw.get("architectures") or []):
         return "draft_model"
     return None
@@ -201,20 +216,22 @@ def checkpoint_method(model_dir: str) -> str | None:
 def checkpoint_num_speculative_tokens(model_dir: str) -> int | None:
     """The k a drafter checkpoint was built for (MLPSpeculator n_predict, Medusa num_heads, the speculators config's
     speculative_tokens), None when it does not say."""
-    raw = _read_checkpoint_config(model_dir)
-    for key in ("n_predict", "num_heads", "medusa_num_heads"):
-        if isinstance(raw.get(key), int):
-            return raw[key]
-    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or []
-    if methods and isinstance(methods[0], dict) and isinstance(methods[0].get("speculative_tokens"), int):
-        return methods[0]["speculative_tokens"]
-    return None
+    from extractor.methods import families
+
+    method = checkpoint_method(model_dir)
+    family = families().get(method) if method else None
+    return family.num_speculative_tokens(_read_checkpoint_config(model_dir)) if family is not None else None
 
 
 def _describe_checkpoint(method: str | None) -> str:
-    return {"eagle3": "an EAGLE-3 (speculators) checkpoint", "medusa": "a Medusa checkpoint",
-            "mlp_speculator": "an MLPSpeculator checkpoint", "draft_model": "a causal LM (a draft_model draft)",
-            None: "no checkpoint hsx recognises (not EAGLE-3, Medusa, MLPSpeculator or a causal LM)"}[method]
+    from extractor.methods import families
+
+    if method == "draft_model":
+        return "a causal LM (a draft_model draft)"
+    if method is None:
+        return f"no checkpoint hsx recognises (not a causal LM, nor one of {', '.join(drafter_methods())})"
+    found = families().get(method)
+    return found.description if found is not None else f"a {method} checkpoint"
 
 
 def speculative_config_from_dict(spec: Mapping[str, Any] | None
@@ -232,7 +249,7 @@ def speculative_config_from_dict(spec: Mapping[str, Any] | None
     if method is None:
         if not spec.get("model"):
             raise ValueError(f"speculative_config {dict(spec)!r} has no 'method' and no draft 'model' to infer it from; "
-                             f"set 'method' to one of {', '.join(SPECULATION_METHODS)} (or {SPECULATIVE_METHOD} for "
+                             f"set 'method' to one of {', '.join(speculation_methods())} (or {SPECULATIVE_METHOD} for "
                              "extraction)")
         model = str(spec["model"])
         if not os.path.isdir(model):
@@ -241,22 +258,22 @@ def speculative_config_from_dict(spec: Mapping[str, Any] | None
         method = checkpoint_method(model)
         if method is None:
             raise ValueError(f"speculative_config has no 'method' and {model} holds {_describe_checkpoint(None)}; set "
-                             f"'method' to one of {', '.join(SPECULATION_METHODS)}")
+                             f"'method' to one of {', '.join(speculation_methods())}")
         spec = {**spec, "method": method}
         logger.info("speculative method %r inferred from %s", method, model)
-    if method in DRAFTER_METHODS and "num_speculative_tokens" not in spec and spec.get("model") and \
+    if method != SPECULATIVE_METHOD and method in drafter_methods() and "num_speculative_tokens" not in spec and spec.get("model") and \
             os.path.isdir(str(spec["model"])):
         k = checkpoint_num_speculative_tokens(str(spec["model"]))
         if k is not None:
             spec = {**spec, "num_speculative_tokens": k}
     if method in _NOT_YET_METHODS:
         raise ValueError(f"speculative_config method {method!r} is not supported by hsx yet (its drafter is not "
-                         f"implemented); hsx decodes speculatively with {', '.join(SPECULATION_METHODS)} "
+                         f"implemented); hsx decodes speculatively with {', '.join(speculation_methods())} "
                          f"(e.g. a smaller causal LM with method 'draft_model') and extracts only with "
                          f"{SPECULATIVE_METHOD}")
-    if method not in SPECULATION_METHODS:
+    if method == SPECULATIVE_METHOD or method not in speculation_methods():
         return None, layer_ids_from_speculative_config(spec)
-    known = _SPEC_KEYS[method]
+    known = _SPEC_KEYS.get(method, _DRAFTER_KEYS)
     if "num_speculative_tokens" not in spec:
         raise ValueError(f"speculative_config for method {method!r} needs num_speculative_tokens (k >= 1), e.g. 3")
     ignored = {}
@@ -287,7 +304,7 @@ def layer_ids_from_speculative_config(spec: Mapping[str, Any] | None) -> tuple[i
     if method != SPECULATIVE_METHOD:
         raise ValueError(f"speculative_config method {method!r} is not supported; hsx supports only "
                          f"{{'method': '{SPECULATIVE_METHOD}', 'num_speculative_tokens': 1}} for extraction and "
-                         f"the speculative decoding methods {', '.join(SPECULATION_METHODS)}")
+                         f"the speculative decoding methods {', '.join(speculation_methods())}")
     n = spec.get("num_speculative_tokens", 1)
     if n != 1:
         raise ValueError(f"num_speculative_tokens={n!r}; the {SPECULATIVE_METHOD} method requires exactly 1")

@@ -19,15 +19,14 @@ contexts[b][:-1] for every row, i.e. every token but the newest, whose state the
 
     NgramProposer        prompt lookup: the continuation of the longest suffix n-gram seen earlier in the context
     DraftModelProposer   a smaller HF causal LM with the target's vocabulary, its own KV cache rolled back on rejection
-    make_proposer(config, runner)   the proposer a SpeculativeConfig names (eagle3 / medusa / mlp_speculator: the
-                                    trained heads' proposers in training/drafters/, Cls(model_dir, runner, k))
+    make_proposer(config, runner)   the proposer a SpeculativeConfig names (a trained head's: the drafter family's
+                                    proposer, found through the registry, extractor/methods.py)
 
 A new drafter (EAGLE-3, Medusa, MLPSpeculator) is one more Proposer subclass; the verification loop does not change.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from abc import ABC, abstractmethod
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from extractor.config import SpeculativeConfig
+from extractor.methods import family
 from extractor.sampling import SamplingParams, sample_with_probs
 
 logger = logging.getLogger(__name__)
@@ -221,19 +221,13 @@ def _check_same_tokens(model_dir: str, target) -> None:
                          "draft of the same family, or remove the draft's tokenizer files if its ids are the target's")
 
 
-_DRAFTER_PROPOSERS = {"eagle3": ("training.drafters.eagle3", "Eagle3Proposer"),
-                      "medusa": ("training.drafters.medusa", "MedusaProposer"),
-                      "mlp_speculator": ("training.drafters.mlp_speculator", "MLPSpeculatorProposer")}
-
-
 def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
     """The proposer `config.method` names, for the target loaded in `runner`."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft_model":
         return DraftModelProposer(config.model, runner)
-    if config.method in _DRAFTER_PROPOSERS:  # trained heads: training/drafters/, imported only when used
-        module, name = _DRAFTER_PROPOSERS[config.method]
-        cls = getattr(importlib.import_module(module), name)
-        return cls(config.model, runner, config.num_speculative_tokens)
+    found = family(config.method)  # trained heads: the drafter registry (extractor/methods.py)
+    if found is not None:
+        return found.proposer(config.model, runner, config.num_speculative_tokens)
     raise ValueError(f"no proposer for speculative method {config.method!r}")  # SpeculativeConfig checks first

@@ -230,7 +230,7 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
 
     from connectors.reader import load_hidden_states
     from extractor.layers import find_decoder_layers
-    from training.norm import FinalNorm
+    from extractor.norm import FinalNorm
 
     model_dir = config.model_dir or (spec.model if os.path.isfile(os.path.join(spec.model, "config.json")) else None)
     if model_dir is None:

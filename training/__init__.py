@@ -19,7 +19,7 @@ _EXPORTS = {
     "HiddenStatesDataset": "training.dataset",
     "HiddenStatesDatasetConfig": "training.dataset",
     "read_run_info": "training.dataset",
-    "FinalNorm": "training.norm",
+    "FinalNorm": "extractor.norm",
     "ShardSampler": "training.sampler",
     "PadCollator": "training.collate",
     "PackCollator": "training.collate",

@@ -62,7 +62,7 @@ from connectors.format import (
 )
 from connectors.reader import read_hidden_states_info
 from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_path_problem
-from training.norm import FinalNorm
+from extractor.norm import FinalNorm
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def test_mlpspeculator_script_flow(tiny_llama, tiny_model_factory, tmp_path, cap
     """mlpspeculator.py as written: speculative_config={"model": ACCELERATOR} with an MLPSpeculator checkpoint (no
     method, no k: both read from its config.json, as vLLM does); timed with and without speculation, and greedy,
     the texts equal the plain engine's. A causal LM given that way is a draft_model draft and needs k."""
-    from training.drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter
+    from drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter
 
     accelerator = str(tmp_path / "accelerator")  # untrained: losslessness holds whatever it drafts
     MLPSpeculatorDrafter(MLPSpeculatorConfig(n_predict=K), hidden_size=64, vocab_size=512).save_pretrained(

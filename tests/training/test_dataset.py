@@ -15,10 +15,10 @@ import torch
 
 from connectors import HiddenStatesSpec, load_hidden_states
 from connectors.run import write_manifest_part, write_run_spec
+from extractor.norm import FinalNorm
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import random_samples, spec_run_json, write_manifest, write_run
 from training.dataset import HiddenStatesDataset, read_run_info
-from training.norm import FinalNorm
 
 
 def test_items_equal_the_stored_tensors(random_run):

@@ -1,4 +1,4 @@
-"""The drafter trainer (training/drafters/train.py) and `hsx train-drafter`: checks before training, the report,
+"""The drafter trainer (training/trainer.py) and `hsx train-drafter`: checks before training, the report,
 resume after a kill, exit codes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from connectors import HiddenStatesSpec
 from tests.training.runs import random_samples, write_run
-from training.drafters.train import TrainDrafterConfig, train_drafter
+from training.trainer import TrainDrafterConfig, train_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,7 +33,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 
 def test_training_writes_the_serving_checkpoint_and_a_report(oracle_run, tiny_llama, tmp_path):
-    from training.drafters.eagle3 import Eagle3Drafter
+    from drafters.eagle3 import Eagle3Drafter
 
     report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=4))
     assert report["steps"] == 4 and report["resumed_from_step"] is None and report["tokens"] > 0
@@ -55,7 +55,7 @@ def test_training_writes_the_serving_checkpoint_and_a_report(oracle_run, tiny_ll
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
 def test_every_kind_trains_through_the_same_trainer(kind, oracle_run, tiny_llama, tmp_path):
-    from training.drafters.train import drafter_class
+    from drafters.registry import drafter_class
 
     report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, kind=kind, steps=2, draft_vocab_size=None,
                                    num_speculative_tokens=2))
@@ -151,7 +151,7 @@ def test_a_run_whose_model_fingerprint_differs_is_warned_about(oracle_run, tiny_
         run = tmp_path / name
         write_run(str(run), samples, spec, run_json=RunSpec.from_file_spec(spec, model_fingerprint=recorded))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="training.drafters.train"):
+        with caplog.at_level(logging.WARNING, logger="training.trainer"):
             train_drafter(_config(oracle_run, tiny_llama, tmp_path / f"out-{name}", run=str(run), steps=1))
         assert ("records model fingerprint v2:0123456789abcdef" in caplog.text) is warned, caplog.text
         assert (fingerprint in caplog.text) is warned

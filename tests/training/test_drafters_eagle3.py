@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from training.drafters.vocab import DraftVocab, build_draft_vocab, count_tokens
+from drafters.vocab import DraftVocab, build_draft_vocab, count_tokens
 
 # -- draft vocabulary -----------------------------------------------------------------------------------------------
 
@@ -57,9 +57,9 @@ def test_inconsistent_maps_are_refused():
 @pytest.fixture(scope="module")
 def eagle3_setup(oracle_run, tiny_llama):
     """(dataset, target head, a fresh drafter with a 48-token draft vocabulary built from the run)."""
+    from drafters.base import TargetHead
+    from drafters.eagle3 import Eagle3Drafter
     from training import HiddenStatesDataset
-    from training.drafters.base import TargetHead
-    from training.drafters.eagle3 import Eagle3Drafter
 
     output, _, _ = oracle_run
     ds = HiddenStatesDataset(output)
@@ -71,14 +71,14 @@ def eagle3_setup(oracle_run, tiny_llama):
 
 
 def _batch(ds, indices, max_tokens=128):
+    from drafters.base import DrafterBatch
     from training import PackCollator
-    from training.drafters.base import DrafterBatch
 
     return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
 
 
 def _fresh(setup, **options):
-    from training.drafters.eagle3 import Eagle3Drafter
+    from drafters.eagle3 import Eagle3Drafter
 
     ds, target, drafter = setup
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def test_packed_rows_never_pair_across_documents(eagle3_setup):
 def test_one_document_per_row_keeps_every_chains_computation(eagle3_setup):
     """The unroll over a packed row (documents kept apart by the mask) equals the unroll over the same documents one
     per row, position by position."""
-    from training.drafters.eagle3 import one_document_per_row
+    from drafters.eagle3 import one_document_per_row
 
     ds, _, drafter = eagle3_setup
     packed = _batch(ds, [0, 1, 2], max_tokens=256)
@@ -197,7 +197,7 @@ def test_checkpoint_is_the_speculators_layout_and_reloads_bit_exact(eagle3_setup
 
     from safetensors import safe_open
 
-    from training.drafters.eagle3 import Eagle3Drafter
+    from drafters.eagle3 import Eagle3Drafter
 
     ds, target, drafter = eagle3_setup
     drafter.save_pretrained(str(tmp_path), verifier=tiny_llama)
@@ -232,7 +232,7 @@ def test_checkpoint_is_the_speculators_layout_and_reloads_bit_exact(eagle3_setup
 def test_a_whole_vocabulary_head_omits_the_maps_and_reloads(eagle3_setup, tiny_llama, tmp_path):
     from safetensors import safe_open
 
-    from training.drafters.eagle3 import Eagle3Drafter
+    from drafters.eagle3 import Eagle3Drafter
 
     ds, target, _ = eagle3_setup
     whole = Eagle3Drafter.for_run(ds.run_info, target, 3, draft_vocab_size=10**6, ttt_steps=2)
@@ -248,8 +248,8 @@ def test_a_whole_vocabulary_head_omits_the_maps_and_reloads(eagle3_setup, tiny_l
 def test_runs_without_aux_layers_are_refused_naming_the_layers(tiny_llama, tmp_path):
     from connectors import HiddenStatesSpec
     from connectors.run import RunSpec
-    from training.drafters.base import TargetHead
-    from training.drafters.eagle3 import Eagle3Drafter
+    from drafters.base import TargetHead
+    from drafters.eagle3 import Eagle3Drafter
 
     target = TargetHead.from_model_dir(tiny_llama)
     only_last = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64,
@@ -307,7 +307,7 @@ def _greedy():
 def test_proposer_drafts_what_the_training_unroll_predicts(trained_head, runner, oracle_model):
     """The cache-based decoding path and the masked training unroll agree: chain t = len(ctx) - 2 fed the
     proposer's own drafts as its tokens predicts exactly those drafts."""
-    from training.drafters.eagle3 import Eagle3Proposer
+    from drafters.eagle3 import Eagle3Proposer
 
     folder, drafter = trained_head
     model, tokenizer = oracle_model
@@ -335,7 +335,7 @@ def test_proposer_cache_after_rollbacks_equals_a_fresh_one_and_decoding_stays_gr
     """A hand-driven greedy speculative loop (target verification by a plain forward): at every round the
     proposer, which keeps its cache and rolls back rejected drafts, drafts what a fresh proposer fed the whole
     context drafts; the output equals transformers generate."""
-    from training.drafters.eagle3 import Eagle3Proposer
+    from drafters.eagle3 import Eagle3Proposer
 
     folder, _ = trained_head
     model, tokenizer = oracle_model
@@ -377,8 +377,8 @@ def test_proposer_cache_after_rollbacks_equals_a_fresh_one_and_decoding_stays_gr
 
 
 def test_sampled_rows_get_draft_vocabulary_probabilities(trained_head, runner, oracle_model):
+    from drafters.eagle3 import Eagle3Proposer
     from extractor.sampling import SamplingParams
-    from training.drafters.eagle3 import Eagle3Proposer
 
     folder, drafter = trained_head
     model, tokenizer = oracle_model
@@ -409,7 +409,7 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     from connectors import HiddenStatesSpec
     from extractor import LLM, SamplingParams
     from tests.training.runs import Sample, pre_norm_hidden_states, write_run
-    from training.drafters.train import TrainDrafterConfig, train_drafter
+    from training.trainer import TrainDrafterConfig, train_drafter
 
     model, tokenizer = oracle_model
     prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]

@@ -1,4 +1,4 @@
-"""Medusa and MLPSpeculator drafters (training/drafters/medusa.py, mlp_speculator.py): training on a real tiny run,
+"""Medusa and MLPSpeculator drafters (drafters/medusa.py, mlp_speculator.py): training on a real tiny run,
 the serving checkpoint layouts, the alignment of every draft position against per-document loops over a plain
 transformers forward, and the proposers driven by hand with the target's states."""
 
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from connectors import HiddenStatesSpec
 from connectors.run import RunSpec
+from drafters.base import DrafterBatch, TargetHead
+from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaProposer
+from drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer
 from tests.training.runs import pre_norm_hidden_states
-from training.drafters.base import DrafterBatch, TargetHead
-from training.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaProposer
-from training.drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer
 
 KINDS = ("medusa", "mlp_speculator")
 DRAFTERS = {"medusa": MedusaDrafter, "mlp_speculator": MLPSpeculatorDrafter}
@@ -378,11 +378,11 @@ def test_medusa_heads_start_as_the_targets_lm_head(run_batch, target):
     torch.testing.assert_close(logits[1], target.logits(last))
 
 
-# -- through the trainer (training/drafters/train.py) ----------------------------------------------------------------
+# -- through the trainer (training/trainer.py) ----------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kind, tmp_path, oracle_run, tiny_llama,
                                                                               target, runner):
-    from training.drafters.train import TrainDrafterConfig, train_drafter
+    from training.trainer import TrainDrafterConfig, train_drafter
 
     out = str(tmp_path / kind)
     report = train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=out, kind=kind, steps=6,
@@ -401,7 +401,7 @@ def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path, oracle_run, tiny_llama):
-    from training.drafters.train import TrainDrafterConfig, train_drafter
+    from training.trainer import TrainDrafterConfig, train_drafter
 
     with pytest.raises(ValueError, match="bad family option"):
         train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,

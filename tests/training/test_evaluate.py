@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from extractor.metrics import Counter, Vector
-from training.drafters.evaluate import (
+from training.evaluate import (
     EvalResult,
     LossyOutputError,
     SpecDecodeCounts,
@@ -141,7 +141,7 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     """One evaluation per --max-num-seqs value (all at once, then one request at a time), each lossless."""
     import argparse
 
-    from training.drafters.evaluate import add_eval_parser
+    from training.evaluate import add_eval_parser
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -249,7 +249,7 @@ def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_r
     MLPSpeculator's name for the target's hidden size.)"""
     from cli.args import EXIT_FAILED
     from cli.main import main
-    from training.drafters.train import TrainDrafterConfig, train_drafter
+    from training.trainer import TrainDrafterConfig, train_drafter
 
     drafter = tmp_path / "mlp"
     train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(drafter), kind="mlp_speculator",

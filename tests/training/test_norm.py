@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.norm import FinalNorm
+from extractor.norm import FinalNorm
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

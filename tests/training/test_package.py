@@ -7,7 +7,7 @@ import sys
 
 
 def test_training_imports_neither_ray_nor_jobs():
-    code = ("import sys, training, training.dataset, training.norm, training.sampler, training.collate, "
+    code = ("import sys, training, training.dataset, extractor.norm, training.sampler, training.collate, "
             "training.export\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'jobs'))\n"
             "assert not bad, bad\n"

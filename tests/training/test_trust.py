@@ -18,7 +18,7 @@ import torch
 from connectors import HiddenStatesSpec
 from connectors.run import RunDir, read_manifest
 from tests.training.runs import random_samples, write_manifest, write_run
-from training.drafters.train import TrainDrafterConfig, TrainingStopped, save_checkpoint, train_drafter
+from training.trainer import TrainDrafterConfig, TrainingStopped, save_checkpoint, train_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

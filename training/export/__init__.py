@@ -35,13 +35,13 @@ from typing import Any, Protocol
 from connectors.outputs import OutputFolder
 from connectors.paths import safe_file_stem
 from connectors.run import RunSpec
+from extractor.norm import FinalNorm
 from training.dataset import RUN_COMPARED, HiddenStatesDataset
 from training.export import files
 from training.export.config import FORMATS, ExportConfig
 from training.export.modelopt import ModelOptLayout
 from training.export.specforge import SpecForgeLayout
 from training.export.speculators import SpeculatorsLayout
-from training.norm import FinalNorm
 
 __all__ = ["FORMATS", "ExportConfig", "ExportSummary", "export_run"]
 

@@ -3,7 +3,8 @@
     TrainDrafterConfig            what to train (kind, run, target, out) and how (steps/epochs, lr, batch tokens, ...)
     train_drafter(config) -> dict the report (also written to OUT/report.json)
     check_run(config) -> (dataset, target)   the checks done before any training (usable on their own)
-    DRAFTERS                      kind -> drafter class, imported lazily ("eagle3" | "medusa" | "mlp_speculator")
+    --kind                        a drafter family of the registry (drafters/registry.py): eagle3, medusa,
+                                  mlp_speculator, or any registered one
 
 Flow: check the target folder and the run (not empty, from this target, holding the layers the kind needs) ->
 `Drafter.for_run` -> `prepare(dataset)` (EAGLE-3: the draft vocabulary) -> steps over packed batches -> the serving
@@ -24,7 +25,6 @@ the run, the target and the settings.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import math
@@ -40,13 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DRAFTERS = {
-    "eagle3": "training.drafters.eagle3.Eagle3Drafter",
-    "medusa": "training.drafters.medusa.MedusaDrafter",
-    "mlp_speculator": "training.drafters.mlp_speculator.MLPSpeculatorDrafter",
-}
-"""kind -> "module.Class" of its Drafter, imported when used."""
-
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.pt"
 REPORT_NAME = "report.json"
@@ -57,17 +50,6 @@ RESUME_FIELDS = ("kind", "num_speculative_tokens", "lr", "lr_schedule", "weight_
 """Settings a resumed training must share with the checkpoint's (besides the run's and the model's identity)."""
 LEGACY_MARKERS = (f"{CHECKPOINT_DIR}/{STATE_NAME}", REPORT_NAME)
 """Files that mark an --out as a training's output from before hsx wrote ownership markers."""
-
-
-def drafter_class(kind: str) -> type:
-    """The Drafter subclass of `kind` (imported now)."""
-    if kind not in DRAFTERS:
-        raise ValueError(f"--kind {kind!r} is not a drafter family; choose one of {list(DRAFTERS)}")
-    module, _, name = DRAFTERS[kind].rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--kind {kind}: {DRAFTERS[kind]} is not available in this hsx ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -81,7 +63,7 @@ class TrainDrafterConfig:
     out: str
     """Local folder for the trained drafter (serving layout), OUT/report.json and OUT/checkpoint/."""
     kind: str = "eagle3"
-    """Drafter family: eagle3, medusa or mlp_speculator."""
+    """Drafter family: eagle3, medusa, mlp_speculator, or any other in the registry (drafters/registry.py)."""
     steps: int | None = None
     """Optimizer steps to train (one packed batch each); default: --epochs."""
     epochs: float | None = None
@@ -142,8 +124,11 @@ class TrainDrafterConfig:
         for name in ("run", "model", "out"):
             if not str(getattr(self, name) or "").strip():
                 raise ValueError(f"--{name} is required")
-        if self.kind not in DRAFTERS:
-            raise ValueError(f"--kind {self.kind!r} is not a drafter family; choose one of {list(DRAFTERS)}")
+        from drafters.registry import families
+
+        found = families().get(self.kind)
+        if found is None:
+            raise ValueError(f"--kind {self.kind!r} is not a drafter family; choose one of {sorted(families())}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
         if self.steps is not None and self.steps < 1:
@@ -161,10 +146,11 @@ class TrainDrafterConfig:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: use one of {list(LR_SCHEDULES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: use float32, bfloat16 or float16")
-        if self.kind != "eagle3":
-            for name in ("draft_vocab_size", "ttt_steps"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"--{name.replace('_', '-')} applies to --kind eagle3 only")
+        takes = getattr(found, "options", ())
+        for name in ("draft_vocab_size", "ttt_steps"):
+            if name not in takes and getattr(self, name) is not None:
+                owners = sorted(n for n, f in families().items() if name in getattr(f, "options", ()))
+                raise ValueError(f"--{name.replace('_', '-')} applies to --kind {' / '.join(owners)} only")
 
     def drafter_options(self) -> dict[str, Any]:
         """Keyword options for the family's for_run (its config's fields)."""
@@ -270,8 +256,9 @@ def _committed_samples(config: TrainDrafterConfig) -> int | None:
 def check_run(config: TrainDrafterConfig):
     """(dataset, target head) once the target folder, the run and the kind's needs are checked; ValueError naming
     the fix otherwise."""
+    from drafters.base import TargetHead
+    from drafters.registry import drafter_class
     from training.dataset import HiddenStatesDataset
-    from training.drafters.base import TargetHead
 
     cls = drafter_class(config.kind)
     hf = _target_config(config.model)
@@ -551,7 +538,7 @@ class _Window:
     def figures(self) -> dict[str, Any]:
         import torch
 
-        from training.drafters.base import StepResult
+        from drafters.base import StepResult
 
         if not self.items:
             return {"loss": None, "accuracy": [], "simulated_acceptance_length": None}
@@ -575,6 +562,8 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     out.check()
     ds, target = check_run(config)
     identity = run_identity(ds)
+    from drafters.registry import drafter_class
+
     cls = drafter_class(config.kind)
     device, dtype = _device(config.device), getattr(torch, config.dtype)
     torch.manual_seed(config.seed)
@@ -596,8 +585,8 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
     from torch.utils.data import DataLoader
 
     from connectors import storage
+    from drafters.base import DrafterBatch
     from training.collate import PackCollator
-    from training.drafters.base import DrafterBatch
 
     spec = ds.run_info
     ckpt_dir = os.path.join(config.out, CHECKPOINT_DIR)

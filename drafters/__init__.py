@@ -10,5 +10,5 @@
     train.py           TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` (checks before
                        training, packed batches, progress bar, resumable checkpoints, report.json)
 
-Nothing is imported here: `import training.drafters` is cheap; import the module you need.
+Nothing is imported here: `import drafters` is cheap; import the module you need.
 """

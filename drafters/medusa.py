@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.registry import Family
 from extractor.proposers import Draft, Proposer
 from extractor.sampling import sample_with_probs
-from training.drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
 
 TARGETS = ("target", "tokens")
 
@@ -305,7 +306,7 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_d
 # -- decoding ------------------------------------------------------------------------------------------------------
 def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
     """A drafter checkpoint checked against the target `runner` holds, on its device and dtype, and its final norm."""
-    from training.norm import FinalNorm
+    from extractor.norm import FinalNorm
 
     drafter = cls.from_pretrained(model_dir)
     if drafter.hidden_size != runner.hidden_size or drafter.vocab_size != runner.vocab_size:
@@ -390,3 +391,10 @@ class MedusaProposer(LastStateProposer):
     def draft_steps(self, x, last_tokens, k, params, generators):
         logits = self.drafter(x, k)  # [k, B', V]: every head reads the same state
         return [sample_with_probs(logits[j], params, generators) for j in range(k)]
+
+
+FAMILY = Family(name="medusa", description="a Medusa checkpoint", drafter="drafters.medusa:MedusaDrafter",
+                proposer_class="drafters.medusa:MedusaProposer",
+                config_matches=lambda config: config.get("model_type") == "medusa",
+                config_k=lambda config: config.get("num_heads", config.get("medusa_num_heads")))
+"""Medusa in the registry (pyproject.toml's hsx.drafters entry point `medusa`)."""

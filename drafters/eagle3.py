@@ -8,7 +8,7 @@
                                       residual on the fused state, MLP; transformers' Llama modules
         layers[1:]    plain LlamaDecoderLayer (num_layers > 1)
         norm, lm_head [D, H]          final RMSNorm and the draft-vocabulary head; d2t [D] / t2d [V] map it to the
-                                      target's ids (training/drafters/vocab.py)
+                                      target's ids (drafters/vocab.py)
     Eagle3Drafter.training_step  the multi-step unroll (below), soft-label cross-entropy against the target
     save_pretrained / from_pretrained   the speculators checkpoint vLLM's eagle3 method serves
     Eagle3Proposer               drafting with a trained head in hsx's engine (extractor.proposers interface)
@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.registry import Family
+from drafters.vocab import DraftVocab, build_draft_vocab
 from extractor.proposers import Draft, Proposer
-from training.drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
-from training.drafters.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -670,3 +671,15 @@ class Eagle3Proposer(Proposer):
             q = sampling_probs(full, p)  # [V]
             out.append((int(torch.multinomial(q, 1, generator=gen)), q))
         return out
+
+
+def _speculative_tokens(config: dict) -> int | None:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
+
+
+FAMILY = Family(name="eagle3", description="an EAGLE-3 (speculators) checkpoint",
+                drafter="drafters.eagle3:Eagle3Drafter", proposer_class="drafters.eagle3:Eagle3Proposer",
+                config_matches=lambda config: config.get("speculators_model_type") == "eagle3",
+                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"))
+"""EAGLE-3 in the registry (pyproject.toml's hsx.drafters entry point `eagle3`)."""

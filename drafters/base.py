@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from training.norm import FinalNorm
+from extractor.norm import FinalNorm
 
 
 def _weight_map(model_dir: str) -> dict[str, str]:

@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from extractor.sampling import sample_with_probs
-from training.drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
-from training.drafters.medusa import (
+from drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.medusa import (
     TARGETS,
     LastStateProposer,
     TeacherLogits,
@@ -50,6 +49,8 @@ from training.drafters.medusa import (
     read_config,
     read_tensors,
 )
+from drafters.registry import Family
+from extractor.sampling import sample_with_probs
 
 SQRT2 = math.sqrt(2.0)
 
@@ -272,3 +273,11 @@ class MLPSpeculatorProposer(LastStateProposer):
             steps.append(sample_with_probs(logits, params, generators))
             tokens = torch.tensor(steps[-1][0], dtype=torch.long, device=self.device)
         return steps
+
+
+FAMILY = Family(name="mlp_speculator", description="an MLPSpeculator checkpoint",
+                drafter="drafters.mlp_speculator:MLPSpeculatorDrafter",
+                proposer_class="drafters.mlp_speculator:MLPSpeculatorProposer",
+                config_matches=lambda config: config.get("model_type") == "mlp_speculator",
+                config_k=lambda config: config.get("n_predict"))
+"""MLPSpeculator in the registry (pyproject.toml's hsx.drafters entry point `mlp_speculator`)."""

@@ -378,23 +378,20 @@ def comparison_table(results: Sequence[EvalResult]) -> list[str]:
 
 # -- drafter checkpoints --------------------------------------------------------------------------------------------
 
-DRAFTER_METHODS = ("eagle3", "medusa", "mlp_speculator")  # extractor.config.DRAFTER_METHODS, kept import-free
-
-
 def infer_method(drafter_dir: str) -> str:
     """The speculative method of a drafter checkpoint, from its config.json (extractor.config.checkpoint_method, as
     vLLM infers it); only the trained-head methods."""
-    from extractor.config import checkpoint_method
+    from extractor.config import checkpoint_method, drafter_methods
 
     if not os.path.isdir(drafter_dir):
         raise ValueError(f"{drafter_dir!r} is not a folder; pass a drafter checkpoint folder (hsx train-drafter --out "
                          "DIR)")
     kind = checkpoint_method(drafter_dir)
-    if kind in DRAFTER_METHODS:
+    if kind in drafter_methods():
         return kind
     raise ValueError(f"cannot tell the method of the drafter in {drafter_dir!r} (it holds "
                      f"{'a causal LM' if kind == 'draft_model' else 'no drafter checkpoint hsx recognises'}); name "
-                     f"it: --drafter METHOD:DIR with METHOD one of {', '.join(DRAFTER_METHODS)}")
+                     f"it: --drafter METHOD:DIR with METHOD one of {', '.join(drafter_methods())}")
 
 
 def load_prompts(path: str, limit: int | None = None) -> list[str]:
@@ -432,8 +429,8 @@ def add_eval_parser(subparsers, usage_error: type[Exception] | None = None) -> A
     p.add_argument("--model", default=None,
                    help="target folder (default: the locally trained reference target, built and cached on first use)")
     p.add_argument("--drafter", action="append", default=[], metavar="[METHOD:]DIR",
-                   help="a drafter checkpoint; METHOD (eagle3, medusa, mlp_speculator) is read from its config.json "
-                        "when omitted; repeatable")
+                   help="a drafter checkpoint; METHOD (a drafter family: eagle3, medusa, mlp_speculator, ...) is read "
+                        "from its config.json when omitted; repeatable")
     p.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3], metavar="K",
                    help="draft lengths to evaluate (e.g. 3 5)")
     p.add_argument("--no-ngram", action="store_true", help="leave out the ngram baseline")
@@ -476,6 +473,7 @@ def run_eval(args) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
     from connectors.outputs import check_output_file, write_output_file
+    from extractor.config import drafter_methods
 
     if any(k < 1 for k in args.num_speculative_tokens):
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
@@ -484,7 +482,7 @@ def run_eval(args) -> int:
     drafters = []
     for spec in args.drafter:
         method, sep, path = spec.partition(":")
-        if not sep or method not in DRAFTER_METHODS:
+        if not sep or method not in drafter_methods():
             method, path = infer_method(spec), spec
         if not os.path.isdir(path):
             raise ValueError(f"--drafter {spec}: {path!r} is not a folder")

@@ -1,0 +1,73 @@
+"""The drafter families: one registry (extractor.methods), read by the trainer, the evaluator and the engine.
+
+    Family(name, description, drafter=, proposer_class=, config_matches=, config_k=, options=)
+        one family: its Drafter (training/trainer.py trains it), its Proposer (the engine decodes with it), how to
+        recognise its checkpoints; classes named "module:Class" and imported when used, so listing the families
+        imports no model code
+    families() / family(name) / register(family) / unregister(name)   extractor.methods' registry
+    drafter_class(name)                             the family's Drafter subclass, or ValueError naming the choices
+
+Adding a family is one module (its Drafter, Proposer and `FAMILY = Family(...)`) and one entry point in
+pyproject.toml (`[project.entry-points."hsx.drafters"]  name = "drafters.name:FAMILY"`); see docs/drafters.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extractor.methods import families, family, register, unregister
+
+__all__ = ["Family", "families", "family", "register", "unregister", "drafter_class", "load"]
+
+
+def load(ref: str) -> Any:
+    """The object "module:Name" names."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """The speculative_config method and `hsx train-drafter --kind`."""
+    description: str
+    """What its checkpoint is, for messages."""
+    drafter: str
+    """"module:Class" of its drafters.base.Drafter subclass."""
+    proposer_class: str
+    """"module:Class" of its Proposer: Class(model_dir, runner, k)."""
+    config_matches: Callable[[dict[str, Any]], bool]
+    """Whether a checkpoint's config.json is this family's."""
+    config_k: Callable[[dict[str, Any]], int | None] = lambda config: None
+    """The k a checkpoint's config.json says it was built for, or None."""
+    options: tuple[str, ...] = ()
+    """TrainDrafterConfig fields only this family takes (EAGLE-3: draft_vocab_size, ttt_steps)."""
+
+    def matches(self, checkpoint_config: dict[str, Any]) -> bool:
+        return bool(self.config_matches(checkpoint_config))
+
+    def num_speculative_tokens(self, checkpoint_config: dict[str, Any]) -> int | None:
+        k = self.config_k(checkpoint_config)
+        return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+    def proposer(self, model_dir: str, runner, k: int):
+        return load(self.proposer_class)(model_dir, runner, k)
+
+    def drafter_class(self) -> type:
+        return load(self.drafter)
+
+
+def drafter_class(name: str) -> type:
+    """The Drafter subclass of family `name` (imported now)."""
+    found = family(name)
+    if found is None:
+        raise ValueError(f"--kind {name!r} is not a drafter family; choose one of {sorted(families())}")
+    if not hasattr(found, "drafter_class"):
+        raise ValueError(f"--kind {name}: this family can decode but not be trained by hsx (it has no Drafter)")
+    try:
+        return found.drafter_class()
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--kind {name}: {getattr(found, 'drafter', name)} is not available in this hsx ({e})") from e

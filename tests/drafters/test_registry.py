@@ -1,0 +1,78 @@
+"""The drafter registry: the installed families come from the `hsx.drafters` entry points, and a family registered
+from the test tree (tests/drafters/toy.py) works everywhere a family is named: `hsx train-drafter --kind`, `hsx
+eval-drafter --drafter METHOD:DIR` and `LLM(speculative_config={"method": ...})`, decoding losslessly against
+transformers' greedy generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cli.args import EXIT_OK
+from cli.main import main
+from drafters import registry
+
+
+def test_the_installed_families_come_from_the_entry_points():
+    from importlib.metadata import entry_points
+
+    from extractor.methods import ENTRY_POINT_GROUP
+
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    assert {"eagle3", "medusa", "mlp_speculator"} <= names  # pyproject.toml's entry points, as installed
+    assert {"eagle3", "medusa", "mlp_speculator"} <= set(registry.families())
+    assert registry.family("eagle3").options == ("draft_vocab_size", "ttt_steps")
+
+
+@pytest.fixture
+def toy():
+    from tests.drafters.toy import FAMILY
+
+    registry.register(FAMILY)
+    yield FAMILY
+    registry.unregister(FAMILY.name)
+    assert "toy" not in registry.families()
+
+
+def test_a_family_registered_from_the_tests_trains_evaluates_and_decodes(toy, oracle_run, oracle_model, tiny_llama,
+                                                                          tmp_path, capsys):
+    from extractor import LLM, SamplingParams
+    from tests.drafters.toy import ToyDrafter
+
+    out = tmp_path / "toy"
+    assert main(["train-drafter", "--kind", "toy", "--run", oracle_run[0], "--model", tiny_llama, "--out", str(out),
+                 "--steps", "3", "--batch-tokens", "64", "--num-speculative-tokens", "2", "--device", "cpu",
+                 "--no-progress"]) == EXIT_OK
+    assert json.loads((out / "report.json").read_text())["kind"] == "toy"
+    assert isinstance(registry.drafter_class("toy").from_pretrained(str(out)), ToyDrafter)
+
+    model, tokenizer = oracle_model
+    prompts = [tokenizer(t)["input_ids"] for t in ("the quick brown fox", "a b c d e")]
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+        expected.append(generated[0, len(p):].tolist())
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu",
+              speculative_config={"method": "toy", "model": str(out), "num_speculative_tokens": 2})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert {m.name: m for m in llm.get_metrics()}["vllm:spec_decode_num_drafts"].value > 0
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "the quick brown fox"}) + "\n")
+    capsys.readouterr()
+    assert main(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts_file), "--max-tokens", "4", "-k",
+                 "2", "--threads", "1", "--no-ngram", "--drafter", f"toy:{out}"]) == EXIT_OK
+    assert "toy (toy) k=2" in capsys.readouterr().out
+
+
+def test_an_unknown_kind_names_the_registered_families(tiny_llama, tmp_path):
+    from training.trainer import TrainDrafterConfig
+
+    with pytest.raises(ValueError, match=r"--kind 'nope' is not a drafter family; choose one of \['eagle3', 'medusa', "
+                                         r"'mlp_speculator'\]"):
+        TrainDrafterConfig(run=str(tmp_path), model=tiny_llama, out=str(tmp_path / "o"), kind="nope")
