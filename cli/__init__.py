@@ -5,4 +5,5 @@
     jobs.py       run, submit, status, estimate, demo, verify
     training.py   export, train-drafter, eval-drafter
     serve.py      serve
+    __main__.py   `python -m cli`
 """

@@ -7,7 +7,10 @@
     format.py                          the file format: HiddenStatesSpec, header encoding/parsing and checks, data
                                        checksum, HiddenStatesFileError (every file hsx refuses), layer-id check
     run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
+    fingerprint.py                     model_fingerprint: a model's identity as run.json records it
     paths.py                           default file names, custom-path containment
+    lease.py                           WriterLease: one writer per folder (FOLDER/writer.lease), renewed while it runs
+    outputs.py                         OutputFolder / check_output_file: outputs that cannot destroy inputs
     storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
     writer.py                          background writes with a bound on bytes in flight
     reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /

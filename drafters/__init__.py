@@ -1,4 +1,5 @@
-"""Drafters trained on hsx runs (EAGLE-3, Medusa, MLPSpeculator): models, training, checkpoints, proposers.
+"""Drafters trained on hsx runs (EAGLE-3, Medusa, MLPSpeculator): one module per family (model, checkpoint,
+proposer), the registry, and the checkpoint I/O they share.
 
     base.py            TargetHead, DrafterBatch, StepResult, Drafter (the interface every family implements:
                        for_run -> prepare -> training_step -> save_pretrained / from_pretrained)
@@ -7,8 +8,10 @@
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
     medusa.py          MedusaConfig, MedusaDrafter, MedusaProposer (heads on the last post-norm state)
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer (IBM's architecture)
-    train.py           TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` (checks before
-                       training, packed batches, progress bar, resumable checkpoints, report.json)
+    registry.py        Family, families(), family(name), register(family), drafter_class(name): the one registry
+                       (extractor.methods) the trainer, the evaluator and the engine read; entry points `hsx.drafters`
+
+The trainer is training/trainer.py, the evaluation training/evaluate.py.
 
 Nothing is imported here: `import drafters` is cheap; import the module you need.
 """

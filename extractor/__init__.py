@@ -6,6 +6,8 @@
     sampling.py     SamplingParams and the sampler
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
+    methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)
+    norm.py         FinalNorm: the target's final norm (transformers' own module, weights from the checkpoint)
     verification.py which drafted tokens the target keeps (greedy match, speculative rejection sampling)
     metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
     layers.py       layer-id semantics, the capture hooks, early exit

@@ -76,16 +76,14 @@ def run_demo(root: str, workers: int = 1, progress: bool = True) -> int:
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
     result = run_job(config)
     print("\n".join(result.lines()))
-    example = None
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    from connectors.run import committed_rows, read_manifest
 
-    table = pq.read_table(os.path.join(output, "manifest"))
-    ok = table.filter(pc.equal(table["status"], "ok"))
-    if ok.num_rows:
-        example = os.path.join(output, ok["path"][0].as_py())
+    table = read_manifest(output)  # every row (failed ones too); committed_rows: each sample's committed "ok" row
+    ok = committed_rows(table)
+    example = os.path.join(output, ok["path"][0].as_py()) if ok.num_rows else None
     print("\nWhere things are:")
-    print(f"  data files  {output}/data/<2 hex>/<sample id>.safetensors")
+    print(f"  data files  {output}/data/<2 hex>/<16 hex of the id's sha256>-<readable id>.safetensors, one per sample"
+          + (f"\n              e.g. {example}" if example else ""))
     print(f"  manifest    {output}/manifest/   ({table.num_rows} rows; pyarrow.parquet.read_table(...))")
     print(f"  run info    {output}/run.json")
     print(f"  status      hsx status {output}")

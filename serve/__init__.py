@@ -5,6 +5,7 @@
     engine.py    Engine: the Serve replica holding one extractor.LLM; @serve.batch gathers concurrent prompts
     app.py       Ingress: the FastAPI app (auth, body limits, routes, errors, metrics) in front of the engines
     metrics.py   ServeMetrics: the Prometheus text of GET /metrics
+    templates.py a request's own chat_template: rendered first under bounds (time, size), when the server trusts them
     server.py    build_app / check / run: deploy on a private local Ray or --address, drain on SIGTERM
 
 Imports nothing heavy here: ray and fastapi load with engine.py / app.py / server.py.

@@ -116,3 +116,19 @@ def test_the_table_is_read_from_readme_rows():
     readme = "## Layout\n| package | imports from | never imports | what |\n|---|---|---|---|\n" \
              "| `x/` | y, z | ray | the x |\n| `y/` |  | transformers, ray | the y |\n## Next\n| `w/` | x | | no |\n"
     assert layout_table(readme) == {"x": ({"y", "z"}, {"ray"}), "y": (set(), {"transformers", "ray"})}
+
+
+@pytest.mark.parametrize("package", ["cli", "serve", "jobs", "training", "drafters", "extractor", "connectors"])
+def test_each_package_docstring_lists_the_files_that_exist(package):
+    """A package's docstring is its table of contents: every module in it is named there, and every `name.py` it
+    names exists (a moved or deleted file cannot linger in the table)."""
+    import importlib
+
+    doc = importlib.import_module(package).__doc__ or ""
+    folder = REPO / package
+    files = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+    subpackages = {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    named = set(re.findall(r"(?<![/\w.])(\w+\.py)\b", doc))  # not other packages' cli/jobs.py
+    assert files - named == set(), f"{package}/__init__.py does not list {sorted(files - named)}"
+    assert {n for n in named if n not in files and not any((folder / d / n).exists() for d in subpackages)} == set()
+    assert all(f"{d}/" in doc for d in subpackages), subpackages

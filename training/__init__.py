@@ -1,14 +1,19 @@
-"""hsx training: feeding an extraction run to a drafter trainer, or rewriting it for another trainer.
+"""hsx training: feeding an extraction run to drafter training, training and measuring drafters, or rewriting a run
+for another trainer.
 
     dataset.py     HiddenStatesDataset(output, ...), HiddenStatesDatasetConfig, read_run_info(output) -> RunSpec
-    norm.py        FinalNorm: the target model's final norm (transformers' own module, weights from the checkpoint)
     sampler.py     ShardSampler: each distributed rank a disjoint share, all ranks together every sample once
     collate.py     PadCollator, PackCollator: batches padded to the longest sample, or packed rows for varlen attention
     export/        export_run(output, dest, fmt): the run in speculators', SpecForge's or ModelOpt's on-disk layout
                    (`hsx export`), one module per layout
+    trainer.py     TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` for any registered family
+                   (checks before training, the checked feed, packed batches, resumable checkpoints, report.json)
+    evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
+                   tokens/s, losslessness against plain greedy decoding
+    reference_target.py   a small Llama trained locally on the standard library's sources, for acceptance figures
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports
-connectors, torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
+connectors, extractor, drafters, torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
 """
 
 from __future__ import annotations
