@@ -18,7 +18,7 @@ def register(sub) -> None:
                     "its prompt (and, with kv_transfer_params.include_output_tokens, of its output) to a file under "
                     "--output and answers with its path once the file is durable. Runs on a private local Ray "
                     "unless --address; SIGTERM drains requests in flight, then exits.")
-    add_config_arguments(parser, ServeConfig, config_file=False)
+    add_config_arguments(parser, ServeConfig)
     parser.set_defaults(func=_cmd_serve)
 
 
@@ -26,7 +26,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from serve.config import ServeConfig
     from serve.server import check, open_server_warning, run
 
-    config: ServeConfig = config_from_args(args, ServeConfig, required=())
+    config: ServeConfig = config_from_args(args, ServeConfig)
     try:
         check(config)
     except ValueError as e:

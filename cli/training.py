@@ -19,8 +19,7 @@ def register(sub) -> None:
                                         "the on-disk layout another drafter trainer reads. Streaming (one sample at a "
                                         "time) and resumable (re-run the same command after an interruption: "
                                         "finished samples are skipped).")
-    add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS},
-                         config_file=False)
+    add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS})
     export.set_defaults(func=_cmd_export)
 
     # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
@@ -31,7 +30,7 @@ def register(sub) -> None:
         from connectors.lease import LeaseLost
         from training.trainer import TrainingStopped, train_drafter
 
-        config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig, required=())
+        config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig)
         try:
             r = train_drafter(config)
         except (TrainingStopped, LeaseLost) as e:  # bad data or a diverged training: it failed, nothing bad saved
@@ -50,20 +49,25 @@ def register(sub) -> None:
                                        "writes the checkpoint serving engines load (speculative_config method = "
                                        "--kind) and report.json to --out. Re-running the same command resumes from "
                                        "--out/checkpoint.")
-    add_config_arguments(train, TrainDrafterConfig, choices={"dtype": ("float32", "bfloat16", "float16")},
-                         config_file=False)
+    add_config_arguments(train, TrainDrafterConfig, choices={"dtype": ("float32", "bfloat16", "float16")})
     train.set_defaults(func=_cmd_train_drafter)
 
-    from training.evaluate import add_eval_parser  # hsx eval-drafter: AL and tokens/s per method
+    from training.evaluate import EvalDrafterConfig  # hsx eval-drafter: AL and tokens/s per method
 
-    add_eval_parser(sub, usage_error=UsageError)
+    evaluate = sub.add_parser(
+        "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
+        description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
+                    "print vLLM's spec_decode.py lines per method and a comparison table; fail (exit 1) when any "
+                    "speculative output differs from plain greedy decoding or a method could not be evaluated.")
+    add_config_arguments(evaluate, EvalDrafterConfig)
+    evaluate.set_defaults(func=_cmd_eval_drafter)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from connectors.lease import LeaseLost
     from training.export import ExportConfig, export_run
 
-    config: ExportConfig = config_from_args(args, ExportConfig, required=())
+    config: ExportConfig = config_from_args(args, ExportConfig)
     last = [time.monotonic()]  # report every 5 s, not at the first sample
 
     def progress(s) -> None:
@@ -84,3 +88,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
           f"{s.skipped} already done, {s.seconds:.1f}s")
     return EXIT_OK
+
+
+def _cmd_eval_drafter(args: argparse.Namespace) -> int:
+    from training.evaluate import EvalDrafterConfig, run_eval
+
+    config: EvalDrafterConfig = config_from_args(args, EvalDrafterConfig)
+    try:
+        return run_eval(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e

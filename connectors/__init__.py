@@ -12,6 +12,7 @@
     lease.py                           WriterLease: one writer per folder (FOLDER/writer.lease), renewed while it runs
     outputs.py                         OutputFolder / check_output_file: outputs that cannot destroy inputs
     storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
+    safetensors_file.py                one safetensors file's bytes through that put: write_atomic (checksummed)
     writer.py                          background writes with a bound on bytes in flight
     reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /
                                        cleanup_hidden_states

@@ -9,13 +9,15 @@ Engine, per request (in this order):
     request_finished(rid) -> dict          no more rows; persisting starts; returns the `kv_transfer_params` for
                                            the request's output (at least {"hidden_states_path": ...}).
     abort_request(rid)                     optional: drop what was buffered for a request that failed.
+    write_seconds(rid) -> float | None     optional: how long the request's file took to become durable.
+    forget(path)                           optional: a file this connector wrote was removed; its path is free.
 
 Engine, per batch / lifetime:
     wait_for_save() -> {rid: error}        block until every started save is durable; report those that failed.
     shutdown()                             optional: flush and release threads.
 
 Only the core methods are abstract; optional hooks default to doing nothing sensible, so adding a hook never breaks
-an implementation.
+an implementation. NullConnector writes nothing: the connector of a speculative-decoding engine.
 """
 
 from __future__ import annotations
@@ -97,3 +99,22 @@ class HiddenStatesConnector(ABC):
         if isinstance(extra, cls.extra_config_class):
             return extra
         return cls.extra_config_class.from_mapping(extra)
+
+
+class NullConnector(HiddenStatesConnector):
+    """Writes nothing: the connector of an engine that decodes speculatively (extraction is another engine)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)
+
+    def start_request(self, request: RequestInfo) -> None:
+        pass
+
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        pass
+
+    def request_finished(self, request_id: str) -> None:  # no file: the output gets no kv_transfer_params
+        return None
+
+    def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:
+        return {}

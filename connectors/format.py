@@ -68,7 +68,7 @@ CHECKSUM_KEY = "checksum"
 CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_PLACEHOLDER = f"{CHECKSUM_ALGORITHM}:{'0' * 16}"
 """What `request_metadata` puts under CHECKSUM_KEY: as long as every real value, so a file's size is known before
-its data is hashed; the writer (`connectors.storage.write_atomic`) replaces it with the real one."""
+its data is hashed; the writer (`connectors.safetensors_file.write_atomic`) replaces it with the real one."""
 _CHECKSUM_RE = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
 
 
@@ -313,7 +313,7 @@ def file_entries(spec: HiddenStatesSpec, num_tokens: int, *, loss_mask: bool) ->
 def file_size(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None) -> int:
     """Exact bytes of the file `encode_header` + the tensors' data make (what the connector writes).
 
-    Exact for the file `connectors.storage.write_atomic` makes of `metadata` when that holds the checksum key (as
+    Exact for the file `connectors.safetensors_file.write_atomic` makes of `metadata` when that holds the checksum key (as
     `request_metadata` does, with CHECKSUM_PLACEHOLDER): the writer replaces the value with one of the same length.
     """
     return len(encode_header(tensors, metadata)) + sum(dtype.itemsize * math.prod(shape)

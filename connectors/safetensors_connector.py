@@ -3,7 +3,7 @@
 Writes `token_ids` [T], `hidden_states` [T, L, H], optional `loss_mask` [T], and metadata from the producer's
 `HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
 the bytes in flight, retries, durable atomic files). Each file's metadata carries the checksum of its data
-(`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.storage.write_atomic`; the
+(`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.safetensors_file.write_atomic`; the
 metadata built here holds a placeholder of the same length, so `connectors.format.file_size` predicts the file.
 
 Where a file may go is decided twice: when a request starts (`connectors.paths.PathPolicy`: inside an allowed root;
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from connectors import storage
+from connectors import safetensors_file, storage
 from connectors.base import HiddenStatesConnector, RequestInfo
 from connectors.format import HIDDEN_STATES, LOSS_MASK, TOKEN_IDS, HiddenStatesSpec, request_metadata
 from connectors.paths import Destination, PathOwners, PathPolicy
@@ -236,7 +236,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         cfg = self.extra_config
         retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}
         with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root, **retry):
-            return storage.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
+            return safetensors_file.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
 
     def _release(self, pending: _Pending, *, written: bool) -> None:
         with self._lock:

@@ -7,12 +7,7 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
     put_atomic(fs, path, content, root=)  -  any whole file (bytes, buffers, or a writer function), atomic and durable:
                                              the one atomic write every file of a run goes through (data files,
                                              manifest parts, run.json, exports)
-    write_atomic(fs, path, tensors, meta) -  a safetensors file through put_atomic; transient errors retried with
-                                             backoff. A tensor
-                                             may be given as its chunks along dim 0 (prefill chunks, decode rows):
-                                             they are written back to back from their own memory, never
-                                             concatenated in RAM first. The metadata gets the data's checksum
-                                             (`connectors.format.CHECKSUM_KEY`), hashed on the calling thread
+    retrying(what, path, attempts, backoff) - tenacity's retry of transient errors (I/O, network), re-raised after
     pending_write(fs, path, root=)        -  context manager: readers of `path` wait while it is held
     local_parent(path, root)              -  (dir fd, name) of a local file's folder, reached from `root` without
                                              following any symlink (UnsafeWritePathError otherwise)
@@ -22,6 +17,8 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
                                              (symlinks followed) without ever blocking on them
     read_ranges(fs, path)                 -  (size, read(starts, ends)) over one version of one file, local or remote
     size_of(fs, path)                     -  an object's size as its store reports it, checked
+
+Bytes only: the safetensors files written through put_atomic are made in connectors/safetensors_file.py.
 
 Atomicity: local disks get a temp file in the same directory, fsynced, then `os.replace` and an fsync of the
 directory (a host crash leaves the old file or the whole new one, never a short one under the final name); object
@@ -52,11 +49,10 @@ import posixpath
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import fsspec
-import torch
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -68,13 +64,7 @@ from tenacity import (
 )
 
 from connectors.format import (
-    CHECKSUM_KEY,
-    CHECKSUM_PLACEHOLDER,
     HiddenStatesFileError,
-    checksum_value,
-    data_checksum,
-    data_hasher,
-    encode_header,
 )
 
 logger = logging.getLogger(__name__)
@@ -151,7 +141,7 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, Exception)
 
 
-def _retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retrying:
+def retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retrying:
     """Retry transient errors with exponential backoff and jitter (both scaled by `backoff_s`), then re-raise."""
     return Retrying(stop=stop_after_attempt(max_attempts),
                     wait=wait_exponential(multiplier=backoff_s, max=10) + wait_random(0, backoff_s),
@@ -159,82 +149,6 @@ def _retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retr
                     before_sleep=lambda rs: logger.warning("%s of %s failed (attempt %d/%d): %s; retrying", what,
                                                            path, rs.attempt_number, max_attempts,
                                                            rs.outcome.exception()))
-
-
-Tensors = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
-"""name -> a tensor, or the chunks of one along dim 0 (same dtype and trailing shape), in file order."""
-
-
-def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, metadata: dict[str, str] | None, *,
-                 max_attempts: int = 5, backoff_s: float = 0.2, root: str | None = None) -> int:
-    """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
-
-    `metadata[CHECKSUM_KEY]` is set to the checksum of the data (`connectors.format.data_checksum` of the bytes
-    after the header), replacing any placeholder in place: give the key with `CHECKSUM_PLACEHOLDER` (as
-    `request_metadata` does) and the file is exactly `connectors.format.file_size(...)` bytes. The hashing runs here,
-    on the caller's (writer) thread; on local disks it runs as the data is written (see `_hashing_writer`).
-    Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
-    attempt cleans up its own temp file, so a failed write leaves nothing behind. `root`: as for `put_atomic`.
-    """
-    entries, views = _layout(tensors)
-    metadata = {**(metadata or {}), CHECKSUM_KEY: CHECKSUM_PLACEHOLDER}
-    if is_local(fs):
-        content: Content = _hashing_writer(entries, metadata, views)
-    else:
-        metadata[CHECKSUM_KEY] = data_checksum(views)  # the header that holds it is encoded after hashing
-        content = [encode_header(entries, metadata), *views]
-    return _retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root)
-
-
-def safetensors_content(tensors: Tensors, metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:
-    """A safetensors file's bytes, for put_atomic: our header (tensors in the given order, metadata in its own
-    order, so the same tensors give the same bytes in every process; safetensors' own `save` orders metadata by a
-    per-process hash) and each tensor's memory after it."""
-    entries, views = _layout(tensors)
-    return [encode_header(entries, metadata), *views]
-
-
-def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[memoryview]]:
-    """name -> (dtype, shape) of every tensor, and the raw bytes of every chunk in file order (views, not copies)."""
-    entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    views: list[memoryview] = []
-    for name, value in tensors.items():
-        chunks = [value] if isinstance(value, torch.Tensor) else list(value)
-        if not chunks:
-            raise ValueError(f"tensor {name!r} has no chunks; pass at least one (possibly empty) tensor")
-        first = chunks[0]
-        for c in chunks[1:]:
-            if c.dtype != first.dtype or c.shape[1:] != first.shape[1:]:
-                raise ValueError(f"chunks of {name!r} disagree: {first.dtype} {list(first.shape)} vs {c.dtype} "
-                                 f"{list(c.shape)}; chunks must share dtype and all but the first dimension")
-        entries[name] = (first.dtype, (sum(c.shape[0] for c in chunks), *first.shape[1:]))
-        views += [memoryview(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-                  for c in chunks if c.numel()]
-    return entries, views
-
-
-_HASH_BLOCK_BYTES = 1 << 20  # hashed, then written while still in the CPU's cache
-
-
-def _hashing_writer(entries, metadata: dict[str, str], views: list[memoryview]):
-    """Local disks: write the header with a placeholder checksum, then the data block by block, each block hashed
-    just before it is written (one pass over memory instead of two), then the header again with the real checksum
-    (same length: same layout). No reader sees the placeholder: put_atomic renames the file into place after."""
-    def write(f: BinaryIO) -> None:
-        header = encode_header(entries, metadata)
-        f.write(header)
-        hasher = data_hasher()
-        for view in views:
-            for offset in range(0, len(view), _HASH_BLOCK_BYTES):
-                block = view[offset:offset + _HASH_BLOCK_BYTES]
-                hasher.update(block)
-                f.write(block)
-        final = encode_header(entries, {**metadata, CHECKSUM_KEY: checksum_value(hasher)})
-        assert len(final) == len(header), "checksum values have one length"
-        f.seek(0)
-        f.write(final)
-        f.seek(0, os.SEEK_END)  # put_atomic takes the size from the position
-    return write
 
 
 Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
@@ -440,7 +354,7 @@ def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = T
                 os.close(fd)
         return
     body = f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode()
-    _retrying("lock", lock, max_attempts, backoff_s)(fs.pipe_file, lock, body)
+    retrying("lock", lock, max_attempts, backoff_s)(fs.pipe_file, lock, body)
     try:
         yield
     finally:

@@ -11,7 +11,7 @@
                                       target's ids (drafters/vocab.py)
     Eagle3Drafter.training_step  the multi-step unroll (below), soft-label cross-entropy against the target
     save_pretrained / from_pretrained   the speculators checkpoint vLLM's eagle3 method serves
-    Eagle3Proposer               drafting with a trained head in hsx's engine (extractor.proposers interface)
+    FAMILY                       EAGLE-3 in the drafter registry; its proposer is drafters/eagle3_proposer.py
 
 Test-time training (EAGLE-3 paper, sec. 3): chain t starts from the target's states. Step 0 reads
 (fc(aux of x_t), embed x_{t+1}) at position t and predicts x_{t+2}; step s >= 1 reads the drafter's own previous
@@ -38,7 +38,6 @@ from torch import nn
 from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
 from drafters.registry import Family
 from drafters.vocab import DraftVocab, build_draft_vocab
-from extractor.proposers import Draft, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -447,239 +446,13 @@ class Eagle3Drafter(Drafter):
         return model.to(device).eval()
 
 
-# -- decoding -----------------------------------------------------------------------------------------------------
-
-
-class _RowCache:
-    """The drafter's KV cache for a batch of rows (extractor.runner.BatchState: cache + per-row column mask and next
-    position). Column p of a row holds its entry at position p; rolled-back entries stay as masked holes."""
-
-    def __init__(self, device: torch.device) -> None:
-        from transformers import DynamicCache
-
-        from extractor.runner import BatchState
-
-        self.device = device
-        self.state = BatchState(DynamicCache(), torch.zeros((0, 0), dtype=torch.long, device=device),
-                                torch.zeros(0, dtype=torch.long, device=device))
-
-    @property
-    def rows(self) -> int:
-        return self.state.batch_size
-
-    def add_rows(self, n: int) -> None:
-        """n empty rows after the current ones (their columns all masked)."""
-        st = self.state
-        for layer in getattr(st.cache, "layers", []):
-            if getattr(layer, "is_initialized", False) and layer.keys.dim() == 4:
-                k, v = layer.keys, layer.values
-                layer.keys = torch.cat([k, k.new_zeros((n, *k.shape[1:]))])
-                layer.values = torch.cat([v, v.new_zeros((n, *v.shape[1:]))])
-        st.attention_mask = torch.cat([st.attention_mask, st.attention_mask.new_zeros((n, st.width))])
-        st.next_position = torch.cat([st.next_position, st.next_position.new_zeros(n)])
-
-    def feed(self, drafter: Eagle3Drafter, ids: list[list[int]], hidden: list[torch.Tensor | None]) -> torch.Tensor:
-        """Append row b's entries (token ids[b][i] with state hidden[b][i] [H]; hidden[b] [n_b, H], n_b may be 0)
-        right-aligned in W = max n_b new columns; return the pre-norm outputs [B, W, H] (row b's in its last n_b
-        columns)."""
-        st = self.state
-        b_rows, width = len(ids), max(1, max(len(r) for r in ids))
-        h = drafter.fc.weight.shape[0]
-        dtype = drafter.fc.weight.dtype
-        tok = torch.zeros((b_rows, width), dtype=torch.long)
-        new_mask = torch.zeros((b_rows, width), dtype=torch.long)
-        offsets = torch.zeros((b_rows, width), dtype=torch.long)
-        x = torch.zeros((b_rows, width, h), dtype=dtype, device=self.device)
-        for b, r in enumerate(ids):
-            n = len(r)
-            if n:
-                tok[b, width - n:] = torch.tensor(r, dtype=torch.long)
-                new_mask[b, width - n:] = 1
-                offsets[b, width - n:] = torch.arange(n)
-                x[b, width - n:] = hidden[b].to(self.device, dtype)
-        new_mask, offsets = new_mask.to(self.device), offsets.to(self.device)
-        st.attention_mask = torch.cat([st.attention_mask, new_mask], dim=1)
-        positions = (st.next_position[:, None] + offsets) * new_mask  # [B, W]
-        total = st.width
-        cols = torch.arange(total, device=self.device)
-        q_cols = cols[total - width:]  # the new columns' indices
-        causal = cols[None, :] <= q_cols[:, None]  # [W, total]
-        mask = st.attention_mask.bool()[:, None, :] & causal[None]  # [B, W, total]
-        mask |= (cols[None, :] == q_cols[:, None])[None]  # every query sees itself (no empty rows in holes)
-        out = drafter.decode(tok.to(self.device), x, positions, mask[:, None], st.cache)  # [B, W, H]
-        st.next_position = st.next_position + new_mask.sum(-1)
-        return out
-
-
-class Eagle3Proposer(Proposer):
-    """speculative_config method "eagle3": a trained EAGLE-3 head drafts k tokens from the target's aux states.
-
-    Its cache holds, per row, entry p = (fc(aux states of x_p), embed x_{p+1}) for every verified p the engine has
-    observed (contexts[b][:-1]). propose() feeds the entries not fed yet (always from the target's states), whose
-    last output gives draft 1 (the token after contexts[b][-1]); drafts 2..k feed the head its own output and its
-    previous draft at the next positions. Those k-1 draft entries are rolled back when the target answers
-    (accepted): accepted positions come back through observe() with the target's states and are fed next time.
-    Greedy rows take the argmax, sampled rows draw from the request's sampling distribution over the draft
-    vocabulary (mapped to target ids with d2t) and return those probabilities."""
-
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        drafter = Eagle3Drafter.from_pretrained(model_dir)
-        if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
-            raise ValueError(f"the eagle3 drafter {model_dir} was trained for a target of hidden size "
-                             f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "
-                             f"target {runner.config.model} has {runner.hidden_size} and {runner.vocab_size}: train "
-                             "one on a run of this target")
-        bad = [i for i in drafter.aux_layer_ids if not 0 <= i <= runner.num_hidden_layers]
-        if bad:
-            raise ValueError(f"the eagle3 drafter {model_dir} fuses layers {list(drafter.aux_layer_ids)}, but the "
-                             f"target has layer ids 0..{runner.num_hidden_layers} only")
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        self.device = torch.device(runner.device)
-        self.drafter = drafter.to(self.device, runner.dtype).eval().requires_grad_(False)
-        self.capture_layer_ids = tuple(drafter.aux_layer_ids)
-        self.k = int(num_speculative_tokens)
-        self._draft_ids = self.drafter.draft_ids  # [D] target ids
-        self._vocab = int(runner.vocab_size)
-        self.budget = int(runner.config.max_num_batched_tokens)  # entries per forward over the prompt, as the target
-        self.start([])
-
-    # -- the batch's rows --------------------------------------------------------------------------------------
-    def start(self, contexts) -> None:
-        self._cache = _RowCache(self.device)
-        self._states: list[list[torch.Tensor]] = []  # observed, not yet fed: [n, A, H] chunks per row
-        self._seen: list[int] = []  # states observed per row (= entries possible)
-        self._fed: list[int] = []  # entries in the cache per row (positions 0..fed-1)
-        self._last: list[torch.Tensor | None] = []  # [H] output of the row's last fed entry
-        self._drafted: list[int] = []  # draft entries of the last propose per row (rolled back by accepted)
-        self.join(contexts)
-
-    def join(self, contexts) -> None:
-        n = len(contexts)
-        self._cache.add_rows(n)
-        self._states += [[] for _ in range(n)]
-        self._seen += [0] * n
-        self._fed += [0] * n
-        self._last += [None] * n
-        self._drafted += [0] * n
-
-    def can_join(self) -> bool:
-        return True
-
-    def observe(self, states) -> None:
-        if len(states) != len(self._seen):
-            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self._seen)}")
-        for b, s in enumerate(states):  # s: [n_b, A, H]
-            if s.shape[0]:
-                self._states[b].append(s)
-                self._seen[b] += int(s.shape[0])
-
-    def accepted(self, num_accepted) -> None:
-        self._rollback()
-
-    def select(self, keep) -> None:
-        keep = list(keep)
-        self._rollback()
-        self._cache.state.select(keep)
-        for name in ("_states", "_seen", "_fed", "_last", "_drafted"):
-            values = getattr(self, name)
-            setattr(self, name, [values[i] for i in keep])
-
-    def _rollback(self) -> None:
-        for b, n in enumerate(self._drafted):
-            self._cache.state.rollback(b, n)
-        self._drafted = [0] * len(self._drafted)
-        self._cache.state.maybe_compact()
-
-    # -- drafting ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self._seen):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        self._rollback()
-        drafter = self.drafter
-        # 1. the verified entries not fed yet: (target aux states of x_p, x_{p+1}) for p in fed..seen-1
-        ids, hidden = [], []
-        for b, ctx in enumerate(contexts):
-            if self._states[b]:
-                aux = torch.cat(self._states[b])  # [n, A, H]
-                self._states[b] = []
-                start = self._fed[b]
-                ids.append([int(t) for t in ctx[start + 1:start + 1 + aux.shape[0]]])
-                hidden.append(drafter.fuse(aux.to(self.device, drafter.fc.weight.dtype)))  # [n, H]
-                if len(ids[-1]) != aux.shape[0]:
-                    raise RuntimeError(f"row {b}: {self._seen[b]} states observed for a context of {len(ctx)} "
-                                       "tokens; the engine must observe exactly contexts[b][:-1]")
-            else:
-                ids.append([])
-                hidden.append(None)
-        # the rows with entries share max_num_batched_tokens per forward (a joining prompt over it goes in chunks)
-        step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
-        for c0 in range(0, max(map(len, ids), default=0), step):
-            piece = [r[c0:c0 + step] for r in ids]
-            out = self._cache.feed(drafter, piece, [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])
-            for b, r in enumerate(piece):  # out: [B, W, H]
-                if r:
-                    self._last[b] = out[b, -1]
-                    self._fed[b] += len(r)
-        rows = [b for b, k in enumerate(ks) if k > 0 and self._last[b] is not None]
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        k_max = min(max(ks[b] for b in rows), self.k)
-        # 2. k_max drafts: the head's own output and previous draft at the next positions
-        h = torch.stack([self._last[b] for b in rows])  # [B', H]
-        tokens: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        for j in range(k_max):
-            logits = drafter.logits(h).float()  # [B', D]
-            picks = self._pick(logits, [params[b] for b in rows], [generators[b] for b in rows])
-            for i, (tok, q) in enumerate(picks):
-                tokens[i].append(tok)
-                if q is not None:
-                    probs[i].append(q)
-            if j == k_max - 1:
-                break
-            step_ids = [[] for _ in contexts]
-            step_hidden: list[torch.Tensor | None] = [None] * len(contexts)
-            for i, b in enumerate(rows):
-                step_ids[b] = [tokens[i][-1]]
-                step_hidden[b] = h[i][None]
-            out = self._cache.feed(drafter, step_ids, step_hidden)  # [B, 1, H]
-            for b in rows:
-                self._drafted[b] += 1
-            h = out[rows, -1]
-        for i, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            drafts[b] = Draft(tokens[i][:k], torch.stack(probs[i][:k]) if probs[i] else None)
-        return drafts
-
-    def _pick(self, logits: torch.Tensor, params, generators) -> list[tuple[int, torch.Tensor | None]]:
-        """One target token per row of logits [B, D]: argmax for greedy rows, a draw from the request's sampling
-        distribution over the draft vocabulary otherwise (probabilities [V] over the target's ids)."""
-        from extractor.sampling import sampling_probs
-
-        greedy = self._draft_ids[logits.argmax(-1)].tolist()
-        out = []
-        for b, (p, gen) in enumerate(zip(params, generators)):
-            if p.greedy:
-                out.append((greedy[b], None))
-                continue
-            full = logits.new_full((self._vocab,), float("-inf"))
-            full[self._draft_ids] = logits[b]
-            q = sampling_probs(full, p)  # [V]
-            out.append((int(torch.multinomial(q, 1, generator=gen)), q))
-        return out
-
-
 def _speculative_tokens(config: dict) -> int | None:
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
     return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
 
 
 FAMILY = Family(name="eagle3", description="an EAGLE-3 (speculators) checkpoint",
-                drafter="drafters.eagle3:Eagle3Drafter", proposer_class="drafters.eagle3:Eagle3Proposer",
+                drafter="drafters.eagle3:Eagle3Drafter", proposer_class="drafters.eagle3_proposer:Eagle3Proposer",
                 config_matches=lambda config: config.get("speculators_model_type") == "eagle3",
                 config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"))
 """EAGLE-3 in the registry (pyproject.toml's hsx.drafters entry point `eagle3`)."""

@@ -23,19 +23,22 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.base import NullConnector
 from connectors.paths import PathInUse
 from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, first_batch_rows, plan_batches
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
+from extractor.request import Request
 from extractor.runner import BatchState, ModelRunner, can_rearrange
 from extractor.sampling import SamplingParams, make_generator, sample_next
+from extractor.stopping import Stopping
 from extractor.verification import verify
 
 logger = logging.getLogger(__name__)
@@ -80,31 +83,6 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-@dataclass
-class _Request:
-    index: int
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    loss_mask: list[int] | None = None
-    sample_id: str | None = None
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    error_kind: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    generator: torch.Generator | None = None
-    stop_reason: int | str | None = None
-    stop_hit: bool = False  # a stop string ended the output: _output cuts the text there
-    text: str = ""  # the output text decoded so far, for the stop-string search (requests with stop strings only)
-    detok: Any = None  # the incremental decoder behind `text` (tokenizers' DecodeStream), made at the first token
-
-    @property
-    def include_output_tokens(self) -> bool:
-        return bool(self.params.kv_transfer_params.get("include_output_tokens"))
 
 
 class LLM:
@@ -170,16 +148,12 @@ class LLM:
             last_layer_normalized=False,
             extra={"architecture": ",".join(getattr(self.runner.hf_config, "architectures", None) or [])})
         spec = config.speculative
-        self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else _NoWrites()
+        self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else NullConnector()
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
-        # stop strings are searched in text decoded token by token (tokenizers' DecodeStream) where that is the text
-        # decode() gives: a fast tokenizer that does not clean up spaces afterwards (transformers' own step)
-        self._incremental_text = (getattr(self.tokenizer, "backend_tokenizer", None) is not None
-                                  and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False))
         if self.proposer is not None:  # a speculative engine captures only what its proposer reads
             self.runner.set_capture(tuple(self.proposer.capture_layer_ids))
         self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
-        self._eos = self.runner.eos_token_ids()
+        self._stopping = Stopping(self.tokenizer, self.runner.eos_token_ids(), self.runner.max_model_len)
         self._counter = itertools.count()
         self._abort_lock = threading.Lock()
         self._aborted: set[str] = set()
@@ -203,7 +177,7 @@ class LLM:
         with self._abort_lock:
             self._aborted.update(i for i in map(str, ids) if i in self._active)
 
-    def _take_aborted(self, requests: Sequence[_Request]) -> list[_Request]:
+    def _take_aborted(self, requests: Sequence[Request]) -> list[Request]:
         """The unfinished ones of `requests` aborted since they started, marked so and their files dropped."""
         if not self._aborted:
             return []
@@ -299,8 +273,8 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; pass one or one per prompt")
         return sampling_params
 
-    def _make_request(self, index: int, rid: str, prompt: PromptType, params: SamplingParams) -> _Request:
-        req = _Request(index, rid, None, [], params)
+    def _make_request(self, index: int, rid: str, prompt: PromptType, params: SamplingParams) -> Request:
+        req = Request(index, rid, None, [], params)
         try:
             self._tokenize(req, prompt)
             self._check(req)
@@ -319,7 +293,7 @@ class LLM:
             logger.warning("request %s failed: %s", rid, e)
         return req
 
-    def _tokenize(self, req: _Request, prompt: PromptType) -> None:
+    def _tokenize(self, req: Request, prompt: PromptType) -> None:
         if isinstance(prompt, str):
             req.prompt = prompt
             req.prompt_token_ids = list(self.tokenizer(prompt).input_ids)
@@ -345,7 +319,7 @@ class LLM:
         if prompt.get("sample_id") is not None:
             req.sample_id = str(prompt["sample_id"])
 
-    def _check(self, req: _Request) -> None:
+    def _check(self, req: Request) -> None:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens); nothing to extract")
@@ -362,7 +336,7 @@ class LLM:
             raise ValueError(f"loss_mask has {len(req.loss_mask)} values for {n} prompt tokens; give one per token")
 
     # -- execution ----------------------------------------------------------------------------------------------------
-    def _fail(self, requests: Sequence[_Request], e: Exception) -> None:
+    def _fail(self, requests: Sequence[Request], e: Exception) -> None:
         """Fail the unfinished ones of `requests` after an exception in their forward (finished ones are written)."""
         logger.error("a forward of %d requests failed: %s: %s", len(requests), type(e).__name__, e,
                      exc_info=(type(e), e, e.__traceback__))
@@ -371,7 +345,7 @@ class LLM:
                 self.connector.abort_request(r.request_id)
                 r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
 
-    def _prefill(self, batch: list[_Request], chunk_size: int, generating: bool
+    def _prefill(self, batch: list[Request], chunk_size: int, generating: bool
                  ) -> tuple[torch.Tensor | None, BatchState | None, list[torch.Tensor] | None]:
         """Prefill `batch`: captured prompt states go to the connector (extraction) or, for a proposer that reads
         target states, are returned per row ([T_b, L, H] on the device)."""
@@ -397,18 +371,18 @@ class LLM:
                                             on_chunk=on_chunk, to_host=not observe)
         return logits, state, ([torch.cat(p) for p in parts] if observe else None)
 
-    def _run_prompt_batch(self, batch: list[_Request], chunk_size: int) -> None:
+    def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:
         self._prefill(batch, chunk_size, generating=False)
         for r in batch:
             r.finish_reason = "length"
             r.kv_transfer_params = self.connector.request_finished(r.request_id)
 
-    def _run_generating(self, requests: list[_Request], progress) -> None:
+    def _run_generating(self, requests: list[Request], progress) -> None:
         """Continuous batching: up to max_num_seqs requests decode together (speculatively with a proposer); when
         rows finish, waiting requests are prefilled (longest first, under max_num_batched_tokens) and join the
         running batch. A cache that cannot be rearranged (sliding-window layers) runs each batch to its end."""
         waiting = deque(sorted(requests, key=lambda r: len(r.prompt_token_ids), reverse=True))
-        running: list[_Request] = []
+        running: list[Request] = []
         state: BatchState | None = None
         while waiting or running:
             if self._aborted:
@@ -451,8 +425,8 @@ class LLM:
             if state is not None:
                 state.maybe_compact()
 
-    def _keep_rows(self, running: list[_Request], state: BatchState, keep: list[int]
-                   ) -> tuple[list[_Request], BatchState | None]:
+    def _keep_rows(self, running: list[Request], state: BatchState, keep: list[int]
+                   ) -> tuple[list[Request], BatchState | None]:
         """Only rows `keep` of the running batch continue (in the cache and the proposer too)."""
         if not keep:
             return [], None
@@ -466,7 +440,7 @@ class LLM:
         """One forward's fixed cost in tokens' worth of work on this device (batching.FORWARD_COST_TOKENS)."""
         return FORWARD_COST_TOKENS.get(self.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
 
-    def _admissible(self, waiting: deque, free: int) -> tuple[list[_Request], int]:
+    def _admissible(self, waiting: deque, free: int) -> tuple[list[Request], int]:
         """Pop the next prefill group: the longest waiting requests, at most `free`, padded to the first (longest)
         within max_num_batched_tokens, cut where padding the rest to the longest costs more than another forward
         (batching.first_batch_rows); a prompt over the budget goes alone, prefilled in chunks of the budget."""
@@ -476,8 +450,8 @@ class LLM:
         n = max(1, first_batch_rows(lengths, budget, free, self._forward_cost_tokens))
         return [waiting.popleft() for _ in range(n)], min(longest, budget)
 
-    def _admit(self, group: list[_Request], chunk_size: int, running: list[_Request]
-               ) -> tuple[list[_Request], BatchState | None]:
+    def _admit(self, group: list[Request], chunk_size: int, running: list[Request]
+               ) -> tuple[list[Request], BatchState | None]:
         """Prefill `group`, sample each row's first token; the rows still unfinished, with their cache."""
         logits, state, states = self._prefill(group, chunk_size, generating=True)
         first = sample_next(logits, [r.params for r in group], [r.generator for r in group])
@@ -498,7 +472,7 @@ class LLM:
                 self.proposer.observe([empty] * len(running) + [states[i] for i in keep])
         return joined, state
 
-    def _step(self, active: list[_Request], state: BatchState) -> None:
+    def _step(self, active: list[Request], state: BatchState) -> None:
         """One decode step of the running rows: one token each, or (with a proposer) a verified draft each."""
         if self.proposer is not None:
             self._speculate(active, state)
@@ -513,13 +487,13 @@ class LLM:
         for r, t in zip(active, tokens):
             self._emit(r, [t])
 
-    def _speculate(self, active: list[_Request], state: BatchState) -> None:
+    def _speculate(self, active: list[Request], state: BatchState) -> None:
         """One speculative step: one proposal per row, one target forward verifying all rows' drafts together (rows
         keep different numbers), the rejected positions rolled back, the proposer told what was kept."""
         k = self.config.speculative.num_speculative_tokens
         contexts = [r.prompt_token_ids + r.output_ids for r in active]
         # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
-        ks = [min(k, self._room(r) - 1) for r in active]
+        ks = [min(k, self._stopping.room(r) - 1) for r in active]
         drafts = self.proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
         if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
             raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
@@ -543,84 +517,21 @@ class LLM:
         if observe:
             self.proposer.observe(kept_states)
 
-    def _emit(self, r: _Request, tokens: list[int]) -> bool:
+    def _emit(self, r: Request, tokens: list[int]) -> bool:
         """Append tokens to r's output one by one, stopping at the first that finishes it; True when finished."""
         for t in tokens:
             r.output_ids.append(t)
-            reason = self._finish_reason(r, t)
+            reason = self._stopping.finish_reason(r, t)
             if reason is not None:
                 r.finish_reason = reason
                 r.kv_transfer_params = self.connector.request_finished(r.request_id)
                 return True
         return False
 
-    def _room(self, r: _Request) -> int:
-        """Tokens r may still generate (>= 1 while it is active)."""
-        return min(r.params.max_tokens - len(r.output_ids),
-                   self.runner.max_model_len - len(r.prompt_token_ids) - len(r.output_ids))
-
-    def _finish_reason(self, r: _Request, token: int) -> str | None:
-        if not r.params.ignore_eos and token in self._eos:
-            return "stop"
-        if token in r.params.stop_token_ids:
-            r.stop_reason = token
-            return "stop"
-        if r.params.stop and self._hit_stop_string(r):
-            return "stop"
-        if len(r.output_ids) >= r.params.max_tokens:
-            return "length"
-        if len(r.prompt_token_ids) + len(r.output_ids) >= self.runner.max_model_len:
-            return "length"
-        return None
-
-    def _hit_stop_string(self, r: _Request) -> bool:
-        """Whether the output text now contains one of r's stop strings. The text grows by each token's piece (the
-        tokenizers library's incremental decoder; a whole re-decode per token made a long output cost O(n^2)), and
-        the search covers only where the new text could complete a stop string."""
-        start = self._advance_text(r)
-        if start is None or not any(stop in r.text[max(0, start - len(stop) + 1):] for stop in r.params.stop):
-            return False
-        r.stop_hit = True
-        return True
-
-    def _advance_text(self, r: _Request) -> int | None:
-        """Bring r.text up to r's newest output token; where it changed (None: not at all). As vLLM, text ending
-        inside a multi-byte character is held back until the character is whole."""
-        if r.detok is not False and self._incremental_text:
-            if r.detok is None:  # the request's first token: its decoder (the import only then, not per token)
-                from tokenizers.decoders import DecodeStream
-
-                r.detok = DecodeStream(skip_special_tokens=True)
-            try:
-                piece = r.detok.step(self.tokenizer.backend_tokenizer, r.output_ids[-1])
-            except Exception:  # noqa: BLE001 - a byte-fallback decoder rewrote text it had already given
-                r.detok = False  # ("Invalid prefix encountered"): whole decodes for this request from here on
-            else:
-                if not piece:
-                    return None
-                r.text += piece
-                return len(r.text) - len(piece)
-        # a slow tokenizer, one that cleans up spaces, or a failed stream: the whole output decoded again
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or text == r.text:
-            return None
-        start = next((i for i, (a, b) in enumerate(zip(text, r.text)) if a != b), min(len(text), len(r.text)))
-        r.text = text
-        return start
-
-    def _cut_at_stop(self, r: _Request, text: str) -> str:
-        """The output text up to the first stop string (and it, with include_stop_str_in_output); records which."""
-        hits = [(i, stop) for stop in r.params.stop if (i := text.find(stop)) >= 0]
-        if not hits:  # the whole-output decode differs from the incremental one (space clean-up): cut the latter
-            return self._cut_at_stop(r, r.text) if text != r.text else text
-        i, stop = min(hits)
-        r.stop_reason = stop
-        return text[:i + len(stop)] if r.params.include_stop_str_in_output else text[:i]
-
-    def _output(self, r: _Request) -> RequestOutput:
+    def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if r.output_ids else ""
         if r.stop_hit:
-            text = self._cut_at_stop(r, text)
+            text = self._stopping.cut_at_stop(r, text)
         ok = r.error is None
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
@@ -629,34 +540,6 @@ class LLM:
             kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error,
             error_kind=None if ok else r.error_kind or "invalid",
             write_seconds=self.connector.write_seconds(r.request_id) if ok else None)
-
-
-class _NoWrites:
-    """The connector of a speculative-decoding engine: it writes nothing (extraction is another engine)."""
-
-    def start_request(self, info) -> None:
-        pass
-
-    def save_hidden_states(self, request_id, token_ids, states) -> None:
-        pass
-
-    def request_finished(self, request_id) -> None:
-        return None
-
-    def abort_request(self, request_id) -> None:
-        pass
-
-    def wait_for_save(self) -> dict:
-        return {}
-
-    def write_seconds(self, request_id) -> None:
-        return None
-
-    def forget(self, path) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 def _progress(total: int, enabled: bool):

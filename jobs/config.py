@@ -5,7 +5,8 @@ as its help text.
     JobConfig(...)                     validated in __post_init__; errors name the flag to change. Engine and
                                        storage settings are checked by building the engine's own typed configs
                                        (engine_config, sampling_params, connector_config), the ones workers get
-    load_config_file(path) -> dict     a YAML or JSON job file, keys checked against the fields
+    EstimateConfig / SubmitConfig      `hsx estimate` / `hsx submit`: a job's settings plus their own
+    StatusConfig / DemoConfig          `hsx status OUTPUT` / `hsx demo DIR`
     field_docs(JobConfig) -> {name: doc}
 """
 
@@ -15,7 +16,6 @@ import ast
 import dataclasses
 import functools
 import inspect
-import json
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,10 +216,13 @@ def _flag_errors(cls: type, **kwargs: Any) -> Any:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (read from its source), as one line each."""
+    """The docstring written under each field of a dataclass (read from its source, its dataclass bases' too), as
+    one line each."""
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]):
+        docs.update(field_docs(base))
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
@@ -227,27 +230,82 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML or JSON job file into {field: value}; unknown keys raise ValueError listing the valid ones."""
-    import fsspec
-    import yaml
+# -- the other commands' settings ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EstimateConfig(JobConfig):
+    """`hsx estimate`: a job's settings, plus how much of the corpus to tokenize."""
 
-    try:
-        with fsspec.open(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError as e:
-        raise ValueError(f"--config {path!r}: no such file") from e
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path!r} must hold a mapping of settings, got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    valid = [f.name for f in dataclasses.fields(JobConfig)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(f"--config {path!r} has unknown keys {unknown}; valid keys: {', '.join(valid)}")
-    return data
+    limit: int | None = None
+    """Tokenize only the first N records and extrapolate (default: all of them)."""
+    json: bool = False
+    """Print the estimate as JSON."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+
+
+@dataclass(frozen=True)
+class SubmitConfig(JobConfig):
+    """`hsx submit`: a job's settings (run as `hsx run` on the cluster), plus how to submit it. `address` is the
+    cluster's dashboard here, e.g. http://HEAD:8265."""
+
+    runtime_env: str | None = None
+    """Ray runtime_env for the job, as JSON."""
+    submission_id: str | None = None
+    """Job id to use (default: Ray picks one)."""
+    wait: bool = False
+    """Stream the job's logs and exit with its status."""
+
+    def runtime_env_dict(self) -> dict | None:
+        import json
+
+        if not self.runtime_env:
+            return None
+        try:
+            env = json.loads(self.runtime_env)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--runtime-env is not valid JSON: {e}") from e
+        if not isinstance(env, dict):
+            raise ValueError(f"--runtime-env must be a JSON object, got {type(env).__name__}")
+        return env
+
+
+@dataclass(frozen=True)
+class StatusConfig:
+    """`hsx status OUTPUT`."""
+
+    output: str = field(metadata={"cli": {"positional": True}})
+    """The run's output folder or URL."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for OUTPUT, as JSON (e.g. '{"anon": true}')."""
+    errors: int = 10
+    """Failures to list."""
+    json: bool = False
+    """Machine-readable output."""
+
+    def __post_init__(self) -> None:
+        from connectors.storage import parse_storage_options
+
+        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
+        if self.errors < 0:
+            raise ValueError(f"--errors must be >= 0, got {self.errors}")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """`hsx demo DIR`."""
+
+    dir: str = field(metadata={"cli": {"positional": True}})
+    """Working folder (created): the tiny model, the corpus and the run go there."""
+    workers: int = 1
+    """Extraction workers."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("DIR is empty; pass a working folder, e.g. hsx demo ./hsx-demo")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")

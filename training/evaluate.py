@@ -14,7 +14,7 @@
     spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics()
     infer_method(drafter_dir)             eagle3 / medusa / mlp_speculator from a drafter checkpoint's config.json
 
-    hsx eval-drafter                      add_eval_parser(subparsers, usage_error) / run_eval(args)
+    EvalDrafterConfig / run_eval(config)  `hsx eval-drafter` (flags map one to one onto the config's fields)
 
 Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
 token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
@@ -25,7 +25,6 @@ steps drafted = drafts / target steps and tokens per target step = decoded token
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -418,42 +417,53 @@ def load_prompts(path: str, limit: int | None = None) -> list[str]:
 # -- hsx eval-drafter -----------------------------------------------------------------------------------------------
 
 
-def add_eval_parser(subparsers, usage_error: type[Exception] | None = None) -> Any:
-    """Register `hsx eval-drafter` on the CLI's subparsers; returns the parser. Its func is run_eval, with the
-    ValueErrors bad arguments raise re-raised as `usage_error` (the CLI's one-line exit-2 error) when given."""
-    p = subparsers.add_parser(
-        "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
-        description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
-                    "print vLLM's spec_decode.py lines per method and a comparison table; fail (exit 1) when any "
-                    "speculative output differs from plain greedy decoding or a method could not be evaluated.")
-    p.add_argument("--model", default=None,
-                   help="target folder (default: the locally trained reference target, built and cached on first use)")
-    p.add_argument("--drafter", action="append", default=[], metavar="[METHOD:]DIR",
-                   help="a drafter checkpoint; METHOD (a drafter family: eagle3, medusa, mlp_speculator, ...) is read "
-                        "from its config.json when omitted; repeatable")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[3], metavar="K",
-                   help="draft lengths to evaluate (e.g. 3 5)")
-    p.add_argument("--no-ngram", action="store_true", help="leave out the ngram baseline")
-    p.add_argument("--prompts", default=None, metavar="JSONL",
-                   help='prompts, one {"prompt": ...} a line (default: the target folder\'s heldout_prompts.jsonl)')
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per method (median reported)")
-    p.add_argument("--max-num-seqs", type=int, nargs="+", default=None, metavar="N",
-                   help="requests decoding together, one evaluation per value (e.g. 256 1: every prompt at once, "
-                        "then one at a time, the latency regime speculation is for); default the engine's 256")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    p.set_defaults(func=run_eval if usage_error is None else functools.partial(_run_eval_cli, usage_error=usage_error))
-    return p
+@dataclass(frozen=True)
+class EvalDrafterConfig:
+    """`hsx eval-drafter`: which drafters, on which target, over which prompts."""
 
+    model: str | None = None
+    """Target folder (default: the locally trained reference target, built and cached on first use)."""
+    drafter: tuple[str, ...] = field(default=(), metadata={"cli": {"append": True, "metavar": "[METHOD:]DIR"}})
+    """A drafter checkpoint; METHOD (a drafter family: eagle3, medusa, mlp_speculator, ...) is read from its
+    config.json when omitted; repeatable."""
+    num_speculative_tokens: tuple[int, ...] = field(default=(3,), metadata={"cli": {"short": "-k", "nargs": "+",
+                                                                                    "metavar": "K"}})
+    """Draft lengths to evaluate (e.g. -k 3 5)."""
+    ngram: bool = True
+    """Evaluate the ngram baseline too (--no-ngram leaves it out)."""
+    prompts: str | None = field(default=None, metadata={"cli": {"metavar": "JSONL"}})
+    """Prompts, one {"prompt": ...} a line (default: the target folder's heldout_prompts.jsonl)."""
+    num_prompts: int = 32
+    """At most this many prompts."""
+    max_tokens: int = 128
+    """Tokens generated per prompt."""
+    repeats: int = 1
+    """Timed runs per method (median reported)."""
+    max_num_seqs: tuple[int, ...] | None = field(default=None, metadata={"cli": {"nargs": "+", "metavar": "N"}})
+    """Requests decoding together, one evaluation per value (e.g. 256 1: every prompt at once, then one at a time,
+    the latency regime speculation is for); default the engine's 256."""
+    threads: int | None = None
+    """Torch CPU threads."""
+    device: str | None = None
+    """Torch device (default: the engine's choice)."""
+    json: str | None = field(default=None, metadata={"cli": {"metavar": "PATH"}})
+    """Write the results as JSON to PATH."""
 
-def _run_eval_cli(args, usage_error: type[Exception]) -> int:
-    try:
-        return run_eval(args)
-    except ValueError as e:
-        raise usage_error(str(e)) from e
+    def __post_init__(self) -> None:
+        if isinstance(self.drafter, str):
+            object.__setattr__(self, "drafter", (self.drafter,))
+        for name in ("num_speculative_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, int):
+                object.__setattr__(self, name, (value,))
+        if not self.num_speculative_tokens or any(k < 1 for k in self.num_speculative_tokens):
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {list(self.num_speculative_tokens)}")
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.repeats < 1:
+            raise ValueError("--num-prompts, --max-tokens and --repeats must be >= 1")
+        if self.max_num_seqs is not None and any(n < 1 for n in self.max_num_seqs):
+            raise ValueError(f"--max-num-seqs must be >= 1, got {list(self.max_num_seqs)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
 
 def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ngram: bool = True
@@ -469,16 +479,12 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
     return methods
 
 
-def run_eval(args) -> int:
+def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
     from connectors.outputs import check_output_file, write_output_file
     from extractor.config import drafter_methods
 
-    if any(k < 1 for k in args.num_speculative_tokens):
-        raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
-    if args.num_prompts < 1 or args.max_tokens < 1:
-        raise ValueError("--num-prompts and --max-tokens must be >= 1")
     drafters = []
     for spec in args.drafter:
         method, sep, path = spec.partition(":")
@@ -502,9 +508,7 @@ def run_eval(args) -> int:
         check_output_file(args.json, flag="--json", inputs={"--model": model, **{
             f"--drafter {name}": path for name, _, path in drafters}})
     widths = args.max_num_seqs or [None]
-    if any(n is not None and n < 1 for n in widths):
-        raise ValueError(f"--max-num-seqs must be >= 1, got {widths}")
-    methods = eval_methods(drafters, args.num_speculative_tokens, not args.no_ngram)
+    methods = eval_methods(drafters, args.num_speculative_tokens, args.ngram)
     results = []
     for width in widths:
         batch = evaluate_speculation(model, prompts, methods, args.max_tokens, repeats=args.repeats,

@@ -126,20 +126,20 @@ def test_stop_strings_hold_on_byte_fallback_text_that_a_streaming_decoder_cannot
     # the stop-string search on the text of each new token, against the oracle (decode by prefixes): the streaming
     # decoder raises on 0xC2 0xA1 0xE1 then "\u2581c" (the request falls back to whole decodes, nothing fails), and
     # whole decodes (slow tokenizers) hold a text ending inside a character until it is whole (0xE3 0x80 0x82)
-    from extractor.llm import _Request
+    from extractor.request import Request
     from jobs.tiny_models import build_tiny_model
 
     build_tiny_model("llama", str(tmp_path / "m"))
     tok = _byte_fallback_tokenizer()
     tok.save_pretrained(str(tmp_path / "m"))
     llm = LLM(model=str(tmp_path / "m"), dtype="float32")
-    llm._incremental_text = incremental
+    llm._stopping._incremental_text = incremental
     for ids, stop in (([0xC2, 0xA1, 0xE1, 260, 257, 258], "ca"), ([261, 0xE3, 0x80, 0x82, 257, 258], "\u3002a")):
         n = stop_string_cut(tok, ids, stop)
-        r = _Request(0, "r", None, [5], SamplingParams(stop=[stop], temperature=0))
+        r = Request(0, "r", None, [5], SamplingParams(stop=[stop], temperature=0))
         for t in ids:
             r.output_ids.append(t)
-            if llm._hit_stop_string(r):
+            if llm._stopping._hit_stop_string(r):
                 break
         assert (len(r.output_ids), r.stop_hit) == (n, True), (ids, stop)
         out = llm._output(r).outputs[0]

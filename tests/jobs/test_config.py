@@ -98,3 +98,56 @@ def test_help_lists_every_command(capsys):
     assert e.value.code == 0
     for command in ("run", "submit", "status", "estimate", "demo", "export"):
         assert command in out
+
+
+def _commands():
+    from jobs.config import DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
+    from jobs.verify import VerifyConfig
+    from serve.config import ServeConfig
+    from training.evaluate import EvalDrafterConfig
+    from training.export import ExportConfig
+    from training.trainer import TrainDrafterConfig
+
+    return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
+            "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainDrafterConfig,
+            "eval-drafter": EvalDrafterConfig, "serve": ServeConfig}
+
+
+def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():
+    """No hand-written flags: each subcommand's arguments are exactly its config's fields, plus --config."""
+    commands = _commands()
+    subparsers = build_parser()._subparsers._group_actions[0].choices
+    assert set(subparsers) == set(commands)  # a new command comes with its config
+    for name, cls in commands.items():
+        actions = {a.dest: a for a in subparsers[name]._actions if a.dest not in ("help", "hsx_positional")}
+        assert "--config" in actions.pop("config").option_strings, name
+        assert set(actions) == {f.name for f in dataclasses.fields(cls)}, name
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring: its flag would have no help"
+
+
+def test_any_commands_settings_come_from_a_file_and_the_flags_given_win(tmp_path, capsys):
+    from connectors import HiddenStatesSpec
+    from jobs.config import DemoConfig
+    from tests.training.runs import random_samples, write_run
+
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=8, dtype="float32", model="m")
+    run = tmp_path / "run"
+    write_run(str(run), random_samples(3, spec), spec)
+    status = tmp_path / "status.yaml"
+    status.write_text(f"output: {run}\njson: true\nerrors: 2\n")
+    assert main(["status", "--config", str(status)]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] == 3
+    demo = tmp_path / "demo.json"
+    demo.write_text(json.dumps({"dir": "from-file", "workers": 3}))
+    parsed = config_from_args(build_parser().parse_args(["demo", "--config", str(demo), "--workers", "2"]), DemoConfig)
+    assert (parsed.dir, parsed.workers, parsed.progress) == ("from-file", 2, True)
+    status.write_text(f"output: {run}\ncorpus: x.jsonl\n")  # a key of another command's config
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--config", str(status)])
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_USAGE and "unknown keys ['corpus']" in err and "valid keys: output," in err
+    with pytest.raises(SystemExit) as e:
+        main(["train-drafter", "--run", str(run), "--out", str(tmp_path / "o")])
+    assert e.value.code == EXIT_USAGE and "--model is required (or key 'model'" in capsys.readouterr().err

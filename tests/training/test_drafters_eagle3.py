@@ -307,7 +307,7 @@ def _greedy():
 def test_proposer_drafts_what_the_training_unroll_predicts(trained_head, runner, oracle_model):
     """The cache-based decoding path and the masked training unroll agree: chain t = len(ctx) - 2 fed the
     proposer's own drafts as its tokens predicts exactly those drafts."""
-    from drafters.eagle3 import Eagle3Proposer
+    from drafters.eagle3_proposer import Eagle3Proposer
 
     folder, drafter = trained_head
     model, tokenizer = oracle_model
@@ -335,7 +335,7 @@ def test_proposer_cache_after_rollbacks_equals_a_fresh_one_and_decoding_stays_gr
     """A hand-driven greedy speculative loop (target verification by a plain forward): at every round the
     proposer, which keeps its cache and rolls back rejected drafts, drafts what a fresh proposer fed the whole
     context drafts; the output equals transformers generate."""
-    from drafters.eagle3 import Eagle3Proposer
+    from drafters.eagle3_proposer import Eagle3Proposer
 
     folder, _ = trained_head
     model, tokenizer = oracle_model
@@ -377,7 +377,7 @@ def test_proposer_cache_after_rollbacks_equals_a_fresh_one_and_decoding_stays_gr
 
 
 def test_sampled_rows_get_draft_vocabulary_probabilities(trained_head, runner, oracle_model):
-    from drafters.eagle3 import Eagle3Proposer
+    from drafters.eagle3_proposer import Eagle3Proposer
     from extractor.sampling import SamplingParams
 
     folder, drafter = trained_head

@@ -138,19 +138,16 @@ def test_a_method_that_cannot_start_is_recorded_or_raised(tiny_llama, tmp_path):
 
 
 def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path, capsys):
-    """One evaluation per --max-num-seqs value (all at once, then one request at a time), each lossless."""
-    import argparse
-
-    from training.evaluate import add_eval_parser
+    """One evaluation per --max-num-seqs value (all at once, then one request at a time), each lossless; the flags
+    map onto EvalDrafterConfig, which a --config file gives as well."""
+    from cli.args import EXIT_USAGE
+    from cli.main import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    parser = argparse.ArgumentParser()
-    add_eval_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "results.json"
-    args = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "6",
-                              "-k", "2", "--threads", "1", "--json", str(out), "--max-num-seqs", "3", "1"])
-    assert args.func(args) == 0
+    assert main(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "6", "-k", "2",
+                 "--threads", "1", "--json", str(out), "--max-num-seqs", "3", "1"]) == 0
     printed = capsys.readouterr().out
     assert "| ngram k=2 |" in printed and "mean acceptance length:" in printed and "one request at a time" in printed
     rows = json.loads(out.read_text())
@@ -160,26 +157,21 @@ def test_hsx_eval_drafter_prints_the_table_and_writes_json(tiny_llama, tmp_path,
     # the same greedy decoding either way: identical drafts and acceptance counts
     assert rows[1]["num_draft_tokens"] == rows[3]["num_draft_tokens"] > 0
     assert rows[1]["num_accepted_tokens"] == rows[3]["num_accepted_tokens"]
-    default = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-tokens", "2",
-                                 "--no-ngram", "--threads", "1", "--json", str(out)])
-    assert default.func(default) == 0  # without --max-num-seqs: one evaluation at the engine's default width
-    assert [(r["method"], r["max_num_seqs"]) for r in json.loads(out.read_text())] == [("none", 0)]
-    zero = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--max-num-seqs", "0"])
-    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
-        zero.func(zero)
-    bad = parser.parse_args(["eval-drafter", "--model", tiny_llama, "--drafter", str(tmp_path)])
-    with pytest.raises(ValueError, match="no config.json"):
-        bad.func(bad)
-    # as cli/training.py registers it: bad arguments become the CLI's usage error (one line, exit 2)
-
-    class UsageError(Exception):
-        pass
-
-    cli = argparse.ArgumentParser()
-    add_eval_parser(cli.add_subparsers(dest="command"), usage_error=UsageError)
-    bad = cli.parse_args(["eval-drafter", "--model", str(tmp_path / "missing"), "--prompts", str(prompts)])
-    with pytest.raises(UsageError, match="is not a local folder"):
-        bad.func(bad)
+    config = tmp_path / "eval.yaml"  # the same settings from a file; the flags given still win
+    config.write_text(f"model: {tiny_llama}\nprompts: {prompts}\nmax_tokens: 2\nngram: false\nthreads: 1\n"
+                      f"json: {out}\nmax_num_seqs: [7]\n")
+    assert main(["eval-drafter", "--config", str(config)]) == 0
+    assert [(r["method"], r["max_num_seqs"]) for r in json.loads(out.read_text())] == [("none", 7)]
+    assert main(["eval-drafter", "--config", str(config), "--max-num-seqs", "2"]) == 0
+    assert [(r["method"], r["max_num_seqs"]) for r in json.loads(out.read_text())] == [("none", 2)]
+    capsys.readouterr()
+    for argv, message in ((["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+                          (["--drafter", str(tmp_path)], "no config.json"),
+                          (["--model", str(tmp_path / "missing")], "is not a local folder")):
+        with pytest.raises(SystemExit) as e:  # bad arguments: the CLI's usage error (one line, exit 2)
+            main(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == EXIT_USAGE and message in err and "Traceback" not in err, err
 
 
 def test_eval_methods_lists_none_ngram_and_each_drafter_per_k():

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from connectors import storage
+from connectors import safetensors_file
 from connectors.run import RunSpec
 from training.export import files
 
@@ -59,7 +59,7 @@ class SpeculatorsLayout:
         meta = {"format": "speculators", "layer_ids": json.dumps(list(self.run.layer_ids)),
                 "layer_id_convention": self.run.layer_id_convention, "last_layer_normalized": "false",
                 "model": self.run.model, "sample_id": str(item["sample_id"])}
-        files.put(path, storage.safetensors_content(tensors, meta))
+        files.put(path, safetensors_file.safetensors_content(tensors, meta))
 
     def on_export_complete(self, ds: HiddenStatesDataset) -> None:
         """The `datasets.save_to_disk` folder: one Arrow stream file plus its JSON sidecars, rows in hs_{i} order."""
