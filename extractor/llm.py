@@ -35,7 +35,7 @@ from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS,
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
-from extractor.request import Request
+from extractor.request import Request, check_request
 from extractor.runner import BatchState, ModelRunner, can_rearrange
 from extractor.sampling import SamplingParams, make_generator, sample_next
 from extractor.stopping import Stopping
@@ -319,21 +319,18 @@ class LLM:
         if prompt.get("sample_id") is not None:
             req.sample_id = str(prompt["sample_id"])
 
+    def check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None, **limits) -> int:
+        """extractor.request.check_request against this engine's model (max_model_len, vocabulary): RequestRejected
+        naming the parameter, or max_tokens resolved (None = the rest of max_model_len). What `generate` checks per
+        request, and what `hsx serve` checks before admitting one."""
+        return check_request(prompt_token_ids, max_model_len=self.runner.max_model_len,
+                             vocab_size=self.runner.vocab_size, max_tokens=max_tokens, **limits)
+
     def _check(self, req: Request) -> None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty (0 tokens); nothing to extract")
-        if n > self.runner.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={self.runner.max_model_len}; "
-                             "shorten it or raise max_model_len")
-        if req.params.max_tokens > 0 and n >= self.runner.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, leaving no room to generate within max_model_len="
-                             f"{self.runner.max_model_len}; use max_tokens=0 (prompt only) or raise max_model_len")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.runner.vocab_size - 1})")
-        if req.loss_mask is not None and len(req.loss_mask) != n:
-            raise ValueError(f"loss_mask has {len(req.loss_mask)} values for {n} prompt tokens; give one per token")
+        # generate() clamps max_tokens to the room left (as vLLM): only a prompt with no room at all is refused
+        room = self.runner.max_model_len - len(req.prompt_token_ids)
+        self.check_request(req.prompt_token_ids, max_tokens=min(req.params.max_tokens, max(room, 1)),
+                           loss_mask=req.loss_mask)
 
     # -- execution ----------------------------------------------------------------------------------------------------
     def _fail(self, requests: Sequence[Request], e: Exception) -> None:

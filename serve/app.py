@@ -70,10 +70,10 @@ class Ingress:
         self._in_flight = 0
         self._draining = False
         self._info: dict[str, Any] | None = None
-        from connectors.paths import PathOwners, PathPolicy
+        from connectors.paths import PathOwners
 
         # who owns each custom path, across replicas: each replica's connector knows only its own requests
-        self._policy = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
+        self._policy = config.path_policy()
         self._owners = PathOwners()
 
     # -- routes ---------------------------------------------------------------------------------------------------

@@ -153,6 +153,13 @@ class ServeConfig:
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")
 
+    def path_policy(self):
+        """Where custom hidden_states_path values may go (connectors.paths.PathPolicy): under --allowed-roots, by
+        default --output; what the ingress and every replica check alike."""
+        from connectors.paths import PathPolicy
+
+        return PathPolicy(self.output, list(self.allowed_roots) if self.allowed_roots else None)
+
     def check_required(self) -> None:
         missing = [_flag(n) for n in ("model", "output") if not getattr(self, n)]
         if missing:

@@ -165,7 +165,6 @@ class Engine:
         import torch
 
         from connectors import storage
-        from connectors.paths import PathPolicy
         from connectors.writer import named_thread_pool
         from extractor import LLM
 
@@ -174,10 +173,9 @@ class Engine:
         self.llm = LLM.from_config(config.engine_config(device), config.kv_transfer_config())
         self.tokenizer = copy.deepcopy(self.llm.tokenizer)  # admission's own: the engine thread decodes with its
         self.max_model_len = self.llm.runner.max_model_len
-        self.vocab_size = self.llm.runner.vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self._bytes_per_token = max_bytes_per_token(self.tokenizer)
-        self._paths = PathPolicy(config.output, list(config.allowed_roots) if config.allowed_roots else None)
+        self._paths = config.path_policy()
         self._fs, _ = storage.open_url(config.output, config.storage_options)
         self._executor = named_thread_pool(1, "hsx-engine")
         # text prompts and chat templates are tokenized on this thread, one at a time, not on the event loop: a
@@ -234,6 +232,7 @@ class Engine:
     def _admit(self, r: PromptRequest) -> _Item:
         from connectors.paths import PathRejected
         from extractor import SamplingParams
+        from extractor.request import RequestRejected
 
         text = r.prompt
         if r.messages is not None:
@@ -243,28 +242,12 @@ class Engine:
         else:
             ids = list(self.tokenizer(r.prompt).input_ids)
         param = "messages" if r.messages is not None else "prompt"
-        if not ids:
-            raise _Rejected(400, "the prompt is empty (0 tokens); nothing to extract", param, "empty_prompt")
-        if len(ids) > self.max_prompt_tokens:
-            raise _Rejected(400, f"the prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens} "
-                                 "(--max-prompt-tokens / --max-model-len); shorten it", param, "prompt_too_long")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise _Rejected(400, f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
-                            param, "invalid_token_ids")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if r.max_tokens is None else r.max_tokens
-        if max_tokens > 0 and room <= 0:
-            raise _Rejected(400, f"the prompt has {len(ids)} tokens, leaving no room to generate within "
-                                 f"max_model_len={self.max_model_len}; send max_tokens=0 (prompt only) or a shorter "
-                                 "prompt", "max_tokens", "prompt_too_long")
-        if max_tokens > room:
-            raise _Rejected(400, f"max_tokens={max_tokens} with a {len(ids)}-token prompt exceeds max_model_len="
-                                 f"{self.max_model_len}; ask for at most {room}", "max_tokens", "max_tokens_too_large")
-        bad = [t for t in r.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise _Rejected(400, f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
-                            "stop_token_ids", "invalid_token_ids")
+        try:  # the engine's own check (extractor.request.check_request), with this server's prompt limit
+            max_tokens = self.llm.check_request(ids, max_tokens=r.max_tokens, max_prompt_tokens=self.max_prompt_tokens,
+                                                limit_flags="--max-prompt-tokens / --max-model-len",
+                                                stop_token_ids=r.stop_token_ids, param=param)
+        except RequestRejected as e:
+            raise _Rejected(400, str(e), e.param, e.code) from None
         kv = dict(r.kv_transfer_params)
         custom = kv.get("hidden_states_path")
         if custom is not None:

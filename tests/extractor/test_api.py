@@ -238,3 +238,23 @@ def test_after_an_early_exit_extraction_the_model_still_runs_to_the_end(tiny_lla
     with torch.no_grad():
         logits = llm.runner.model(torch.tensor([[5, 6, 7]])).logits  # a plain forward, outside the engine
     assert logits.shape == (1, 3, llm.runner.vocab_size)
+
+
+@pytest.mark.parametrize("ids, kwargs, param, code", [
+    ([], {}, "prompt", "empty_prompt"),
+    (list(range(9)), {"max_prompt_tokens": 8}, "prompt", "prompt_too_long"),
+    ([1, 99], {}, "prompt", "invalid_token_ids"),
+    (list(range(16)), {"max_tokens": 1}, "max_tokens", "prompt_too_long"),
+    ([1, 2], {"max_tokens": 15}, "max_tokens", "max_tokens_too_large"),
+    ([1, 2], {"stop_token_ids": [50]}, "stop_token_ids", "invalid_token_ids"),
+    ([1, 2], {"loss_mask": [1]}, "loss_mask", "invalid_loss_mask"),
+])
+def test_one_request_check_names_the_parameter_and_the_kind(ids, kwargs, param, code):
+    """extractor.request.check_request: what LLM.generate and hsx serve's admission both check (serve maps it onto
+    its 400s), against a 16-token context and a 32-token vocabulary."""
+    from extractor.request import RequestRejected, check_request
+
+    with pytest.raises(RequestRejected) as e:
+        check_request(ids, max_model_len=16, vocab_size=32, **{"max_tokens": 0, **kwargs})
+    assert (e.value.param, e.value.code) == (param, code)
+    assert check_request([1, 2], max_model_len=16, vocab_size=32, max_tokens=None) == 14  # the rest of the context
