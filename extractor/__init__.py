@@ -6,6 +6,7 @@
     stopping.py     Stopping: EOS, stop token ids, stop strings (incremental detokenization), length limits
     config.py       EngineConfig, SpeculativeConfig, speculative_config parsing, the one dtype table and "auto" rule
     sampling.py     SamplingParams and the sampler
+    facts.py        TargetFacts / target_facts: a model's file spec and limits from its config (no weights)
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
     methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
 from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, first_batch_rows, plan_batches
@@ -140,13 +140,7 @@ class LLM:
                             f"{type(self.kv_transfer_config).__name__}")
         self.runner = ModelRunner(self.config)
         self.tokenizer = self.runner.tokenizer
-        self.spec = HiddenStatesSpec(
-            layer_ids=self.runner.layer_ids, num_hidden_layers=self.runner.num_hidden_layers,
-            hidden_size=self.runner.hidden_size, dtype=str(self.runner.dtype).removeprefix("torch."),
-            model=self.config.model, model_revision=str(getattr(self.runner.hf_config, "_commit_hash", None) or
-                                                        self.config.revision or ""),
-            last_layer_normalized=False,
-            extra={"architecture": ",".join(getattr(self.runner.hf_config, "architectures", None) or [])})
+        self.spec = self.runner.facts.file_spec()  # extractor.facts: the one derivation of a model's file spec
         spec = config.speculative
         self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else NullConnector()
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)

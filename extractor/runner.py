@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from connectors.format import check_layer_ids
-from extractor.config import EngineConfig, resolve_dtype
-from extractor.layers import EarlyExit, LayerCapture, default_layer_ids, find_decoder_layers
+from extractor.config import EngineConfig
+from extractor.facts import target_facts
+from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -219,9 +220,9 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
                                                trust_remote_code=config.trust_remote_code)
-        if getattr(hf_config, "is_encoder_decoder", False):
-            raise ValueError(f"{config.model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
-        dtype = getattr(torch, resolve_dtype(config.dtype, hf_config))
+        self.facts = target_facts(hf_config, model=config.model, revision=config.revision,
+                                  layer_ids=config.layer_ids, dtype=config.dtype, max_model_len=config.max_model_len)
+        dtype = getattr(torch, self.facts.dtype)
         if self.device.type == "cpu" and dtype == torch.float16:
             logger.warning("float16 on CPU is slow and lossy; consider dtype='bfloat16' or 'float32'")
         kwargs = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
@@ -233,19 +234,12 @@ class ModelRunner:
                                                        trust_remote_code=config.trust_remote_code)
         self.hf_config = self.model.config
         self.dtype = dtype
-        self.num_hidden_layers = int(self.hf_config.num_hidden_layers)
-        self.hidden_size = int(self.hf_config.hidden_size)
-        self.layer_ids = check_layer_ids(config.layer_ids or default_layer_ids(self.num_hidden_layers),
-                                         self.num_hidden_layers)
+        self.num_hidden_layers, self.hidden_size = self.facts.num_hidden_layers, self.facts.hidden_size
+        self.layer_ids = self.facts.layer_ids
         self.capture: LayerCapture | None = None
         self.set_capture(self.layer_ids)
         self.base = self.model.base_model
-        positions = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None)
-        if config.max_model_len and positions and config.max_model_len > positions:
-            raise ValueError(f"max_model_len={config.max_model_len} is more than {config.model} was built for "
-                             f"(max_position_embeddings={positions}): positions past it are untrained and outputs "
-                             f"degrade silently; use max_model_len <= {positions} (or leave it unset)")
-        self.max_model_len = config.max_model_len or positions or 2048
+        self.max_model_len = self.facts.max_model_len
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         params = inspect.signature(self.model.forward).parameters

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint
-from connectors.format import HiddenStatesSpec, check_layer_ids
+from connectors.format import HiddenStatesSpec
 from jobs.config import JobConfig
 
 
@@ -37,18 +37,18 @@ class ModelFacts:
     max_model_len: int
 
     def file_spec(self) -> HiddenStatesSpec:
-        """The spec every file of this model carries: the one the engine builds (extractor.LLM)."""
-        return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
-                                hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
-                                model_revision=self.revision, last_layer_normalized=False,
-                                extra={"architecture": self.architecture})
+        """The spec every file of this model carries: the one the engine builds (extractor.facts)."""
+        from extractor.facts import TargetFacts
+
+        return TargetFacts(model=self.model, revision=self.revision, architecture=self.architecture,
+                           num_hidden_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
+                           layer_ids=self.layer_ids, dtype=self.dtype, max_model_len=self.max_model_len).file_spec()
 
     @classmethod
     def resolve(cls, config: JobConfig) -> ModelFacts:
         from transformers import AutoConfig
 
-        from extractor.config import resolve_dtype
-        from extractor.layers import default_layer_ids
+        from extractor.facts import target_facts
 
         model = os.path.abspath(os.path.expanduser(config.model)) if os.path.isdir(
             os.path.expanduser(config.model)) else config.model
@@ -58,15 +58,14 @@ class ModelFacts:
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
-        n, h = int(hf.num_hidden_layers), int(hf.hidden_size)
-        layer_ids = check_layer_ids(config.layers if config.layers is not None else default_layer_ids(n), n,
-                                    name=f"--layers (for {config.model})")
-        dtype = resolve_dtype(config.dtype, hf)  # the engine's own rule
-        max_len = config.max_model_len or getattr(hf, "max_position_embeddings", None) or 2048
+        # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
+        f = target_facts(hf, model=model, revision=config.revision, layer_ids=config.layers, dtype=config.dtype,
+                         max_model_len=config.max_model_len, layers_flag="--layers")
+        max_len = f.max_model_len
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "
                              f"length limit {max_len}; lower --max-tokens or raise --max-model-len")
-        return cls(model=model, revision=str(getattr(hf, "_commit_hash", None) or config.revision or ""),
-                   fingerprint=model_fingerprint(model, hf),
-                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""), architecture=",".join(getattr(hf, "architectures", None) or []),
-                   num_hidden_layers=n, hidden_size=h, layer_ids=layer_ids, dtype=dtype, max_model_len=int(max_len))
+        return cls(model=model, revision=f.revision, fingerprint=model_fingerprint(model, hf),
+                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""), architecture=f.architecture,
+                   num_hidden_layers=f.num_hidden_layers, hidden_size=f.hidden_size, layer_ids=f.layer_ids,
+                   dtype=f.dtype, max_model_len=max_len)

@@ -1,0 +1,61 @@
+"""What the engine knows of a target model from its config alone (no weights): the one place the file spec and the
+limits are derived, for the runner, `hsx run`'s planning, `hsx estimate` and `hsx serve` alike.
+
+    target_facts(hf_config, model=, revision=, layer_ids=, dtype=, max_model_len=, layers_flag=) -> TargetFacts
+        layer ids checked against the model (default EAGLE-3's [2, N//2, N-3, N]), dtype resolved by the engine's
+        "auto" rule, max_model_len = the given one (at most the model's max_position_embeddings, read from the text
+        config as multimodal wrappers keep it) or max_position_embeddings or 2048
+    TargetFacts.file_spec()   the HiddenStatesSpec every file of this model carries
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from connectors.format import HiddenStatesSpec, check_layer_ids
+from extractor.config import resolve_dtype
+from extractor.layers import default_layer_ids
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""The length limit of a model whose config gives none."""
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    model: str
+    revision: str
+    """Commit hash or revision when known ("" for local folders)."""
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    layer_ids: tuple[int, ...]
+    dtype: str
+    """Resolved torch dtype name (never "auto")."""
+    max_model_len: int
+
+    def file_spec(self) -> HiddenStatesSpec:
+        return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
+                                hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
+                                model_revision=self.revision, last_layer_normalized=False,
+                                extra={"architecture": self.architecture})
+
+
+def target_facts(hf_config: Any, *, model: str, revision: str | None = None, layer_ids=None, dtype: str = "auto",
+                 max_model_len: int | None = None, layers_flag: str = "layer_ids") -> TargetFacts:
+    """The facts of the model whose transformers config is `hf_config`; ValueError naming `layers_flag` or
+    max_model_len when the settings do not fit the model."""
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ValueError(f"{model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
+    n, h = int(hf_config.num_hidden_layers), int(hf_config.hidden_size)
+    ids = check_layer_ids(layer_ids if layer_ids else default_layer_ids(n), n, name=f"{layers_flag} (for {model})")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    positions = getattr(text, "max_position_embeddings", None)
+    if max_model_len and positions and max_model_len > positions:
+        raise ValueError(f"max_model_len={max_model_len} is more than {model} was built for (max_position_embeddings="
+                         f"{positions}): positions past it are untrained and outputs degrade silently; use "
+                         f"max_model_len <= {positions} (or leave it unset)")
+    return TargetFacts(model=model, revision=str(getattr(hf_config, "_commit_hash", None) or revision or ""),
+                       architecture=",".join(getattr(hf_config, "architectures", None) or []),
+                       num_hidden_layers=n, hidden_size=h, layer_ids=ids, dtype=resolve_dtype(dtype, hf_config),
+                       max_model_len=int(max_model_len or positions or DEFAULT_MAX_MODEL_LEN))
