@@ -1,6 +1,8 @@
 """Typed configs <-> command-line flags, for every `hsx` command: field `max_model_len` is flag `--max-model-len` (and
 job-file key `max_model_len`); a bool field is `--x` / `--no-x`; help is the field's docstring.
 
+    add_command(sub, name, cls, func, help=, description=, **options)   one subcommand: its parser, its config's
+                                               flags (add_config_arguments) and the function it runs
     add_config_arguments(parser, cls, positional=, exclude=, choices=)   one flag per field, and --config FILE
     config_from_args(args, cls, required=)     the config from `--config FILE` overlaid with the flags given
     load_config_file(path, cls)                a YAML or JSON file of `cls`'s settings (keys = field names)
@@ -103,6 +105,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = JobConfig,
             kwargs["metavar"] = meta["metavar"]
         names = (flag(f.name), *([meta["short"]] if "short" in meta else []))
         parser.add_argument(*names, help=help_text.replace("%", "%%"), **kwargs)
+
+
+def add_command(sub, name: str, cls: type, func, *, help: str, description: str,  # noqa: A002 - argparse's name
+                **options: Any) -> argparse.ArgumentParser:
+    """Register subcommand `name` on the `hsx` subparsers: flags from `cls` (options: add_config_arguments'),
+    running `func(args)`."""
+    parser = sub.add_parser(name, help=help, description=description)
+    add_config_arguments(parser, cls, **options)
+    parser.set_defaults(func=func)
+    return parser
 
 
 JOB_REQUIRED = ("model", "corpus", "output")

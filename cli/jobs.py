@@ -13,7 +13,7 @@ from cli.args import (
     EXIT_OK,
     JOB_REQUIRED,
     UsageError,
-    add_config_arguments,
+    add_command,
     config_from_args,
     config_to_argv,
 )
@@ -24,45 +24,30 @@ def register(sub) -> None:
     """Add this floor's subcommands to the `hsx` subparsers."""
     from jobs.verify import VerifyConfig  # imports torch (through connectors): only when the parser is built
 
-    run = sub.add_parser("run", help="run an extraction job (local Ray unless --address)",
-                         description="Run an extraction job: corpus -> OUTPUT/data/**.safetensors + OUTPUT/manifest. "
-                                     "Re-running the same command resumes: committed samples are skipped.")
-    add_config_arguments(run, JobConfig)
-    run.set_defaults(func=_cmd_run)
-
-    submit = sub.add_parser("submit", help="submit the same job to a Ray cluster's job API",
-                            description="Submit `hsx run` with these settings through Ray's job submission API. The "
-                                        "cluster needs hsx installed (see infra/) and access to model, corpus and "
-                                        "output paths. Prints the job id.")
-    add_config_arguments(submit, SubmitConfig)
-    submit.set_defaults(func=_cmd_submit)
-
-    status = sub.add_parser("status", help="progress and counts of a run, from its manifest",
-                            description="Counts by sample (ok, failed), tokens and bytes, failure reasons.")
-    add_config_arguments(status, StatusConfig)
-    status.set_defaults(func=_cmd_status)
-
-    est = sub.add_parser("estimate", help="tokens, bytes and files a run would produce",
-                         description="Tokenize the corpus as `hsx run` would (no model weights, no Ray) and report "
-                                     "the samples, tokens, bytes and files the run will produce.")
-    add_config_arguments(est, EstimateConfig)
-    est.set_defaults(func=_cmd_estimate)
-
-    demo = sub.add_parser("demo", help="build a tiny model and corpus in DIR and run a real job on them",
-                          description="Builds a tiny random model and a small mixed-format corpus in DIR (no "
-                                      "downloads), runs `hsx run` on a local Ray into DIR/output, and shows where the "
-                                      "files and the manifest are.")
-    add_config_arguments(demo, DemoConfig)
-    demo.set_defaults(func=_cmd_demo)
-
-    verify = sub.add_parser("verify", help="check a run's files (checksums, headers, NaN/Inf), recompute a few, mark "
-                                           "bad ones for re-extraction",
-                            description="Check every (or --sample N) committed file of a run against its manifest "
-                                        "row, recompute --recompute K of them with a plain transformers forward, and "
-                                        "mark failed samples so that re-running the same `hsx run` re-extracts "
-                                        "them. Writes a JSON report to OUTPUT/verify/; exits 1 when anything fails.")
-    add_config_arguments(verify, VerifyConfig, positional=("output",))
-    verify.set_defaults(func=_cmd_verify)
+    add_command(sub, "run", JobConfig, _cmd_run, help="run an extraction job (local Ray unless --address)",
+                description="Run an extraction job: corpus -> OUTPUT/data/**.safetensors + OUTPUT/manifest. "
+                            "Re-running the same command resumes: committed samples are skipped.")
+    add_command(sub, "submit", SubmitConfig, _cmd_submit, help="submit the same job to a Ray cluster's job API",
+                description="Submit `hsx run` with these settings through Ray's job submission API. The cluster "
+                            "needs hsx installed (see infra/) and access to model, corpus and output paths. Prints "
+                            "the job id.")
+    add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
+                description="Counts by sample (ok, failed), tokens and bytes, failure reasons.")
+    add_command(sub, "estimate", EstimateConfig, _cmd_estimate, help="tokens, bytes and files a run would produce",
+                description="Tokenize the corpus as `hsx run` would (no model weights, no Ray) and report the "
+                            "samples, tokens, bytes and files the run will produce.")
+    add_command(sub, "demo", DemoConfig, _cmd_demo,
+                help="build a tiny model and corpus in DIR and run a real job on them",
+                description="Builds a tiny random model and a small mixed-format corpus in DIR (no downloads), runs "
+                            "`hsx run` on a local Ray into DIR/output, and shows where the files and the manifest "
+                            "are.")
+    add_command(sub, "verify", VerifyConfig, _cmd_verify, positional=("output",),
+                help="check a run's files (checksums, headers, NaN/Inf), recompute a few, mark bad ones for "
+                     "re-extraction",
+                description="Check every (or --sample N) committed file of a run against its manifest row, "
+                            "recompute --recompute K of them with a plain transformers forward, and mark failed "
+                            "samples so that re-running the same `hsx run` re-extracts them. Writes a JSON report "
+                            "to OUTPUT/verify/; exits 1 when anything fails.")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

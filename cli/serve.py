@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli.args import UsageError, add_config_arguments, config_from_args
+from cli.args import UsageError, add_command, config_from_args
 
 
 def register(sub) -> None:
     """Add the `serve` subcommand to the `hsx` subparsers."""
     from serve.config import ServeConfig
 
-    parser = sub.add_parser(
-        "serve", help="an OpenAI-compatible extraction service (Ray Serve): /v1/completions, /v1/chat/completions",
-        description="Serve the model over HTTP with vLLM's OpenAI routes: every request writes the hidden states of "
-                    "its prompt (and, with kv_transfer_params.include_output_tokens, of its output) to a file under "
-                    "--output and answers with its path once the file is durable. Runs on a private local Ray "
-                    "unless --address; SIGTERM drains requests in flight, then exits.")
-    add_config_arguments(parser, ServeConfig)
-    parser.set_defaults(func=_cmd_serve)
+    add_command(sub, "serve", ServeConfig, _cmd_serve,
+                help="an OpenAI-compatible extraction service (Ray Serve): /v1/completions, /v1/chat/completions",
+                description="Serve the model over HTTP with vLLM's OpenAI routes: every request writes the hidden "
+                            "states of its prompt (and, with kv_transfer_params.include_output_tokens, of its output) "
+                            "to a file under --output and answers with its path once the file is durable. Runs on a "
+                            "private local Ray unless --address; SIGTERM drains requests in flight, then exits.")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

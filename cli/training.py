@@ -7,20 +7,18 @@ import argparse
 import sys
 import time
 
-from cli.args import EXIT_FAILED, EXIT_OK, UsageError, add_config_arguments, config_from_args
+from cli.args import EXIT_FAILED, EXIT_OK, UsageError, add_command, config_from_args
 
 
 def register(sub) -> None:
     """Add this floor's subcommands to the `hsx` subparsers."""
     from training.export.config import FORMATS, ExportConfig
 
-    export = sub.add_parser("export", help="write a run in the layout of speculators, SpecForge or ModelOpt",
-                            description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in "
-                                        "the on-disk layout another drafter trainer reads. Streaming (one sample at a "
-                                        "time) and resumable (re-run the same command after an interruption: "
-                                        "finished samples are skipped).")
-    add_config_arguments(export, ExportConfig, positional=("output", "dest"), choices={"format": FORMATS})
-    export.set_defaults(func=_cmd_export)
+    add_command(sub, "export", ExportConfig, _cmd_export, positional=("output", "dest"), choices={"format": FORMATS},
+                help="write a run in the layout of speculators, SpecForge or ModelOpt",
+                description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in the on-disk "
+                            "layout another drafter trainer reads. Streaming (one sample at a time) and resumable "
+                            "(re-run the same command after an interruption: finished samples are skipped).")
 
     # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
     # one onto training.trainer.TrainDrafterConfig (cheap to import: torch loads when the command runs)
@@ -44,23 +42,21 @@ def register(sub) -> None:
               f"{r['simulated_acceptance_length']:.3f}; drafter in {r['out']}, report {r['out']}/report.json")
         return EXIT_OK
 
-    train = sub.add_parser("train-drafter", help="train an EAGLE-3, Medusa or MLPSpeculator drafter on a run",
-                           description="Train a drafter on an extraction run (OUTPUT) against its target model; "
-                                       "writes the checkpoint serving engines load (speculative_config method = "
-                                       "--kind) and report.json to --out. Re-running the same command resumes from "
-                                       "--out/checkpoint.")
-    add_config_arguments(train, TrainDrafterConfig, choices={"dtype": ("float32", "bfloat16", "float16")})
-    train.set_defaults(func=_cmd_train_drafter)
+    add_command(sub, "train-drafter", TrainDrafterConfig, _cmd_train_drafter,
+                choices={"dtype": ("float32", "bfloat16", "float16")},
+                help="train a drafter (EAGLE-3, Medusa, MLPSpeculator or any registered family) on a run",
+                description="Train a drafter on an extraction run (OUTPUT) against its target model; writes the "
+                            "checkpoint serving engines load (speculative_config method = --kind) and report.json to "
+                            "--out. Re-running the same command resumes from --out/checkpoint.")
 
     from training.evaluate import EvalDrafterConfig  # hsx eval-drafter: AL and tokens/s per method
 
-    evaluate = sub.add_parser(
-        "eval-drafter", help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
-        description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no speculation); "
-                    "print vLLM's spec_decode.py lines per method and a comparison table; fail (exit 1) when any "
-                    "speculative output differs from plain greedy decoding or a method could not be evaluated.")
-    add_config_arguments(evaluate, EvalDrafterConfig)
-    evaluate.set_defaults(func=_cmd_eval_drafter)
+    add_command(sub, "eval-drafter", EvalDrafterConfig, _cmd_eval_drafter,
+                help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
+                description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no "
+                            "speculation); print vLLM's spec_decode.py lines per method and a comparison table; fail "
+                            "(exit 1) when any speculative output differs from plain greedy decoding or a method "
+                            "could not be evaluated.")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """What a job knows about its target model before any weights load: from the model's config alone.
 
-    ModelFacts.resolve(config) -> ModelFacts    layers, dtype, sizes, length limit, identity (revision, fingerprint)
+    ModelFacts.resolve(config) -> ModelFacts    extractor.facts' TargetFacts of the job's model + its fingerprint
 
 The driver uses these to write and check run.json, the tokenizer stage to apply the length limit, `hsx estimate` to
 size a run, and every worker passes the resolved values to its engine, so all sides agree.
@@ -8,41 +8,26 @@ size a run, and every worker passes the resolved values to its engine, so all si
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint
-from connectors.format import HiddenStatesSpec
+from extractor.facts import TargetFacts
 from jobs.config import JobConfig
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    model: str
-    """The model as the engine loads it: an absolute folder for local models, else the hub id."""
-    revision: str
-    """Commit hash or revision, when known ("" for local folders)."""
-    fingerprint: str
+class ModelFacts(TargetFacts):
+    """The engine's facts of the model (extractor.facts.TargetFacts: model as the engine loads it — an absolute
+    folder for local models, else the hub id —, revision, layers, dtype, sizes, length limit) and its identity."""
+
+    fingerprint: str = ""
     """"v2:" + sha256 prefix over the model folder's config, tokenizer and template files (their bytes) and each
     weight file's name, size, mtime and safetensors header — weights re-written in place change it; a hub id: of
     its config. See connectors.fingerprint."""
-    legacy_fingerprint: str
+    legacy_fingerprint: str = ""
     """The first round's fingerprint (config + weight sizes), to resume runs that recorded it."""
-    architecture: str
-    num_hidden_layers: int
-    hidden_size: int
-    layer_ids: tuple[int, ...]
-    dtype: str
-    """Resolved torch dtype name (never "auto")."""
-    max_model_len: int
-
-    def file_spec(self) -> HiddenStatesSpec:
-        """The spec every file of this model carries: the one the engine builds (extractor.facts)."""
-        from extractor.facts import TargetFacts
-
-        return TargetFacts(model=self.model, revision=self.revision, architecture=self.architecture,
-                           num_hidden_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
-                           layer_ids=self.layer_ids, dtype=self.dtype, max_model_len=self.max_model_len).file_spec()
 
     @classmethod
     def resolve(cls, config: JobConfig) -> ModelFacts:
@@ -65,7 +50,5 @@ class ModelFacts:
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "
                              f"length limit {max_len}; lower --max-tokens or raise --max-model-len")
-        return cls(model=model, revision=f.revision, fingerprint=model_fingerprint(model, hf),
-                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""), architecture=f.architecture,
-                   num_hidden_layers=f.num_hidden_layers, hidden_size=f.hidden_size, layer_ids=f.layer_ids,
-                   dtype=f.dtype, max_model_len=max_len)
+        return cls(**dataclasses.asdict(f), fingerprint=model_fingerprint(model, hf),
+                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""))
