@@ -17,6 +17,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     read_run_spec(run) / write_run_spec(run, spec)
     data_path(sample_id)
     row_path_problem(rel)                why a manifest row's path cannot be read (absolute, `..`, missing), or None
+    row_file_problem(info, sample_id, num_tokens, checksum, size=)   (kind, why) a file is not its row's, or None
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row
@@ -378,6 +379,24 @@ def row_path_problem(rel: object) -> str | None:
     if rel.startswith("/") or "://" in rel or "\\" in rel or any(seg in ("", ".", "..") for seg in rel.split("/")):
         return (f"the manifest row's path {rel!r} is not a plain relative path inside the run (absolute, a URL, or "
                 "with '..' or empty segments): the manifest was damaged or written by other code")
+    return None
+
+
+def row_file_problem(info, sample_id: str, num_tokens: int | None, checksum: str | None, *,
+                     size: int | None = None) -> tuple[str, str] | None:
+    """Why the file whose header is `info` (connectors.format.HiddenStatesFileInfo) is not the one its manifest row
+    commits — ("sample id" | "size" | "tokens" | "checksum", what differs) — or None. A header without a sample id
+    (vLLM's files), a row without a size or a checksum (older runs) is not compared on that field. What `hsx
+    verify` and the training feed both check."""
+    recorded = info.metadata.get("sample_id")
+    if recorded is not None and recorded != sample_id:
+        return "sample id", f"the file holds sample {recorded!r}, not the manifest row's {sample_id!r}"
+    if size is not None and info.size != size:
+        return "size", f"the file has {info.size} bytes, the manifest row says {size}"
+    if info.num_tokens != num_tokens:
+        return "tokens", f"the file holds {info.num_tokens} tokens, the manifest says {num_tokens}"
+    if checksum and info.checksum != checksum:
+        return "checksum", f"the file records checksum {info.checksum}, the manifest row {checksum}"
     return None
 
 

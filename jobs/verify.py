@@ -45,6 +45,7 @@ from connectors.run import (
     new_attempt_id,
     read_manifest,
     read_run_spec,
+    row_file_problem,
     row_path_problem,
     write_manifest_part,
 )
@@ -203,14 +204,9 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
         return f"{'checksum' if 'checksum' in reason else 'damaged'}: {reason}"
     except (OSError, TimeoutError) as e:
         return f"unreadable: {type(e).__name__}: {e}"
-    if info.metadata.get("sample_id") not in (None, row["sample_id"]):
-        return f"sample id: the file holds sample {info.metadata.get('sample_id')!r}, not {row['sample_id']!r}"
-    if row.get("bytes") is not None and info.size != row["bytes"]:
-        return f"size: the file has {info.size} bytes, the manifest row says {row['bytes']}"
-    if info.num_tokens != row["num_tokens"]:
-        return f"tokens: the file holds {info.num_tokens} tokens, the manifest row says {row['num_tokens']}"
-    if row.get("checksum") and info.checksum != row["checksum"]:
-        return f"checksum: the file records {info.checksum}, the manifest row {row['checksum']} (replaced file?)"
+    mismatch = row_file_problem(info, row["sample_id"], row["num_tokens"], row.get("checksum"), size=row.get("bytes"))
+    if mismatch is not None:
+        return f"{mismatch[0]}: {mismatch[1]}"
     theirs = HiddenStatesSpec.from_metadata(info.metadata, hidden_size=info.hidden_size,
                                             dtype=str(info.dtype).removeprefix("torch."))
     if theirs is not None:

@@ -61,7 +61,7 @@ from connectors.format import (
     tensor_from_bytes,
 )
 from connectors.reader import read_hidden_states_info
-from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_path_problem
+from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_file_problem, row_path_problem
 from extractor.norm import FinalNorm
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
 
 
 ALL_TENSORS = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK)
+_REEXTRACT = "run `hsx verify OUTPUT --all` (it marks the sample) and re-run the same `hsx run` to extract it again"
+"""The fix for a committed sample that cannot be read as its manifest row commits it."""
 
 
 def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True, names: Sequence[str] = ALL_TENSORS
@@ -348,8 +350,7 @@ class HiddenStatesDataset(Dataset):
             info, tensors = _read_rows(self._filesystem(), path, self.config.max_length, verify, names)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{path} (sample {self.sample_id(index)!r}) is missing, though the manifest "
-                                    "commits it; run `hsx verify OUTPUT --all` (it marks the sample) and re-run the "
-                                    "same `hsx run` to extract it again") from e
+                                    f"commits it; {_REEXTRACT}") from e
         self._check_file(info, index)
         ids = tensors[TOKEN_IDS]
         mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
@@ -359,9 +360,7 @@ class HiddenStatesDataset(Dataset):
         rel = self._paths[index].as_py()
         root = self._roots[self._run_of[index]]
         if (problem := row_path_problem(rel)) is not None:
-            raise HiddenStatesFileError(root, f"sample {self.sample_id(index)!r}: {problem}; run `hsx verify OUTPUT "
-                                              "--all`, which marks it, and re-run the same `hsx run` to extract it "
-                                              "again")
+            raise HiddenStatesFileError(root, f"sample {self.sample_id(index)!r}: {problem}; {_REEXTRACT}")
         return posixpath.join(root, rel)
 
     def _check_file(self, info: HiddenStatesFileInfo, index: int) -> None:
@@ -378,20 +377,11 @@ class HiddenStatesDataset(Dataset):
             raise ValueError(f"{where} stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, "
                              f"but the run stores [T, {len(run.layer_ids)}, {run.hidden_size}] {run.dtype}; the run "
                              "is mixed")
-        recorded = info.metadata.get("sample_id")
-        if recorded is not None and recorded != self.sample_id(index):
-            raise ValueError(f"{where} holds sample {recorded!r}, not the manifest row's; the file was replaced or "
-                             "the row points at another sample's file — run `hsx verify OUTPUT --all` (it marks the "
-                             "sample) and re-run the same `hsx run` to extract it again")
-        committed = self._checksums[index].as_py()
-        if committed and info.checksum != committed:
-            raise ValueError(f"{where} records checksum {info.checksum}, the manifest row {committed}: the file was "
-                             "replaced after it was committed — run `hsx verify OUTPUT --all` (it marks the sample) "
-                             "and re-run the same `hsx run` to extract it again")
-        expected = int(self._num_tokens[index])
-        if info.num_tokens != expected:
-            raise ValueError(f"{where} holds {info.num_tokens} tokens but the manifest says {expected}; the file was "
-                             "replaced after the manifest was written — re-run the extraction to repair the run")
+        mismatch = row_file_problem(info, self.sample_id(index), int(self._num_tokens[index]),
+                                    self._checksums[index].as_py())
+        if mismatch is not None:
+            raise ValueError(f"{where}: {mismatch[1]}; the file was replaced after it was committed, or the row "
+                             f"points at another sample's file — {_REEXTRACT}")
 
     # -- per-process filesystem -------------------------------------------------------------------------------
     def _filesystem(self):
