@@ -15,7 +15,8 @@ import hashlib
 import json
 import os
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""Weight files of a model folder, as the fingerprint hashes them."""
 FINGERPRINT_SCHEME = "v2:"
 # small files that shape what the engine computes or how text becomes ids: hashed byte for byte
 _IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
@@ -37,7 +38,7 @@ def model_fingerprint(model: str, hf, scheme: str = FINGERPRINT_SCHEME) -> str:
             with open(path, "rb") as f:
                 digest.update(f"{name}\n".encode() + f.read() if scheme else f.read())
     for name in names:
-        if not name.endswith(_WEIGHT_SUFFIXES):
+        if not name.endswith(WEIGHT_SUFFIXES):
             continue
         path = os.path.join(model, name)
         st = os.stat(path)

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping
 
 import fsspec
 
-from connectors import storage
+from connectors import fingerprint, storage
 from connectors.lease import LEASE_FILE, LeaseLost, WriterLease
 from connectors.run import MANIFEST_DIR, RUN_JSON, RunDir
 
@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 MARKER = ".hsx-output.json"
 """An output folder's ownership marker: {"command", "created", "host"}, written when the folder is first taken."""
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".safetensors.index.json",
-                   ".bin.index.json")
+WEIGHT_SUFFIXES = (*fingerprint.WEIGHT_SUFFIXES, ".ckpt", ".safetensors.index.json", ".bin.index.json")
+"""What makes a folder beside config.json a model to protect: the fingerprint's weight files, checkpoints, and the
+index of sharded weights."""
 
 
 def _local(path: str | None) -> str | None:

@@ -232,17 +232,17 @@ WEIGHTS_NAME = "model.safetensors"
 def write_checkpoint(out_dir: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
     """OUT/model.safetensors and OUT/config.json, each written whole and durably under a unique temporary name
     (connectors.storage.put_atomic), weights first: a reader never sees a config without its weights, and two
-    writers never share a temporary file. Each tensor is saved as its own contiguous CPU copy (safetensors refuses
-    shared storage); the config's keys are sorted, so the same drafter gives the same bytes."""
+    writers never share a temporary file. The weights file is connectors.safetensors_file's deterministic
+    safetensors bytes (each tensor written from its own memory, so tensors sharing storage need no copy); the
+    config's keys are sorted, so the same drafter gives the same bytes."""
     import fsspec
-    from safetensors.torch import save
 
     from connectors import storage
+    from connectors.safetensors_file import safetensors_content
 
     fs = fsspec.filesystem("file")
     os.makedirs(out_dir, exist_ok=True)
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    storage.put_atomic(fs, os.path.join(out_dir, WEIGHTS_NAME), save(weights, metadata={"format": "pt"}))
+    storage.put_atomic(fs, os.path.join(out_dir, WEIGHTS_NAME), safetensors_content(tensors, {"format": "pt"}))
     storage.put_atomic(fs, os.path.join(out_dir, "config.json"),
                        (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 

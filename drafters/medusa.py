@@ -130,10 +130,7 @@ class MedusaDrafter(Drafter):
                 **family_options: Any) -> MedusaDrafter:
         """K = num_speculative_tokens heads, lm_heads copied from the target's; family_options: MedusaConfig's
         other fields (medusa_num_layers, medusa_decay_coefficient, targets)."""
-        heads = family_options.pop("medusa_num_heads", num_speculative_tokens)
-        if heads != num_speculative_tokens:
-            raise ValueError(f"medusa_num_heads={heads} and num_speculative_tokens={num_speculative_tokens} "
-                             "disagree; Medusa has one head per draft: pass only num_speculative_tokens")
+        drop_draft_count(family_options, "medusa_num_heads", num_speculative_tokens, "Medusa has one head")
         config = MedusaConfig(medusa_num_heads=num_speculative_tokens, **family_options)
         check_run_fits(run_spec, target)
         drafter = cls(config, target.hidden_size, target.vocab_size, target.lm_head.float())
@@ -257,6 +254,15 @@ def head_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor,
     if targets == "tokens":
         return F.nll_loss(logp, tokens)
     return -(F.softmax(teacher, dim=-1) * logp).sum(-1).mean()
+
+
+def drop_draft_count(options: dict[str, Any], key: str, k: int, family_has: str) -> None:
+    """Remove `key` (the family's own name for its number of drafts) from `options`: ValueError unless it equals
+    num_speculative_tokens `k`, which the config is then built from."""
+    given = options.pop(key, k)
+    if given != k:
+        raise ValueError(f"{key}={given} and num_speculative_tokens={k} disagree; {family_has} per draft: pass only "
+                         "num_speculative_tokens")
 
 
 def check_run_fits(run_spec: Any, target: TargetHead) -> None:

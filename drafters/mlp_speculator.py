@@ -43,6 +43,7 @@ from drafters.medusa import (
     LastStateProposer,
     TeacherLogits,
     check_run_fits,
+    drop_draft_count,
     head_loss,
     load_state,
     predicted_mask,
@@ -151,10 +152,7 @@ class MLPSpeculatorDrafter(Drafter):
     def for_run(cls, run_spec: Any, target: TargetHead, num_speculative_tokens: int,
                 **family_options: Any) -> MLPSpeculatorDrafter:
         """n_predict = num_speculative_tokens stages; family_options: MLPSpeculatorConfig's other fields."""
-        n = family_options.pop("n_predict", num_speculative_tokens)
-        if n != num_speculative_tokens:
-            raise ValueError(f"n_predict={n} and num_speculative_tokens={num_speculative_tokens} disagree; "
-                             "MLPSpeculator has one stage per draft: pass only num_speculative_tokens")
+        drop_draft_count(family_options, "n_predict", num_speculative_tokens, "MLPSpeculator has one stage")
         config = MLPSpeculatorConfig(n_predict=num_speculative_tokens, **family_options)
         check_run_fits(run_spec, target)
         drafter = cls(config, target.hidden_size, target.vocab_size)

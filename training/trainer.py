@@ -380,8 +380,8 @@ def check_finite_weights(weights: dict[str, torch.Tensor], what: str) -> None:
     """ValueError naming the tensors when a floating-point weight holds NaN/Inf: such a drafter is never saved."""
     import torch
 
-    bad = {name: int((~torch.isfinite(w)).sum()) for name, w in weights.items()
-           if w.is_floating_point() and not bool(torch.isfinite(w).all())}
+    counts = {name: int((~torch.isfinite(w)).sum()) for name, w in weights.items() if w.is_floating_point()}
+    bad = {name: n for name, n in counts.items() if n}
     if bad:
         listed = ", ".join(f"{name} ({n})" for name, n in list(bad.items())[:4])
         raise TrainingStopped(f"{what} holds non-finite weights in {listed}{', ...' if len(bad) > 4 else ''}; it "
