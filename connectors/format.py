@@ -150,6 +150,20 @@ class HiddenStatesSpec:
         return {f: (getattr(self, f), getattr(other, f)) for f in COMPARED_FIELDS
                 if getattr(self, f) != getattr(other, f)}
 
+    def file_problem(self, info: HiddenStatesFileInfo) -> str | None:
+        """How the file whose header is `info` differs from this spec (its recorded spec, then the shape and dtype
+        of its hidden_states), or None when it is one of this producer's files. A file without hsx metadata (vLLM's)
+        is compared by shape and dtype alone. What `hsx verify` and the training feed both check."""
+        theirs = info.spec
+        if theirs is not None:
+            diff = self.differences(theirs)
+            if diff:
+                return "its spec differs in " + "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items())
+        if (info.num_layers, info.hidden_size, info.dtype) != (len(self.layer_ids), self.hidden_size, self.torch_dtype):
+            return (f"it stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, where the spec "
+                    f"stores [T, {len(self.layer_ids)}, {self.hidden_size}] {self.torch_dtype}")
+        return None
+
     @property
     def torch_dtype(self) -> torch.dtype:
         dt = getattr(torch, self.dtype, None)
@@ -251,6 +265,13 @@ class HiddenStatesFileInfo:
         """The stored hidden-state ids, or None for files without hsx metadata (e.g. written by vLLM)."""
         raw = self.metadata.get("layer_ids")
         return tuple(json.loads(raw)) if raw else None
+
+    @property
+    def spec(self) -> HiddenStatesSpec | None:
+        """The producer spec recorded in the header (`HiddenStatesSpec.from_metadata`), or None for files without
+        hsx metadata (vLLM's)."""
+        return HiddenStatesSpec.from_metadata(self.metadata, hidden_size=self.hidden_size,
+                                              dtype=str(self.dtype).removeprefix("torch."))
 
     @property
     def has_hsx_metadata(self) -> bool:

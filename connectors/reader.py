@@ -2,6 +2,8 @@
 
     load_hidden_states(path, ..., verify=False)
                                       -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored}
+    read_rows(fs, path, max_rows)     -> (HiddenStatesFileInfo, {name: the leading rows}), checksum checked: the
+                                         training feed's read (local files memory-mapped)
     read_hidden_states_info(path)     -> HiddenStatesFileInfo (tensors, shapes, metadata, checksum), header only
     verify_hidden_states(path)        -> HiddenStatesFileInfo, after reading the whole file: header, checksum, and
                                          no NaN/Inf in hidden_states (what `hsx verify` runs per file)
@@ -23,6 +25,8 @@ the whole file even for a token range or a layer subset (streamed in blocks, not
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -54,9 +58,9 @@ def _read_info(path: str, size: int, read) -> HiddenStatesFileInfo:
 
 
 def _exact(path: str, blob: bytes, expected: int) -> bytes:
-    """`blob` if it holds the `expected` bytes asked for; a short read means the file shrank under us."""
-    if len(blob) < expected:
-        raise HiddenStatesFileError(path, f"a read of {expected} bytes returned {len(blob)}: the file is shorter than "
+    """`blob` if it holds exactly the `expected` bytes asked for; a short read means the file shrank under us."""
+    if len(blob) != expected:
+        raise HiddenStatesFileError(path, f"a read of {expected} bytes returned {len(blob)}: the file is not the size "
                                           "its header says (truncated, or replaced while being read); retry, or "
                                           "re-extract it")
     return blob
@@ -69,6 +73,68 @@ def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
     storage.wait_until_readable(fs, p, wait_timeout)
     with storage.read_ranges(fs, p) as (size, read):
         return _read_info(path, size, read)
+
+
+def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True,
+              names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK)) -> tuple[HiddenStatesFileInfo, dict]:
+    """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
+    `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
+    as they are); without it only those tensors' bytes are read. `fs`/`path` as `storage.open_url` gives them.
+
+    The training feed's read: a local file is memory-mapped copy-on-write (its tensors share the page cache; edits
+    stay private), a small remote file arrives whole with its header in one request, a large one as header + one
+    byte range per tensor (only the leading rows unless verified)."""
+    if storage.is_local(fs):
+        # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
+        with storage.open_regular_file(path) as (fd, size):
+            if size < 8:
+                raise HiddenStatesFileError(path, f"{size} bytes is too short for a safetensors file (need at least "
+                                                  "8); the file is truncated: re-extract it")
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        info, _ = read_header(path, size, lambda start, end: mm[start:end])
+        if verify and info.checksum is not None:
+            with memoryview(mm) as view:
+                check_checksum(info, data_checksum([view[info.data_start:]]))
+        rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
+        out = {}
+        for name in names:
+            if name in info.tensors:
+                e = info.tensors[name]
+                shape = (rows, *e.shape[1:])
+                count = math.prod(shape)
+                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.start).reshape(shape)
+                             if count else torch.empty(shape, dtype=e.dtype))
+        return info, out
+
+    url = storage.full_url(fs, path)
+    info, probe = read_header(url, lambda: storage.size_of(fs, path),
+                              lambda start, end: fs.cat_file(path, start=start, end=end))
+    whole = len(probe) == info.size  # a small file arrives whole with its header
+    rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
+    names = [n for n in names if n in info.tensors]
+    checked = verify and info.checksum is not None
+    data, base = None, 0  # bytes in hand, and the file offset of their first byte
+    if whole:
+        data = memoryview(probe)
+    elif checked:  # the whole data region, in one request: all of it is hashed, whatever max_length keeps
+        region = fs.cat_file(path, start=info.data_start, end=info.size)
+        data, base = memoryview(_exact(url, region, info.size - info.data_start)), info.data_start
+    if checked:
+        check_checksum(info, data_checksum([data[info.data_start - base:]]))
+    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
+    if data is not None:
+        blobs = [data[a - base:b - base] for a, b in spans]
+    else:
+        todo = [i for i, (a, b) in enumerate(spans) if b > a]
+        fetched = fs.cat_ranges([path] * len(todo), [spans[i][0] for i in todo], [spans[i][1] for i in todo],
+                                on_error="raise") if todo else []
+        blobs = [b""] * len(spans)
+        for i, blob in zip(todo, fetched):
+            blobs[i] = blob
+    out = {}
+    for n, (a, b), blob in zip(names, spans, blobs):
+        out[n] = tensor_from_bytes(bytearray(_exact(url, blob, b - a)), info.tensors[n], rows)
+    return info, out
 
 
 def _layer_positions(info: HiddenStatesFileInfo, layer_ids: Sequence[int] | None,

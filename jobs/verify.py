@@ -189,7 +189,7 @@ def _fail(report: VerifyReport, row: dict, problem: str, kind: str | None = None
 
 def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
     """Why the committed file of `row` is bad, or None."""
-    from connectors.format import HiddenStatesFileError, HiddenStatesSpec
+    from connectors.format import HiddenStatesFileError
     from connectors.reader import verify_hidden_states
 
     if (problem := row_path_problem(row.get("path"))) is not None:
@@ -207,13 +207,8 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
     mismatch = row_file_problem(info, row["sample_id"], row["num_tokens"], row.get("checksum"), size=row.get("bytes"))
     if mismatch is not None:
         return f"{mismatch[0]}: {mismatch[1]}"
-    theirs = HiddenStatesSpec.from_metadata(info.metadata, hidden_size=info.hidden_size,
-                                            dtype=str(info.dtype).removeprefix("torch."))
-    if theirs is not None:
-        diff = spec.file_spec().differences(theirs)
-        if diff:
-            return "spec: the file differs from the run in " + "; ".join(f"{k}: {a!r} vs {b!r}"
-                                                                        for k, (a, b) in diff.items())
+    if (problem := spec.file_spec().file_problem(info)) is not None:
+        return f"spec: the file is not one of the run's: {problem}"
     return None
 
 

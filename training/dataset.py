@@ -15,11 +15,12 @@
 A run is the folder (or URL) an extraction job writes; `connectors.run` owns its format (run.json, data/,
 manifest/). Opening reads run.json and the manifest (`connectors.run.ok_rows`: one "ok" row per sample, the last
 written when a resume wrote it twice), never the data files — unless the run has no run.json, which costs one header
-read of the first file. Items are read with one small request for a small file (header and data together), or
-header + byte ranges for a large one, so `max_length` fetches only the leading tokens; local files are memory-mapped.
+read of the first file. Items are read by `connectors.reader.read_rows`: one small request for a small file (header
+and data together), or header + byte ranges for a large one, so `max_length` fetches only the leading tokens; local
+files are memory-mapped.
 The filesystem is opened lazily in each process, so the dataset pickles into DataLoader workers (fork or spawn).
 
-Every file is checked against the run's spec when it is read (`HiddenStatesSpec.differences`): a file from another
+Every file is checked against the run's spec when it is read (`HiddenStatesSpec.file_problem`): a file from another
 model, other layers or another dtype fails loudly instead of training on a mixed run. Nothing in a file is trusted:
 its header is checked against its real size before any data is read, a local path that is not a regular file is
 refused without blocking, and (`verify`, on by default) its data must match the checksum in its header — the whole
@@ -32,8 +33,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import mmap
 import os
 import posixpath
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,13 +53,8 @@ from connectors.format import (
     TOKEN_IDS,
     HiddenStatesFileError,
     HiddenStatesFileInfo,
-    HiddenStatesSpec,
-    check_checksum,
-    data_checksum,
-    read_header,
-    tensor_from_bytes,
 )
-from connectors.reader import read_hidden_states_info
+from connectors.reader import read_hidden_states_info, read_rows
 from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_file_problem, row_path_problem
 from extractor.norm import FinalNorm
 
@@ -87,8 +81,7 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
         return spec
     first = run.path(rows["path"][0].as_py())
     header = read_hidden_states_info(storage.full_url(run.fs, first), storage_options=run.storage_options)
-    file_spec = HiddenStatesSpec.from_metadata(header.metadata, hidden_size=header.hidden_size,
-                                               dtype=str(header.dtype).removeprefix("torch."))
+    file_spec = header.spec
     if file_spec is None:
         raise ValueError(f"{run.url}: cannot tell the run's spec — it has no run.json, and its first data file "
                          f"{storage.full_url(run.fs, first)} carries no hsx metadata. Is this an hsx run? (files "
@@ -99,74 +92,8 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
 # -- reading one file -------------------------------------------------------------------------------------------
 
 
-ALL_TENSORS = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK)
 _REEXTRACT = "run `hsx verify OUTPUT --all` (it marks the sample) and re-run the same `hsx run` to extract it again"
 """The fix for a committed sample that cannot be read as its manifest row commits it."""
-
-
-def _read_rows(fs, path: str, max_rows: int | None, verify: bool = True, names: Sequence[str] = ALL_TENSORS
-               ) -> tuple[HiddenStatesFileInfo, dict]:
-    """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
-    `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
-    as they are); without it only those tensors' bytes are read."""
-    if storage.is_local(fs):
-        # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
-        with storage.open_regular_file(path) as (fd, size):
-            if size < 8:
-                raise HiddenStatesFileError(path, f"{size} bytes is too short for a safetensors file (need at least "
-                                                  "8); the file is truncated: re-extract it")
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        info, _ = read_header(path, size, lambda start, end: mm[start:end])
-        if verify and info.checksum is not None:
-            with memoryview(mm) as view:
-                check_checksum(info, data_checksum([view[info.data_start:]]))
-        rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
-        out = {}
-        for name in names:
-            if name in info.tensors:
-                e = info.tensors[name]
-                shape = (rows, *e.shape[1:])
-                count = math.prod(shape)
-                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.start).reshape(shape)
-                             if count else torch.empty(shape, dtype=e.dtype))
-        return info, out
-
-    url = storage.full_url(fs, path)
-    info, probe = read_header(url, lambda: storage.size_of(fs, path),
-                              lambda start, end: fs.cat_file(path, start=start, end=end))
-    whole = len(probe) == info.size  # a small file arrives whole with its header
-    rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
-    names = [n for n in names if n in info.tensors]
-    checked = verify and info.checksum is not None
-    data, base = None, 0  # bytes in hand, and the file offset of their first byte
-    if whole:
-        data = memoryview(probe)
-    elif checked:  # the whole data region, in one request: all of it is hashed, whatever max_length keeps
-        region = fs.cat_file(path, start=info.data_start, end=info.size)
-        data, base = memoryview(_fetched(url, region, info.size - info.data_start)), info.data_start
-    if checked:
-        check_checksum(info, data_checksum([data[info.data_start - base:]]))
-    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
-    if data is not None:
-        blobs = [data[a - base:b - base] for a, b in spans]
-    else:
-        todo = [i for i, (a, b) in enumerate(spans) if b > a]
-        fetched = fs.cat_ranges([path] * len(todo), [spans[i][0] for i in todo], [spans[i][1] for i in todo],
-                                on_error="raise") if todo else []
-        blobs = [b""] * len(spans)
-        for i, blob in zip(todo, fetched):
-            blobs[i] = blob
-    out = {}
-    for n, (a, b), blob in zip(names, spans, blobs):
-        out[n] = tensor_from_bytes(bytearray(_fetched(url, blob, b - a)), info.tensors[n], rows)
-    return info, out
-
-
-def _fetched(url: str, blob, expected: int):
-    if len(blob) != expected:
-        raise HiddenStatesFileError(url, f"got {len(blob)} bytes where the header promises {expected}; the file is "
-                                         "truncated (or was replaced while being read): re-extract it")
-    return blob
 
 
 # -- the dataset ------------------------------------------------------------------------------------------------
@@ -298,7 +225,7 @@ class HiddenStatesDataset(Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
-        item, tensors = self._read(index, self.config.verify, ALL_TENSORS)  # input_ids, loss_mask [T]
+        item, tensors = self._read(index, self.config.verify, (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK))  # input_ids, loss_mask [T]
         states = tensors[HIDDEN_STATES]  # [T, L, H]
         if self.config.layout == "raw":
             if self._norm is not None:
@@ -347,7 +274,7 @@ class HiddenStatesDataset(Dataset):
         "loss_mask" [T] (all ones when the file has none)}, the tensors read)."""
         path = self._abs_path(index)
         try:
-            info, tensors = _read_rows(self._filesystem(), path, self.config.max_length, verify, names)
+            info, tensors = read_rows(self._filesystem(), path, self.config.max_length, verify=verify, names=names)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{path} (sample {self.sample_id(index)!r}) is missing, though the manifest "
                                     f"commits it; {_REEXTRACT}") from e
@@ -364,19 +291,10 @@ class HiddenStatesDataset(Dataset):
         return posixpath.join(root, rel)
 
     def _check_file(self, info: HiddenStatesFileInfo, index: int) -> None:
-        run = self.run_info
         where = f"{info.path} (sample {self.sample_id(index)!r})"
-        theirs = HiddenStatesSpec.from_metadata(info.metadata, hidden_size=info.hidden_size,
-                                                dtype=str(info.dtype).removeprefix("torch."))
-        if theirs is not None:  # files without hsx metadata (vLLM's) are checked by shape and dtype only
-            diff = self._file_spec.differences(theirs)
-            if diff:
-                raise ValueError(f"{where} differs from its run in {_describe(diff)}; the run is mixed (files from "
-                                 "another extraction were copied in?) — re-extract it or drop those samples")
-        if info.num_layers != len(run.layer_ids) or info.hidden_size != run.hidden_size or info.dtype != self._file_spec.torch_dtype:
-            raise ValueError(f"{where} stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, "
-                             f"but the run stores [T, {len(run.layer_ids)}, {run.hidden_size}] {run.dtype}; the run "
-                             "is mixed")
+        if (problem := self._file_spec.file_problem(info)) is not None:
+            raise ValueError(f"{where} is not one of its run's files: {problem}; the run is mixed (files from "
+                             "another extraction were copied in?) — re-extract it or drop those samples")
         mismatch = row_file_problem(info, self.sample_id(index), int(self._num_tokens[index]),
                                     self._checksums[index].as_py())
         if mismatch is not None:
