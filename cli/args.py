@@ -11,6 +11,7 @@ A field's `metadata={"cli": {...}}` shapes its flag where the default rule does 
 "short" ("-k"), "nargs" ("+": space-separated values of a tuple field), "append" (True: a repeatable flag),
 "metavar".
     config_to_argv(config)                     the flags that rebuild a JobConfig (hsx submit)
+    field_docs(cls) -> {name: doc}             the docstring under each field (inherited ones too): the help
     UsageError                                 bad input: one line, exit 2
     EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED
 """
@@ -18,13 +19,18 @@ A field's `metadata={"cli": {...}}` shapes its flag where the default rule does 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
 import json
+import textwrap
 import types
 import typing
 from typing import Any
 
-from jobs.config import OVERLENGTH_POLICIES, JobConfig, field_docs, flag
+from extractor.options import flag
+from jobs.config import OVERLENGTH_POLICIES, JobConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _CHOICES = {"overlength": OVERLENGTH_POLICIES}  # dtype: validated by JobConfig, which takes aliases (bf16)
@@ -37,6 +43,22 @@ class UsageError(ValueError):
 
 
 # -- config dataclasses <-> flags ----------------------------------------------------------------------------------
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source, its dataclass bases' too), as
+    one line each."""
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]):
+        docs.update(field_docs(base))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
 def _base_type(hint: Any) -> Any:
     """int for `int | None`, tuple for `tuple[int, ...] | None`, ..."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

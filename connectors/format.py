@@ -178,15 +178,36 @@ COMPARED_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "mo
 PRODUCER_KEYS = ("architecture",)
 
 
-def check_layer_ids(layer_ids, num_hidden_layers: int | None = None, *, name: str = "layer ids",
-                    defer_range: bool = False) -> tuple[int, ...]:
-    """The one check of hidden-state ids, used by the job's flags, the engine and the file spec.
+class LayerIds(tuple):
+    """Hidden-state ids that passed `check_layer_ids`: a tuple of ints (equal to the plain tuple), carried typed from
+    the config boundary on, so the engine, the runner and the file spec take them without checking them again.
+    `num_hidden_layers` is the N they were checked against (None: not yet against a model)."""
 
-    Accepts a sequence of ints or a comma-separated string ("2,16,29,32"); returns the ids as a tuple, in order.
+    num_hidden_layers: int | None
+
+    def __new__(cls, ids, num_hidden_layers: int | None = None):
+        self = super().__new__(cls, ids)
+        self.num_hidden_layers = num_hidden_layers
+        return self
+
+    def __reduce__(self):  # pickles (Ray, DataLoader workers) with what it was checked against
+        return LayerIds, (tuple(self), self.num_hidden_layers)
+
+
+def check_layer_ids(layer_ids, num_hidden_layers: int | None = None, *, name: str = "layer ids",
+                    defer_range: bool = False) -> LayerIds:
+    """The one check of hidden-state ids, done where they enter (the flags, the engine's API, a file's metadata).
+
+    Accepts a sequence of ints or a comma-separated string ("2,16,29,32"); returns them as `LayerIds`, in order.
     Raises ValueError naming `name` (e.g. "--layers") for non-integers, an empty list, duplicates, and ids outside
     0..N when `num_hidden_layers` (N) is known; when it is not, negative ids, unless `defer_range` (the caller checks
-    the range once N is known, with the full message).
+    the range once N is known, with the full message). Ids that already passed (a LayerIds checked against the same
+    N, or any N when none is given now) are returned as they are.
     """
+    if isinstance(layer_ids, LayerIds) and (
+            layer_ids.num_hidden_layers == num_hidden_layers if num_hidden_layers is not None
+            else layer_ids.num_hidden_layers is not None or defer_range or min(layer_ids) >= 0):
+        return layer_ids
     items = layer_ids.split(",") if isinstance(layer_ids, str) else list(layer_ids)
     ids: list[int] = []
     for item in items:
@@ -214,7 +235,7 @@ def check_layer_ids(layer_ids, num_hidden_layers: int | None = None, *, name: st
             raise ValueError(f"{name} {ids}: ids {bad} are out of range for a model with {num_hidden_layers} decoder "
                              f"layers; valid ids are 0..{num_hidden_layers} (0 = embeddings, k = output of decoder "
                              f"layer k-1, {num_hidden_layers} = last layer, pre-norm)")
-    return tuple(ids)
+    return LayerIds(ids, num_hidden_layers)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@
     request.py      Request: one request's state inside the engine
     stopping.py     Stopping: EOS, stop token ids, stop strings (incremental detokenization), length limits
     config.py       EngineConfig, SpeculativeConfig, speculative_config parsing, the one dtype table and "auto" rule
+    options.py      EngineOptions: the model / engine / output settings hsx run and hsx serve share, flag names
     sampling.py     SamplingParams and the sampler
     facts.py        TargetFacts / target_facts: a model's file spec and limits from its config (no weights)
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback

@@ -2,9 +2,10 @@
 limits are derived, for the runner, `hsx run`'s planning, `hsx estimate` and `hsx serve` alike.
 
     target_facts(hf_config, model=, revision=, layer_ids=, dtype=, max_model_len=, layers_flag=) -> TargetFacts
-        layer ids checked against the model (default EAGLE-3's [2, N//2, N-3, N]), dtype resolved by the engine's
-        "auto" rule, max_model_len = the given one (at most the model's max_position_embeddings, read from the text
-        config as multimodal wrappers keep it) or max_position_embeddings or 2048
+        N, H and the limit read from the text config (as multimodal wrappers keep them), layer ids checked
+        against the model (default EAGLE-3's [2, N//2, N-3, N]), dtype resolved by the engine's
+        "auto" rule, max_model_len = the given one (at most the model's max_position_embeddings) or
+        max_position_embeddings or 2048
     TargetFacts.file_spec()   the HiddenStatesSpec every file of this model carries
 """
 
@@ -47,9 +48,9 @@ def target_facts(hf_config: Any, *, model: str, revision: str | None = None, lay
     max_model_len when the settings do not fit the model."""
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ValueError(f"{model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
-    n, h = int(hf_config.num_hidden_layers), int(hf_config.hidden_size)
-    ids = check_layer_ids(layer_ids if layer_ids else default_layer_ids(n), n, name=f"{layers_flag} (for {model})")
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    n, h = int(text.num_hidden_layers), int(text.hidden_size)  # a multimodal wrapper keeps them in its text config
+    ids = check_layer_ids(layer_ids if layer_ids else default_layer_ids(n), n, name=f"{layers_flag} (for {model})")
     positions = getattr(text, "max_position_embeddings", None)
     if max_model_len and positions and max_model_len > positions:
         raise ValueError(f"max_model_len={max_model_len} is more than {model} was built for (max_position_embeddings="

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from extractor.options import EngineOptions, flag
+
 API_KEY_ENV = "HSX_API_KEY"
 
 
@@ -21,38 +23,23 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PREFIX = re.compile(r"/|(/[A-Za-z0-9_.-]+)+")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 @dataclass(frozen=True)
-class ServeConfig:
-    """An OpenAI-compatible extraction service: which model, where files go, how it is guarded and scaled."""
+class ServeConfig(EngineOptions):
+    """An OpenAI-compatible extraction service: which model, where files go, how it is guarded and scaled. The model,
+    engine and output settings are `extractor.options.EngineOptions` (shared with `hsx run`)."""
 
-    # -- what to serve -------------------------------------------------------------------------------------------
-    model: str = ""
-    """Target model: a local folder (config, weights, tokenizer) or a hub id already in the local cache."""
+    # -- what to serve (and model, layers, dtype, ...: EngineOptions) ---------------------------------------------
     output: str = ""
     """Where files go: a local folder or fsspec URL (s3://bucket/prefix); default names are <request id>.safetensors."""
-    layers: tuple[int, ...] | None = None
-    """Hidden-state ids to store, e.g. 2,16,29,32 (0 = embeddings, N = last layer, pre-norm). Default: EAGLE-3's."""
     served_model_name: str | None = None
     """The name clients pass as `model`; default the --model value. Requests naming another model get 404."""
-    dtype: str = "auto"
-    """Model and stored dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
-    max_model_len: int | None = None
-    """Longest request in tokens (prompt + generated); default the model's max_position_embeddings."""
     max_num_seqs: int = 32
     """Prompts per gathered batch (Ray Serve's max_batch_size) and the engine's rows per forward; a replica works on
     up to twice as many at once (one engine call running, the next gathering), more wait in the queue."""
-    max_num_batched_tokens: int = 8192
-    """Token budget of one forward pass; longer batches are split by the engine."""
     batch_wait_timeout_s: float = 0.01
     """How long a replica waits for more requests before running a batch that is not full."""
     device: str | None = None
     """Torch device of each replica's engine (cuda, cpu); default cuda when the replica has a GPU."""
-    storage_options: dict = field(default_factory=dict)
-    """fsspec options for --output (JSON on the command line), e.g. {"client_kwargs": {"endpoint_url": ...}}."""
     allowed_roots: tuple[str, ...] | None = None
     """Roots under which a request's kv_transfer_params.hidden_states_path may land (comma-separated); default
     --output alone. Paths elsewhere get 403 and nothing is written."""
@@ -100,28 +87,19 @@ class ServeConfig:
     """On SIGTERM, how long to wait for requests in flight (and their writes) before exiting anyway."""
 
     def __post_init__(self) -> None:
-        from connectors.format import check_layer_ids
-        from connectors.storage import parse_storage_options
-        from extractor.config import canonical_dtype
-
-        if self.layers is not None:
-            object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
-        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
+        super().__post_init__()
         if isinstance(self.allowed_roots, str):
             object.__setattr__(self, "allowed_roots", tuple(r for r in self.allowed_roots.split(",") if r))
         if self.allowed_roots is not None:
             object.__setattr__(self, "allowed_roots", tuple(str(r) for r in self.allowed_roots))
-        positive = ("port", "max_num_seqs", "max_num_batched_tokens", "max_body_bytes", "replicas",
-                    "max_prompts_per_request")
+        positive = ("port", "max_num_seqs", "max_body_bytes", "replicas", "max_prompts_per_request")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "max_prompt_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+                raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}")
+        value = self.max_prompt_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"--max-prompt-tokens must be a positive integer, got {value!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
         if (not isinstance(self.max_queued_requests, int) or isinstance(self.max_queued_requests, bool)
@@ -132,7 +110,7 @@ class ServeConfig:
             raise ValueError(f"--chat-template-timeout-s must be > 0, got {self.chat_template_timeout_s}")
         for name in ("batch_wait_timeout_s", "drain_timeout_s", "cpus_per_replica", "retry_after_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
             raise ValueError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica}")
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -152,6 +130,7 @@ class ServeConfig:
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")
+        self.check_engine()  # the engine's and the connector's own checks, on what every replica gets
 
     def path_policy(self):
         """Where custom hidden_states_path values may go (connectors.paths.PathPolicy): under --allowed-roots, by
@@ -161,7 +140,7 @@ class ServeConfig:
         return PathPolicy(self.output, list(self.allowed_roots) if self.allowed_roots else None)
 
     def check_required(self) -> None:
-        missing = [_flag(n) for n in ("model", "output") if not getattr(self, n)]
+        missing = [flag(n) for n in ("model", "output") if not getattr(self, n)]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}: hsx serve needs the model to load and where files go")
 
@@ -175,19 +154,14 @@ class ServeConfig:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def engine_config(self, device: str | None = None):
+    def engine_config(self, device: str | None = None, **resolved: Any):
         """The extractor.EngineConfig every replica builds its engine from."""
-        from extractor import EngineConfig
-
-        return EngineConfig(model=self.model, layer_ids=self.layers, dtype=self.dtype, max_model_len=self.max_model_len,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                            device=device or self.device)
+        return super().engine_config(device=device or self.device, max_num_seqs=self.max_num_seqs, **resolved)
 
     def connector_settings(self) -> dict[str, Any]:
-        """kv_connector_extra_config of the replicas' connector."""
-        return {"shared_storage_path": self.output, "allow_custom_save_path": True,
-                "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None,
-                "storage_options": dict(self.storage_options)}
+        """kv_connector_extra_config of the replicas' connector: custom paths under --allowed-roots."""
+        return {**super().connector_settings(),
+                "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None}
 
     def kv_transfer_config(self):
         from connectors import KVTransferConfig

@@ -63,13 +63,19 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--model {config.model}: the folder has no config.json; point it at a model folder")
     if not os.path.exists(config.model) and config.model.startswith((".", "/", "~")):
         raise ValueError(f"--model {config.model}: no such folder")
-    if config.layers is not None:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        from connectors.format import check_layer_ids
+    from extractor.facts import target_facts
+    from jobs.cluster import first_line
 
-        n = AutoConfig.from_pretrained(config.model).num_hidden_layers
-        check_layer_ids(config.layers, n, name="--layers")
+    try:
+        hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
+                                               trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {config.model}: cannot read its config ({first_line(e)}); pass a model folder or a "
+                         "hub id in the local cache") from e
+    target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
+                 layers_flag="--layers")  # layer ids and --max-model-len against the model, before Ray starts
     try:
         fs, root = storage.open_url(config.output, config.storage_options)
         fs.makedirs(root, exist_ok=True)

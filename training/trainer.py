@@ -201,17 +201,18 @@ def _target_config(model: str):
 
 
 def _same_model(run_spec, model_dir: str, hf) -> list[str]:
-    """Why the run was not extracted from the model at `model_dir` ([] = it was, as far as the records tell)."""
-    text = hf.get_text_config()
-    problems = []
-    if int(run_spec.num_hidden_layers) != int(text.num_hidden_layers):
-        problems.append(f"the run's model has {run_spec.num_hidden_layers} layers, the target {text.num_hidden_layers}")
-    if int(run_spec.hidden_size) != int(text.hidden_size):
-        problems.append(f"the run's states are {run_spec.hidden_size} wide, the target's {text.hidden_size}")
-    arch = run_spec.architecture
-    archs = ",".join(getattr(hf, "architectures", None) or [])
-    if arch and archs and arch != archs:
-        problems.append(f"the run's model is a {arch}, the target a {archs}")
+    """Why the run was not extracted from the model at `model_dir` ([] = it was, as far as the records tell): the
+    run's recorded shape and architecture against the engine's facts of the target (extractor.facts.target_facts),
+    then the recorded model folder's config.json, when it is still there."""
+    from connectors.run import RunSpec
+    from extractor.facts import target_facts
+
+    target = RunSpec.from_file_spec(target_facts(hf, model=model_dir).file_spec())
+    said = {"num_hidden_layers": "the run's model has {0} layers, the target {1}",
+            "hidden_size": "the run's states are {0} wide, the target's {1}",
+            "architecture": "the run's model is a {0}, the target a {1}"}
+    problems = [said[name].format(ours, theirs) for name, (ours, theirs) in run_spec.differences(target, list(said)).items()
+                if name != "architecture" or (ours and theirs)]
     recorded = run_spec.model
     if recorded and os.path.isfile(os.path.join(recorded, "config.json")) and \
             os.path.realpath(recorded) != os.path.realpath(model_dir):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from cli.args import EXIT_USAGE, config_from_args, config_to_argv
+from cli.args import EXIT_USAGE, config_from_args, config_to_argv, field_docs
 from cli.main import build_parser, main
-from jobs.config import JobConfig, field_docs, flag
+from extractor.options import flag
+from jobs.config import JobConfig
 
 
 def _parse(*argv):
@@ -151,3 +152,49 @@ def test_any_commands_settings_come_from_a_file_and_the_flags_given_win(tmp_path
     with pytest.raises(SystemExit) as e:
         main(["train-drafter", "--run", str(run), "--out", str(tmp_path / "o")])
     assert e.value.code == EXIT_USAGE and "--model is required (or key 'model'" in capsys.readouterr().err
+
+
+def test_job_and_serve_share_one_set_of_engine_options():
+    from extractor.options import EngineOptions
+    from serve.config import ServeConfig
+
+    shared = {f.name for f in dataclasses.fields(EngineOptions)}
+    for cls in (JobConfig, ServeConfig):
+        assert issubclass(cls, EngineOptions) and shared <= {f.name for f in dataclasses.fields(cls)}
+        docs = field_docs(cls)
+        assert all(docs.get(name) for name in shared), cls  # every shared flag keeps its help
+    # the same bad value is refused the same way, naming the same flag, by both commands
+    for cls in (JobConfig, ServeConfig):
+        with pytest.raises(ValueError, match="--max-num-batched-tokens must be a positive integer"):
+            cls(model="m", output="o", max_num_batched_tokens=0)
+        with pytest.raises(ValueError, match="--dtype"):
+            cls(dtype="int3")
+    serve = ServeConfig(model="m", output="o", revision="abc", trust_remote_code=True, max_num_seqs=4)
+    engine = serve.engine_config()
+    assert (engine.revision, engine.trust_remote_code, engine.max_num_seqs) == ("abc", True, 4)
+
+
+def test_layer_ids_are_checked_once_where_they_enter_and_carried_typed():
+    import pickle
+
+    from transformers import LlamaConfig
+
+    from connectors.format import LayerIds, check_layer_ids
+    from extractor.facts import target_facts
+
+    job = JobConfig(model="m", output="o", layers="1, 2,4")
+    assert isinstance(job.layers, LayerIds) and job.layers == (1, 2, 4) and job.layers.num_hidden_layers is None
+    assert job.engine_config().layer_ids is job.layers  # the engine takes them as they are
+    hf = LlamaConfig(num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=64)
+    facts = target_facts(hf, model="m", layer_ids=job.layers)  # the range, once N is known
+    assert facts.layer_ids == (1, 2, 4) and facts.layer_ids.num_hidden_layers == 4
+    spec = facts.file_spec()
+    assert spec.layer_ids is facts.layer_ids  # the file spec (and the runner's capture) check nothing again
+    assert check_layer_ids(spec.layer_ids, 4) is spec.layer_ids
+    again = pickle.loads(pickle.dumps(spec.layer_ids))  # what a Ray worker gets
+    assert again == (1, 2, 4) and again.num_hidden_layers == 4
+    with pytest.raises(ValueError, match=r"out of range for a model with 3 decoder layers"):
+        check_layer_ids(spec.layer_ids, 3)  # checked against another model: checked again
+    with pytest.raises(ValueError, match="duplicates"):
+        JobConfig(layers=[2, 2])

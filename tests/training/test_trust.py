@@ -59,6 +59,29 @@ def run_copy(oracle_run, tmp_path):
     return dest
 
 
+# -- 0. the run must be the target's ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("edit, said", [
+    ({"num_hidden_layers": 5}, "the run's model has 4 layers, the target 5"),
+    ({"hidden_size": 32}, "the run's states are 64 wide, the target's 32"),
+    ({"architectures": ["MistralForCausalLM"]}, "the run's model is a LlamaForCausalLM, the target a MistralForCausalLM"),
+])
+def test_a_run_from_another_model_is_refused_naming_what_differs(edit, said, run_copy, model_copy, tmp_path):
+    with open(run_copy / "run.json") as f:
+        run = json.load(f)
+    with open(run_copy / "run.json", "w") as f:  # what `hsx run` records (the test run's writer leaves it out)
+        json.dump({**run, "architecture": "LlamaForCausalLM"}, f)
+    with open(model_copy / "config.json") as f:
+        config = json.load(f)
+    with open(model_copy / "config.json", "w") as f:
+        json.dump({**config, **edit}, f)
+    with pytest.raises(ValueError, match="is not from the target --model") as e:
+        train_drafter(_config(run_copy, model_copy, tmp_path / "out"))
+    assert said in str(e.value) and "config.json differs" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 # -- 1. outputs that cannot destroy inputs --------------------------------------------------------------------
 
 
