@@ -31,12 +31,9 @@ the figures. Writes results.json and results.md to --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import platform
-import random
 import resource
 import shutil
 import statistics
@@ -49,19 +46,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connectors import KVTransferConfig  # noqa: E402
-from extractor import LLM, SamplingParams  # noqa: E402
-from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SHAPES,
+    build_model,
+    hooks_off,
+    machine_info,
+    make_corpus,
+    make_llm,
+    peak_rss,
+    plan,
+    reset_peak_rss,
+    rss,
+    run_bare,
+    run_hsx,
+    sync,
+    timed,
+    write_results,
+)
+from extractor import LLM  # noqa: E402
 from extractor.layers import default_layer_ids  # noqa: E402
 
-SHAPES = {
-    # Llama-3-8B scaled down 8x in width and 4x in depth; GQA 4:1, MLP 3.5x; vocabulary scaled so the lm_head is
-    # the same share of the FLOPs as in the 8B (~7.5%).
-    "small": dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, rope_theta=500000.0),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-}
 # Dense bf16 peaks (no sparsity), by substring of torch.cuda.get_device_name().
 CUDA_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
                          "L4": 121.0, "A10": 125.0}
@@ -137,88 +141,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def model_config(args: argparse.Namespace):
-    from transformers import LlamaConfig
-
-    from jobs.tiny_models import build_tokenizer
-
-    shape = dict(SHAPES[args.shape])
-    if args.vocab_size:
-        shape["vocab_size"] = args.vocab_size
-    tok = build_tokenizer(args.model_dir)  # saved next to the model
-    config = LlamaConfig(**shape, rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    return config, tok
-
-
-def build_model(args: argparse.Namespace) -> None:
-    """Build the random model once per (shape, dtype, vocab) in --model-dir; reuse it on later runs."""
-    from transformers import AutoModelForCausalLM
-
-    marker = os.path.join(args.model_dir, "bench-shape.json")
-    want = {"shape": args.shape, "dtype": args.dtype, "vocab_size": args.vocab_size}
-    if os.path.exists(marker) and json.load(open(marker)) == want:
-        return
-    shutil.rmtree(args.model_dir, ignore_errors=True)
-    config, _ = model_config(args)
-    init_device = args.device if args.device.startswith("cuda") else "cpu"  # 8B random init is minutes on CPU
-    torch.manual_seed(args.seed)
-    with torch.device(init_device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
-    model.save_pretrained(args.model_dir)
-    del model
-    if init_device != "cpu":
-        torch.cuda.empty_cache()
-    with open(marker, "w") as f:
-        json.dump(want, f)
-
-
-def make_corpus(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-    """n samples of real-ish text; lengths log-uniform in [min_len, max_len], cut from one token stream."""
-    from jobs.tiny_models import sample_text
-
-    rng = random.Random(seed)
-    lengths = [int(round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))) for _ in range(n)]
-    stream: list[int] = []
-    batch = 0
-    while len(stream) < max_len * 4:
-        stream.extend(tokenizer(" ".join(sample_text(200, seed=seed * 1000 + batch))).input_ids)
-        batch += 1
-    out = []
-    for length in lengths:
-        start = rng.randrange(0, len(stream) - length)
-        out.append(stream[start:start + length])
-    return out
-
-
-def machine_info(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(), "cpu_model": _cpu_model()}
-    import transformers
-
-    info["transformers"] = transformers.__version__
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[float | None, str]:
     """(peak FLOP/s, where it came from)."""
     if args.peak_tflops:
@@ -256,62 +178,7 @@ def model_flops(config, corpus: list[list[int]], depth: int, lm_head: bool) -> f
     return float(flops)
 
 
-def speculative_config(layer_ids) -> dict:
-    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-
-
-def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
-    return LLM(model=args.model_dir, speculative_config=speculative_config(layer_ids),
-               kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": out_dir}),
-               dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-               attn_implementation=args.attn)
-
-
-def plan(llm: LLM, corpus: list[list[int]]):
-    """The batches hsx runs for this corpus (its own planner, its own device cost)."""
-    cost = FORWARD_COST_TOKENS.get(llm.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
-    return plan_batches(corpus, length=len, max_num_batched_tokens=llm.config.max_num_batched_tokens,
-                        max_num_seqs=llm.config.max_num_seqs, forward_cost_tokens=cost)
-
-
 # -- the approaches ---------------------------------------------------------------------------------------------------
-def run_bare(llm: LLM, batches) -> None:
-    """(a) The decoder stack over hsx's batches and padded inputs; nothing captured, kept or written."""
-    runner = llm.runner
-    with hooks_off(llm), torch.inference_mode():
-        for batch in batches:
-            ids, mask, positions, _ = runner.pad(batch.items, left=False)
-            width = ids.shape[1]
-            cache = runner._new_cache() if batch.chunk_size < width else None
-            for c0 in range(0, width, batch.chunk_size):
-                c1 = min(width, c0 + batch.chunk_size)
-                inputs = {"input_ids": ids[:, c0:c1], "position_ids": positions[:, c0:c1],
-                          "attention_mask": None if mask is None else mask[:, :c1], "use_cache": cache is not None}
-                if cache is not None:
-                    inputs[runner._cache_kw] = cache
-                runner.base(**inputs)
-
-
-@contextlib.contextmanager
-def hooks_off(llm: LLM):
-    """hsx's capture hooks stay registered on the shared model; make them inert for (a), (c) and checks."""
-    llm.runner.capture.enabled = False
-    try:
-        yield
-    finally:
-        llm.runner.capture.enabled = True
-
-
-def run_hsx(llm: LLM, corpus: list[list[int]], out_dir: str) -> list:
-    """(b)/(e) Prompt-only extraction; returns once every file is durable."""
-    outs = llm.generate([{"prompt_token_ids": s} for s in corpus], SamplingParams(max_tokens=0))
-    bad = [o.error for o in outs if o.error]
-    if bad:
-        raise RuntimeError(f"{len(bad)} hsx requests failed, first: {bad[0]}")
-    return outs
-
-
 def run_per_sample(llm: LLM, corpus: list[list[int]], layer_ids, out_dir: str) -> None:
     """(c) Today's scripts: one sample per forward, every hidden state returned, pick, save one file each."""
     import safetensors.torch
@@ -327,15 +194,6 @@ def run_per_sample(llm: LLM, corpus: list[list[int]], layer_ids, out_dir: str) -
             safetensors.torch.save_file({"hidden_states": states.contiguous(),
                                          "token_ids": torch.tensor(sample, dtype=torch.long)},
                                         os.path.join(out_dir, f"sample_{i}.safetensors"))
-
-
-def timed(fn, device: torch.device) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds over all threads)."""
-    sync(device)
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    sync(device)
-    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def files_size(root: str) -> tuple[int, int]:
@@ -552,18 +410,18 @@ def memory_worker(job: dict) -> None:
     shutil.rmtree(job["scratch"], ignore_errors=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rss_before = _rss()
+    rss_before = rss()
     per_pass = []
     wall = time.perf_counter()
     for _ in range(job["scale"]):
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         run_hsx(llm, corpus, job["scratch"])
         shutil.rmtree(job["scratch"], ignore_errors=True)
-        per_pass.append(_peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        per_pass.append(peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     wall = time.perf_counter() - wall
     out = {"samples": job["samples"] * job["scale"], "tokens": sum(map(len, corpus)) * job["scale"],
-           "rss_before_bytes": rss_before, "rss_after_bytes": _rss(), "wall_s": wall,
-           "peak_rss_bytes": max(per_pass), "per_pass_peak_rss_bytes": per_pass,
+           "rss_before_bytes": rss_before, "rss_after_bytes": rss(), "wall_s": wall,
+           "peak_rss_bytes": max(per_pass), "per_passpeak_rss_bytes": per_pass,
            "peak_source": "VmHWM, reset after warm-up (clear_refs 5)" if reset else
                           "ru_maxrss (lifetime, incl. model load)",
            "writer_peak_bytes_in_flight": getattr(llm.connector, "peak_bytes_in_flight", None)}
@@ -571,36 +429,6 @@ def memory_worker(job: dict) -> None:
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     llm.shutdown()
     print(json.dumps(out))
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _status_kb(key: str, pid: int | str = "self") -> int:
-    """A /proc/PID/status memory field (reported in kB), in bytes."""
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _rss() -> int:
-    try:
-        return _status_kb("VmRSS")
-    except (OSError, KeyError):
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-
-def _peak_rss() -> int:
-    return _status_kb("VmHWM")
 
 
 # -- report -----------------------------------------------------------------------------------------------------------
@@ -665,7 +493,7 @@ def markdown(r: dict) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for key in ("x1", f"x{k}"):
             row = mem[key]
-            passes = [p for run in row["runs"] for p in run["per_pass_peak_rss_bytes"]]
+            passes = [p for run in row["runs"] for p in run["per_passpeak_rss_bytes"]]
             lines.append(f"| {key} | {row['samples']} | {row['tokens']} | {_mib(row['peak_rss_bytes'])} | "
                          f"{_mib(min(passes))} - {_mib(max(passes))} | {_mib(row['retained_bytes'])} | "
                          f"{row['wall_s']:.1f} |")
@@ -728,15 +556,6 @@ def main(argv: list[str] | None = None) -> None:
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     shutil.rmtree(scratch, ignore_errors=True)
     write_results(args.out, "results", results, markdown(results))
-
-
-def write_results(out: str, stem: str, results: dict, md: str) -> None:
-    """OUT/STEM.json and OUT/STEM.md, and the markdown on stdout."""
-    with open(os.path.join(out, f"{stem}.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(out, f"{stem}.md"), "w") as f:
-        f.write(md)
-    print(md)
 
 
 if __name__ == "__main__":

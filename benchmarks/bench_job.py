@@ -32,11 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_extraction as bx  # noqa: E402
-
+import benchmarks.common as bx  # noqa: E402
+from extractor.layers import default_layer_ids  # noqa: E402
 from jobs.config import JobConfig  # noqa: E402
 from jobs.pipeline import run_job  # noqa: E402
 
@@ -118,7 +117,7 @@ class ProcessPeaks:
             for proc in me.children(recursive=True):
                 try:
                     title = " ".join(proc.cmdline())[:200]
-                    hwm, anon = bx._status_kb("VmHWM", proc.pid), bx._status_kb("RssAnon", proc.pid)
+                    hwm, anon = bx.status_kb("VmHWM", proc.pid), bx.status_kb("RssAnon", proc.pid)
                 except (self._psutil.Error, OSError, KeyError):
                     continue
                 self.peaks[proc.pid] = (title, max(hwm, self.peaks.get(proc.pid, ("", 0))[1]))
@@ -217,13 +216,13 @@ def bench_memory(args, model_dir: str, texts: list[str], tokens: int, layers, sc
     for scale in (1, args.memory_scale):
         corpus = write_corpus(os.path.join(scratch, f"memory-x{scale}.jsonl"), texts, copies=scale)
         out = os.path.join(scratch, f"memory-job-x{scale}")
-        bx._reset_peak_rss()
+        bx.reset_peak_rss()
         with ProcessPeaks() as peaks:
             t0 = time.perf_counter()
             result = run_one_job(job_config(args, model_dir, corpus, out, layers), len(texts) * scale)
             wall = time.perf_counter() - t0
         res[f"x{scale}"] = {"samples": len(texts) * scale, "tokens": result.tokens, "wall_s": wall,
-                            "driver_peak_rss_bytes": bx._peak_rss(),
+                            "driver_peak_rss_bytes": bx.peak_rss(),
                             "worker_peak_rss_bytes": peaks.peak_of("ExtractionWorker"),
                             "tokenizer_peak_rss_bytes": peaks.peak_of("TokenizeStage"),
                             "worker_peak_private_bytes": peaks.peak_of("ExtractionWorker", private=True),
@@ -311,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.makedirs(args.out, exist_ok=True)
-    bargs = bx.resolve(bx.parse_args(["--out", args.out, "--device", "cpu", "--dtype", "float32", "--shape", "small",
-                                      *(["--model-dir", args.model_dir] if args.model_dir else [])]))
+    bargs = argparse.Namespace(shape="small", dtype="float32", vocab_size=None, device="cpu", seed=0,
+                               model_dir=args.model_dir or os.path.join(args.out, "model-small-float32"))
     bx.build_model(bargs)
     scratch = os.path.join(args.out, "scratch-job")
     shutil.rmtree(scratch, ignore_errors=True)
@@ -327,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     ray_start = time.perf_counter() - t0
     try:
         num_layers = json.load(open(os.path.join(bargs.model_dir, "config.json")))["num_hidden_layers"]
-        layers = list(bx.default_layer_ids(num_layers))
+        layers = list(default_layer_ids(num_layers))
         llm = bx.make_llm(argparse.Namespace(model_dir=bargs.model_dir, dtype="float32", device="cpu", attn="sdpa",
                                              max_num_batched_tokens=args.max_num_batched_tokens),
                           layers, os.path.join(scratch, "b"))

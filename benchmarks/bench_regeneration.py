@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_extraction import SHAPES, build_model, machine_info, make_corpus, sync  # noqa: E402
+from benchmarks.common import SHAPES, build_model, machine_info, make_corpus, sync  # noqa: E402
 from connectors import KVTransferConfig  # noqa: E402
 from extractor import LLM, SamplingParams  # noqa: E402
 

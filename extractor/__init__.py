@@ -1,7 +1,9 @@
 """hsx extractor: the offline engine with the `extract_hidden_states` pseudo-drafter and speculative decoding.
 
     llm.py          LLM (vLLM's offline API; LLM.from_config(EngineConfig) for typed callers), RequestOutput,
-                    CompletionOutput, get_metrics(); the scheduler and the speculative step
+                    CompletionOutput, get_metrics(), abort_request
+    scheduler.py    Scheduler: prompt-only batches, continuous batching of generating requests; Aborts
+    speculative.py  speculative_step: propose, verify in one target forward, roll back, count acceptance
     request.py      Request: one request's state inside the engine
     stopping.py     Stopping: EOS, stop token ids, stop strings (incremental detokenization), length limits
     config.py       EngineConfig, SpeculativeConfig, speculative_config parsing, the one dtype table and "auto" rule

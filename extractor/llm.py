@@ -5,14 +5,13 @@
     outputs = llm.chat(messages, sampling_params)
     metrics = llm.get_metrics()                         # vLLM's counters (extractor.metrics.Counter / Vector)
 
-With speculative_config {"method": "ngram" | "draft_model", ...} the engine decodes speculatively instead of
-extracting: after the prefill's first token, each step a proposer (extractor/proposers.py) drafts up to k tokens per
-row, one target forward over last token + drafts verifies them (extractor/verification.py), the rejected positions
-are rolled back in both caches, and the acceptance counters grow. Such an engine writes no hidden states.
+With speculative_config {"method": "ngram" | "draft_model" | a registered drafter family, ...} the engine decodes
+speculatively instead of extracting (extractor/speculative.py: each step a proposer drafts up to k tokens per row, one
+target forward verifies them, the rejected positions are rolled back). Such an engine writes no hidden states.
 
-Per request: tokenize and check -> connector.start_request (destination checked) -> batched prefill, captured rows
-handed to the connector chunk by chunk -> decode steps (rows of output tokens when `include_output_tokens`) ->
-connector.request_finished. Writes overlap compute; `generate` returns once every file is durable. A request that
+Per request, here: tokenize and check (extractor/request.py) -> connector.start_request (destination checked); then
+the scheduler (extractor/scheduler.py): batched prefill, captured rows handed to the connector chunk by chunk ->
+decode steps (rows of output tokens when `include_output_tokens`) -> connector.request_finished. Writes overlap compute; `generate` returns once every file is durable. A request that
 fails (empty prompt, too long, rejected path, failed write) gets `error` set in its output; the rest complete.
 """
 
@@ -20,8 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,15 +28,14 @@ import torch
 from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
-from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, first_batch_rows, plan_batches
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
 from extractor.request import Request, check_request
-from extractor.runner import BatchState, ModelRunner, can_rearrange
-from extractor.sampling import SamplingParams, make_generator, sample_next
+from extractor.runner import ModelRunner
+from extractor.sampling import SamplingParams, make_generator
+from extractor.scheduler import Aborts, Scheduler
 from extractor.stopping import Stopping
-from extractor.verification import verify
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +145,9 @@ class LLM:
         self.stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._stopping = Stopping(self.tokenizer, self.runner.eos_token_ids(), self.runner.max_model_len)
         self._counter = itertools.count()
-        self._abort_lock = threading.Lock()
-        self._aborted: set[str] = set()
-        self._active: set[str] = set()  # request ids of the generate() calls running now
+        self._aborts = Aborts(self.connector)
+        self._scheduler = Scheduler(config, self.runner, self.connector, self.proposer, self._stopping, self.stats,
+                                    self._aborts)
 
     # -- public API -------------------------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -167,21 +163,7 @@ class LLM:
         """Stop requests of a generate() call running on another thread (vLLM's LLMEngine.abort_request): a waiting
         request never runs, a running one leaves the batch at its next step; either writes no file and comes back
         with error_kind "aborted". Ids of no running generate() call, or of finished requests, are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._abort_lock:
-            self._aborted.update(i for i in map(str, ids) if i in self._active)
-
-    def _take_aborted(self, requests: Sequence[Request]) -> list[Request]:
-        """The unfinished ones of `requests` aborted since they started, marked so and their files dropped."""
-        if not self._aborted:
-            return []
-        with self._abort_lock:
-            hit = [r for r in requests if r.request_id in self._aborted and r.error is None and r.finish_reason is None]
-            self._aborted.difference_update(r.request_id for r in hit)
-        for r in hit:
-            self.connector.abort_request(r.request_id)
-            r.error, r.error_kind = "aborted (abort_request)", "aborted"
-        return hit
+        self._aborts.request([request_id] if isinstance(request_id, str) else list(request_id))
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -197,34 +179,15 @@ class LLM:
             [str(next(self._counter)) for _ in prompts]
         if len(set(rids)) != len(rids):
             raise ValueError("request_ids must be unique within one generate() call")
-        with self._abort_lock:
-            self._active.update(rids)
-        try:
+        with self._aborts.running(rids):
             return self._generate(rids, prompts, params, use_tqdm)
-        finally:
-            with self._abort_lock:
-                self._active.difference_update(rids)
-                self._aborted.difference_update(rids)
 
     def _generate(self, rids: list[str], prompts: list[PromptType], params: list[SamplingParams],
                   use_tqdm: bool) -> list[RequestOutput]:
         requests = [self._make_request(i, rid, p, sp) for i, (rid, p, sp) in enumerate(zip(rids, prompts, params))]
         runnable = [r for r in requests if r.error is None]
         progress = _progress(len(runnable), use_tqdm)
-        prompt_only = [r for r in runnable if r.params.max_tokens == 0]
-        batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids),
-                               max_num_batched_tokens=self.config.max_num_batched_tokens,
-                               max_num_seqs=self.config.max_num_seqs, forward_cost_tokens=self._forward_cost_tokens)
-        for batch in batches:
-            self._take_aborted(batch.items)
-            live = [r for r in batch.items if r.error is None]
-            if live:
-                try:
-                    self._run_prompt_batch(live, batch.chunk_size)
-                except Exception as e:  # fails the batch's requests, not the others
-                    self._fail(live, e)
-            progress.update(len(batch.items))
-        self._run_generating([r for r in runnable if r.params.max_tokens > 0], progress)
+        self._scheduler.run(runnable, progress)
         progress.close()
         failures = self.connector.wait_for_save()
         for r in requests:
@@ -327,198 +290,6 @@ class LLM:
                            loss_mask=req.loss_mask)
 
     # -- execution ----------------------------------------------------------------------------------------------------
-    def _fail(self, requests: Sequence[Request], e: Exception) -> None:
-        """Fail the unfinished ones of `requests` after an exception in their forward (finished ones are written)."""
-        logger.error("a forward of %d requests failed: %s: %s", len(requests), type(e).__name__, e,
-                     exc_info=(type(e), e, e.__traceback__))
-        for r in requests:
-            if r.finish_reason is None and r.error is None:
-                self.connector.abort_request(r.request_id)
-                r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
-
-    def _prefill(self, batch: list[Request], chunk_size: int, generating: bool
-                 ) -> tuple[torch.Tensor | None, BatchState | None, list[torch.Tensor] | None]:
-        """Prefill `batch`: captured prompt states go to the connector (extraction) or, for a proposer that reads
-        target states, are returned per row ([T_b, L, H] on the device)."""
-        observe = self.proposer is not None and bool(self.proposer.capture_layer_ids)
-        parts: list[list[torch.Tensor]] = [[] for _ in batch]
-
-        def on_chunk(c0: int, c1: int, states: torch.Tensor | None, starts: list[int]) -> None:
-            if states is None:  # states: [B, c1 - c0, L, H]
-                return
-            for b, r in enumerate(batch):
-                start, end = starts[b], starts[b] + len(r.prompt_token_ids)  # row b's columns
-                lo, hi = max(c0, start), min(c1, end)
-                if lo >= hi:
-                    continue
-                if observe:
-                    parts[b].append(states[b, lo - c0:hi - c0])
-                else:
-                    ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
-                    self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:hi - c0])
-
-        rows = [r.prompt_token_ids for r in batch]
-        logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
-                                            on_chunk=on_chunk, to_host=not observe)
-        return logits, state, ([torch.cat(p) for p in parts] if observe else None)
-
-    def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:
-        self._prefill(batch, chunk_size, generating=False)
-        for r in batch:
-            r.finish_reason = "length"
-            r.kv_transfer_params = self.connector.request_finished(r.request_id)
-
-    def _run_generating(self, requests: list[Request], progress) -> None:
-        """Continuous batching: up to max_num_seqs requests decode together (speculatively with a proposer); when
-        rows finish, waiting requests are prefilled (longest first, under max_num_batched_tokens) and join the
-        running batch. A cache that cannot be rearranged (sliding-window layers) runs each batch to its end."""
-        waiting = deque(sorted(requests, key=lambda r: len(r.prompt_token_ids), reverse=True))
-        running: list[Request] = []
-        state: BatchState | None = None
-        while waiting or running:
-            if self._aborted:
-                gone = self._take_aborted(list(waiting) + running)
-                if gone:
-                    progress.update(len(gone))
-                    waiting = deque(r for r in waiting if r.error is None)
-                    keep = [i for i, r in enumerate(running) if r.error is None]
-                    if len(keep) < len(running):
-                        running, state = self._keep_rows(running, state, keep)
-            if waiting and len(running) < self.config.max_num_seqs and \
-                    (state is None or (can_rearrange(state.cache) and
-                                       (self.proposer is None or self.proposer.can_join()))):
-                group, chunk = self._admissible(waiting, self.config.max_num_seqs - len(running))
-                try:
-                    joined, new_state = self._admit(group, chunk, running)
-                except Exception as e:  # fails the group, not the running rows
-                    self._fail(group, e)
-                    joined, new_state = [], None
-                progress.update(len(group) - len(joined))
-                if joined:
-                    if state is None:
-                        state = new_state
-                    else:
-                        state.merge(new_state)
-                    running.extend(joined)
-            if not running:
-                continue
-            try:
-                self._step(running, state)
-            except Exception as e:  # the running rows' caches are in an unknown state: fail them all
-                self._fail(running, e)
-                progress.update(len(running))
-                running, state = [], None
-                continue
-            keep = [i for i, r in enumerate(running) if r.finish_reason is None]
-            if len(keep) < len(running):
-                progress.update(len(running) - len(keep))
-                running, state = self._keep_rows(running, state, keep)
-            if state is not None:
-                state.maybe_compact()
-
-    def _keep_rows(self, running: list[Request], state: BatchState, keep: list[int]
-                   ) -> tuple[list[Request], BatchState | None]:
-        """Only rows `keep` of the running batch continue (in the cache and the proposer too)."""
-        if not keep:
-            return [], None
-        state.select(keep)
-        if self.proposer is not None:
-            self.proposer.select(keep)
-        return [running[i] for i in keep], state
-
-    @property
-    def _forward_cost_tokens(self) -> int:
-        """One forward's fixed cost in tokens' worth of work on this device (batching.FORWARD_COST_TOKENS)."""
-        return FORWARD_COST_TOKENS.get(self.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
-
-    def _admissible(self, waiting: deque, free: int) -> tuple[list[Request], int]:
-        """Pop the next prefill group: the longest waiting requests, at most `free`, padded to the first (longest)
-        within max_num_batched_tokens, cut where padding the rest to the longest costs more than another forward
-        (batching.first_batch_rows); a prompt over the budget goes alone, prefilled in chunks of the budget."""
-        budget = self.config.max_num_batched_tokens
-        longest = len(waiting[0].prompt_token_ids)
-        lengths = [len(r.prompt_token_ids) for r in itertools.islice(waiting, min(free, len(waiting)))]
-        n = max(1, first_batch_rows(lengths, budget, free, self._forward_cost_tokens))
-        return [waiting.popleft() for _ in range(n)], min(longest, budget)
-
-    def _admit(self, group: list[Request], chunk_size: int, running: list[Request]
-               ) -> tuple[list[Request], BatchState | None]:
-        """Prefill `group`, sample each row's first token; the rows still unfinished, with their cache."""
-        logits, state, states = self._prefill(group, chunk_size, generating=True)
-        first = sample_next(logits, [r.params for r in group], [r.generator for r in group])
-        keep = [i for i, (r, t) in enumerate(zip(group, first)) if not self._emit(r, [t])]
-        if not keep:
-            return [], None
-        if len(keep) < len(group):
-            state.select(keep)
-        joined = [group[i] for i in keep]
-        if self.proposer is not None:
-            contexts = [r.prompt_token_ids + r.output_ids for r in joined]
-            if running:
-                self.proposer.join(contexts)
-            else:
-                self.proposer.start(contexts)
-            if states is not None:
-                empty = states[0][:0]
-                self.proposer.observe([empty] * len(running) + [states[i] for i in keep])
-        return joined, state
-
-    def _step(self, active: list[Request], state: BatchState) -> None:
-        """One decode step of the running rows: one token each, or (with a proposer) a verified draft each."""
-        if self.proposer is not None:
-            self._speculate(active, state)
-            return
-        capture = any(r.include_output_tokens for r in active)
-        logits, states = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
-        if capture:
-            for b, r in enumerate(active):  # states[b]: [1, L, H], the rows of the token just fed
-                if r.include_output_tokens:
-                    self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
-        tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
-        for r, t in zip(active, tokens):
-            self._emit(r, [t])
-
-    def _speculate(self, active: list[Request], state: BatchState) -> None:
-        """One speculative step: one proposal per row, one target forward verifying all rows' drafts together (rows
-        keep different numbers), the rejected positions rolled back, the proposer told what was kept."""
-        k = self.config.speculative.num_speculative_tokens
-        contexts = [r.prompt_token_ids + r.output_ids for r in active]
-        # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
-        ks = [min(k, self._stopping.room(r) - 1) for r in active]
-        drafts = self.proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
-        if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
-            raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
-                               f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
-        rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
-        observe = bool(self.proposer.capture_layer_ids)
-        # [B, W, V] (and [B, W, L, H]); row b's tokens in its last columns
-        target_logits, target_states = self.runner.extend(state, rows, capture=observe)
-        width = target_logits.shape[1]
-        accepted, kept_states = [], []
-        for b, (r, d) in enumerate(zip(active, drafts)):
-            n = len(d.token_ids)
-            tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
-            self.stats.observe_draft(n, a)
-            state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
-            accepted.append(a)
-            if observe:  # the states of the last token and the a accepted drafts
-                kept_states.append(target_states[b, width - 1 - n:width - n + a])
-            self._emit(r, tokens)
-        self.proposer.accepted(accepted)
-        if observe:
-            self.proposer.observe(kept_states)
-
-    def _emit(self, r: Request, tokens: list[int]) -> bool:
-        """Append tokens to r's output one by one, stopping at the first that finishes it; True when finished."""
-        for t in tokens:
-            r.output_ids.append(t)
-            reason = self._stopping.finish_reason(r, t)
-            if reason is not None:
-                r.finish_reason = reason
-                r.kv_transfer_params = self.connector.request_finished(r.request_id)
-                return True
-        return False
-
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True) if r.output_ids else ""
         if r.stop_hit:

@@ -4,7 +4,10 @@ The only package that knows both the engine (extractor) and the storage side (co
 
     config.py        JobConfig: every setting of a job, typed; the CLI and job files map onto it one to one
     model.py         ModelFacts: layers, dtype, sizes, length limit resolved from the model's config (no weights)
-    corpus.py        corpus files -> records (JSONL / Parquet, any fsspec URL, globs); bad lines -> failed records
+    corpus.py        corpus files -> records (any fsspec URL, globs; a reader per format); bad lines -> failed records
+    corpus_jsonl.py  the JSONL reader (compressed, JSON arrays, broken streams)
+    corpus_parquet.py the Parquet reader (row batches, non-UTF-8 cells)
+    records.py       CorpusFile, Record, sample ids and the text rules every reader applies
     registry.py      SampleRegistry actor: skip committed ids, fail duplicate ids
     chat.py          chat records -> ids + assistant loss mask, for any chat template
     tokenization.py  records -> token ids + loss mask (the CPU stage)

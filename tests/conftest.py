@@ -69,3 +69,29 @@ def s3_bucket(s3_server, request):
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     fs.mkdir(name)
     return f"s3://{name}", options
+
+
+@pytest.fixture(scope="session")
+def oracle_model(tiny_llama):
+    """(the tiny Llama in fp32, eval mode; its tokenizer): the plain transformers oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def oracle_run(tmp_path_factory, tiny_llama, oracle_model):
+    """(output, samples, spec): texts through the tiny Llama, layers ORACLE_LAYERS, last one pre-norm."""
+    from connectors import HiddenStatesSpec
+    from jobs.tiny_models import sample_text
+    from tests.training.runs import ORACLE_LAYERS, oracle_samples, write_run
+
+    model, tokenizer = oracle_model
+    spec = HiddenStatesSpec(layer_ids=ORACLE_LAYERS, num_hidden_layers=model.config.num_hidden_layers,
+                            hidden_size=model.config.hidden_size, dtype="float32", model=tiny_llama)
+    samples = oracle_samples(model, sample_text(6, seed=7, min_words=4, max_words=30), tokenizer, ORACLE_LAYERS)
+    out = str(tmp_path_factory.mktemp("oracle-run"))
+    write_run(out, samples, spec)
+    return out, samples, spec

@@ -1,1 +1,1 @@
-from tests.training.conftest import oracle_model, oracle_run  # noqa: F401 - the training tests' run fixtures
+"""The drafter tests use the whole suite's fixtures (tests/conftest.py: the tiny Llama, the oracle run)."""

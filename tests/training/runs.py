@@ -31,6 +31,9 @@ class Sample:
     hidden_states: torch.Tensor  # [T, L, H]
     loss_mask: torch.Tensor | None = None  # [T] 0/1
 
+# the oracle run's layers in the 4-layer tiny model: ids 1, 2 (aux) and 4 = N, the last decoder layer, stored pre-norm
+ORACLE_LAYERS = (1, 2, 4)
+
 
 def random_samples(n: int, spec: HiddenStatesSpec, *, seed: int = 0, min_len: int = 3, max_len: int = 40,
                    with_mask_every: int = 2) -> list[Sample]:

@@ -1,0 +1,52 @@
+"""One speculative decoding step over the running rows (what the scheduler runs each step when a proposer drafts).
+
+    speculative_step(active, state, runner, proposer, k, stopping, stats, emit)
+        each row gets one proposal of up to k tokens (never past its max_tokens / max_model_len), one target forward
+        over last token + drafts verifies every row's drafts together (extractor.verification: greedy match or
+        rejection sampling; rows keep different numbers), the rejected positions are rolled back in the target's
+        cache, the proposer is told what was kept (and given the kept rows' states when it reads them), and the
+        acceptance counters grow (vLLM's spec_decode metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from extractor.metrics import SpecDecodingStats
+from extractor.proposers import Proposer
+from extractor.request import Request
+from extractor.runner import BatchState, ModelRunner
+from extractor.stopping import Stopping
+from extractor.verification import verify
+
+
+def speculative_step(active: list[Request], state: BatchState, runner: ModelRunner, proposer: Proposer, k: int,
+                     stopping: Stopping, stats: SpecDecodingStats, emit: Callable[[Request, list[int]], bool]) -> None:
+    """One speculative step: one proposal per row, one target forward verifying all rows' drafts together (rows
+    keep different numbers), the rejected positions rolled back, the proposer told what was kept. `emit(r, tokens)`
+    appends a row's kept tokens (stopping at the first that finishes it)."""
+    contexts = [r.prompt_token_ids + r.output_ids for r in active]
+    # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
+    ks = [min(k, stopping.room(r) - 1) for r in active]
+    drafts = proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
+    if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
+        raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
+                           f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
+    rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
+    observe = bool(proposer.capture_layer_ids)
+    # [B, W, V] (and [B, W, L, H]); row b's tokens in its last columns
+    target_logits, target_states = runner.extend(state, rows, capture=observe)
+    width = target_logits.shape[1]
+    accepted, kept_states = [], []
+    for b, (r, d) in enumerate(zip(active, drafts)):
+        n = len(d.token_ids)
+        tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
+        stats.observe_draft(n, a)
+        state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
+        accepted.append(a)
+        if observe:  # the states of the last token and the a accepted drafts
+            kept_states.append(target_states[b, width - 1 - n:width - n + a])
+        emit(r, tokens)
+    proposer.accepted(accepted)
+    if observe:
+        proposer.observe(kept_states)
