@@ -6,6 +6,8 @@
     example_hidden_states_connector.py vLLM's module name: the connector under vLLM's name + load/cleanup
     format.py                          the file format: HiddenStatesSpec, header encoding/parsing and checks, data
                                        checksum, HiddenStatesFileError (every file hsx refuses), layer-id check
+    quant.py                           storage dtypes (fp8 with per-token-per-layer scales), BadStates and the one
+                                       pass that finds NaN/Inf/all-zero layers before a commit
     run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
     fingerprint.py                     model_fingerprint: a model's identity as run.json records it
     paths.py                           default file names, custom-path containment
@@ -15,7 +17,7 @@
     safetensors_file.py                one safetensors file's bytes through that put: write_atomic (checksummed)
     writer.py                          background writes with a bound on bytes in flight
     reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /
-                                       cleanup_hidden_states
+                                       cleanup_hidden_states / read_rows (the training feed's read); fp8 dequantized
 
 This package never imports transformers or ray. The training feed built on it is the `training` package.
 """

@@ -37,6 +37,8 @@ FORMAT_VERSION = "1"
 TOKEN_IDS = "token_ids"
 HIDDEN_STATES = "hidden_states"
 LOSS_MASK = "loss_mask"
+HIDDEN_STATES_SCALES = "hidden_states_scales"
+"""float32 [T, L, 1] (hsx: per token and layer) or [T, 1, 1] (speculators: per token), beside fp8 hidden_states."""
 
 # vLLM's convention: 0 = embeddings, k = output of decoder layer k-1 (residual stream), N = last layer pre-norm.
 LAYER_ID_CONVENTION = "vllm"
@@ -106,9 +108,16 @@ class HiddenStatesSpec:
     """Whether id N was stored after the model's final norm (hsx stores it pre-norm, as vLLM does)."""
     extra: dict[str, str] = field(default_factory=dict)
     """Further producer facts (architecture, template, ...) copied into every file."""
+    storage_dtype: str = ""
+    """How hidden_states are stored when not in `dtype` (connectors.quant: bfloat16, float16, float32, or
+    float8_e4m3fn with hidden_states_scales); "" = in `dtype`, the model's. Readers give back `dtype`."""
 
     def __post_init__(self) -> None:
+        from connectors.quant import MODEL, check_storage_dtype
+
         object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, self.num_hidden_layers))
+        storage = check_storage_dtype(self.storage_dtype or MODEL)
+        object.__setattr__(self, "storage_dtype", "" if storage in (MODEL, self.dtype) else storage)
 
     def to_metadata(self) -> dict[str, str]:
         meta = {
@@ -123,6 +132,8 @@ class HiddenStatesSpec:
             "model": self.model,
             "model_revision": self.model_revision,
         }
+        if self.storage_dtype:  # written only when it differs: files in the model dtype stay as they were
+            meta["storage_dtype"] = self.storage_dtype
         meta.update({k: str(v) for k, v in self.extra.items()})
         return meta
 
@@ -140,7 +151,8 @@ class HiddenStatesSpec:
                        dtype=metadata.get("dtype") or dtype or "",
                        model=metadata.get("model", ""), model_revision=metadata.get("model_revision", ""),
                        last_layer_normalized=metadata.get("last_layer_normalized") == "true",
-                       extra={k: metadata[k] for k in PRODUCER_KEYS if k in metadata})
+                       extra={k: metadata[k] for k in PRODUCER_KEYS if k in metadata},
+                       storage_dtype=metadata.get("storage_dtype", ""))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"the file's hsx metadata is unreadable ({type(e).__name__}: {e}); the file is corrupt "
                              "or was edited") from e
@@ -159,10 +171,25 @@ class HiddenStatesSpec:
             diff = self.differences(theirs)
             if diff:
                 return "its spec differs in " + "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items())
-        if (info.num_layers, info.hidden_size, info.dtype) != (len(self.layer_ids), self.hidden_size, self.torch_dtype):
+        stored = self.stored_torch_dtype
+        if (info.num_layers, info.hidden_size, info.dtype) != (len(self.layer_ids), self.hidden_size, stored):
             return (f"it stores hidden_states [T, {info.num_layers}, {info.hidden_size}] {info.dtype}, where the spec "
-                    f"stores [T, {len(self.layer_ids)}, {self.hidden_size}] {self.torch_dtype}")
+                    f"stores [T, {len(self.layer_ids)}, {self.hidden_size}] {stored}")
+        if info.scaled != self.scaled:
+            return f"it {'has' if info.scaled else 'lacks'} {HIDDEN_STATES_SCALES}, unlike the spec's files"
         return None
+
+    @property
+    def stored_torch_dtype(self) -> torch.dtype:
+        """The dtype of the stored hidden_states tensor (`storage_dtype`, or `dtype`)."""
+        return getattr(torch, self.storage_dtype) if self.storage_dtype else self.torch_dtype
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the files carry hidden_states_scales (fp8)."""
+        from connectors.quant import is_scaled
+
+        return is_scaled(self.storage_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -173,7 +200,8 @@ class HiddenStatesSpec:
 
 
 # Fields two producers must share for their files to mix in one dataset.
-COMPARED_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "last_layer_normalized")
+COMPARED_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "last_layer_normalized",
+                   "storage_dtype")
 # `extra` keys a producer writes (copied back by from_metadata); the rest of the metadata is per request.
 PRODUCER_KEYS = ("architecture",)
 
@@ -295,6 +323,11 @@ class HiddenStatesFileInfo:
                                               dtype=str(self.dtype).removeprefix("torch."))
 
     @property
+    def scaled(self) -> bool:
+        """Whether hidden_states are stored scaled (fp8 with hidden_states_scales)."""
+        return HIDDEN_STATES_SCALES in self.tensors
+
+    @property
     def has_hsx_metadata(self) -> bool:
         return self.metadata.get("format") == FORMAT_NAME
 
@@ -346,7 +379,9 @@ def request_metadata(spec_metadata: dict[str, str], *, request_id: str, num_toke
 def file_entries(spec: HiddenStatesSpec, num_tokens: int, *, loss_mask: bool) -> dict[str, tuple[torch.dtype, tuple]]:
     """name -> (dtype, shape) of the tensors of a file of `num_tokens` rows, in the order the connector writes them."""
     entries = {TOKEN_IDS: (torch.int64, (num_tokens,)),
-               HIDDEN_STATES: (spec.torch_dtype, (num_tokens, len(spec.layer_ids), spec.hidden_size))}
+               HIDDEN_STATES: (spec.stored_torch_dtype, (num_tokens, len(spec.layer_ids), spec.hidden_size))}
+    if spec.scaled:
+        entries[HIDDEN_STATES_SCALES] = (torch.float32, (num_tokens, len(spec.layer_ids), 1))
     if loss_mask:
         entries[LOSS_MASK] = (torch.uint8, (num_tokens,))
     return entries
@@ -491,6 +526,14 @@ def _check_header(path: str, header: object, header_len: int, total_size: int) -
                          f"{_short(list(ids))}")
     if LOSS_MASK in tensors and tensors[LOSS_MASK].shape != (hs[0],):
         raise _bad(path, f"loss_mask has shape {_short(list(tensors[LOSS_MASK].shape))}, expected [{hs[0]}]")
+    if HIDDEN_STATES_SCALES in tensors:
+        scales = tensors[HIDDEN_STATES_SCALES]
+        if scales.shape not in ((hs[0], hs[1], 1), (hs[0], 1, 1)) or not scales.dtype.is_floating_point:
+            raise _bad(path, f"hidden_states_scales is {scales.dtype} {_short(list(scales.shape))}; expected float32 "
+                             f"[{hs[0]}, {hs[1]}, 1] (per token and layer) or [{hs[0]}, 1, 1] (per token)")
+        if tensors[HIDDEN_STATES].dtype.itemsize != 1:
+            raise _bad(path, f"hidden_states_scales beside {tensors[HIDDEN_STATES].dtype} hidden_states; scales go "
+                             "with fp8 states only")
     _check_metadata(path, metadata, tensors[HIDDEN_STATES])
     return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size)
 
@@ -507,7 +550,7 @@ def _check_metadata(path: str, metadata: dict[str, str], hidden: TensorEntry) ->
         try:
             spec = HiddenStatesSpec.from_metadata(metadata, hidden_size=hidden_size,
                                                 dtype=str(hidden.dtype).removeprefix("torch."))
-            stored = (spec.hidden_size, spec.torch_dtype)
+            stored = (spec.hidden_size, spec.stored_torch_dtype)
         except ValueError as e:
             raise _bad(path, str(e)) from e
         if stored != (hidden_size, hidden.dtype):

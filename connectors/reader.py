@@ -1,7 +1,8 @@
 """Reading hidden-states files from any fsspec URL: whole, a token range, a layer subset, or the header alone.
 
-    load_hidden_states(path, ..., verify=False)
-                                      -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored}
+    load_hidden_states(path, ..., verify=False, dtype=None)
+                                      -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored};
+                                         fp8 states (hidden_states_scales beside them) come back dequantized
     read_rows(fs, path, max_rows)     -> (HiddenStatesFileInfo, {name: the leading rows}), checksum checked: the
                                          training feed's read (local files memory-mapped)
     read_hidden_states_info(path)     -> HiddenStatesFileInfo (tensors, shapes, metadata, checksum), header only
@@ -34,6 +35,7 @@ import torch
 from connectors import storage
 from connectors.format import (
     HIDDEN_STATES,
+    HIDDEN_STATES_SCALES,
     LOSS_MASK,
     TOKEN_IDS,
     HiddenStatesFileError,
@@ -47,6 +49,7 @@ from connectors.format import (
     read_header,
     tensor_from_bytes,
 )
+from connectors.quant import dequantize as dequantize_states
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 # verify streams the data region in blocks of about this many bytes (whole rows of each tensor)
@@ -76,14 +79,44 @@ def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
 
 
 def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True,
-              names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK)) -> tuple[HiddenStatesFileInfo, dict]:
+              names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK),
+              dtype: torch.dtype | None = None) -> tuple[HiddenStatesFileInfo, dict]:
     """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
     `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
     as they are); without it only those tensors' bytes are read. `fs`/`path` as `storage.open_url` gives them.
+    hidden_states stored scaled (fp8) come back dequantized to `dtype` (default: the model dtype the file records,
+    float32 for a file without hsx metadata), reading only the scales of the rows asked for.
 
     The training feed's read: a local file is memory-mapped copy-on-write (its tensors share the page cache; edits
     stay private), a small remote file arrives whole with its header in one request, a large one as header + one
     byte range per tensor (only the leading rows unless verified)."""
+    if HIDDEN_STATES in names:
+        names = (*names, HIDDEN_STATES_SCALES)
+    info, out = _read_rows(fs, path, max_rows, verify, names)
+    return info, _dequantized(info, out, dtype)
+
+
+def _dequantized(info: HiddenStatesFileInfo, out: dict, dtype: torch.dtype | None) -> dict:
+    """`out` with hidden_states as values in `dtype`, by default the model dtype the file records (scaled ones
+    dequantized and the scales dropped; ones stored in another dtype cast)."""
+    scales = out.pop(HIDDEN_STATES_SCALES, None)
+    target = dtype or model_dtype(info)
+    if HIDDEN_STATES in out and (scales is not None or out[HIDDEN_STATES].dtype != target):
+        out[HIDDEN_STATES] = dequantize_states(out[HIDDEN_STATES], scales, target)
+    return out
+
+
+def model_dtype(info: HiddenStatesFileInfo) -> torch.dtype:
+    """The dtype a file's hidden_states stand for: the model dtype its hsx metadata records; float32 for a scaled
+    file without it (speculators' fp8); the stored dtype otherwise."""
+    spec = info.spec
+    if spec is not None:
+        return spec.torch_dtype
+    return torch.float32 if info.scaled else info.dtype
+
+
+def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequence[str]
+               ) -> tuple[HiddenStatesFileInfo, dict]:
     if storage.is_local(fs):
         # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
         with storage.open_regular_file(path) as (fd, size):
@@ -161,7 +194,8 @@ def _layer_positions(info: HiddenStatesFileInfo, layer_ids: Sequence[int] | None
 def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                        layer_ids: Sequence[int] | None = None, layer_indices: Sequence[int] | None = None,
                        verify: bool = False, storage_options: dict | None = None,
-                       wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[str, torch.Tensor]:
+                       wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S, dtype: torch.dtype | None = None,
+                       dequantize: bool = True) -> dict[str, torch.Tensor]:
     """Load a hidden-states file (vLLM's or hsx's) from a local path or any fsspec URL.
 
     token_range:   (start, end) rows to read, Python-slice style; only those bytes are fetched (unless `verify`).
@@ -170,8 +204,13 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
     verify:        hash the whole data region and compare with the header's checksum; HiddenStatesFileError on a
                    mismatch. Reads the whole file, whatever part is asked for. Files without a checksum pass.
     wait_timeout:  seconds to wait for a pending write before TimeoutError.
+    dtype:         what fp8 hidden_states (stored with hidden_states_scales) come back as: default the model dtype
+                   the file records (float32 for a file without hsx metadata, e.g. speculators').
+    dequantize:    False returns fp8 states as stored, with their hidden_states_scales (layers selected alike).
 
-    A whole load returns every tensor of the file; a token range returns token_ids, hidden_states and loss_mask.
+    A whole load returns every tensor of the file; a token range returns token_ids, hidden_states and loss_mask (and
+    only the scales of those rows). Either way scaled states come back as values, the scales dropped, unless
+    `dequantize=False`.
     """
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
@@ -200,13 +239,16 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                 out = _read_token_range(info, read, token_range)
     if positions is not None:
         out[HIDDEN_STATES] = out[HIDDEN_STATES][:, positions].contiguous()
-    return out
+        scales = out.get(HIDDEN_STATES_SCALES)
+        if scales is not None and scales.shape[1] != 1:  # per token and layer; [T, 1, 1] broadcasts as it is
+            out[HIDDEN_STATES_SCALES] = scales[:, positions].contiguous()
+    return _dequantized(info, out, dtype) if dequantize else out
 
 
 def _read_token_range(info: HiddenStatesFileInfo, read, token_range: tuple[int, int]) -> dict[str, torch.Tensor]:
     start, end, _ = slice(*token_range).indices(info.num_tokens)
     end = max(start, end)
-    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) if n in info.tensors]
+    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, HIDDEN_STATES_SCALES, LOSS_MASK) if n in info.tensors]
     entries = [info.tensors[n] for n in names]
     starts = [e.start + start * e.row_bytes for e in entries]
     ends = [e.start + end * e.row_bytes for e in entries]

@@ -191,7 +191,7 @@ class Sampling:
 
 # the file spec's fields, read through RunSpec as its own (spec.layer_ids, spec.dtype, ...) and stored flat in JSON
 FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "model_revision",
-               "last_layer_normalized")
+               "last_layer_normalized", "storage_dtype")
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
 
 
@@ -281,6 +281,8 @@ class RunSpec:
                                "file_format": FORMAT_NAME, "file_format_version": FORMAT_VERSION}
         for name in FILE_FIELDS:
             value = getattr(self.files, name)
+            if name == "storage_dtype" and not value:
+                continue  # written only when it differs from dtype: run.json of model-dtype runs stays as it was
             doc[name] = list(value) if isinstance(value, tuple) else value
         doc["architecture"] = self.architecture
         for f in dataclasses.fields(self):

@@ -1,10 +1,12 @@
 """`SafetensorsHiddenStatesConnector`: hsx's connector, one safetensors file per request on any fsspec storage.
 
-Writes `token_ids` [T], `hidden_states` [T, L, H], optional `loss_mask` [T], and metadata from the producer's
-`HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
+Writes `token_ids` [T], `hidden_states` [T, L, H] (in the spec's storage dtype: fp8 with `hidden_states_scales`
+[T, L, 1], see connectors.quant), optional `loss_mask` [T], and metadata from the producer's `HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
 the bytes in flight, retries, durable atomic files). Each file's metadata carries the checksum of its data
 (`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.safetensors_file.write_atomic`; the
 metadata built here holds a placeholder of the same length, so `connectors.format.file_size` predicts the file.
+States holding NaN, Inf or a layer of zeros are never committed: the request fails with `connectors.quant.BadStates`
+naming the token and layer (`check_states`).
 
 Where a file may go is decided twice: when a request starts (`connectors.paths.PathPolicy`: inside an allowed root;
 `PathOwners`: no other request owns it, see kv_transfer_params["overwrite"]) and again when it is written, from the
@@ -32,8 +34,16 @@ import torch
 
 from connectors import safetensors_file, storage
 from connectors.base import HiddenStatesConnector, RequestInfo
-from connectors.format import HIDDEN_STATES, LOSS_MASK, TOKEN_IDS, HiddenStatesSpec, request_metadata
+from connectors.format import (
+    HIDDEN_STATES,
+    HIDDEN_STATES_SCALES,
+    LOSS_MASK,
+    TOKEN_IDS,
+    HiddenStatesSpec,
+    request_metadata,
+)
 from connectors.paths import Destination, PathOwners, PathPolicy
+from connectors.quant import MODEL, BadStates, check_storage_dtype, quantize, state_problem
 from connectors.writer import BackgroundWriter
 
 __all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
@@ -64,9 +74,15 @@ class HiddenStatesConnectorConfig:
     """Attempts per file on transient storage errors, with exponential backoff."""
     write_retry_backoff_s: float = 0.2
     """First backoff between write attempts, in seconds; doubles per attempt (plus as much jitter), capped at 10 s."""
+    storage_dtype: str = ""
+    """How hidden_states are stored (connectors.quant.STORAGE_DTYPES): "" or "model" = the model dtype, bfloat16,
+    float16, float32, or float8_e4m3fn ("fp8") with a float32 scale per token and layer. Recorded in every file."""
+    check_states: bool = True
+    """Refuse to commit states holding NaN/Inf or a layer of zeros (the request fails with BadStates, naming the token
+    and layer); the check reads each sample's states once, on the writer thread."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool),
+        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool), ("check_states", bool),
                            ("num_writer_threads", int), ("max_bytes_in_flight", int), ("max_write_attempts", int),
                            ("write_retry_backoff_s", (int, float)), ("storage_options", dict)):
             value = getattr(self, name)
@@ -87,6 +103,7 @@ class HiddenStatesConnectorConfig:
             raise ValueError(f"write_retry_backoff_s must be >= 0, got {self.write_retry_backoff_s}")
         if isinstance(self.allowed_roots, str):
             object.__setattr__(self, "allowed_roots", (self.allowed_roots,))
+        object.__setattr__(self, "storage_dtype", check_storage_dtype(self.storage_dtype, flag="storage_dtype"))
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any]) -> HiddenStatesConnectorConfig:
@@ -127,6 +144,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
     extra_config_class = HiddenStatesConnectorConfig
 
     def __init__(self, extra_config: HiddenStatesConnectorConfig, spec: HiddenStatesSpec) -> None:
+        if extra_config.storage_dtype != MODEL:  # the files' spec records how they store the states
+            spec = dataclasses.replace(spec, storage_dtype=extra_config.storage_dtype)
         super().__init__(extra_config, spec)
         cfg = extra_config
         self._fs, self._root = storage.open_url(cfg.shared_storage_path, cfg.storage_options)
@@ -222,6 +241,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         a later request for it sees it committed (or free), never still in flight."""
         written = False
         try:
+            tensors = self._stored(pending.info.request_id, tensors)
             size = self._write_file(pending.dest, tensors, metadata)
             written = True
             with self._lock:
@@ -229,6 +249,25 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             return size
         finally:
             self._release(pending, written=written)
+
+    def _stored(self, request_id: str, tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """The tensors as the file stores them, on the writer thread: states that must not be committed (NaN, Inf, an
+        all-zero layer) refused with BadStates; states quantized to the spec's storage dtype chunk by chunk (fp8: a
+        float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
+        states = tensors[HIDDEN_STATES]
+        if self.extra_config.check_states:
+            problem = state_problem(states, self.spec.layer_ids)
+            if problem is not None:
+                raise BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these "
+                                "states: check the model and --dtype (fp16 overflows?) before re-extracting")
+        if not self.spec.storage_dtype:
+            return tensors
+        pairs = [quantize(c, self.spec.storage_dtype) for c in states]
+        out = {TOKEN_IDS: tensors[TOKEN_IDS], HIDDEN_STATES: [q for q, _ in pairs]}
+        if self.spec.scaled:
+            out[HIDDEN_STATES_SCALES] = [scale for _, scale in pairs]
+        out.update({k: v for k, v in tensors.items() if k not in out})
+        return out
 
     def _write_file(self, dest: Destination, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
         local = storage.is_local(self._fs)

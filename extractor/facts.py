@@ -35,11 +35,12 @@ class TargetFacts:
     """Resolved torch dtype name (never "auto")."""
     max_model_len: int
 
-    def file_spec(self) -> HiddenStatesSpec:
+    def file_spec(self, storage_dtype: str = "") -> HiddenStatesSpec:
+        """The spec of this model's files; `storage_dtype` as the connector stores them ("" = the model dtype)."""
         return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
                                 hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
                                 model_revision=self.revision, last_layer_normalized=False,
-                                extra={"architecture": self.architecture})
+                                extra={"architecture": self.architecture}, storage_dtype=storage_dtype)
 
 
 def target_facts(hf_config: Any, *, model: str, revision: str | None = None, layer_ids=None, dtype: str = "auto",

@@ -28,6 +28,7 @@ import torch
 from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
+from connectors.quant import BadStates
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
@@ -71,7 +72,8 @@ class RequestOutput:
     error_kind: str | None = None
     """What kind of failure (hsx extension; None on success): "invalid" (the request itself: its prompt, params or
     path), "path_in_use" (another request owns its hidden_states_path), "write_failed" (the file could not be made
-    durable), "engine" (the forward failed), "aborted" (abort_request)."""
+    durable), "bad_states" (the states hold NaN, Inf or a layer of zeros: nothing written), "engine" (the forward
+    failed), "aborted" (abort_request)."""
     write_seconds: float | None = None
     """Seconds its file took from the request's end to durable (hsx extension); None when nothing was written."""
     finished: bool = True
@@ -139,6 +141,7 @@ class LLM:
         self.spec = self.runner.facts.file_spec()  # extractor.facts: the one derivation of a model's file spec
         spec = config.speculative
         self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else NullConnector()
+        self.spec = getattr(self.connector, "spec", None) or self.spec  # with the connector's storage dtype
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
         if self.proposer is not None:  # a speculative engine captures only what its proposer reads
             self.runner.set_capture(tuple(self.proposer.capture_layer_ids))
@@ -193,8 +196,11 @@ class LLM:
         for r in requests:
             if r.request_id in failures:
                 err = failures[r.request_id]
-                r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
-                r.error_kind = "write_failed"
+                if isinstance(err, BadStates):
+                    r.error, r.error_kind = f"hidden states not committed: {err}", "bad_states"
+                else:
+                    r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
+                    r.error_kind = "write_failed"
             if r.error is None:
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
                 self.stats.generation_tokens += len(r.output_ids)

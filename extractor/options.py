@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.format import check_layer_ids
+from connectors.quant import check_storage_dtype
 from connectors.storage import parse_storage_options
 from extractor.config import EngineConfig, canonical_dtype
 
@@ -71,12 +72,16 @@ class EngineOptions:
     """Token budget of one forward pass; longer batches are split. Default the engine's (8192)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for --output, as JSON (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
+    storage_dtype: str = "model"
+    """How hidden states are stored: model (the model dtype), bfloat16, float16, float32, or fp8 (float8_e4m3fn with
+    a float32 scale per token and layer: about half of bf16's bytes). Readers give back the model dtype."""
 
     def __post_init__(self) -> None:
         if self.layers is not None:
             object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
+        object.__setattr__(self, "storage_dtype", check_storage_dtype(self.storage_dtype, flag="--storage-dtype"))
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -106,7 +111,7 @@ class EngineOptions:
     def connector_settings(self) -> dict[str, Any]:
         """kv_connector_extra_config of the connector writing to --output (custom paths honoured under it)."""
         return {"shared_storage_path": self.output, "allow_custom_save_path": True,
-                "storage_options": dict(self.storage_options)}
+                "storage_options": dict(self.storage_options), "storage_dtype": self.storage_dtype}
 
     def connector_config(self):
         """The hidden-states connector's settings for --output."""

@@ -96,9 +96,9 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     tokenizer = SampleTokenizer(TokenizeSettings(
         tokenizer=facts.model, max_prompt_tokens=facts.max_model_len - config.max_tokens, overlength=config.overlength,
         chat_template=override, revision=config.revision, trust_remote_code=config.trust_remote_code))
-    spec = facts.file_spec()
+    spec = facts.file_spec(config.storage_dtype)
     generated = max(config.max_tokens - 1, 0) if config.include_output_tokens else 0
-    est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=facts.dtype,
+    est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=spec.storage_dtype or facts.dtype,
                    assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0)
     kinds: Counter[str] = Counter()
     seen: set[str] = set()

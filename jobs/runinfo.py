@@ -26,7 +26,8 @@ from jobs.model import ModelFacts
 IDENTITY = {
     "model": "--model", "model_revision": "--revision",
     "model_fingerprint": "--model (its weights, config or tokenizer changed since the run began)",
-    "layer_ids": "--layers", "dtype": "--dtype", "chat_template_sha256": "--chat-template",
+    "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype",
+    "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
     "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field",
 }
@@ -65,7 +66,7 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
     if config.max_tokens:
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed)
     return RunSpec.from_file_spec(
-        facts.file_spec(), model_fingerprint=facts.legacy_fingerprint if legacy else facts.fingerprint,
+        facts.file_spec(config.storage_dtype), model_fingerprint=facts.legacy_fingerprint if legacy else facts.fingerprint,
         chat_template_source=template_source,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,

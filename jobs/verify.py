@@ -170,7 +170,7 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
             _fail(report, row, problem)
     report.checked = len(chosen)
     if config.recompute and passed:
-        report.tolerance = config.tolerance or DEFAULT_TOLERANCE.get(spec.dtype, 5e-2)
+        report.tolerance = config.tolerance or _default_tolerance(spec)
         _recompute(run, spec, config, rng.sample(passed, min(config.recompute, len(passed))), report)
     report.kinds = dict(Counter(f["kind"] for f in report.failures).most_common())
     if report.failures and config.mark:
@@ -178,6 +178,16 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
     report.seconds = time.monotonic() - started
     _write_report(run, report, config.report)
     return report
+
+
+def _default_tolerance(spec: RunSpec) -> float:
+    """The model dtype's tolerance; a coarser storage dtype's when the run stores one, plus fp8's own rounding."""
+    from connectors.quant import FP8_RELATIVE_ERROR
+
+    tolerance = DEFAULT_TOLERANCE.get(spec.dtype, 5e-2)
+    if spec.storage_dtype:
+        tolerance = max(tolerance, DEFAULT_TOLERANCE.get(spec.storage_dtype, 0.0))
+    return tolerance + (FP8_RELATIVE_ERROR if spec.file_spec().scaled else 0.0)
 
 
 def _fail(report: VerifyReport, row: dict, problem: str, kind: str | None = None) -> None:

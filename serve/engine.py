@@ -418,5 +418,6 @@ def _fs_path(fs, path: str) -> str:
 
 
 _ERROR_STATUS = {"invalid": (400, "invalid_request"), "path_in_use": (409, "path_in_use"),
-                 "write_failed": (500, "write_failed"), "engine": (500, "engine_error"), "aborted": (499, "aborted")}
+                 "write_failed": (500, "write_failed"), "bad_states": (500, "bad_states"), "engine": (500, "engine_error"),
+                 "aborted": (499, "aborted")}
 """(status, code) per RequestOutput.error_kind of an engine error that admission did not catch."""

@@ -167,7 +167,8 @@ def test_a_checksum_of_an_unknown_algorithm_fails_verification_and_says_how_to_r
 
 @pytest.mark.parametrize("bad, where", [(float("nan"), (5, 1)), (float("inf"), (0, 0)), (float("-inf"), (99, 2))])
 def test_non_finite_values_are_reported_by_token_and_layer(tmp_path, connector_factory, bad, where):
-    connector = connector_factory(str(tmp_path), make_spec(torch.float16, LAYERS, HIDDEN))
+    # files written without the commit check (vLLM's, an older hsx's): the reader still finds the NaN
+    connector = connector_factory(str(tmp_path), make_spec(torch.float16, LAYERS, HIDDEN), check_states=False)
     token_ids, states = states_of(100, seed=8, dtype=torch.float16)
     t, layer = where
     states[t, layer, 7] = bad
@@ -184,7 +185,7 @@ def test_verify_streams_large_files_in_blocks_and_finds_the_damage(tmp_path, con
     from connectors import reader
 
     monkeypatch.setattr(reader, "SCAN_BLOCK_BYTES", 1000)  # many blocks of whole rows for a small file
-    connector = connector_factory(str(tmp_path), make_spec(torch.float32, LAYERS, HIDDEN))
+    connector = connector_factory(str(tmp_path), make_spec(torch.float32, LAYERS, HIDDEN), check_states=False)
     token_ids, states = states_of(64, seed=9, dtype=torch.float32)
     states[50, 2, 0] = float("nan")
     path = write_one(connector, "blocks", token_ids, states)

@@ -160,7 +160,7 @@ def test_producer_faster_than_storage_blocks_within_max_bytes_in_flight(gated_st
     def produce() -> None:
         for i in range(n):
             connector.start_request(RequestInfo(f"r{i}", num_tokens))
-            connector.save_hidden_states(f"r{i}", *rows(num_tokens, float(i), hidden))
+            connector.save_hidden_states(f"r{i}", *rows(num_tokens, float(i + 1), hidden))
             connector.request_finished(f"r{i}")
             with witness["cond"]:
                 held.append((i + 1 - witness["landed"]) * request_bytes)
@@ -187,7 +187,7 @@ def test_producer_faster_than_storage_blocks_within_max_bytes_in_flight(gated_st
     assert witness["concurrent"] == 2
     for i in range(n):
         got = load_hidden_states(f"{root}/r{i}.safetensors", storage_options={"gate": gate, "witness": witness})
-        assert bool((got["hidden_states"] == i).all())
+        assert bool((got["hidden_states"] == i + 1).all())
 
 
 def test_request_larger_than_the_bound_is_written_alone_without_deadlock(gated_storage, connector_factory):
@@ -198,7 +198,7 @@ def test_request_larger_than_the_bound_is_written_alone_without_deadlock(gated_s
                                   max_bytes_in_flight=1000, storage_options={"gate": gate, "witness": witness})
     for i in range(4):  # each ~50 KB, fifty times the bound
         connector.start_request(RequestInfo(f"r{i}", 128))
-        connector.save_hidden_states(f"r{i}", *rows(128, float(i)))
+        connector.save_hidden_states(f"r{i}", *rows(128, float(i + 1)))
         connector.request_finished(f"r{i}")
     assert connector.wait_for_save(timeout=30) == {}
     assert witness["concurrent"] == 1  # one at a time
@@ -211,7 +211,7 @@ def batch_rows(batch: int, width: int, length: int, hidden: int, fill: float) ->
     states = torch.full((batch, width, 3, hidden), -1.0)
     out = []
     for b in range(batch):
-        states[b, :length] = fill + b
+        states[b, :length] = fill + b + 1  # never all zeros: the connector refuses to commit a zero layer
         out.append((torch.full((length,), b), states[b, :length]))
     return states, out
 
@@ -263,7 +263,7 @@ def test_rows_of_one_batch_hold_its_whole_buffer_once(gated_storage, connector_f
             got = load_hidden_states(f"{root}/batch{k}-row{b}.safetensors",
                                      storage_options={"gate": gate, "witness": witness})
             assert got["hidden_states"].shape == (length, 3, hidden)
-            assert bool((got["hidden_states"] == 100.0 * k + b).all())
+            assert bool((got["hidden_states"] == 100.0 * k + b + 1).all())
 
 
 def test_batch_buffer_larger_than_the_bound_is_admitted_alone_rows_together(gated_storage, connector_factory):

@@ -274,7 +274,7 @@ def test_concurrent_reader_never_sees_a_partial_or_mixed_file(backend, connector
             states, ids = got["hidden_states"], got["token_ids"]
             version = int(ids[0])
             if (states.shape != (num_tokens, len(LAYERS), 64) or not bool((ids == version).all())
-                    or not bool((states == version).all())):
+                    or not bool((states == version + 0.5).all())):
                 bad.append(f"mixed or partial read: shape {tuple(states.shape)}, ids {ids.unique().tolist()[:5]}")
                 continue
             reads[0] += 1
@@ -286,7 +286,7 @@ def test_concurrent_reader_never_sees_a_partial_or_mixed_file(backend, connector
     try:
         for v in range(num_versions):
             ids = torch.full((num_tokens,), v, dtype=torch.int64)
-            states = torch.full((num_tokens, len(LAYERS), 64), float(v))
+            states = torch.full((num_tokens, len(LAYERS), 64), v + 0.5)  # never an all-zero layer
             save_request(connector, f"writer-{v}", ids, states, params={"hidden_states_path": url, "overwrite": True})
             # the next version is written while readers are busy reading this one
             assert seen[v].wait(30) or bad, f"readers never saw version {v}"
@@ -344,7 +344,7 @@ def test_local_partial_reads_during_replacement_never_mix_versions(tmp_path, con
             except FileNotFoundError:
                 continue
             version = int(got["token_ids"][0])
-            if not bool((got["hidden_states"] == version).all()) or not bool((got["token_ids"] == version).all()):
+            if not bool((got["hidden_states"] == version + 0.5).all()) or not bool((got["token_ids"] == version).all()):
                 bad.append(f"read mixes versions: {got['hidden_states'].unique().tolist()[:5]}")
             reads[0] += 1
 
@@ -354,7 +354,7 @@ def test_local_partial_reads_during_replacement_never_mix_versions(tmp_path, con
     try:
         for v in range(200):
             ids = torch.full((num_tokens,), v, dtype=torch.int64)
-            states = torch.full((num_tokens, len(LAYERS), 64), float(v))
+            states = torch.full((num_tokens, len(LAYERS), 64), v + 0.5)  # never an all-zero layer
             save_request(connector, f"w{v}", ids, states, params={"hidden_states_path": path, "overwrite": True})
         assert connector.wait_for_save() == {}
     finally:

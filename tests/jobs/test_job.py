@@ -212,6 +212,50 @@ def test_bad_records_each_become_a_failed_row_and_good_ones_are_done(ray_cluster
     assert main(argv + ["--fail-on-error"]) == EXIT_FAILED
 
 
+# -- storage dtypes --------------------------------------------------------------------------------------------------
+def test_an_fp8_run_records_its_storage_dtype_and_reads_back_within_fp8_error(ray_cluster, tiny_llama, tmp_path,
+                                                                              oracle_factory, capsys):
+    from connectors.format import HIDDEN_STATES_SCALES
+    from connectors.quant import FP8_RELATIVE_ERROR
+    from training import HiddenStatesDataset
+
+    records = [{"id": f"s{i}", "prompt": f"Sample {i} of the storage test, with a few more words in it."}
+               for i in range(5)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", records)
+    runs = {}
+    for storage in ("fp8", "model"):
+        runs[storage] = str(tmp_path / storage)
+        argv = ["run", "--model", tiny_llama, "--corpus", corpus, "--output", runs[storage], "--layers", "0,2,4",
+                "--storage-dtype", storage, "--no-progress"]
+        assert main(argv) == EXIT_OK
+    capsys.readouterr()
+    run = json.load(open(os.path.join(runs["fp8"], "run.json")))
+    assert run["storage_dtype"] == "float8_e4m3fn" and run["dtype"] == "float32"
+    assert "storage_dtype" not in json.load(open(os.path.join(runs["model"], "run.json")))
+    oracle = oracle_factory(tiny_llama)
+    rows = assert_exactly_once(runs["fp8"], {f"s{i}" for i in range(5)})
+    for row in rows.values():
+        path = os.path.join(runs["fp8"], row["path"])
+        info = read_hidden_states_info(path)
+        assert info.dtype == torch.float8_e4m3fn and HIDDEN_STATES_SCALES in info.tensors
+        got = load_hidden_states(path, verify=True)
+        expected = oracle.states(got["token_ids"].tolist(), [0, 2, 4])  # [T, 3, H] float32
+        assert got["hidden_states"].dtype == torch.float32
+        err = (got["hidden_states"] - expected).abs() / expected.abs().amax(dim=-1, keepdim=True)
+        assert float(err.max()) <= FP8_RELATIVE_ERROR + 1e-5
+    ds = HiddenStatesDataset(runs["fp8"])
+    assert ds[0]["hidden_states"].dtype == torch.float32 and len(ds) == 5
+    with pytest.raises(ValueError, match="storage_dtype"):  # a run of another storage dtype never mixes in
+        HiddenStatesDataset([runs["fp8"], runs["model"]])
+    assert main(["verify", runs["fp8"], "--recompute", "2", "--no-mark"]) == EXIT_OK  # within fp8's own error
+    with pytest.raises(SystemExit) as e:  # resuming with another storage dtype would mix files
+        main(["run", "--model", tiny_llama, "--corpus", corpus, "--output", runs["fp8"], "--layers", "0,2,4",
+              "--no-progress"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "--storage-dtype" in err
+
+
 # -- object storage --------------------------------------------------------------------------------------------------
 @pytest.mark.s3
 def test_s3_corpus_and_s3_output_with_generated_tokens(ray_cluster, tiny_llama, s3_bucket, tmp_path):

@@ -82,15 +82,18 @@ def oracle_samples(model, texts: Sequence[str], tokenizer, layer_ids: Sequence[i
 
 def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
               storage_options: dict | None = None, run_json: bool | RunSpec = True,
-              extra_rows: Sequence[dict] = (), files_per_folder: int = 4, manifest_parts: int = 1) -> list[dict]:
+              extra_rows: Sequence[dict] = (), files_per_folder: int = 4, manifest_parts: int = 1,
+              check_states: bool = True) -> list[dict]:
     """Write `samples` as an hsx run at `output`; return the manifest rows written.
 
     run_json: True writes spec_run_json(spec); a RunSpec is written as is; False writes none.
     extra_rows: further manifest rows (e.g. failed samples, duplicates) appended after the ok rows.
+    check_states: False writes NaN/Inf states as they are (as an older hsx, or a writer with the check off, did).
     """
     options = dict(storage_options or {})
     config = KVTransferConfig(kv_connector_extra_config={
-        "shared_storage_path": output, "allow_custom_save_path": True, "storage_options": options})
+        "shared_storage_path": output, "allow_custom_save_path": True, "storage_options": options,
+        "check_states": check_states})
     connector = config.create_connector(spec)
     fs, root = open_url(output, options)
     rows = []

@@ -1,0 +1,107 @@
+"""How hidden states are stored: the model dtype, bfloat16, float16, or float8_e4m3fn with one float32 scale per token
+and layer — and the one pass over a sample's states that finds what must never be committed (NaN, Inf, a layer that
+is all zeros).
+
+    STORAGE_DTYPES                      "model" (the spec's dtype) and the dtypes a file may store
+    check_storage_dtype(name, flag=)    the canonical name, or ValueError naming the flag
+    quantize(states, storage_dtype)     [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
+    dequantize(stored, scales, dtype)   the inverse: stored.to(dtype) * scales.to(dtype) (scales None: a cast)
+    BadStates                           what the connector raises for such a sample (nothing is written)
+    state_problem(chunks, layer_ids)    "non-finite value (nan) at token 3, layer 1 (hidden-state id 16)", "layer 2
+                                        (...) is all zeros over all T tokens", or None
+
+fp8 follows speculators' FP8 transfer (REFERENCE.md): scale = amax / 448 (e4m3's largest value) over the hidden
+dimension, clamped at 1e-12, value = fp8 * scale. hsx keeps one scale per token **and layer** ([T, L, 1]): the
+pre-norm last layer's magnitude is far larger than the aux layers', and one shared scale per token would spend their
+range on it. Files with one scale per token ([T, 1, 1], speculators') read the same way (the scales broadcast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class BadStates(ValueError):
+    """A sample's states must not be committed (NaN, Inf, a layer of zeros); the request fails, nothing is written."""
+
+
+FP8 = "float8_e4m3fn"
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value."""
+FP8_RELATIVE_ERROR = 16.0 / FP8_MAX
+"""The largest rounding error of an fp8-stored value relative to its row's largest magnitude (half e4m3's spacing,
+32, in its top binade [256, 448], over 448)."""
+SCALE_FLOOR = 1e-12
+"""Smallest scale (speculators' clamp): an all-zero row quantizes to zeros, never to NaN."""
+MODEL = "model"
+"""The storage dtype that means: the model dtype the spec records (hsx's default, vLLM's files)."""
+STORAGE_DTYPES = (MODEL, "float32", "bfloat16", "float16", FP8)
+_ALIASES = {"fp8": FP8, "float8": FP8, "e4m3": FP8, "float8_e4m3": FP8, "bf16": "bfloat16", "fp16": "float16",
+            "fp32": "float32", "auto": MODEL}
+
+
+def check_storage_dtype(name: object, *, flag: str = "storage_dtype") -> str:
+    """The canonical storage dtype for `name` (aliases: fp8, bf16, fp16, fp32; auto = model)."""
+    text = str(name or MODEL).removeprefix("torch.")
+    text = _ALIASES.get(text, text)
+    if text not in STORAGE_DTYPES:
+        raise ValueError(f"{flag} {name!r} is not a storage dtype; use one of {', '.join(STORAGE_DTYPES)} ({MODEL} = "
+                         "the model's dtype; fp8 = float8_e4m3fn with a float32 scale per token and layer)")
+    return text
+
+
+def stored_dtype(storage_dtype: str, model_dtype: str) -> str:
+    """The dtype name of the stored hidden_states tensor."""
+    return model_dtype if storage_dtype in (MODEL, "") else storage_dtype
+
+
+def is_scaled(storage_dtype: str) -> bool:
+    """Whether files of this storage dtype carry `hidden_states_scales`."""
+    return storage_dtype == FP8
+
+
+def quantize(states: torch.Tensor, storage_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`states` [t, L, H] as stored: (the stored tensor, its scales [t, L, 1] float32 when scaled, else None)."""
+    if not is_scaled(storage_dtype):
+        return states.to(getattr(torch, storage_dtype)) if storage_dtype != MODEL else states, None
+    x = states.float()
+    scales = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)  # [t, L, 1]
+    stored = (x / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scales
+
+
+def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The states a stored tensor holds, in `dtype`: stored.to(dtype) * scales.to(dtype) (speculators' rule)."""
+    if scales is None:
+        return stored if stored.dtype == dtype else stored.to(dtype)
+    return stored.to(dtype) * scales.to(dtype)
+
+
+def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None) -> str | None:
+    """Why states given as chunks along the token axis ([t_i, L, H] each, in order) must not be committed: the first
+    NaN or Inf (by token and layer position), else a layer whose every value is zero (a capture that never ran, the
+    failure vLLM and speculators shipped), else None. `layer_ids` names each layer position's hidden-state id."""
+
+    def which(position: int) -> str:
+        return f"layer {position}" + (f" (hidden-state id {layer_ids[position]})" if layer_ids else "")
+
+    first = 0
+    zero: torch.Tensor | None = None  # per layer: every value so far is zero
+    for chunk in chunks:
+        if chunk.numel() == 0:
+            continue
+        x = chunk.float() if chunk.element_size() == 1 else chunk
+        finite = torch.isfinite(x)
+        if not bool(finite.all()):
+            t, layer, _ = (~finite).nonzero()[0].tolist()
+            value = x[t, layer][~finite[t, layer]][0].item()
+            return f"non-finite value ({value}) at token {first + t}, {which(layer)}"
+        nonzero = (x != 0).any(dim=-1).any(dim=0)  # [L]
+        zero = ~nonzero if zero is None else zero & ~nonzero
+        first += chunk.shape[0]
+    if zero is not None and bool(zero.any()):
+        layer = int(zero.nonzero()[0])
+        return f"{which(layer)} is all zeros over all {first} tokens"
+    return None
