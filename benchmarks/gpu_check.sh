@@ -4,7 +4,8 @@
 #      CUDA-only fp32/bf16 oracle tests in test_cuda.py);
 #   2. benchmarks/bench_extraction.py on the Llama-3-8B shape in bf16: tokens/s, b/a, b/c, early exit, MFU, storage,
 #      and a torch.profiler breakdown (memory section skipped: it reloads the 8B model in subprocesses);
-#   3. benchmarks/bench_regeneration.py on the same model: regeneration with output-token files vs generate.
+#   3. benchmarks/bench_regeneration.py on the same model: regeneration with output-token files vs generate;
+#   4. benchmarks/bench_storage.py on the same model: bytes per token of bf16 vs fp8 files, fp8's error per layer.
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -41,4 +42,8 @@ for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename
 timeout 240 python3 benchmarks/bench_regeneration.py --out "$scratch/regen" --model-dir "$scratch/model" \
     --device cuda --num-prompts 256 --batch-size 128 --repeats 1 2>&1 | tee "$results/regeneration.log" || status=1
 cp "$scratch"/regen/results.md "$results"/regeneration.md 2>/dev/null
+# 4. storage dtypes on the 8B shape: bytes per token of bf16 vs fp8 files, fp8's error per layer
+timeout 180 python3 benchmarks/bench_storage.py --out "$scratch/storage" --model-dir "$scratch/model" --device cuda \
+    --num-samples 32 2>&1 | tee "$results/storage.log" || status=1
+cp "$scratch"/storage/results-storage.md "$results"/storage.md 2>/dev/null
 exit $status

@@ -7,8 +7,9 @@ is all zeros).
     quantize(states, storage_dtype)     [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
     dequantize(stored, scales, dtype)   the inverse: stored.to(dtype) * scales.to(dtype) (scales None: a cast)
     BadStates                           what the connector raises for such a sample (nothing is written)
-    state_problem(chunks, layer_ids)    "non-finite value (nan) at token 3, layer 1 (hidden-state id 16)", "layer 2
-                                        (...) is all zeros over all T tokens", or None
+    state_problem(chunks, layer_ids, token_ids)
+                                        "non-finite value (nan) at token 3, layer 1 (hidden-state id 16)", "layer 2
+                                        (...) is all zeros over all T tokens" (of distinct tokens), or None
 
 fp8 follows speculators' FP8 transfer (REFERENCE.md): scale = amax / 448 (e4m3's largest value) over the hidden
 dimension, clamped at 1e-12, value = fp8 * scale. hsx keeps one scale per token **and layer** ([T, L, 1]): the
@@ -79,10 +80,16 @@ def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, dtype: torch.d
     return stored.to(dtype) * scales.to(dtype)
 
 
-def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None) -> str | None:
+def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None,
+                  token_ids: Sequence[torch.Tensor] | None = None) -> str | None:
     """Why states given as chunks along the token axis ([t_i, L, H] each, in order) must not be committed: the first
     NaN or Inf (by token and layer position), else a layer whose every value is zero (a capture that never ran, the
-    failure vLLM and speculators shipped), else None. `layer_ids` names each layer position's hidden-state id."""
+    failure vLLM and speculators shipped), else None. `layer_ids` names each layer position's hidden-state id.
+
+    A layer of zeros counts only over more than one distinct token (`token_ids`, chunks alike): a model's own
+    embedding row may be zero (padding_idx rows are), and a bias-free decoder keeps such a token zero through every
+    layer, so a sample of one repeated token can be zero by right; zeros across different tokens mean the states
+    were never captured."""
 
     def which(position: int) -> str:
         return f"layer {position}" + (f" (hidden-state id {layer_ids[position]})" if layer_ids else "")
@@ -101,6 +108,8 @@ def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | Non
         nonzero = (x != 0).any(dim=-1).any(dim=0)  # [L]
         zero = ~nonzero if zero is None else zero & ~nonzero
         first += chunk.shape[0]
+    if token_ids is not None and len({int(t) for c in token_ids for t in c.unique()}) < 2:
+        return None
     if zero is not None and bool(zero.any()):
         layer = int(zero.nonzero()[0])
         return f"{which(layer)} is all zeros over all {first} tokens"

@@ -256,7 +256,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
         states = tensors[HIDDEN_STATES]
         if self.extra_config.check_states:
-            problem = state_problem(states, self.spec.layer_ids)
+            problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS])
             if problem is not None:
                 raise BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these "
                                 "states: check the model and --dtype (fp16 overflows?) before re-extracting")

@@ -149,3 +149,13 @@ def test_bad_states_fail_their_request_alone_and_nothing_is_written(plant, said,
     assert said in str(failures["bad"]) and "nothing was written" in str(failures["bad"])
     assert not (tmp_path / "run" / bad_path.rsplit("/", 1)[-1]).exists()
     assert load_hidden_states(good_path)["hidden_states"].shape == (200, 3, HIDDEN)
+
+
+def test_zeros_over_one_repeated_token_are_the_models_own_and_are_written(tmp_path, connector_factory):
+    """A padding_idx embedding row is zero, and a bias-free decoder keeps that token zero in every layer: a sample of
+    that one token is zero by right (zeros across different tokens are what a capture that never ran leaves)."""
+    connector = connector_factory(str(tmp_path / "run"), make_spec(torch.float32, LAYERS, HIDDEN))
+    path = save_request(connector, "pad", torch.zeros(3, dtype=torch.long), torch.zeros(3, len(LAYERS), HIDDEN),
+                        chunks=1)
+    assert connector.wait_for_save() == {}
+    assert not load_hidden_states(path)["hidden_states"].any()

@@ -256,6 +256,43 @@ def test_an_fp8_run_records_its_storage_dtype_and_reads_back_within_fp8_error(ra
     assert "cannot resume" in err and "--storage-dtype" in err
 
 
+def test_planted_nan_inf_and_zero_states_each_end_as_a_failed_row_naming_token_and_layer(ray_cluster, tiny_llama,
+                                                                                          tmp_path, capsys):
+    """The model itself produces the bad states (as an overflow or a broken checkpoint would): token 7's embedding
+    row is NaN, token 8's Inf, tokens 9's and 10's zero: a sample of those two has an all-zero embedding layer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_llama, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[7], emb[8], emb[9], emb[10] = float("nan"), float("inf"), 0.0, 0.0
+    model.save_pretrained(model_dir)
+    good = [{"id": f"good-{i}", "input_ids": [20 + i, 30, 40 + i, 50, 60]} for i in range(4)]
+    # (the bad token leads: a NaN in attention's values reaches the earlier tokens too, 0 * NaN being NaN)
+    bad = [{"id": "nan", "input_ids": [7, 20, 21, 22, 23]}, {"id": "inf", "input_ids": [8, 20, 21]},
+           {"id": "zeros", "input_ids": [9, 10, 9, 10]}]
+    corpus = write_jsonl(tmp_path / "c.jsonl", good + bad)
+    output = str(tmp_path / "out")
+    assert main(["run", "--model", model_dir, "--corpus", corpus, "--output", output, "--layers", "0,2,4",
+                 "--no-progress"]) == EXIT_OK
+    assert "4 ok, 3 failed" in capsys.readouterr().out
+    table = _manifest(output)
+    failed = {r["sample_id"]: r["error"] for r in table.filter(pc.equal(table["status"], "failed")).to_pylist()}
+    assert set(failed) == {"nan", "inf", "zeros"}
+    assert "non-finite value (nan) at token 0, layer 0 (hidden-state id 0)" in failed["nan"]
+    assert "non-finite value (inf) at token 0, layer 0 (hidden-state id 0)" in failed["inf"]
+    assert "layer 0 (hidden-state id 0) is all zeros over all 4 tokens" in failed["zeros"]
+    assert all("hidden states not committed" in e for e in failed.values())
+    assert_exactly_once(output, {f"good-{i}" for i in range(4)})
+    assert not glob.glob(os.path.join(output, "data", "**", "nan*"), recursive=True)  # nothing written for them
+    assert main(["status", output]) == EXIT_OK
+    assert "hidden states not committed" in capsys.readouterr().out  # counted by kind
+
+
 # -- object storage --------------------------------------------------------------------------------------------------
 @pytest.mark.s3
 def test_s3_corpus_and_s3_output_with_generated_tokens(ray_cluster, tiny_llama, s3_bucket, tmp_path):
