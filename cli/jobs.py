@@ -110,7 +110,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
                           "verify": latest_report(output)}, indent=2, default=str))
         return EXIT_OK
     print(f"run:      {output.url}")
-    print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}")
+    stored = f" stored as {spec.storage_dtype}" if spec.storage_dtype else ""
+    target = f"  + {spec.target} target in place of layer {spec.num_hidden_layers}" if spec.target else ""
+    print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}{stored}{target}")
     print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.truncated} truncated" if s.truncated else ""))
     print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")

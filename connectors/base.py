@@ -5,7 +5,10 @@ Modelled on vLLM's KV-connector base class, reduced to the producer side hsx nee
 Engine, per request (in this order):
     start_request(request)                 a request enters; decide and check its destination. Raises ValueError
                                            (e.g. a rejected custom path) to fail that request alone, writing nothing.
-    save_hidden_states(rid, ids, states)   captured rows arrive: a prefill chunk, then one row per decode step.
+    save_hidden_states(rid, ids, states, extra=)
+                                           captured rows arrive: a prefill chunk, then one row per decode step;
+                                           `extra`: the same rows of the further per-token tensors the spec's
+                                           files carry (a top-k target's ids and log-probabilities [t, K]).
     request_finished(rid) -> dict          no more rows; persisting starts; returns the `kv_transfer_params` for
                                            the request's output (at least {"hidden_states_path": ...}).
     abort_request(rid)                     optional: drop what was buffered for a request that failed.
@@ -62,8 +65,10 @@ class HiddenStatesConnector(ABC):
         """Accept a request; raise ValueError to fail it alone, with nothing written."""
 
     @abstractmethod
-    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU).
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor,
+                           extra: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU), and `extra` {name: [t, ...]}
+        when the spec's files carry more per-token tensors (`connectors.format.extra_row_entries`).
 
         The connector may keep the tensors themselves (not copies) until the request's file is written, after
         request_finished; do not modify them in place afterwards (a fresh tensor per call is the normal case).
@@ -110,7 +115,8 @@ class NullConnector(HiddenStatesConnector):
     def start_request(self, request: RequestInfo) -> None:
         pass
 
-    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor,
+                           extra: Mapping[str, torch.Tensor] | None = None) -> None:
         pass
 
     def request_finished(self, request_id: str) -> None:  # no file: the output gets no kv_transfer_params

@@ -4,6 +4,9 @@ A file holds
     token_ids      int64 [T]
     hidden_states  model dtype [T, L, H]     rows follow the layer ids in the metadata, in the user's order
     loss_mask      uint8 [T]                 optional: 1 where a trainer should learn
+plus, in a run with a top-k target (`--target top_k:K`: the last layer N replaced by what a trainer reads of it),
+    target_topk_ids       int32 [T, K]       the target's K most likely next tokens after token t, best first
+    target_topk_logprobs  float32 [T, K]     their log-probabilities (log_softmax of lm_head(final_norm(layer N)))
 and a `__metadata__` (str -> str) built from `HiddenStatesSpec` plus per-request keys, among them
 `"checksum": "xxh3_64:<16 hex digits>"`, the xxh3_64 of every byte after the header (the tensors' data, in file
 order). Files written by vLLM have the two tensors and no metadata; they load all the same (with nothing to verify).
@@ -11,6 +14,7 @@ order). Files written by vLLM have the two tensors and no metadata; they load al
     HiddenStatesSpec                  what every file of one producer shares (its `__metadata__`)
     HiddenStatesFileError             the one error for a file hsx refuses: malformed header, damaged data, ...
     encode_header / file_size         the bytes before the data, and a file's exact size, before writing it
+    file_entries / extra_row_entries  the tensors of a spec's files; the per-token ones beyond the states
     parse_header / read_header        a header, checked against the file's real size before any data is read
     data_hasher / check_checksum      the data checksum, written by `connectors.storage`, verified by readers
 
@@ -39,6 +43,35 @@ HIDDEN_STATES = "hidden_states"
 LOSS_MASK = "loss_mask"
 HIDDEN_STATES_SCALES = "hidden_states_scales"
 """float32 [T, L, 1] (hsx: per token and layer) or [T, 1, 1] (speculators: per token), beside fp8 hidden_states."""
+TARGET_TOPK_IDS = "target_topk_ids"
+"""int32 [T, K]: the K most likely next tokens after token t (a top-k target run), best first."""
+TARGET_TOPK_LOGPROBS = "target_topk_logprobs"
+"""float32 [T, K]: their log-probabilities under the target (a top-k target run)."""
+TARGET_STATES = ""
+"""The default target: the listed layers' states, the last layer N among them when listed."""
+TOP_K_PREFIX = "top_k:"
+TOPK_IDS_DTYPE = torch.int32
+TOPK_LOGPROBS_DTYPE = torch.float32
+MAX_TOP_K = 4096
+"""Largest K a top-k target takes (past a few hundred the file is no smaller than the layer it replaces)."""
+
+
+def check_target(value: object, *, flag: str = "target") -> str:
+    """The canonical target for `value`: "" (the states; also "states") or "top_k:K" with 1 <= K <= MAX_TOP_K."""
+    text = "" if value is None else str(value).strip()
+    if text in ("", "states"):
+        return TARGET_STATES
+    k = text.removeprefix(TOP_K_PREFIX) if text.startswith(TOP_K_PREFIX) else None
+    if k is None or not k.isdigit() or not 1 <= int(k) <= MAX_TOP_K:
+        raise ValueError(f"{flag} {value!r} is not a target; use 'states' (the default: the listed layers' hidden "
+                         f"states) or 'top_k:K' with 1 <= K <= {MAX_TOP_K} (e.g. top_k:64: the target's top-64 "
+                         "next-token log-probabilities stored in place of the last layer, for EAGLE-3)")
+    return f"{TOP_K_PREFIX}{int(k)}"
+
+
+def target_top_k(target: str) -> int | None:
+    """K of a "top_k:K" target; None for the states target."""
+    return int(target.removeprefix(TOP_K_PREFIX)) if target.startswith(TOP_K_PREFIX) else None
 
 # vLLM's convention: 0 = embeddings, k = output of decoder layer k-1 (residual stream), N = last layer pre-norm.
 LAYER_ID_CONVENTION = "vllm"
@@ -111,6 +144,10 @@ class HiddenStatesSpec:
     storage_dtype: str = ""
     """How hidden_states are stored when not in `dtype` (connectors.quant: bfloat16, float16, float32, or
     float8_e4m3fn with hidden_states_scales); "" = in `dtype`, the model's. Readers give back `dtype`."""
+    target: str = TARGET_STATES
+    """What stands for the last layer N: "" = nothing but the listed layers (N among them when listed), or
+    "top_k:K" = files carry target_topk_ids / target_topk_logprobs [T, K] from layer N through the final norm and
+    lm_head, and N is not among `layer_ids` (EAGLE-3 reads no more of it)."""
 
     def __post_init__(self) -> None:
         from connectors.quant import MODEL, check_storage_dtype
@@ -118,6 +155,10 @@ class HiddenStatesSpec:
         object.__setattr__(self, "layer_ids", check_layer_ids(self.layer_ids, self.num_hidden_layers))
         storage = check_storage_dtype(self.storage_dtype or MODEL)
         object.__setattr__(self, "storage_dtype", "" if storage in (MODEL, self.dtype) else storage)
+        object.__setattr__(self, "target", check_target(self.target))
+        if self.top_k is not None and self.num_hidden_layers in self.layer_ids:
+            raise ValueError(f"a {self.target} target stands for layer {self.num_hidden_layers} (the last), so it is "
+                             f"not also stored; layer ids {list(self.layer_ids)} list it")
 
     def to_metadata(self) -> dict[str, str]:
         meta = {
@@ -134,6 +175,8 @@ class HiddenStatesSpec:
         }
         if self.storage_dtype:  # written only when it differs: files in the model dtype stay as they were
             meta["storage_dtype"] = self.storage_dtype
+        if self.target:  # likewise: files of the states target stay as they were
+            meta["target"] = self.target
         meta.update({k: str(v) for k, v in self.extra.items()})
         return meta
 
@@ -152,7 +195,7 @@ class HiddenStatesSpec:
                        model=metadata.get("model", ""), model_revision=metadata.get("model_revision", ""),
                        last_layer_normalized=metadata.get("last_layer_normalized") == "true",
                        extra={k: metadata[k] for k in PRODUCER_KEYS if k in metadata},
-                       storage_dtype=metadata.get("storage_dtype", ""))
+                       storage_dtype=metadata.get("storage_dtype", ""), target=metadata.get("target", ""))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"the file's hsx metadata is unreadable ({type(e).__name__}: {e}); the file is corrupt "
                              "or was edited") from e
@@ -177,7 +220,16 @@ class HiddenStatesSpec:
                     f"stores [T, {len(self.layer_ids)}, {self.hidden_size}] {stored}")
         if info.scaled != self.scaled:
             return f"it {'has' if info.scaled else 'lacks'} {HIDDEN_STATES_SCALES}, unlike the spec's files"
+        if info.top_k != self.top_k:
+            theirs_k = "no top-k target" if info.top_k is None else f"a top-{info.top_k} target"
+            ours_k = "none" if self.top_k is None else f"top-{self.top_k}"
+            return f"it holds {theirs_k}, where the spec's files hold {ours_k}"
         return None
+
+    @property
+    def top_k(self) -> int | None:
+        """K of a top-k target run (files carry target_topk_ids / target_topk_logprobs [T, K]); None otherwise."""
+        return target_top_k(self.target)
 
     @property
     def stored_torch_dtype(self) -> torch.dtype:
@@ -201,7 +253,7 @@ class HiddenStatesSpec:
 
 # Fields two producers must share for their files to mix in one dataset.
 COMPARED_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "last_layer_normalized",
-                   "storage_dtype")
+                   "storage_dtype", "target")
 # `extra` keys a producer writes (copied back by from_metadata); the rest of the metadata is per request.
 PRODUCER_KEYS = ("architecture",)
 
@@ -328,6 +380,12 @@ class HiddenStatesFileInfo:
         return HIDDEN_STATES_SCALES in self.tensors
 
     @property
+    def top_k(self) -> int | None:
+        """K of the file's top-k target tensors ([T, K]), or None when it has none."""
+        entry = self.tensors.get(TARGET_TOPK_IDS)
+        return None if entry is None else entry.shape[1]
+
+    @property
     def has_hsx_metadata(self) -> bool:
         return self.metadata.get("format") == FORMAT_NAME
 
@@ -376,12 +434,21 @@ def request_metadata(spec_metadata: dict[str, str], *, request_id: str, num_toke
     return metadata
 
 
+def extra_row_entries(spec: HiddenStatesSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape of one row) of the per-token tensors an engine hands the connector beside token_ids
+    and hidden_states for files of `spec` (a top-k target's), in file order."""
+    if spec.top_k is None:
+        return {}
+    return {TARGET_TOPK_IDS: (TOPK_IDS_DTYPE, (spec.top_k,)), TARGET_TOPK_LOGPROBS: (TOPK_LOGPROBS_DTYPE, (spec.top_k,))}
+
+
 def file_entries(spec: HiddenStatesSpec, num_tokens: int, *, loss_mask: bool) -> dict[str, tuple[torch.dtype, tuple]]:
     """name -> (dtype, shape) of the tensors of a file of `num_tokens` rows, in the order the connector writes them."""
     entries = {TOKEN_IDS: (torch.int64, (num_tokens,)),
                HIDDEN_STATES: (spec.stored_torch_dtype, (num_tokens, len(spec.layer_ids), spec.hidden_size))}
     if spec.scaled:
         entries[HIDDEN_STATES_SCALES] = (torch.float32, (num_tokens, len(spec.layer_ids), 1))
+    entries.update({name: (dtype, (num_tokens, *row)) for name, (dtype, row) in extra_row_entries(spec).items()})
     if loss_mask:
         entries[LOSS_MASK] = (torch.uint8, (num_tokens,))
     return entries
@@ -534,12 +601,22 @@ def _check_header(path: str, header: object, header_len: int, total_size: int) -
         if tensors[HIDDEN_STATES].dtype.itemsize != 1:
             raise _bad(path, f"hidden_states_scales beside {tensors[HIDDEN_STATES].dtype} hidden_states; scales go "
                              "with fp8 states only")
-    _check_metadata(path, metadata, tensors[HIDDEN_STATES])
+    if TARGET_TOPK_IDS in tensors or TARGET_TOPK_LOGPROBS in tensors:
+        ids_e, lp_e = tensors.get(TARGET_TOPK_IDS), tensors.get(TARGET_TOPK_LOGPROBS)
+        if ids_e is None or lp_e is None:
+            raise _bad(path, f"{TARGET_TOPK_IDS} and {TARGET_TOPK_LOGPROBS} come together; the file has one of them")
+        k = ids_e.shape[1] if len(ids_e.shape) == 2 else -1
+        if (ids_e.shape != (hs[0], k) or lp_e.shape != ids_e.shape or k < 1 or ids_e.dtype != TOPK_IDS_DTYPE
+                or lp_e.dtype != TOPK_LOGPROBS_DTYPE):
+            raise _bad(path, f"top-k target tensors are {ids_e.dtype} {_short(list(ids_e.shape))} and {lp_e.dtype} "
+                             f"{_short(list(lp_e.shape))}; expected int32 and float32 [{hs[0]}, K], K >= 1")
+    _check_metadata(path, metadata, tensors)
     return HiddenStatesFileInfo(path, tensors, dict(metadata), total_size)
 
 
-def _check_metadata(path: str, metadata: dict[str, str], hidden: TensorEntry) -> None:
+def _check_metadata(path: str, metadata: dict[str, str], tensors: dict[str, TensorEntry]) -> None:
     """The metadata keys readers interpret must agree with the tensors they describe."""
+    hidden = tensors[HIDDEN_STATES]
     t, num_layers, hidden_size = hidden.shape
     if "layer_ids" in metadata:
         ids = _decode_json(path, metadata["layer_ids"].encode(), "metadata 'layer_ids'")
@@ -559,6 +636,10 @@ def _check_metadata(path: str, metadata: dict[str, str], hidden: TensorEntry) ->
         if "num_tokens" in metadata and metadata["num_tokens"] != str(t):
             raise _bad(path, f"metadata says num_tokens {_short(metadata['num_tokens'])} but hidden_states holds {t} "
                              "rows")
+        k = tensors[TARGET_TOPK_IDS].shape[1] if TARGET_TOPK_IDS in tensors else None
+        if spec.top_k != k:
+            raise _bad(path, f"metadata says target {spec.target or 'states'!r} but the file holds "
+                             f"{'no top-k tensors' if k is None else f'top-{k} tensors'}")
     checksum = metadata.get(CHECKSUM_KEY)
     if checksum is not None and checksum.startswith(f"{CHECKSUM_ALGORITHM}:") and not _CHECKSUM_RE.fullmatch(checksum):
         raise _bad(path, f"metadata checksum {_short(checksum)} is malformed; expected "

@@ -114,3 +114,16 @@ def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | Non
         layer = int(zero.nonzero()[0])
         return f"{which(layer)} is all zeros over all {first} tokens"
     return None
+
+
+def logprob_problem(chunks: Sequence[torch.Tensor]) -> str | None:
+    """Why a top-k target's log-probabilities, given as chunks [t_i, K] along the token axis, must not be committed:
+    the first NaN or Inf (a log_softmax of finite logits is finite), else None."""
+    first = 0
+    for chunk in chunks:
+        finite = torch.isfinite(chunk)
+        if not bool(finite.all()):
+            t, rank = (~finite).nonzero()[0].tolist()
+            return f"non-finite target log-probability ({chunk[t, rank].item()}) at token {first + t}, rank {rank}"
+        first += chunk.shape[0]
+    return None

@@ -1,7 +1,8 @@
 """Reading hidden-states files from any fsspec URL: whole, a token range, a layer subset, or the header alone.
 
     load_hidden_states(path, ..., verify=False, dtype=None)
-                                      -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored};
+                                      -> {"token_ids" [T], "hidden_states" [T, L, H], "loss_mask" [T] if stored,
+                                         "target_topk_ids" / "target_topk_logprobs" [T, K] in a top-k target run};
                                          fp8 states (hidden_states_scales beside them) come back dequantized
     read_rows(fs, path, max_rows)     -> (HiddenStatesFileInfo, {name: the leading rows}), checksum checked: the
                                          training feed's read (local files memory-mapped)
@@ -37,6 +38,8 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesFileError,
     HiddenStatesFileInfo,
@@ -52,6 +55,8 @@ from connectors.format import (
 from connectors.quant import dequantize as dequantize_states
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
+ROW_TENSORS = (TOKEN_IDS, HIDDEN_STATES, HIDDEN_STATES_SCALES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, LOSS_MASK)
+"""The tensors of a file with one row per token, which a token range reads a slice of."""
 # verify streams the data region in blocks of about this many bytes (whole rows of each tensor)
 SCAN_BLOCK_BYTES = 16 << 20
 
@@ -208,8 +213,8 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                    the file records (float32 for a file without hsx metadata, e.g. speculators').
     dequantize:    False returns fp8 states as stored, with their hidden_states_scales (layers selected alike).
 
-    A whole load returns every tensor of the file; a token range returns token_ids, hidden_states and loss_mask (and
-    only the scales of those rows). Either way scaled states come back as values, the scales dropped, unless
+    A whole load returns every tensor of the file; a token range returns those rows of every per-token tensor
+    (token_ids, hidden_states, loss_mask, a top-k target's tensors, and only the scales of those rows). Either way scaled states come back as values, the scales dropped, unless
     `dequantize=False`.
     """
     fs, p = storage.open_url(path, storage_options)
@@ -248,7 +253,7 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
 def _read_token_range(info: HiddenStatesFileInfo, read, token_range: tuple[int, int]) -> dict[str, torch.Tensor]:
     start, end, _ = slice(*token_range).indices(info.num_tokens)
     end = max(start, end)
-    names = [n for n in (TOKEN_IDS, HIDDEN_STATES, HIDDEN_STATES_SCALES, LOSS_MASK) if n in info.tensors]
+    names = [n for n in ROW_TENSORS if n in info.tensors]
     entries = [info.tensors[n] for n in names]
     starts = [e.start + start * e.row_bytes for e in entries]
     ends = [e.start + end * e.row_bytes for e in entries]
@@ -262,8 +267,8 @@ def verify_hidden_states(path: str, *, storage_options: dict | None = None,
     """Read the whole file and check it; return its info, or raise HiddenStatesFileError saying what is wrong.
 
     Checks: the header (as every read does), the data against the header's checksum (files without one, such as
-    vLLM's, have none to check: `info.checksum` is None), and that hidden_states holds no NaN or Inf (the first one
-    is reported by token and layer position). Memory stays bounded: the data is streamed in blocks.
+    vLLM's, have none to check: `info.checksum` is None), and that hidden_states (and a top-k target's
+    log-probabilities) hold no NaN or Inf (the first one is reported by token and layer position, or rank). Memory stays bounded: the data is streamed in blocks.
     """
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
@@ -277,7 +282,7 @@ def _scan(info: HiddenStatesFileInfo, read, *, finite: bool) -> None:
     """Stream the whole data region in file order: check the checksum, then (if `finite`) that hidden_states is
     finite. A damaged file is reported as damaged before any NaN its damage may have made."""
     hasher = data_hasher()
-    first_bad: tuple[int, int] | None = None
+    first_bad: tuple[str, int, int] | None = None
     for e in sorted(info.tensors.values(), key=lambda e: (e.start, e.end)):
         if e.end == e.start:
             continue
@@ -286,26 +291,30 @@ def _scan(info: HiddenStatesFileInfo, read, *, finite: bool) -> None:
             b = min(a + step, e.end)
             blob = _exact(info.path, read([a], [b])[0], b - a)
             hasher.update(blob)
-            if finite and first_bad is None and e.name == HIDDEN_STATES and e.dtype.is_floating_point:
+            if finite and first_bad is None and e.name in (HIDDEN_STATES, TARGET_TOPK_LOGPROBS) \
+                    and e.dtype.is_floating_point:
                 first_bad = _first_non_finite(blob, e, (a - e.start) // e.row_bytes)
     check_checksum(info, checksum_value(hasher))
     if first_bad is not None:
-        t, layer = first_bad
+        name, t, j = first_bad
         ids = info.layer_ids
-        which = f"layer {layer} (hidden-state id {ids[layer]})" if ids else f"layer {layer}"
-        raise HiddenStatesFileError(info.path, f"non-finite values (NaN or Inf) at token {t}, {which} of hidden_states "
-                                               "[T, L, H]; the data is intact (checksum matches) but the model produced "
-                                               "them: check the model and dtype (fp16 overflows?), then re-extract")
+        which = (f"layer {j} (hidden-state id {ids[j]}) of hidden_states [T, L, H]" if ids else
+                 f"layer {j} of hidden_states [T, L, H]") if name == HIDDEN_STATES else \
+            f"rank {j} of {TARGET_TOPK_LOGPROBS} [T, K]"
+        raise HiddenStatesFileError(info.path, f"non-finite values (NaN or Inf) at token {t}, {which}; the data is "
+                                               "intact (checksum matches) but the model produced them: check the "
+                                               "model and dtype (fp16 overflows?), then re-extract")
 
 
-def _first_non_finite(blob: bytes, entry: TensorEntry, first_row: int) -> tuple[int, int] | None:
-    """(token, layer position) of the first NaN/Inf in rows of hidden_states [t, L, H] given as raw bytes."""
-    rows = tensor_from_bytes(bytearray(blob), entry, len(blob) // entry.row_bytes)  # [t, L, H]
+def _first_non_finite(blob: bytes, entry: TensorEntry, first_row: int) -> tuple[str, int, int] | None:
+    """(name, token, position along dim 1) of the first NaN/Inf in rows of `entry` ([t, L, H] hidden_states, [t, K]
+    log-probabilities) given as raw bytes."""
+    rows = tensor_from_bytes(bytearray(blob), entry, len(blob) // entry.row_bytes)
     finite = torch.isfinite(rows.float() if rows.element_size() == 1 else rows)  # float8 has no isfinite of its own
     if bool(finite.all()):
         return None
-    t, layer, _ = (~finite).nonzero()[0].tolist()
-    return first_row + t, layer
+    t, j = (~finite).nonzero()[0].tolist()[:2]
+    return entry.name, first_row + t, j
 
 
 def cleanup_hidden_states(path: str, keep_hidden_states: bool = False, *,

@@ -191,7 +191,9 @@ class Sampling:
 
 # the file spec's fields, read through RunSpec as its own (spec.layer_ids, spec.dtype, ...) and stored flat in JSON
 FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model", "model_revision",
-               "last_layer_normalized", "storage_dtype")
+               "last_layer_normalized", "storage_dtype", "target")
+_OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
+"""Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
 
 
@@ -267,6 +269,11 @@ class RunSpec:
     def torch_dtype(self):
         return self.files.torch_dtype
 
+    @property
+    def target_top_k(self) -> int | None:
+        """K of a top-k target run (`HiddenStatesSpec.top_k`); None for a run that stores the states."""
+        return self.files.top_k
+
     def data_path(self, sample_id: str) -> str:
         return data_path(sample_id, self.data_layout)
 
@@ -281,8 +288,8 @@ class RunSpec:
                                "file_format": FORMAT_NAME, "file_format_version": FORMAT_VERSION}
         for name in FILE_FIELDS:
             value = getattr(self.files, name)
-            if name == "storage_dtype" and not value:
-                continue  # written only when it differs from dtype: run.json of model-dtype runs stays as it was
+            if name in _OMITTED_WHEN_EMPTY and not value:
+                continue
             doc[name] = list(value) if isinstance(value, tuple) else value
         doc["architecture"] = self.architecture
         for f in dataclasses.fields(self):

@@ -38,12 +38,14 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesSpec,
+    extra_row_entries,
     request_metadata,
 )
 from connectors.paths import Destination, PathOwners, PathPolicy
-from connectors.quant import MODEL, BadStates, check_storage_dtype, quantize, state_problem
+from connectors.quant import MODEL, BadStates, check_storage_dtype, logprob_problem, quantize, state_problem
 from connectors.writer import BackgroundWriter
 
 __all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
@@ -127,6 +129,8 @@ class _Pending:
     """Record the file as this request's once durable: a custom path without overwrite=True (see PathOwners)."""
     token_chunks: list[torch.Tensor] = field(default_factory=list)
     state_chunks: list[torch.Tensor] = field(default_factory=list)
+    extra_chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """The further per-token tensors of the spec's files (a top-k target's), chunk by chunk."""
 
 
 def _buffers(tensors) -> dict[tuple, int]:
@@ -158,6 +162,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         self._lock = threading.Lock()
         self._spec_metadata = spec.to_metadata()
         self._dtype = spec.torch_dtype
+        self._extra_rows = extra_row_entries(spec)  # name -> (dtype, row shape): a top-k target's tensors
 
     @property
     def peak_bytes_in_flight(self) -> int:
@@ -193,7 +198,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             raise KeyError(f"request {request_id!r} is not in flight: call start_request first (a request whose "
                            "start_request raised, or that already finished, takes no rows)") from None
 
-    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor,
+                           extra: Mapping[str, torch.Tensor] | None = None) -> None:
         pending = self._pending(request_id)
         num_layers, hidden_size = len(self.spec.layer_ids), self.spec.hidden_size
         if (hidden_states.dim() != 3 or hidden_states.shape[0] != token_ids.reshape(-1).shape[0]
@@ -204,8 +210,19 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         if hidden_states.dtype != self._dtype:
             raise ValueError(f"request {request_id}: hidden_states are {hidden_states.dtype}, but the spec (and so "
                              f"every file's metadata) says {self.spec.dtype}; capture in the spec's dtype")
+        extra = dict(extra or {})
+        if set(extra) != set(self._extra_rows):
+            raise ValueError(f"request {request_id}: got extra rows {sorted(extra)}, but the spec's files carry "
+                             f"{sorted(self._extra_rows) or 'none'} (target {self.spec.target or 'states'!r})")
+        for name, (dtype, row) in self._extra_rows.items():
+            got = extra[name]
+            if got.dtype != dtype or tuple(got.shape) != (hidden_states.shape[0], *row):
+                raise ValueError(f"request {request_id}: {name} is {got.dtype} {list(got.shape)}, expected {dtype} "
+                                 f"{[hidden_states.shape[0], *row]} (one row per token)")
         pending.token_chunks.append(token_ids.reshape(-1).to(torch.int64))
         pending.state_chunks.append(hidden_states)
+        for name in self._extra_rows:
+            pending.extra_chunks.setdefault(name, []).append(extra[name])
 
     def request_finished(self, request_id: str) -> dict[str, Any]:
         with self._lock:
@@ -217,6 +234,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             torch.empty(0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)]
         num_tokens = sum(c.shape[0] for c in token_chunks)
         tensors: dict[str, list[torch.Tensor]] = {TOKEN_IDS: token_chunks, HIDDEN_STATES: state_chunks}
+        for name, (dtype, row) in self._extra_rows.items():
+            tensors[name] = pending.extra_chunks.get(name) or [torch.empty(0, *row, dtype=dtype)]
         info = pending.info
         if info.loss_mask is not None:
             extra = max(0, num_tokens - info.num_prompt_tokens)
@@ -257,6 +276,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         states = tensors[HIDDEN_STATES]
         if self.extra_config.check_states:
             problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS])
+            if problem is None and TARGET_TOPK_LOGPROBS in tensors:
+                problem = logprob_problem(tensors[TARGET_TOPK_LOGPROBS])
             if problem is not None:
                 raise BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these "
                                 "states: check the model and --dtype (fp16 overflows?) before re-extracting")
@@ -266,7 +287,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         out = {TOKEN_IDS: tensors[TOKEN_IDS], HIDDEN_STATES: [q for q, _ in pairs]}
         if self.spec.scaled:
             out[HIDDEN_STATES_SCALES] = [scale for _, scale in pairs]
-        out.update({k: v for k, v in tensors.items() if k not in out})
+        out.update({k: v for k, v in tensors.items() if k not in out})  # file order: the top-k target, loss_mask
         return out
 
     def _write_file(self, dest: Destination, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from extractor.norm import FinalNorm
 
 
@@ -112,6 +113,18 @@ class TargetHead:
             return x @ self.lm_head.to(x.device, x.dtype).T
 
 
+def topk_distribution(ids: torch.Tensor, logprobs: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """A top-k target's distribution over a vocabulary of `size` (a draft vocabulary, or the whole one): ids /
+    logprobs [M, K] (target ids and their log-probabilities), index [V] the position of each target id in that
+    vocabulary (-1: not in it) -> [M, size] probabilities, renormalised over the top-K tokens the vocabulary holds
+    (all zeros in a row none of whose K tokens it holds: such a row teaches nothing)."""
+    pos = index[ids]  # [M, K]
+    probs = logprobs.float().exp() * (pos >= 0)  # [M, K]
+    out = torch.zeros((ids.shape[0], size), dtype=torch.float32, device=ids.device)
+    out.scatter_add_(1, pos.clamp(min=0), probs)
+    return out / out.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+
+
 @dataclass
 class DrafterBatch:
     """One packed training batch (R rows of S tokens; several samples back to back per row)."""
@@ -122,6 +135,9 @@ class DrafterBatch:
     position_ids: torch.Tensor  # [R, S] int64, restarting at 0 at each sample
     document_ids: torch.Tensor  # [R, S] int64, -1 on padding
     layer_ids: tuple[int, ...]  # vLLM ids of hidden_states' L axis
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A top-k target run's stand-in for layer N: (ids [R, S, K] int64, log-probabilities [R, S, K] float32), the
+    target's K most likely tokens after x_t, best first; None when the run stores layer N itself."""
 
     @classmethod
     def from_packed(cls, batch: Mapping[str, Any], layer_ids: tuple[int, ...]) -> DrafterBatch:
@@ -129,13 +145,17 @@ class DrafterBatch:
         if "hidden_states" not in batch:
             raise ValueError(f"the batch has no hidden_states (keys {sorted(batch)}); open the dataset with layout "
                              "'raw' for drafter training")
+        topk = None
+        if TARGET_TOPK_IDS in batch:
+            topk = (batch[TARGET_TOPK_IDS].long(), batch[TARGET_TOPK_LOGPROBS])
         return cls(batch["input_ids"], batch["hidden_states"], batch["loss_mask"].bool(), batch["position_ids"],
-                   batch["document_ids"], tuple(layer_ids))
+                   batch["document_ids"], tuple(layer_ids), topk)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
         hs = self.hidden_states.to(device, dtype) if dtype is not None else self.hidden_states.to(device)
+        topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)  # float32 kept
         return DrafterBatch(self.input_ids.to(device), hs, self.loss_mask.to(device), self.position_ids.to(device),
-                            self.document_ids.to(device), self.layer_ids)
+                            self.document_ids.to(device), self.layer_ids, topk)
 
     def layer(self, layer_id: int) -> torch.Tensor:
         """[R, S, H] the states of one stored layer id."""
@@ -188,6 +208,10 @@ class Drafter(nn.Module, ABC):
 
     kind: ClassVar[str]
     """"eagle3" | "medusa" | "mlp_speculator": the speculative_config method that decodes with it."""
+    reads_topk_target: ClassVar[bool] = False
+    """Whether it trains on a top-k target run (`hsx run --target top_k:K`: the target's top-K next-token
+    log-probabilities kept in place of layer N, in DrafterBatch.target_topk). Families that read layer N's state
+    itself (as an input, or for the target's full distribution) leave it False and such runs are refused."""
 
     @classmethod
     @abstractmethod

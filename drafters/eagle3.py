@@ -13,6 +13,9 @@
     save_pretrained / from_pretrained   the speculators checkpoint vLLM's eagle3 method serves
     FAMILY                       EAGLE-3 in the drafter registry; its proposer is drafters/eagle3_proposer.py
 
+A top-k target run (`--target top_k:K`) trains the same way: the teacher is the stored top-K distribution
+(renormalised over the top-K tokens in the draft vocabulary) instead of the target's head on layer N.
+
 Test-time training (EAGLE-3 paper, sec. 3): chain t starts from the target's states. Step 0 reads
 (fc(aux of x_t), embed x_{t+1}) at position t and predicts x_{t+2}; step s >= 1 reads the drafter's own previous
 output of the same chain in place of the fused state, with embed x_{t+1+s}, at position t+s, and predicts
@@ -35,7 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.base import (
+    WEIGHTS_NAME,
+    Drafter,
+    DrafterBatch,
+    StepResult,
+    TargetHead,
+    topk_distribution,
+    write_checkpoint,
+)
 from drafters.registry import Family
 from drafters.vocab import DraftVocab, build_draft_vocab
 
@@ -134,9 +145,10 @@ def one_document_per_row(batch: DrafterBatch) -> DrafterBatch:
         out[group, offset] = x[valid]
         return out
 
+    topk = None if batch.target_topk is None else tuple(scatter(t, 0) for t in batch.target_topk)
     return DrafterBatch(scatter(batch.input_ids, 0), scatter(batch.hidden_states, 0), scatter(batch.loss_mask, False),
                         scatter(batch.position_ids, 0), scatter(torch.zeros_like(batch.document_ids), -1),
-                        batch.layer_ids)
+                        batch.layer_ids, topk)
 
 
 def _attention_ready(layer_config):
@@ -181,6 +193,7 @@ class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model (see the module docstring for its parts and training)."""
 
     kind = "eagle3"
+    reads_topk_target = True
 
     def __init__(self, config: Eagle3Config, layer_config, aux_layer_ids: Sequence[int], target_hidden_size: int,
                  num_speculative_tokens: int = 3, verifier: str = "", verifier_architectures: Sequence[str] = ()
@@ -228,7 +241,8 @@ class Eagle3Drafter(Drafter):
         if not aux:
             raise ValueError(f"EAGLE-3 fuses the states of aux layers, but the run stores only layers {list(stored)}; "
                              f"re-extract with aux layers, e.g. --layers {suggestion}")
-        missing = [i for i in (*aux, n) if i not in stored]
+        have = (*stored, n) if run_spec.target_top_k is not None else stored  # a top-k target stands in for N
+        missing = [i for i in (*aux, n) if i not in have]
         if missing:
             raise ValueError(f"EAGLE-3 needs layers {list(dict.fromkeys((*aux, n)))} but the run stores "
                              f"{list(stored)} (missing {missing}); re-extract with --layers {suggestion} or pass "
@@ -278,6 +292,12 @@ class Eagle3Drafter(Drafter):
     def draft_ids(self) -> torch.Tensor:
         """[D] int64 the target id of each draft-vocabulary entry."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def _draft_index(self) -> torch.Tensor:
+        """[V] int64 each target id's position in the draft vocabulary, -1 where it has none."""
+        index = torch.full((self.t2d.numel(),), -1, dtype=torch.long, device=self.d2t.device)
+        index[self.draft_ids] = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return index
 
     # -- the model ----------------------------------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
@@ -330,16 +350,24 @@ class Eagle3Drafter(Drafter):
 
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         batch = one_document_per_row(batch)  # the same result; attention costs G*L^2 instead of R*S^2
-        n = max(batch.layer_ids)
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         with torch.no_grad():  # the target's prediction at u of x_{u+1}, only where x_{u+1} is trained
             need = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
-            t_logits = target.logits(batch.layer(n)[need]).float()  # [M, V]
             greedy = torch.zeros(need.shape, dtype=torch.long, device=need.device)  # [R, S] the target's token
-            greedy[need] = t_logits.argmax(-1)
             teacher = torch.zeros((*need.shape, self.lm_head.out_features), device=need.device)  # [R, S, D]
-            teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
-        del t_logits
+            if batch.target_topk is not None:  # a top-k target run: the stored top-K tokens, best first
+                ids, logprobs = (t[need] for t in batch.target_topk)  # [M, K]
+                greedy[need] = ids[:, 0]
+                teacher[need] = topk_distribution(ids, logprobs, self._draft_index(), self.lm_head.out_features)
+            else:
+                n = max(batch.layer_ids)
+                if n in self.aux_layer_ids:
+                    raise ValueError(f"the batch holds layers {list(batch.layer_ids)} and no top-k target: nothing "
+                                     "stands for the last layer N the teacher reads")
+                t_logits = target.logits(batch.layer(n)[need]).float()  # [M, V] from layer N
+                greedy[need] = t_logits.argmax(-1)
+                teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
+                del t_logits
         steps = self.config.ttt_steps
         loss = torch.zeros((), dtype=torch.float32, device=aux.device)
         correct = torch.zeros(steps, dtype=torch.long)

@@ -14,6 +14,7 @@
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
     methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)
     norm.py         FinalNorm: the target's final norm (transformers' own module, weights from the checkpoint)
+    topk.py         TopK: a top-k target's ids and log-probabilities from the last layer (the model's own modules)
     verification.py which drafted tokens the target keeps (greedy match, speculative rejection sampling)
     metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
     layers.py       layer-id semantics, the capture hooks, early exit

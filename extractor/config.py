@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.format import check_layer_ids
+from connectors.format import check_layer_ids, check_target
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORED_DTYPES = DTYPES[1:]
@@ -104,10 +104,17 @@ class EngineConfig:
     """Allow custom modelling code from the model folder."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (ngram or draft_model); None = plain decoding. Such an engine writes no hidden states."""
+    target: str = ""
+    """What the files keep of the last layer N: "" / "states" = its state when layer_ids list it, or "top_k:K" = the
+    target's top-K next-token log-probabilities (N through the final norm and lm_head) in its place (EAGLE-3)."""
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model is empty; pass a local model folder or a hub id")
+        object.__setattr__(self, "target", check_target(self.target))
+        if self.speculative is not None and self.target:
+            raise ValueError(f"target {self.target!r} with speculative method {self.speculative.method!r}: a speculative "
+                             "engine writes no files; set the target on the extraction engine")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be an extractor.SpeculativeConfig, got {type(self.speculative).__name__}")
         if self.speculative is not None and self.layer_ids is not None:

@@ -91,7 +91,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, device: str | None = None, attn_implementation: str | None = None,
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
-                 **unsupported: Any) -> None:
+                 target: str = "", **unsupported: Any) -> None:
         cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
                   (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
         if cannot:
@@ -99,7 +99,8 @@ class LLM:
                                for k, v in sorted(cannot.items()))
             raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
-                            "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code "
+                            "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
+                            "target "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
@@ -108,7 +109,7 @@ class LLM:
         config = EngineConfig(
             model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
-            tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative,
+            tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 

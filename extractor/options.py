@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.format import check_layer_ids
+from connectors.format import check_layer_ids, check_target
 from connectors.quant import check_storage_dtype
 from connectors.storage import parse_storage_options
 from extractor.config import EngineConfig, canonical_dtype
@@ -75,6 +75,10 @@ class EngineOptions:
     storage_dtype: str = "model"
     """How hidden states are stored: model (the model dtype), bfloat16, float16, float32, or fp8 (float8_e4m3fn with
     a float32 scale per token and layer: about half of bf16's bytes). Readers give back the model dtype."""
+    target: str = "states"
+    """What is kept of the last layer N: states (its hidden state, when --layers lists it), or top_k:K (the target's
+    K most likely next tokens and their log-probabilities in its place, all EAGLE-3 training reads of it: 64 tokens
+    cost 512 bytes a token against 2H for a bf16 layer; N is captured but not stored)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -82,6 +86,7 @@ class EngineOptions:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, flag="--dtype"))
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         object.__setattr__(self, "storage_dtype", check_storage_dtype(self.storage_dtype, flag="--storage-dtype"))
+        object.__setattr__(self, "target", check_target(self.target, flag="--target") or "states")
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -106,7 +111,12 @@ class EngineOptions:
         return flag_errors(self, EngineConfig, model=model or self.model, layer_ids=layer_ids or self.layers,
                            dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
                            device=device, attn_implementation=self.attn_implementation, revision=self.revision,
-                           trust_remote_code=self.trust_remote_code, **engine)
+                           trust_remote_code=self.trust_remote_code, target=self.engine_target, **engine)
+
+    @property
+    def engine_target(self) -> str:
+        """--target as the engine and the file spec take it ("" for states)."""
+        return check_target(self.target)
 
     def connector_settings(self) -> dict[str, Any]:
         """kv_connector_extra_config of the connector writing to --output (custom paths honoured under it)."""

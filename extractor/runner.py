@@ -2,9 +2,12 @@
 
     ModelRunner(config)
     prefill(rows, chunk_size, want_logits, keep_cache, on_chunk) -> (logits [B, V] | None, BatchState)
-    decode(state, tokens, capture) -> (logits [B, V], states [B, 1, L, H] | None)
+    decode(state, tokens, capture) -> (logits [B, V], Captured [B, 1, ...] | None)
     extend(state, rows, capture) -> (logits [B, W, V], states [B, W, L, H] | None)   several new tokens per row
-    set_capture(layer_ids)                       the layers captured from now on (none: prefill hands on no states)
+    set_capture(layer_ids, top_k=)               the layers captured from now on (none: prefill hands on no states);
+                                                 top_k: the last of them becomes a top-k target (extractor.topk)
+    Captured                                     one forward's captured rows: states [B, S, L, H] and the top-k
+                                                 target's [B, S, K] tensors (Captured.row(b, lo, hi) for one row)
     BatchState.rollback(row, n)                  forget a row's last n tokens (rejected drafts)
     BatchState.merge(other) / compact()          continuous batching: add rows; squeeze masked columns out
 
@@ -38,12 +41,26 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.format import check_layer_ids
+from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, check_layer_ids
 from extractor.config import EngineConfig
 from extractor.facts import target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
+from extractor.topk import TopK
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What one forward captured for the connector: the stored layers' states and the extra per-token tensors the
+    files carry (a top-k target's ids and log-probabilities), all [B, S, ...] on one device."""
+
+    states: torch.Tensor  # [B, S, L, H]
+    extra: dict[str, torch.Tensor]  # name -> [B, S, K]
+
+    def row(self, b: int, lo: int, hi: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Row b's columns [lo, hi): (states [hi - lo, L, H], {name: [hi - lo, ...]})."""
+        return self.states[b, lo:hi], {name: t[b, lo:hi] for name, t in self.extra.items()}
 
 
 @dataclass
@@ -221,7 +238,8 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
                                                trust_remote_code=config.trust_remote_code)
         self.facts = target_facts(hf_config, model=config.model, revision=config.revision,
-                                  layer_ids=config.layer_ids, dtype=config.dtype, max_model_len=config.max_model_len)
+                                  layer_ids=config.layer_ids, dtype=config.dtype, max_model_len=config.max_model_len,
+                                  target=config.target)
         dtype = getattr(torch, self.facts.dtype)
         if self.device.type == "cpu" and dtype == torch.float16:
             logger.warning("float16 on CPU is slow and lossy; consider dtype='bfloat16' or 'float32'")
@@ -237,7 +255,8 @@ class ModelRunner:
         self.num_hidden_layers, self.hidden_size = self.facts.num_hidden_layers, self.facts.hidden_size
         self.layer_ids = self.facts.layer_ids
         self.capture: LayerCapture | None = None
-        self.set_capture(self.layer_ids)
+        self._top_k: TopK | None = None
+        self.set_capture(self.facts.capture_layer_ids, top_k=self.facts.top_k)
         self.base = self.model.base_model
         self.max_model_len = self.facts.max_model_len
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
@@ -246,14 +265,32 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
 
-    def set_capture(self, layer_ids: tuple[int, ...]) -> None:
-        """Capture these layer ids from now on (empty: capture nothing; prefill hands on_chunk None)."""
+    def set_capture(self, layer_ids: tuple[int, ...], top_k: int | None = None) -> None:
+        """Capture these layer ids from now on (empty: capture nothing; prefill hands on_chunk None). With `top_k`,
+        the last id (N) is not handed on: its top-K next-token log-probabilities are, in its place."""
         if self.capture is not None:
             self.capture.close()
         self.capture = None
+        self._top_k = None
         if layer_ids:
             ids = check_layer_ids(layer_ids, self.num_hidden_layers)
+            if top_k is not None:
+                assert ids[-1] == self.num_hidden_layers, ids  # TargetFacts.capture_layer_ids puts N last
+                self._top_k = TopK.of_model(self.model, top_k)
             self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), ids)
+
+    def _captured(self, states: torch.Tensor, to_host: bool) -> Captured:
+        """Collected states [B, S, L(+1), H] as the connector takes them: a top-k target split off the last layer
+        (on the model's device), then on the CPU unless `to_host` is off."""
+        extra: dict[str, torch.Tensor] = {}
+        if self._top_k is not None:
+            ids, logprobs = self._top_k(states[:, :, -1])  # [B, S, K] each
+            states = states[:, :, :-1]
+            extra = {TARGET_TOPK_IDS: ids, TARGET_TOPK_LOGPROBS: logprobs}
+        if to_host:
+            states = self._to_host(states)
+            extra = {name: self._to_host(t) for name, t in extra.items()}
+        return Captured(states, extra)
 
     def close(self) -> None:
         if self.capture is not None:
@@ -304,6 +341,7 @@ class ModelRunner:
         """Copy captured states to CPU; from CUDA through pinned memory (a DMA copy, no pageable staging)."""
         if states.device.type == "cpu":
             return states
+        states = states.contiguous()  # a view (the stored layers beside a top-k target) copies as its own shape
         host = torch.empty(states.shape, dtype=states.dtype, pin_memory=states.device.type == "cuda")
         host.copy_(states, non_blocking=host.is_pinned())
         if host.is_pinned():
@@ -312,13 +350,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
-                on_chunk: Callable[[int, int, torch.Tensor | None, list[int]], None], to_host: bool = True
+                on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True
                 ) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
-        on_chunk(col_start, col_end, states, starts) gets states [B, col_end - col_start, L, H] (on the CPU, or on the
-        device with to_host=False; None when nothing is captured) for padded columns [col_start, col_end) of the
-        batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
+        on_chunk(col_start, col_end, captured, starts) gets Captured rows [B, col_end - col_start, ...] (on the CPU,
+        or on the device with to_host=False; None when nothing is captured) for padded columns [col_start, col_end)
+        of the batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
         Rows are left-padded when logits or the cache are wanted (decoding follows), right-padded otherwise.
         """
         width = max(len(r) for r in rows)
@@ -345,24 +383,21 @@ class ModelRunner:
             finally:
                 if capture is not None:
                     capture.end()
-            states = None
-            if capture is not None:
-                states = capture.collect()
-                states = self._to_host(states) if to_host else states
-            on_chunk(c0, c1, states, starts)
+            on_chunk(c0, c1, None if capture is None else self._captured(capture.collect(), to_host), starts)
         state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
         return logits, state
 
     @torch.inference_mode()
-    def decode(self, state: BatchState, tokens: list[int], capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step: feed each active row its newest token; return logits [B, V] and states [B, 1, L, H] (CPU)."""
+    def decode(self, state: BatchState, tokens: list[int], capture: bool) -> tuple[torch.Tensor, Captured | None]:
+        """One step: feed each active row its newest token; return logits [B, V] and, with `capture`, the captured
+        rows [B, 1, ...] (CPU)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.attention_mask[:, :1])], dim=1)
         inputs = {"input_ids": ids, "attention_mask": state.attention_mask,
                   "position_ids": state.next_position[:, None], "use_cache": True, self._cache_kw: state.cache}
         with self._capturing(capture):
             logits = self._logits(**inputs)
-            states = self.capture.collect().to("cpu") if capture else None
+            states = self._captured(self.capture.collect(), to_host=True) if capture else None
         state.next_position = state.next_position + 1
         return logits, states
 

@@ -24,7 +24,7 @@ from extractor.config import EngineConfig
 from extractor.metrics import SpecDecodingStats
 from extractor.proposers import Proposer
 from extractor.request import Request
-from extractor.runner import BatchState, ModelRunner, can_rearrange
+from extractor.runner import BatchState, Captured, ModelRunner, can_rearrange
 from extractor.sampling import sample_next
 from extractor.speculative import speculative_step
 from extractor.stopping import Stopping
@@ -115,19 +115,20 @@ class Scheduler:
         observe = self.proposer is not None and bool(self.proposer.capture_layer_ids)
         parts: list[list[torch.Tensor]] = [[] for _ in batch]
 
-        def on_chunk(c0: int, c1: int, states: torch.Tensor | None, starts: list[int]) -> None:
-            if states is None:  # states: [B, c1 - c0, L, H]
+        def on_chunk(c0: int, c1: int, captured: Captured | None, starts: list[int]) -> None:
+            if captured is None:  # captured.states: [B, c1 - c0, L, H]
                 return
             for b, r in enumerate(batch):
                 start, end = starts[b], starts[b] + len(r.prompt_token_ids)  # row b's columns
                 lo, hi = max(c0, start), min(c1, end)
                 if lo >= hi:
                     continue
+                states, extra = captured.row(b, lo - c0, hi - c0)
                 if observe:
-                    parts[b].append(states[b, lo - c0:hi - c0])
+                    parts[b].append(states)
                 else:
                     ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
-                    self.connector.save_hidden_states(r.request_id, ids, states[b, lo - c0:hi - c0])
+                    self.connector.save_hidden_states(r.request_id, ids, states, extra)
 
         rows = [r.prompt_token_ids for r in batch]
         logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
@@ -242,11 +243,12 @@ class Scheduler:
                              self.stopping, self.stats, self._emit)
             return
         capture = any(r.include_output_tokens for r in active)
-        logits, states = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
+        logits, captured = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
         if capture:
-            for b, r in enumerate(active):  # states[b]: [1, L, H], the rows of the token just fed
+            for b, r in enumerate(active):  # row b: [1, L, H], the token just fed
                 if r.include_output_tokens:
-                    self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]), states[b])
+                    self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]),
+                                                      *captured.row(b, 0, 1))
         tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
         for r, t in zip(active, tokens):
             self._emit(r, [t])

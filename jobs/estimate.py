@@ -42,6 +42,8 @@ class Estimate:
     layer_ids: list[int] = field(default_factory=list)
     hidden_size: int = 0
     dtype: str = ""
+    target: str = ""
+    """"top_k:K" when a top-k target stands in for the last layer (K ids and log-probabilities a token)."""
     failure_kinds: dict[str, int] = field(default_factory=dict)
     assumed_generated_tokens: int = 0
     """Generated tokens assumed per sample (upper bound), when they are stored."""
@@ -60,7 +62,8 @@ class Estimate:
                f"tokens:   {human_count(self.tokens)} ({self.tokens})",
                f"bytes:    {human_bytes(self.bytes)} ({self.bytes}); {self.bytes_per_token:.0f} bytes/token, largest "
                f"file {human_bytes(self.max_file_bytes)}",
-               f"layout:   layers {self.layer_ids} x hidden {self.hidden_size} in {self.dtype}"]
+               f"layout:   layers {self.layer_ids} x hidden {self.hidden_size} in {self.dtype}"
+               + (f" + a {self.target} target" if self.target else "")]
         if self.assumed_generated_tokens:
             out.append(f"note:     assumes every sample generates {self.assumed_generated_tokens} tokens (upper bound)")
         if self.failure_kinds:
@@ -99,6 +102,7 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     spec = facts.file_spec(config.storage_dtype)
     generated = max(config.max_tokens - 1, 0) if config.include_output_tokens else 0
     est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=spec.storage_dtype or facts.dtype,
+                   target=spec.target,
                    assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0)
     kinds: Counter[str] = Counter()
     seen: set[str] = set()

@@ -45,7 +45,8 @@ class ModelFacts(TargetFacts):
                              "a hub id that is already downloaded") from e
         # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
         f = target_facts(hf, model=model, revision=config.revision, layer_ids=config.layers, dtype=config.dtype,
-                         max_model_len=config.max_model_len, layers_flag="--layers")
+                         max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,
+                         target_flag="--target")
         max_len = f.max_model_len
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "

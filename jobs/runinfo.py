@@ -26,7 +26,7 @@ from jobs.model import ModelFacts
 IDENTITY = {
     "model": "--model", "model_revision": "--revision",
     "model_fingerprint": "--model (its weights, config or tokenizer changed since the run began)",
-    "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype",
+    "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype", "target": "--target",
     "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
     "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field",

@@ -229,6 +229,7 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
     import torch
     from transformers import AutoModelForCausalLM
 
+    from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
     from connectors.reader import load_hidden_states
     from extractor.layers import find_decoder_layers
     from extractor.norm import FinalNorm
@@ -256,14 +257,19 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
         handle = last_layer.register_forward_hook(keep_last)
         try:
             with torch.no_grad():
-                hs = model(ids[None].to(config.device), output_hidden_states=True).hidden_states
+                out = model(ids[None].to(config.device), output_hidden_states=True)
         finally:
             handle.remove()
+        hs = out.hidden_states
         diffs: dict[str, float] = {}
         for pos, layer in enumerate(spec.layer_ids):
             ref = (captured["n"] if layer == n and not spec.last_layer_normalized else hs[layer])[0].float().cpu()
             got = states[:, pos].float()
             diffs[str(layer)] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        if spec.target_top_k is not None:  # the model's own logits, against the stored top-K
+            diffs[TARGET_TOPK_LOGPROBS] = _topk_difference(out.logits[0].float().log_softmax(-1).cpu(),
+                                                           stored[TARGET_TOPK_IDS].long(),
+                                                           stored[TARGET_TOPK_LOGPROBS])
         entry = {"sample_id": row["sample_id"], "max_rel_diff": diffs, "tokens_checked": 0, "token_mismatches": 0}
         bad = [layer for layer, d in diffs.items() if not d <= report.tolerance]
         if bad:
@@ -276,6 +282,18 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
                 _fail(report, row, f"generated: {entry['token_mismatches']} of {entry['tokens_checked']} generated "
                                    "tokens are not what the stored last layer predicts", "generated")
         report.recomputed.append(entry)
+
+
+def _topk_difference(ref, ids, logprobs) -> float:
+    """How far a stored top-K target ([T, K] ids and log-probabilities) is from the reference log-probabilities
+    [T, V], relative to their largest magnitude: the larger of the stored values' own error, and how much better
+    than the stored K-th any token left out is (0 when the stored ids are the reference's top K, ties aside)."""
+    at_ids = ref.gather(-1, ids)  # [T, K] the reference's log-probabilities of the stored ids
+    scale = at_ids.abs().max().clamp_min(1e-12)
+    value_error = (at_ids - logprobs).abs().max()
+    left_out = ref.scatter(-1, ids, float("-inf")).amax(-1)  # [T] the best token not stored
+    rank_error = (left_out - at_ids.amin(-1)).clamp_min(0).max()
+    return float(max(value_error, rank_error) / scale) if ids.numel() else 0.0
 
 
 def _prompt_tokens(run: RunDir, row: dict) -> int:

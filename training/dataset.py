@@ -4,6 +4,9 @@
                                          raw:    input_ids [T], loss_mask [T], hidden_states [T, L, H]
                                          eagle3: input_ids [T], loss_mask [T],
                                                  aux_hidden_states [T, (L-1)*H], target_hidden_states [T, H]
+                                         a top-k target run (`--target top_k:K`) adds target_topk_ids [T, K] and
+                                         target_topk_logprobs [T, K] to both; its eagle3 items hold every stored
+                                         layer as aux_hidden_states [T, L*H] and no target_hidden_states
     ds.token_items()                   input_ids and loss_mask of every sample, reading only those two tensors (a
                                        tokens-only pass, e.g. EAGLE-3's draft vocabulary; checksums are checked
                                        when the items themselves are read)
@@ -50,6 +53,8 @@ from connectors.format import (
     HIDDEN_STATES,
     LAYER_ID_CONVENTION,
     LOSS_MASK,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesFileError,
     HiddenStatesFileInfo,
@@ -175,7 +180,10 @@ class HiddenStatesDataset(Dataset):
         self._run_of = np.repeat(np.arange(len(tables), dtype=np.int32), [t.num_rows for t in tables])
 
         info = self.run_info
-        if config.layout == "eagle3" and len(info.layer_ids) < 2:
+        self._top_k = info.target_top_k
+        self._names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) + (
+            (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if self._top_k is not None else ())
+        if config.layout == "eagle3" and self._top_k is None and len(info.layer_ids) < 2:
             raise ValueError(f"layout='eagle3' needs at least 2 stored layers (aux + target); the run stores "
                              f"{list(info.layer_ids)}. Use layout='raw'")
         self._norm: FinalNorm | None = None
@@ -225,12 +233,18 @@ class HiddenStatesDataset(Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
-        item, tensors = self._read(index, self.config.verify, (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK))  # input_ids, loss_mask [T]
+        item, tensors = self._read(index, self.config.verify, self._names)  # input_ids, loss_mask [T]
         states = tensors[HIDDEN_STATES]  # [T, L, H]
+        if self._top_k is not None:  # the target's top-K next tokens stand in for layer N
+            item[TARGET_TOPK_IDS] = tensors[TARGET_TOPK_IDS]  # [T, K] int32
+            item[TARGET_TOPK_LOGPROBS] = tensors[TARGET_TOPK_LOGPROBS]  # [T, K] float32
         if self.config.layout == "raw":
             if self._norm is not None:
                 states[:, -1] = self._norm(states[:, -1])
             item["hidden_states"] = states
+        elif self._top_k is not None:
+            t, n_layers, h = states.shape
+            item["aux_hidden_states"] = states.reshape(t, n_layers * h)  # [T, L*H]: every stored layer is aux
         else:
             t, n_layers, h = states.shape
             item["aux_hidden_states"] = states[:, :-1].reshape(t, (n_layers - 1) * h)  # [T, (L-1)*H]
@@ -330,6 +344,9 @@ def _describe(diff: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 def _load_norm(run: RunSpec, model_dir: str | None) -> FinalNorm:
+    if run.target_top_k is not None:
+        raise ValueError(f"normalize_last_layer: the run keeps a {run.target} target in place of layer "
+                         f"{run.num_hidden_layers}, so there is no last layer to normalise; drop the option")
     last = run.layer_ids[-1]
     if last != run.num_hidden_layers:
         raise ValueError(f"normalize_last_layer applies the final norm to id {run.num_hidden_layers} (the last "

@@ -288,6 +288,13 @@ def check_run(config: TrainDrafterConfig):
         raise ValueError(f"--run {config.run} stored layer {n} after the final norm; drafters apply the target's "
                          "final norm themselves and need it pre-norm (hsx's default) — re-extract without normalising")
     need = cls.required_layer_ids(n, None)
+    if spec.target_top_k is not None:
+        if not cls.reads_topk_target:
+            raise ValueError(f"--kind {config.kind} trains on the state of layer {n} itself, but --run {config.run} "
+                             f"keeps a {spec.target} target in its place (the target's top-{spec.target_top_k} "
+                             "next-token log-probabilities, which only EAGLE-3-style training reads); re-extract "
+                             f"with --target states and layer {n} in --layers for {config.kind}")
+        need = tuple(i for i in need if i != n)  # the top-k target stands in for N
     missing = [i for i in need if i not in spec.layer_ids]
     if missing:
         ids = ",".join(str(i) for i in sorted({*spec.layer_ids, *need}))
@@ -653,7 +660,8 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
                     continue
                 ids = list(packed["sample_id"])
                 batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
-                if not bool(torch.isfinite(batch.hidden_states).all()):  # finite as stored, not in --dtype
+                if not (bool(torch.isfinite(batch.hidden_states).all()) and (  # finite as stored, not in --dtype
+                        batch.target_topk is None or bool(torch.isfinite(batch.target_topk[1]).all()))):
                     if not config.skip_bad_samples:
                         raise TrainingStopped(f"training stopped at step {step + 1}: the states of samples "
                                               f"{ids[:4]} overflow --dtype {config.dtype}; train in bfloat16 or "

@@ -256,6 +256,45 @@ def test_an_fp8_run_records_its_storage_dtype_and_reads_back_within_fp8_error(ra
     assert "cannot resume" in err and "--storage-dtype" in err
 
 
+def test_a_topk_target_run_stores_the_aux_layers_and_the_models_top_k_and_resumes_only_with_the_same_target(
+        ray_cluster, tiny_llama, tmp_path, oracle_factory, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
+    from jobs.config import JobConfig
+    from jobs.estimate import estimate
+
+    records = [{"id": f"s{i}", "prompt": f"Sample {i} of the top-k test: " + "more words " * (3 * i)} for i in range(5)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", records)
+    output = str(tmp_path / "topk")
+    argv = ["run", "--model", tiny_llama, "--corpus", corpus, "--output", output, "--layers", "0,2,4",
+            "--storage-dtype", "fp8", "--target", "top_k:16", "--max-num-batched-tokens", "16", "--no-progress"]
+    est = estimate(JobConfig(model=tiny_llama, corpus=(corpus,), layers=(0, 2, 4), storage_dtype="fp8",
+                             target="top_k:16"))
+    assert main(argv) == EXIT_OK
+    run = json.load(open(os.path.join(output, "run.json")))
+    assert (run["target"], run["layer_ids"], run["storage_dtype"]) == ("top_k:16", [0, 2], "float8_e4m3fn")
+    rows = assert_exactly_once(output, {f"s{i}" for i in range(5)})
+    assert est.bytes == sum(r["bytes"] for r in rows.values())  # estimate sizes the top-k tensors exactly
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    oracle = oracle_factory(tiny_llama)
+    for row in rows.values():
+        got = load_hidden_states(os.path.join(output, row["path"]), verify=True)
+        with torch.no_grad():
+            top = model(got["token_ids"][None]).logits[0].float().log_softmax(-1).topk(16)
+        torch.testing.assert_close(got[TARGET_TOPK_LOGPROBS], top.values, rtol=1e-4, atol=1e-4)
+        assert (got[TARGET_TOPK_IDS].long() == top.indices).float().mean() > 0.99
+        expected = oracle.states(got["token_ids"].tolist(), [0, 2])
+        assert float((got["hidden_states"] - expected).norm() / expected.norm()) < 0.04
+    assert main(["verify", output, "--recompute", "2", "--no-mark"]) == EXIT_OK  # the top-K recomputed too
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # resuming with the states target would mix files
+        main([*argv[:-5], "--max-num-batched-tokens", "16", "--no-progress"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "--target" in err
+
+
 def test_planted_nan_inf_and_zero_states_each_end_as_a_failed_row_naming_token_and_layer(ray_cluster, tiny_llama,
                                                                                           tmp_path, capsys):
     """The model itself produces the bad states (as an overflow or a broken checkpoint would): token 7's embedding

@@ -30,6 +30,7 @@ class Sample:
     token_ids: torch.Tensor  # [T] int64
     hidden_states: torch.Tensor  # [T, L, H]
     loss_mask: torch.Tensor | None = None  # [T] 0/1
+    extra: dict[str, torch.Tensor] | None = None  # further per-token tensors (a top-k target's [T, K])
 
 # the oracle run's layers in the 4-layer tiny model: ids 1, 2 (aux) and 4 = N, the last decoder layer, stored pre-norm
 ORACLE_LAYERS = (1, 2, 4)
@@ -104,8 +105,11 @@ def write_run(output: str, samples: Sequence[Sample], spec: HiddenStatesSpec, *,
         connector.start_request(RequestInfo(request_id=rid, num_prompt_tokens=t, sample_id=s.sample_id,
                                             kv_transfer_params={"hidden_states_path": rel}, loss_mask=s.loss_mask))
         cut = t // 2  # two chunks, as a chunked prefill delivers them
-        connector.save_hidden_states(rid, s.token_ids[:cut], s.hidden_states[:cut])
-        connector.save_hidden_states(rid, s.token_ids[cut:], s.hidden_states[cut:])
+        extra = s.extra or {}
+        connector.save_hidden_states(rid, s.token_ids[:cut], s.hidden_states[:cut],
+                                     {k: v[:cut] for k, v in extra.items()} or None)
+        connector.save_hidden_states(rid, s.token_ids[cut:], s.hidden_states[cut:],
+                                     {k: v[cut:] for k, v in extra.items()} or None)
         connector.request_finished(rid)
         rows.append({"sample_id": s.sample_id, "path": rel, "num_tokens": t, "num_prompt_tokens": t,
                      "status": "ok", "error": None, "bytes": 0})
