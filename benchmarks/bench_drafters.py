@@ -147,10 +147,12 @@ def extract(model: str, corpus: str, output: str, layers: tuple[int, ...] | None
     return result
 
 
-def rewrite_run(src: str, dst: str, *, label_layer_ids: tuple[int, ...] | None = None, transform=None) -> int:
-    """Copy the committed samples of run `src` to a new run `dst` through the connector, each sample's states
-    [T, L, H] passed through `transform`, the files (and run.json) labelled `label_layer_ids` instead of their true
-    ids. Deliberately wrong data for the teeth: the labels no longer say what the numbers are."""
+def rewrite_run(src: str, dst: str, *, files=None, transform=None, storage_dtype: str = "") -> int:
+    """Copy the committed samples of run `src` to a new run `dst` through the connector: each sample's states
+    [T, L, H] passed through `transform` (returning the states, or (states, extra per-token rows) for a top-k
+    target), the files (and run.json) described by `files(source file spec)` instead of the source's spec, stored in
+    `storage_dtype`. The teeth use it for deliberately wrong data (labels that no longer say what the numbers are);
+    bench_storage_quality for one run stored several ways. Prompt and generated tokens stay as the source has them."""
     from connectors import KVTransferConfig, RequestInfo
     from connectors.reader import load_hidden_states, read_hidden_states_info
     from connectors.run import RunDir, new_attempt_id, ok_rows, read_run_spec, write_manifest_part, write_run_spec
@@ -159,23 +161,31 @@ def rewrite_run(src: str, dst: str, *, label_layer_ids: tuple[int, ...] | None =
         return -1  # made by an earlier invocation
     source = RunDir(src)
     spec = read_run_spec(source)
-    files = dataclasses.replace(spec.files, layer_ids=tuple(label_layer_ids)) if label_layer_ids else spec.files
+    spec_files = files(spec.files) if files is not None else spec.files
+    if storage_dtype:
+        spec_files = dataclasses.replace(spec_files, storage_dtype=storage_dtype)
     connector = KVTransferConfig(kv_connector_extra_config={
-        "shared_storage_path": dst, "allow_custom_save_path": True}).create_connector(files)
+        "shared_storage_path": dst, "allow_custom_save_path": True, "storage_dtype": storage_dtype or "model"}
+    ).create_connector(spec_files)
     rows = []
     for row in ok_rows(source).to_pylist():
         sample = load_hidden_states(source.url_of(row["path"]))
-        states = sample["hidden_states"]  # [T, L, H]
+        states, extra = sample["hidden_states"], None  # [T, L, H]
         if transform is not None:
             states = transform(states)
-        rid = row["sample_id"]
-        connector.start_request(RequestInfo(request_id=rid, num_prompt_tokens=int(states.shape[0]), sample_id=rid,
-                                            kv_transfer_params={"hidden_states_path": row["path"]},
-                                            loss_mask=sample.get("loss_mask")))
-        connector.save_hidden_states(rid, sample["token_ids"], states)
+            if isinstance(states, tuple):
+                states, extra = states
+        rid, t = row["sample_id"], int(states.shape[0])
+        prompt = int(read_hidden_states_info(source.url_of(row["path"])).metadata.get("num_prompt_tokens", t))
+        mask = sample.get("loss_mask")
+        connector.start_request(RequestInfo(request_id=rid, num_prompt_tokens=prompt, sample_id=rid,
+                                            kv_transfer_params={"hidden_states_path": row["path"],
+                                                                "include_output_tokens": prompt < t},
+                                            loss_mask=None if mask is None else mask[:prompt]))
+        connector.save_hidden_states(rid, sample["token_ids"], states, extra)
         connector.request_finished(rid)
-        rows.append({"sample_id": rid, "status": "ok", "path": row["path"], "num_tokens": int(states.shape[0]),
-                     "num_prompt_tokens": int(states.shape[0])})
+        rows.append({"sample_id": rid, "status": "ok", "path": row["path"], "num_tokens": t,
+                     "num_prompt_tokens": prompt})
     failures = connector.wait_for_save()
     connector.shutdown()
     if failures:
@@ -186,7 +196,7 @@ def rewrite_run(src: str, dst: str, *, label_layer_ids: tuple[int, ...] | None =
         row["checksum"] = read_hidden_states_info(path).checksum
     out = RunDir(dst)
     write_manifest_part(out, rows, new_attempt_id(), 0)
-    write_run_spec(out, dataclasses.replace(spec, files=files))  # last: a run without run.json is redone
+    write_run_spec(out, dataclasses.replace(spec, files=spec_files))  # last: a run without run.json is redone
     return len(rows)
 
 
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         extract(target.path, corpus, shifted_src, tuple(a - 1 for a in aux) + (n,), args.threads, args.regenerate)
         timings["extraction (shifted run)"] = time.perf_counter() - t0
         shifted = os.path.join(work, "run-aux-shifted-labelled-eagle3")
-        rewrite_run(shifted_src, shifted, label_layer_ids=aux + (n,))
+        rewrite_run(shifted_src, shifted, files=lambda f: dataclasses.replace(f, layer_ids=aux + (n,)))
         runs.update({"post-norm as pre-norm": post, "aux ids shifted by one": shifted})
 
     drafters, skipped, reports = [], {}, {}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_drafters import extract, target_config, write_corpus  # noqa: E402
+from benchmarks.bench_drafters import extract, rewrite_run, target_config, write_corpus  # noqa: E402
 
 FORMATS = {"bf16": ("bfloat16", ""), "fp8": ("float8_e4m3fn", ""), "fp8 + top-k 64": ("float8_e4m3fn", "top_k:64")}
 TARGET_WITHIN = 0.02
@@ -63,61 +63,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rewrite(src: str, dst: str, storage_dtype: str, target: str, model_dir: str) -> None:
-    """Run `src` (model dtype, layer N stored) rewritten into `dst` through the connector in `storage_dtype`, with
-    layer N replaced by its top-K target when `target` is "top_k:K"."""
+    """Run `src` (model dtype, layer N stored last) rewritten into `dst` (bench_drafters.rewrite_run) in
+    `storage_dtype`, with layer N replaced by its top-K target when `target` is "top_k:K": the target's own final
+    norm and lm_head on the stored layer, log_softmax in float32, as the engine computes it."""
     import dataclasses
 
     import torch
 
-    from connectors import KVTransferConfig, RequestInfo
-    from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
-    from connectors.reader import load_hidden_states, read_hidden_states_info
-    from connectors.run import RunDir, new_attempt_id, ok_rows, read_run_spec, write_manifest_part, write_run_spec
+    from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, target_top_k
     from drafters.base import TargetHead
 
-    if os.path.isfile(os.path.join(dst, "run.json")):
-        return
-    source = RunDir(src)
-    spec = read_run_spec(source)
-    n = spec.num_hidden_layers
-    keep = [i for i, layer in enumerate(spec.layer_ids) if not (target and layer == n)]
-    files = dataclasses.replace(spec.files, layer_ids=tuple(spec.layer_ids[i] for i in keep), target=target)
-    connector = KVTransferConfig(kv_connector_extra_config={
-        "shared_storage_path": dst, "allow_custom_save_path": True, "storage_dtype": storage_dtype}
-    ).create_connector(files)
-    head = TargetHead.from_model_dir(model_dir) if target else None
-    k = files.top_k
-    rows = []
-    for row in ok_rows(source).to_pylist():
-        sample = load_hidden_states(source.url_of(row["path"]))
-        states = sample["hidden_states"]  # [T, L, H]
-        extra = None
-        if head is not None:
-            with torch.no_grad():
-                top = head.logits(states[:, spec.layer_ids.index(n)]).float().log_softmax(-1).topk(k)
-            extra = {TARGET_TOPK_IDS: top.indices.to(torch.int32), TARGET_TOPK_LOGPROBS: top.values}
-        rid = row["sample_id"]
-        prompt = int(read_hidden_states_info(source.url_of(row["path"])).metadata["num_prompt_tokens"])
-        mask = sample.get("loss_mask")
-        connector.start_request(RequestInfo(request_id=rid, num_prompt_tokens=prompt, sample_id=rid,
-                                            kv_transfer_params={"hidden_states_path": row["path"],
-                                                                "include_output_tokens": True},
-                                            loss_mask=None if mask is None else mask[:prompt]))
-        connector.save_hidden_states(rid, sample["token_ids"], states[:, keep].contiguous(), extra)
-        connector.request_finished(rid)
-        rows.append({"sample_id": rid, "status": "ok", "path": row["path"], "num_tokens": int(states.shape[0]),
-                     "num_prompt_tokens": prompt})
-    failures = connector.wait_for_save()
-    connector.shutdown()
-    if failures:
-        raise RuntimeError(f"rewriting {src} -> {dst}: {len(failures)} files failed: {next(iter(failures.values()))}")
-    for row in rows:
-        path = os.path.join(dst, row["path"])
-        row["bytes"] = os.path.getsize(path)
-        row["checksum"] = read_hidden_states_info(path).checksum
-    out = RunDir(dst)
-    write_manifest_part(out, rows, new_attempt_id(), 0)
-    write_run_spec(out, dataclasses.replace(spec, files=files))
+    k = target_top_k(target)
+    head = TargetHead.from_model_dir(model_dir) if k else None
+
+    def files(spec):
+        if not k:
+            return spec
+        if spec.layer_ids[-1] != spec.num_hidden_layers:
+            raise ValueError(f"{src} stores layers {list(spec.layer_ids)}: the top-k target needs N last")
+        return dataclasses.replace(spec, layer_ids=spec.layer_ids[:-1], target=target)
+
+    def topk(states):  # [T, L, H] -> ([T, L-1, H], the top-K rows of layer N)
+        with torch.no_grad():
+            top = head.logits(states[:, -1]).float().log_softmax(-1).topk(k)
+        return states[:, :-1].contiguous(), {TARGET_TOPK_IDS: top.indices.to(torch.int32),
+                                             TARGET_TOPK_LOGPROBS: top.values}
+
+    rewrite_run(src, dst, files=files, transform=topk if k else None, storage_dtype=storage_dtype)
 
 
 def run_bytes(run: str) -> int:
