@@ -17,7 +17,7 @@ from cli.args import (
     config_from_args,
     config_to_argv,
 )
-from jobs.config import DemoConfig, EstimateConfig, JobConfig, StatusConfig, SubmitConfig
+from jobs.config import CompactConfig, DemoConfig, EstimateConfig, JobConfig, StatusConfig, SubmitConfig
 
 
 def register(sub) -> None:
@@ -33,6 +33,10 @@ def register(sub) -> None:
                             "the job id.")
     add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
                 description="Counts by sample (ok, failed), tokens and bytes, failure reasons.")
+    add_command(sub, "compact", CompactConfig, _cmd_compact, help="merge a run's manifest parts into a few large ones",
+                description="Merge the manifest's part files (one per commit) into a few large parts sorted by "
+                            "sample id, atomically: a reader sees the old parts or the new ones, never both or "
+                            "neither. Every row is kept. Takes the run's writer lease (not while a job writes).")
     add_command(sub, "estimate", EstimateConfig, _cmd_estimate, help="tokens, bytes and files a run would produce",
                 description="Tokenize the corpus as `hsx run` would (no model weights, no Ray) and report the "
                             "samples, tokens, bytes and files the run will produce.")
@@ -88,6 +92,29 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         return EXIT_OK
     status = follow_job(config.address, job_id)
     return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from connectors.lease import WriterLease
+    from connectors.run import RUN_JSON, RunDir, RunFormatError, compact_manifest, new_attempt_id
+
+    config: CompactConfig = config_from_args(args, CompactConfig)
+    output = RunDir(config.output, config.storage_options)
+    if not output.exists(RUN_JSON):
+        raise UsageError(f"{output.url} holds no hsx run (no {RUN_JSON}); check the path")
+    lease = WriterLease.acquire(output, new_attempt_id(), break_lease=config.break_lease)
+    try:
+        done = compact_manifest(output, rows_per_part=config.rows_per_part)
+    except RunFormatError as e:
+        print(f"hsx compact: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        lease.release()
+    if done.rows < 0:
+        print(f"{output.url}: the manifest has {done.parts_before} part(s); nothing to merge")
+    else:
+        print(f"{output.url}: {done.rows} manifest rows in {done.parts_before} parts -> {done.parts_after}")
+    return EXIT_OK
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     row_file_problem(info, sample_id, num_tokens, checksum, size=)   (kind, why) a file is not its row's, or None
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
-    read_manifest(run, columns)                    every committed row
+    read_manifest(run, columns)                    every committed row (of the live parts)
+    live_manifest_parts(run)                       the parts read: all, less what a compaction superseded
+    compact_manifest(run)                          merge the parts into a few large sorted ones, atomically
     committed_rows(table)                          per sample its last "ok" row, unless "invalid" came after it
     ok_rows(run)                                   the committed rows, sorted by sample id
     committed_ids(run)                             ids of committed samples: a resume skips them
@@ -43,6 +45,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -67,6 +70,8 @@ from connectors.format import (
     data_checksum,
 )
 from connectors.paths import FILE_SUFFIX, id_digest
+
+logger = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
 DATA_DIR = "data"
@@ -468,63 +473,200 @@ def manifest_parts(run: RunDir) -> list[str]:
 
 def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
                   storage_options: dict | None = None) -> pa.Table:
-    """Every committed row (an empty table when there is no manifest yet). Columns a part lacks read as null."""
+    """Every committed row (an empty table when there is no manifest yet), in commit order. Columns a part lacks
+    read as null. Reads the live parts only (see `live_manifest_parts`); a part removed by a compaction while it was
+    being read makes the read start over from a fresh listing, so a reader never sees a gap or a duplicate."""
     run = as_run_dir(run, storage_options)
-    parts = manifest_parts(run)
     schema = MANIFEST_SCHEMA if columns is None else pa.schema([MANIFEST_SCHEMA.field(c) for c in columns])
-    if not parts:
-        return schema.empty_table()
-
-    def read_part(name: str) -> pa.Table:
-        where = run.url_of(f"{MANIFEST_DIR}/{name}")
-        try:  # a part is small (manifest_flush_rows rows): read whole, so a storage error is told from damage
-            raw = run.read_bytes(f"{MANIFEST_DIR}/{name}")
-        except OSError as e:
-            detail = " ".join(str(e).split())
-            raise RunFormatError(f"cannot read manifest part {where}: {type(e).__name__}: {detail}; check that the "
-                                 "storage answers, then run the command again") from e
-        damaged = (f"hsx commits a part whole, so it was damaged in storage: rename it to {name}.damaged (out of "
-                   "the manifest), re-run the same `hsx run`, which extracts the samples it recorded again, and "
-                   "`hsx verify` again if the run was verified (its marks may have been in that part)")
-        named = _PART_CHECKSUM_RE.search(name)
-        if named and named.group(1) != CHECKSUM_ALGORITHM:
-            raise RunFormatError(f"manifest part {where} carries a {named.group(1)} checksum, which this hsx does "
-                                 f"not know (it writes and checks {CHECKSUM_ALGORITHM}); read the run with the hsx "
-                                 "that wrote it, or a newer one")
-        if named and (actual := _part_digest(raw)) != named.group(2):
-            raise RunFormatError(f"manifest part {where} does not match the {CHECKSUM_ALGORITHM} checksum in its "
-                                 f"name (its {len(raw)} bytes hash to {CHECKSUM_ALGORITHM}:{actual}); {damaged}")
+    for attempt in range(_MANIFEST_READ_TRIES):
+        parts = live_manifest_parts(run)
+        if not parts:
+            return schema.empty_table()
         try:
-            part = pq.ParquetFile(pa.BufferReader(raw))
-            names = part.schema_arrow.names
-            missing = [c for c in REQUIRED_COLUMNS if c not in names]
-            if missing:
-                raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
-                                     f"{names}); it was not written by an hsx extraction job")
-            table = part.read(columns=[c for c in schema.names if c in names])
-            return pa.Table.from_arrays(
-                [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-                 for f in schema], schema=schema)
-        except RunFormatError:
-            raise
-        # pyarrow raises OSError for a damaged footer or page too, and damaged metadata can fail as text or types
-        except (pa.ArrowException, OSError, ValueError) as e:
-            detail = " ".join(str(e).split())
-            raise RunFormatError(
-                f"manifest part {where} is not readable Parquet ({type(e).__name__}: {detail}); {damaged}") from e
+            if len(parts) == 1:
+                tables = [_read_part(run, parts[0], schema)]
+            else:  # many small parts on an object store: fetch them concurrently
+                with concurrent.futures.ThreadPoolExecutor(min(16, len(parts)),
+                                                           thread_name_prefix="hsx-manifest") as pool:
+                    tables = list(pool.map(lambda name: _read_part(run, name, schema), parts))
+            return pa.concat_tables(tables)
+        except _PartGone:
+            if attempt == _MANIFEST_READ_TRIES - 1:
+                raise
+            logger.debug("a manifest part of %s went away while being read (a compaction); reading again", run.url)
+    raise AssertionError("unreachable")
 
-    if len(parts) == 1:
-        tables = [read_part(parts[0])]
-    else:  # many small parts on an object store: fetch them concurrently
-        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts)), thread_name_prefix="hsx-manifest") as pool:
-            tables = list(pool.map(read_part, parts))
-    return pa.concat_tables(tables)
+
+_MANIFEST_READ_TRIES = 5
+
+
+class _PartGone(RunFormatError):
+    """A listed manifest part was gone when read: a compaction replaced it in the meantime (the read starts over)."""
+
+
+def _read_part(run: RunDir, name: str, schema: pa.Schema) -> pa.Table:
+    """One part, whole (a storage error is told from damage; the checksum in its name checked), as `schema`."""
+    where = run.url_of(f"{MANIFEST_DIR}/{name}")
+    try:
+        raw = run.read_bytes(f"{MANIFEST_DIR}/{name}")
+    except FileNotFoundError as e:
+        raise _PartGone(f"manifest part {where} was removed while the manifest was read (a compaction replaced it); "
+                        "run the command again") from e
+    except OSError as e:
+        detail = " ".join(str(e).split())
+        raise RunFormatError(f"cannot read manifest part {where}: {type(e).__name__}: {detail}; check that the "
+                             "storage answers, then run the command again") from e
+    damaged = (f"hsx commits a part whole, so it was damaged in storage: rename it to {name}.damaged (out of "
+               "the manifest), re-run the same `hsx run`, which extracts the samples it recorded again, and "
+               "`hsx verify` again if the run was verified (its marks may have been in that part)")
+    named = _PART_CHECKSUM_RE.search(name)
+    if named and named.group(1) != CHECKSUM_ALGORITHM:
+        raise RunFormatError(f"manifest part {where} carries a {named.group(1)} checksum, which this hsx does "
+                             f"not know (it writes and checks {CHECKSUM_ALGORITHM}); read the run with the hsx "
+                             "that wrote it, or a newer one")
+    if named and (actual := _part_digest(raw)) != named.group(2):
+        raise RunFormatError(f"manifest part {where} does not match the {CHECKSUM_ALGORITHM} checksum in its "
+                             f"name (its {len(raw)} bytes hash to {CHECKSUM_ALGORITHM}:{actual}); {damaged}")
+    try:
+        part = pq.ParquetFile(pa.BufferReader(raw))
+        names = part.schema_arrow.names
+        missing = [c for c in REQUIRED_COLUMNS if c not in names]
+        if missing:
+            raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
+                                 f"{names}); it was not written by an hsx extraction job")
+        table = part.read(columns=[c for c in schema.names if c in names])
+        return pa.Table.from_arrays(
+            [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+             for f in schema], schema=schema)
+    except RunFormatError:
+        raise
+    # pyarrow raises OSError for a damaged footer or page too, and damaged metadata can fail as text or types
+    except (pa.ArrowException, OSError, ValueError) as e:
+        detail = " ".join(str(e).split())
+        raise RunFormatError(
+            f"manifest part {where} is not readable Parquet ({type(e).__name__}: {detail}); {damaged}") from e
+
+
+# -- compaction -------------------------------------------------------------------------------------------------
+
+COMPACTION_PREFIX = "_compaction-"
+"""manifest/_compaction-<attempt>.json (pyarrow, reading the folder as a dataset, skips "_" names): the commit record of a compaction ({"parts": [its parts], "supersedes":
+[the parts they replace], "rows": n}). Written after its parts, atomically: it is the switch. Parts of a compaction
+without its record (one that died) are not read; parts a record supersedes are not read (and are removed after)."""
+_COMPACTED_PART_RE = re.compile(r"^part-.+-c\d{6}-")
+COMPACTED_PART_ROWS = 2_000_000
+"""Rows per part a compaction writes (parts are read concurrently; each is one sorted range of sample ids)."""
+
+
+def live_manifest_parts(run: RunDir | str, *, storage_options: dict | None = None) -> list[str]:
+    """The part files whose rows make the manifest, in commit order (by name): every part, less those a compaction
+    record supersedes and the parts of a compaction that has no record (it did not finish)."""
+    run = as_run_dir(run, storage_options)
+    for attempt in range(_MANIFEST_READ_TRIES):
+        try:
+            return _live_parts(run)
+        except _PartGone:  # a record removed by a later compaction after the listing: list again
+            if attempt == _MANIFEST_READ_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _live_parts(run: RunDir) -> list[str]:
+    names = run.list(MANIFEST_DIR)
+    members: set[str] = set()
+    superseded: set[str] = set()
+    for record in (n for n in names if n.startswith(COMPACTION_PREFIX) and n.endswith(".json")):
+        try:
+            doc = json.loads(run.read_bytes(f"{MANIFEST_DIR}/{record}"))
+            members.update(doc["parts"])
+            superseded.update(doc["supersedes"])
+        except FileNotFoundError as e:
+            raise _PartGone(f"the compaction record {record} was removed while the manifest was listed") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RunFormatError(f"the compaction record {run.url_of(f'{MANIFEST_DIR}/{record}')} is unreadable "
+                                 f"({type(e).__name__}: {e}); hsx writes it whole, so it was damaged in storage: "
+                                 "restore it from a backup, or move it and the parts it names away and run "
+                                 "`hsx compact` again") from e
+    return [n for n in names if n.endswith(".parquet") and n not in superseded
+            and (n in members or not _COMPACTED_PART_RE.match(n))]
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What `compact_manifest` did."""
+
+    parts_before: int
+    parts_after: int
+    rows: int
+    removed: int
+    """Superseded parts (and older records) removed from storage."""
+
+
+def compact_manifest(run: RunDir | str, *, rows_per_part: int = COMPACTED_PART_ROWS, min_parts: int = 2,
+                     storage_options: dict | None = None) -> Compaction:
+    """Merge the live manifest parts into a few large ones: every row kept, in commit order within each sample and
+    sorted by sample id across them (a stable sort, so each sample's last row is still its decisive one), written
+    as parts named by a new attempt (so they sort before any later commit), then switched to at once by writing the
+    compaction record, then the parts it supersedes removed. Readers see the old parts or the new ones, never both,
+    never neither. Nothing is done when fewer than `min_parts` parts are live. The caller holds the writer lease
+    (one writer: a job commits no part meanwhile)."""
+    run = as_run_dir(run, storage_options)
+    if rows_per_part < 1:
+        raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
+    before = live_manifest_parts(run)
+    if len(before) < max(1, min_parts):
+        return Compaction(len(before), len(before), -1, 0)
+    table = read_manifest(run)
+    live = live_manifest_parts(run)
+    if live != before:
+        raise RunFormatError(f"the manifest of {run.url} changed while it was compacted (another writer?); hold "
+                             "the writer lease (one writer per output) and compact again")
+    table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))  # stable: commit order kept
+    attempt = new_attempt_id()
+    names = []
+    for i, start in enumerate(range(0, max(table.num_rows, 1), rows_per_part)):
+        sink = pa.BufferOutputStream()
+        # dictionaries only where values repeat: on unique strings (ids, paths, checksums) they double the decode time
+        pq.write_table(table.slice(start, rows_per_part), sink, compression="zstd", row_group_size=128 * 1024,
+                       use_dictionary=["status", "attempt", "error"])
+        raw = sink.getvalue().to_pybytes()
+        name = f"part-{attempt}-c{i:06d}-{CHECKSUM_ALGORITHM}_{_part_digest(raw)}.parquet"
+        run.put(f"{MANIFEST_DIR}/{name}", raw)
+        names.append(name)
+    listed = run.list(MANIFEST_DIR)
+    records = [n for n in listed if n.startswith(COMPACTION_PREFIX) and n.endswith(".json")]
+    unfinished = [n for n in listed if _COMPACTED_PART_RE.match(n) and n not in before and n not in names]
+    record = f"{COMPACTION_PREFIX}{attempt}.json"
+    run.put(f"{MANIFEST_DIR}/{record}", json.dumps({"parts": names, "supersedes": before, "rows": table.num_rows},
+                                                   indent=1).encode())
+    removed = 0
+    # the record above is the switch: what it supersedes, older records and the parts of compactions that never
+    # wrote theirs are read by no one
+    for name in [*before, *records, *unfinished]:
+        try:
+            run.fs.rm(run.path(f"{MANIFEST_DIR}/{name}"))
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # left behind: superseded, so never read; the next compaction tries again
+            logger.warning("could not remove the superseded manifest part %s: %s", name, e)
+    return Compaction(len(before), len(names), table.num_rows, removed)
 
 
 def committed_rows(table: pa.Table) -> pa.Table:
     """Per sample, its last "ok" row — unless an "invalid" row (hsx verify found the file bad) came after it: such a
     sample is not committed, and a re-run extracts it again. Rows count in commit order (parts by name, then row)."""
-    decisive = table.filter(pc.is_in(table["status"], pa.array([OK, INVALID])))
+    is_decisive = pc.is_in(table["status"], pa.array([OK, INVALID]))
+    if _sorted_by_id(table):  # a compacted manifest: each sample's rows together, in commit order; no hashing
+        rows = np.flatnonzero(is_decisive.to_numpy(zero_copy_only=False))  # [D] decisive rows, in order
+        ids = table["sample_id"] if len(rows) == table.num_rows else table["sample_id"].take(rows)
+        last = np.ones(len(rows), dtype=bool)  # the decisive row that is its sample's last
+        if len(rows) > 1:
+            last[:-1] = pc.not_equal(ids.slice(0, len(rows) - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
+        keep = rows[last]
+        keep = keep[pc.equal(table["status"].take(keep), OK).to_numpy(zero_copy_only=False)]
+        return table if len(keep) == table.num_rows else table.take(keep)
+    decisive = table.filter(is_decisive)
     if decisive.num_rows == 0:
         return decisive
     decisive = decisive.append_column("_row", pa.array(np.arange(decisive.num_rows, dtype=np.int64)))
@@ -549,7 +691,17 @@ def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Tab
         raise ValueError(f"manifest at {run.url_of(MANIFEST_DIR)} has {total} rows and none with status 'ok'; the "
                          "run has no usable samples (see its 'error' column for why they failed)")
     table = table.select(["sample_id", "path", "num_tokens", "checksum"])
-    return table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")])).combine_chunks()
+    if not _sorted_by_id(table):
+        table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
+    return table.combine_chunks()
+
+
+def _sorted_by_id(table: pa.Table) -> bool:
+    """Whether rows are in ascending sample_id order (as a compacted manifest is): one vectorized comparison."""
+    ids = table["sample_id"]
+    if len(ids) < 2 or ids.null_count:
+        return len(ids) < 2
+    return bool(pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py())
 
 
 def committed_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:

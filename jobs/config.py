@@ -79,6 +79,9 @@ class JobConfig(EngineOptions):
     """Commit manifest rows at least every this many samples."""
     manifest_flush_seconds: float = 30.0
     """Commit manifest rows at least this often; a crash redoes at most this much work."""
+    compact: bool = True
+    """Merge the manifest's parts into a few large sorted ones when the job ends (`hsx compact`): a run opens
+    faster; every row is kept."""
     progress: bool = True
     """Show a progress bar (samples/s, tokens/s, bytes, ETA) on stderr."""
     break_lease: bool = False
@@ -198,6 +201,27 @@ class StatusConfig:
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         if self.errors < 0:
             raise ValueError(f"--errors must be >= 0, got {self.errors}")
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    """`hsx compact OUTPUT`."""
+
+    output: str = field(metadata={"cli": {"positional": True}})
+    """The run's output folder or URL."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for OUTPUT, as JSON."""
+    rows_per_part: int = 2_000_000
+    """Rows per merged part (each a sorted range of sample ids; parts are read concurrently)."""
+    break_lease: bool = False
+    """Take over the output's writer lease even though its holder looks alive (only when that job is gone)."""
+
+    def __post_init__(self) -> None:
+        from connectors.storage import parse_storage_options
+
+        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
+        if self.rows_per_part < 1:
+            raise ValueError(f"--rows-per-part must be >= 1, got {self.rows_per_part}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from connectors.run import (
     RunDir,
     committed_rows,
     encode_manifest_part,
-    manifest_parts,
+    live_manifest_parts,
     manifest_rows,
     read_manifest,
 )
@@ -102,7 +102,7 @@ class Summary:
 
 def summarize(run: RunDir, max_errors: int = 10) -> Summary:
     table = read_manifest(run)
-    s = Summary(rows=table.num_rows, parts=len(manifest_parts(run)))
+    s = Summary(rows=table.num_rows, parts=len(live_manifest_parts(run)))
     if not table.num_rows:
         return s
     s.attempts = len(pc.unique(table["attempt"]))

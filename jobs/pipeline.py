@@ -314,6 +314,8 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
             raise JobFailed(f"the last manifest commit to {plan.output.url} failed: {first_line(e)}; their files "
                             "are written but not counted — fix the storage (free space, permissions) and re-run the "
                             "same command: those samples are extracted again") from e
+        if config.compact and not lease_lost.is_set():
+            _compact(plan.output)
     finally:
         progress.close()
         counter.shutdown(wait=False, cancel_futures=True)
@@ -323,6 +325,21 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     result.tokens, result.bytes = progress.tokens, progress.bytes
     result.seconds = time.monotonic() - started
     return result
+
+
+def _compact(output) -> None:
+    """Merge the manifest's parts at the end of a job (under its lease); a failure leaves the parts as they are."""
+    from connectors.run import RunFormatError, compact_manifest
+
+    try:
+        done = compact_manifest(output)
+    except (OSError, RunFormatError) as e:
+        logger.warning("could not compact the manifest of %s (its parts stay as they are; `hsx compact` later): %s",
+                       output.url, first_line(e))
+        return
+    if done.rows >= 0:
+        logger.info("compacted the manifest: %d rows in %d parts -> %d", done.rows, done.parts_before,
+                    done.parts_after)
 
 
 def registry_stats(registry) -> dict[str, int]:

@@ -156,6 +156,12 @@ def test_rerunning_the_same_command_skips_committed_samples(demo, capsys):
     table = _manifest(output)
     assert table.num_rows == before + 2  # only the two broken records were retried
     assert_exactly_once(output, set(_ok_rows(output)))
+    # the job ended by merging its parts (every row kept); `hsx compact` then has nothing to do
+    from connectors.run import live_manifest_parts
+
+    assert len(live_manifest_parts(output)) == 1
+    assert main(["compact", output]) == EXIT_OK
+    assert "nothing to merge" in capsys.readouterr().out
 
 
 def test_resume_with_other_layers_or_dtype_is_refused(demo, capsys):
