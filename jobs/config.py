@@ -71,6 +71,9 @@ class JobConfig(EngineOptions):
     address: str | None = None
     """Ray cluster to run on (ray://..., auto, HOST:PORT); default a local Ray started for this job (or the cluster
     in $RAY_ADDRESS)."""
+    registry_shards: int = 4
+    """Actors that decide which records to extract, skip or fail as duplicates (each holds 16-32 bytes per id it
+    owns): more for runs of tens of millions of samples."""
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     fail_on_error: bool = False
@@ -99,7 +102,7 @@ class JobConfig(EngineOptions):
                            parse_storage_options(self.corpus_storage_options, "--corpus-storage-options"))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
-        for name in ("workers", "tokenizer_workers", "tokens_per_task", "manifest_flush_rows"):
+        for name in ("workers", "tokenizer_workers", "tokens_per_task", "manifest_flush_rows", "registry_shards"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:

@@ -159,15 +159,13 @@ def count_records(file: CorpusFile, storage_options: dict | None = None) -> int:
 def read_stage(files: pa.Table, *, id_field: str, storage_options: dict, registry) -> Iterator[pa.Table]:
     """Ray Data read stage: corpus files -> record blocks, minus committed ids; duplicate ids become failed records.
 
-    `registry` is the SampleRegistry actor (see registry.py); one claim call per block.
+    `registry` is the SampleRegistry shard actors (see registry.py); one claim call per shard and block.
     """
-    import ray
-
-    from jobs.registry import SKIP
+    from jobs.registry import SKIP, claim_block
 
     for url, fmt in zip(files["url"].to_pylist(), files["format"].to_pylist()):
         for records in read_records(CorpusFile(url, fmt), id_field, storage_options):
-            verdicts = ray.get(registry.claim.remote([r.sample_id for r in records], [r.source for r in records]))
+            verdicts = claim_block(registry, [r.sample_id for r in records], [r.source for r in records])
             keep = [r if v is None else Record(r.sample_id, r.source, error=v)
                     for r, v in zip(records, verdicts) if v != SKIP]
             if keep:

@@ -36,14 +36,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
-from connectors.run import FAILED, RunDir, RunSpec, committed_ids, new_attempt_id, read_run_spec
+from connectors.run import FAILED, RunDir, RunSpec, new_attempt_id, read_run_spec
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress
-from jobs.registry import SampleRegistry
+from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec, ensure_run_spec
 from jobs.tokenization import TokenizeSettings, TokenizeStage
 from jobs.worker import ExtractionWorker, WorkerSettings
@@ -73,8 +73,8 @@ class JobPlan:
     spec: RunSpec
     """run.json as written (new run) or checked (resume)."""
     new_run: bool
-    done: set[str]
-    """Sample ids already committed ("ok" rows)."""
+    done: DoneSet
+    """Keys of the sample ids already committed ("ok" rows): 8 bytes an id, never the id strings."""
     attempt: str = ""
     """This attempt's id (manifest parts, the lease)."""
     lease: WriterLease | None = None
@@ -120,7 +120,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
         present = read_run_spec(output)
         spec = build_run_spec(config, facts, files, template, template_source, present=present)
         new_run = ensure_run_spec(output, spec, present)
-        done = set() if new_run else committed_ids(output)
+        done = DoneSet() if new_run else DoneSet.load(output)
         plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease)
         plan.nothing_left = _nothing_left(plan)
     except BaseException:
@@ -135,12 +135,12 @@ def _nothing_left(plan: JobPlan) -> bool:
     Stops at the first record still to do. Remote JSONL is not read here (the job would read it again): such a
     resume starts Ray and lets the read stage skip what is done.
     """
-    if plan.new_run or not plan.done or any(f.format == "jsonl" and "://" in f.url for f in plan.files):
+    if plan.new_run or not len(plan.done) or any(f.format == "jsonl" and "://" in f.url for f in plan.files):
         return False
     c = plan.config
     for file in plan.files:
         for block in read_records(file, c.id_field, c.corpus_storage_options):
-            if any(r.error is not None or r.sample_id not in plan.done for r in block):
+            if any(r.error is not None for r in block) or not plan.done.contains(id_keys(r.sample_id for r in block)).all():
                 return False
     return True
 
@@ -271,7 +271,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
         with ray_cluster(config.address) as local:
             gpus, cpus = _resolve_resources(config, local)
             result.gpus_per_worker, result.cpus_per_worker = gpus, cpus
-            registry = ray.remote(num_cpus=0)(SampleRegistry).remote(list(plan.done))
+            registry = start_registry(plan.done, config.registry_shards)
             try:
                 with _data_context(config.tokens_per_task):
                     ds = build_dataset(plan, registry, gpus, cpus)
@@ -298,8 +298,9 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                         raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
                 stats = registry_stats(registry)
             finally:
-                with contextlib.suppress(Exception):
-                    ray.kill(registry)
+                for shard in registry:
+                    with contextlib.suppress(Exception):
+                        ray.kill(shard)
     except BaseException:
         if not lease_lost.is_set():  # rows received are for durable files: commit them even when the job fails
             try:
@@ -342,16 +343,17 @@ def _compact(output) -> None:
                     done.parts_after)
 
 
-def registry_stats(registry) -> dict[str, int]:
-    """The registry actor's counts; zeros with a warning when it died (every row is committed by then: only the
-    skip and duplicate counts of the summary are lost, never the job)."""
+def registry_stats(shards: list) -> dict[str, int]:
+    """The registry shards' counts summed; zeros with a warning when one died (every row is committed by then: only
+    the skip and duplicate counts of the summary are lost, never the job)."""
     import ray
 
     try:
-        return ray.get(registry.stats.remote())
+        each = ray.get([shard.stats.remote() for shard in shards])
     except ray.exceptions.RayError as e:
         logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown", first_line(e))
         return {"skipped": 0, "duplicates": 0}
+    return {k: sum(s[k] for s in each) for k in ("skipped", "duplicates", "claimed")}
 
 
 def _root_cause(error: BaseException) -> str:

@@ -394,15 +394,15 @@ def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
     import ray
 
     from jobs.pipeline import registry_stats
-    from jobs.registry import SampleRegistry
+    from jobs.registry import DoneSet, id_keys, start_registry
 
-    registry = ray.remote(num_cpus=0)(SampleRegistry).remote(["a"])
+    registry = start_registry(DoneSet(id_keys(["a"])), shards=2)
     assert registry_stats(registry) == {"skipped": 0, "duplicates": 0, "claimed": 0}
-    ray.kill(registry)  # asynchronous: a call right after can still be answered, so wait until the actor is dead
+    ray.kill(registry[1])  # asynchronous: a call right after can still be answered, so wait until the actor is dead
     deadline = time.monotonic() + 60
     while True:
         try:
-            ray.get(registry.stats.remote(), timeout=10)
+            ray.get(registry[1].stats.remote(), timeout=10)
         except ray.exceptions.RayActorError:
             break
         assert time.monotonic() < deadline, "ray.kill did not end the actor"
