@@ -32,7 +32,7 @@ def register(sub) -> None:
                             "needs hsx installed (see infra/) and access to model, corpus and output paths. Prints "
                             "the job id.")
     add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
-                description="Counts by sample (ok, failed), tokens and bytes, failure reasons.")
+                description="Counts by sample (ok, failed, skipped), tokens and bytes, failure and skip reasons.")
     add_command(sub, "compact", CompactConfig, _cmd_compact, help="merge a run's manifest parts into a few large ones",
                 description="Merge the manifest's part files (one per commit) into a few large parts sorted by "
                             "sample id, atomically: a reader sees the old parts or the new ones, never both or "
@@ -140,7 +140,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     stored = f" stored as {spec.storage_dtype}" if spec.storage_dtype else ""
     target = f"  + {spec.target} target in place of layer {spec.num_hidden_layers}" if spec.target else ""
     print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}{stored}{target}")
-    print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.truncated} truncated" if s.truncated else ""))
+    print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.skipped} skipped" if s.skipped else "")
+          + (f", {s.truncated} truncated" if s.truncated else ""))
     print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")
     if s.invalid:
@@ -153,6 +154,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"verify:   {report.get('started_at')}: {report.get('checked')} checked, "
               f"{len(report.get('failures', []))} failed{recomputed}"
               + (f" ({', '.join(f'{k} {n}' for k, n in report['kinds'].items())})" if report.get("kinds") else ""))
+    if s.skipped:
+        print(f"skipped:  {s.skipped} samples whose states were refused (--on-nonfinite skip); final, no resume "
+              "extracts them again")
+        for sid, why in s.skips:
+            print(f"  {sid}: {why}")
     if s.error_kinds:
         print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
         for sid, err in s.errors:

@@ -5,7 +5,8 @@
                                          "target_topk_ids" / "target_topk_logprobs" [T, K] in a top-k target run};
                                          fp8 states (hidden_states_scales beside them) come back dequantized
     read_rows(fs, path, max_rows)     -> (HiddenStatesFileInfo, {name: the leading rows}), checksum checked: the
-                                         training feed's read (local files memory-mapped)
+                                         training feed's read (local files memory-mapped); dequantize=False keeps
+                                         fp8 states as stored, beside their scales
     read_hidden_states_info(path)     -> HiddenStatesFileInfo (tensors, shapes, metadata, checksum), header only
     verify_hidden_states(path)        -> HiddenStatesFileInfo, after reading the whole file: header, checksum, and
                                          no NaN/Inf in hidden_states (what `hsx verify` runs per file)
@@ -85,12 +86,13 @@ def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
 
 def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True,
               names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK),
-              dtype: torch.dtype | None = None) -> tuple[HiddenStatesFileInfo, dict]:
+              dtype: torch.dtype | None = None, dequantize: bool = True) -> tuple[HiddenStatesFileInfo, dict]:
     """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
     `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
     as they are); without it only those tensors' bytes are read. `fs`/`path` as `storage.open_url` gives them.
     hidden_states stored scaled (fp8) come back dequantized to `dtype` (default: the model dtype the file records,
-    float32 for a file without hsx metadata), reading only the scales of the rows asked for.
+    float32 for a file without hsx metadata), reading only the scales of the rows asked for; `dequantize=False`
+    returns them as stored, with their hidden_states_scales (rows alike).
 
     The training feed's read: a local file is memory-mapped copy-on-write (its tensors share the page cache; edits
     stay private), a small remote file arrives whole with its header in one request, a large one as header + one
@@ -98,7 +100,7 @@ def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True
     if HIDDEN_STATES in names:
         names = (*names, HIDDEN_STATES_SCALES)
     info, out = _read_rows(fs, path, max_rows, verify, names)
-    return info, _dequantized(info, out, dtype)
+    return info, _dequantized(info, out, dtype) if dequantize else out
 
 
 def _dequantized(info: HiddenStatesFileInfo, out: dict, dtype: torch.dtype | None) -> dict:

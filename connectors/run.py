@@ -18,14 +18,16 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     data_path(sample_id)
     row_path_problem(rel)                why a manifest row's path cannot be read (absolute, `..`, missing), or None
     row_file_problem(info, sample_id, num_tokens, checksum, size=)   (kind, why) a file is not its row's, or None
-    RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, new_attempt_id()
+    RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, SKIPPED, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row (of the live parts)
     live_manifest_parts(run)                       the parts read: all, less what a compaction superseded
     compact_manifest(run)                          merge the parts into a few large sorted ones, atomically
     committed_rows(table)                          per sample its last "ok" row, unless "invalid" came after it
+    skipped_rows(table)                            per sample its last "skipped" row, unless "ok"/"invalid" came after
     ok_rows(run)                                   the committed rows, sorted by sample id
-    committed_ids(run)                             ids of committed samples: a resume skips them
+    committed_ids(run)                             ids of committed samples
+    settled_ids(run) / settled_rows(table)         ids a resume skips: committed or skipped
 
 Exactly-once rests on two orderings. A sample's data file is durable (written, fsynced, renamed, directory fsynced)
 before its "ok" row is written, and that row is committed in a part file that appears atomically and durably (the
@@ -365,19 +367,23 @@ def write_run_spec(run: RunDir | str, spec: RunSpec, storage_options: dict | Non
 # Rows produced by workers; the part writer adds `attempt` and `committed_at`.
 RESULT_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
-    ("status", pa.string()),            # "ok" | "failed" | "invalid" (hsx verify found the committed file bad)
-    ("path", pa.string()),              # data file relative to OUTPUT; null when failed
+    ("status", pa.string()),            # "ok" | "failed" | "invalid" (hsx verify found the committed file bad) |
+                                        # "skipped" (refused on purpose, final: --on-nonfinite skip)
+    ("path", pa.string()),              # data file relative to OUTPUT; null unless ok
     ("num_tokens", pa.int64()),         # rows stored (prompt, plus generated tokens when included)
     ("num_prompt_tokens", pa.int64()),
     ("bytes", pa.int64()),              # file size
-    ("error", pa.string()),             # why it failed; null when ok
+    ("error", pa.string()),             # why it failed or was skipped; null when ok
     ("source", pa.string()),            # corpus file and line/row
     ("truncated", pa.bool_()),          # over-length sample cut to the limit
     ("checksum", pa.string()),          # the file's data checksum ("xxh3_64:<hex>"), as its header records it
 ])
 MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
     pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
-OK, FAILED, INVALID = "ok", "failed", "invalid"
+OK, FAILED, INVALID, SKIPPED = "ok", "failed", "invalid", "skipped"
+"""A sample's outcome: "ok" (its file is committed); "failed" (nothing committed; a resume tries again); "invalid"
+(hsx verify found the committed file bad; a resume extracts it again); "skipped" (nothing committed, on purpose and
+for good: its states were refused under --on-nonfinite skip, and no resume extracts it again)."""
 REQUIRED_COLUMNS = ("sample_id", "path", "num_tokens", "status")
 """What a reader of "ok" samples needs; the rest may be null."""
 
@@ -653,10 +659,11 @@ def compact_manifest(run: RunDir | str, *, rows_per_part: int = COMPACTED_PART_R
     return Compaction(len(before), len(names), table.num_rows, removed)
 
 
-def committed_rows(table: pa.Table) -> pa.Table:
-    """Per sample, its last "ok" row — unless an "invalid" row (hsx verify found the file bad) came after it: such a
-    sample is not committed, and a re-run extracts it again. Rows count in commit order (parts by name, then row)."""
-    is_decisive = pc.is_in(table["status"], pa.array([OK, INVALID]))
+def _decisive_rows(table: pa.Table) -> pa.Table:
+    """Per sample, its last row among those that decide its state ("ok", "invalid", "skipped"); a "failed" row never
+    undoes an earlier decision (a later record with the same id fails as a duplicate). Rows count in commit order
+    (parts by name, then row)."""
+    is_decisive = pc.is_in(table["status"], pa.array([OK, INVALID, SKIPPED]))
     if _sorted_by_id(table):  # a compacted manifest: each sample's rows together, in commit order; no hashing
         rows = np.flatnonzero(is_decisive.to_numpy(zero_copy_only=False))  # [D] decisive rows, in order
         ids = table["sample_id"] if len(rows) == table.num_rows else table["sample_id"].take(rows)
@@ -664,15 +671,27 @@ def committed_rows(table: pa.Table) -> pa.Table:
         if len(rows) > 1:
             last[:-1] = pc.not_equal(ids.slice(0, len(rows) - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
         keep = rows[last]
-        keep = keep[pc.equal(table["status"].take(keep), OK).to_numpy(zero_copy_only=False)]
         return table if len(keep) == table.num_rows else table.take(keep)
     decisive = table.filter(is_decisive)
     if decisive.num_rows == 0:
         return decisive
     decisive = decisive.append_column("_row", pa.array(np.arange(decisive.num_rows, dtype=np.int64)))
     last = decisive.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"]
-    latest = decisive.take(last)
-    return latest.filter(pc.equal(latest["status"], OK)).drop_columns(["_row"])
+    return decisive.take(last).drop_columns(["_row"])
+
+
+def committed_rows(table: pa.Table) -> pa.Table:
+    """Per sample, its last "ok" row — unless an "invalid" row (hsx verify found the file bad) came after it: such a
+    sample is not committed, and a re-run extracts it again. Rows count in commit order (parts by name, then row)."""
+    latest = _decisive_rows(table)
+    ok = pc.equal(latest["status"], OK)
+    return latest if ok.null_count == 0 and pc.all(ok).as_py() else latest.filter(ok)  # no copy when all are "ok"
+
+
+def skipped_rows(table: pa.Table) -> pa.Table:
+    """Per sample skipped for good, its last "skipped" row (one no "ok" or "invalid" row came after)."""
+    latest = _decisive_rows(table)
+    return latest.filter(pc.equal(latest["status"], SKIPPED))
 
 
 def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Table:
@@ -705,6 +724,19 @@ def _sorted_by_id(table: pa.Table) -> bool:
 
 
 def committed_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:
-    """Ids of committed samples (see committed_rows): what a resume skips."""
+    """Ids of committed samples (see committed_rows)."""
     table = read_manifest(run, columns=["sample_id", "status"], storage_options=storage_options)
     return set(committed_rows(table)["sample_id"].to_pylist())
+
+
+def settled_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:
+    """Ids a resume skips: committed samples and samples skipped for good (their last decisive row is "ok" or
+    "skipped"). "failed" samples and those hsx verify marked "invalid" are extracted again."""
+    table = read_manifest(run, columns=["sample_id", "status"], storage_options=storage_options)
+    return set(settled_rows(table)["sample_id"].to_pylist())
+
+
+def settled_rows(table: pa.Table) -> pa.Table:
+    """Per sample a resume skips, its last decisive row ("ok" or "skipped"; see settled_ids)."""
+    latest = _decisive_rows(table)
+    return latest.filter(pc.is_in(latest["status"], pa.array([OK, SKIPPED])))

@@ -19,6 +19,7 @@ from typing import Any
 from extractor.options import EngineOptions, flag, flag_errors
 
 OVERLENGTH_POLICIES = ("truncate", "skip")
+NONFINITE_POLICIES = ("fail", "skip")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class JobConfig(EngineOptions):
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     fail_on_error: bool = False
     """Exit with status 1 when any sample failed (by default failures are recorded and the job succeeds)."""
+    on_nonfinite: str = "fail"
+    """A sample whose states hold NaN/Inf or an all-zero layer (never written): fail (a "failed" row, extracted
+    again by a resume) or skip (a "skipped" row naming token and layer: final, never extracted again, not a
+    failure for --fail-on-error)."""
     manifest_flush_rows: int = 1000
     """Commit manifest rows at least every this many samples."""
     manifest_flush_seconds: float = 30.0
@@ -102,6 +107,9 @@ class JobConfig(EngineOptions):
                            parse_storage_options(self.corpus_storage_options, "--corpus-storage-options"))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"--on-nonfinite {self.on_nonfinite!r} is not a policy; use fail (a failed row, retried "
+                             "on resume) or skip (a skipped row, final)")
         for name in ("workers", "tokenizer_workers", "tokens_per_task", "manifest_flush_rows", "registry_shards"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")

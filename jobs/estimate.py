@@ -91,11 +91,11 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     override, _, _ = load_chat_template(config, facts)
     done: set[str] = set()
     if config.output:
-        from connectors.run import RUN_JSON, RunDir, committed_ids
+        from connectors.run import RUN_JSON, RunDir, settled_ids
 
         output = RunDir(config.output, config.storage_options)
         if output.exists(RUN_JSON):
-            done = committed_ids(output)
+            done = settled_ids(output)
     tokenizer = SampleTokenizer(TokenizeSettings(
         tokenizer=facts.model, max_prompt_tokens=facts.max_model_len - config.max_tokens, overlength=config.overlength,
         chat_template=override, revision=config.revision, trust_remote_code=config.trust_remote_code))

@@ -4,7 +4,9 @@
     summarize(run) -> Summary      counts by sample for `hsx status`
     error_kind(error) -> str       a short category for grouping failure reasons
 
-Failed samples are retried on resume; a sample's status is "ok" if any of its rows is ok, else "failed".
+A sample's state is its last decisive row (connectors.run): "ok" (committed), "invalid" (hsx verify found its file
+bad; a resume extracts it again), "skipped" (its states were refused under --on-nonfinite skip: final); a sample
+with none of those but "failed" rows is failed, and a resume tries it again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from connectors.run import (
     live_manifest_parts,
     manifest_rows,
     read_manifest,
+    skipped_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ class Summary:
     """Samples whose rows all failed."""
     invalid: int = 0
     """Samples whose committed file hsx verify found bad (not yet re-extracted)."""
+    skipped: int = 0
+    """Samples skipped for good: states refused (NaN/Inf, a layer of zeros) under --on-nonfinite skip."""
     rows: int = 0
     duplicate_ok_rows: int = 0
     """"ok" rows beyond one per sample (0 unless something broke exactly-once)."""
@@ -97,6 +102,8 @@ class Summary:
     attempts: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)
     """(sample_id, error) of failed samples, first few."""
+    skips: list[tuple[str, str]] = field(default_factory=list)
+    """(sample_id, reason) of skipped samples, first few."""
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
@@ -119,9 +126,13 @@ def summarize(run: RunDir, max_errors: int = 10) -> Summary:
         per.setdefault(c["sample_id"], Counter())[c["status"]] = c["status_count"]
     committed = set(ok_ids.to_pylist())
     s.duplicate_ok_rows = sum(max(0, n[OK] - n[INVALID] - (sid in committed)) for sid, n in per.items())
-    invalid = [sid for sid, n in per.items() if n[INVALID] and sid not in committed]
+    skipped = skipped_rows(table)
+    s.skipped = skipped.num_rows
+    s.skips = sorted(zip(skipped["sample_id"].to_pylist(), skipped["error"].to_pylist()))[:max_errors]
+    settled = committed | set(skipped["sample_id"].to_pylist())
+    invalid = [sid for sid, n in per.items() if n[INVALID] and sid not in settled]
     s.invalid = len(invalid)
-    undone = pc.invert(pc.is_in(table["sample_id"], value_set=pa.array(sorted(committed | set(invalid)),
+    undone = pc.invert(pc.is_in(table["sample_id"], value_set=pa.array(sorted(settled | set(invalid)),
                                                                         pa.string())))
     failed = table.filter(pc.and_(pc.equal(table["status"], FAILED), undone))
     s.failed = len(pc.unique(failed["sample_id"]))

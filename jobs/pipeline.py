@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
-from connectors.run import FAILED, RunDir, RunSpec, new_attempt_id, read_run_spec
+from connectors.run import FAILED, SKIPPED, RunDir, RunSpec, new_attempt_id, read_run_spec
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
@@ -74,13 +74,14 @@ class JobPlan:
     """run.json as written (new run) or checked (resume)."""
     new_run: bool
     done: DoneSet
-    """Keys of the sample ids already committed ("ok" rows): 8 bytes an id, never the id strings."""
+    """Keys of the sample ids already settled — committed ("ok") or skipped for good ("skipped", --on-nonfinite
+    skip): 8 bytes an id, never the id strings."""
     attempt: str = ""
     """This attempt's id (manifest parts, the lease)."""
     lease: WriterLease | None = None
     """The output's writer lease, held from planning to the end of execute_job."""
     nothing_left: bool = False
-    """Every record of the corpus has an "ok" row: the job finishes without starting Ray."""
+    """Every record of the corpus is settled: the job finishes without starting Ray."""
 
 
 def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
@@ -130,7 +131,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
 
 
 def _nothing_left(plan: JobPlan) -> bool:
-    """True when every record of the corpus already has an "ok" row (reads the corpus's ids, not its samples).
+    """True when every record of the corpus is already settled (reads the corpus's ids, not its samples).
 
     Stops at the first record still to do. Remote JSONL is not read here (the job would read it again): such a
     resume starts Ray and lets the read stage skip what is done.
@@ -192,7 +193,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
                                device=None if gpus_per_worker > 0 else "cpu"),
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
-        run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)))
+        run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
+        on_nonfinite=c.on_nonfinite)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
@@ -322,7 +324,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
         counter.shutdown(wait=False, cancel_futures=True)
     result.skipped = stats["skipped"]
     result.duplicates = stats["duplicates"]
-    result.ok, result.failed = progress.ok, progress.failed
+    result.ok, result.failed, result.skipped_bad = progress.ok, progress.failed, progress.skipped
     result.tokens, result.bytes = progress.tokens, progress.bytes
     result.seconds = time.monotonic() - started
     return result
@@ -374,8 +376,7 @@ def _note(result: JobResult, batch: pa.Table) -> None:
     import pyarrow.compute as pc
 
     result.truncated += int(pc.sum(pc.cast(batch["truncated"], pa.int64())).as_py() or 0)
-    if len(result.failures) < MAX_FAILURES_SHOWN:
-        failed = batch.filter(pc.equal(batch["status"], FAILED))
-        for sid, err in zip(failed["sample_id"].to_pylist(), failed["error"].to_pylist()):
-            if len(result.failures) < MAX_FAILURES_SHOWN:
-                result.failures.append((sid, err))
+    for status, shown in ((FAILED, result.failures), (SKIPPED, result.skips)):
+        if len(shown) < MAX_FAILURES_SHOWN:
+            rows = batch.filter(pc.equal(batch["status"], status))
+            shown += list(zip(rows["sample_id"].to_pylist(), rows["error"].to_pylist()))[:MAX_FAILURES_SHOWN - len(shown)]

@@ -3,7 +3,7 @@
     Progress(enabled)      update(results) per result batch; set_total(n) once the corpus is counted; close()
     JobResult              the end-of-job numbers; .lines() renders the summary
 
-The bar counts samples finished in this run (ok + failed) and shows samples/s (tqdm's rate), tokens/s, bytes
+The bar counts samples finished in this run (ok + failed + skipped) and shows samples/s (tqdm's rate), tokens/s, bytes
 written and, once the corpus count is known, an ETA.
 """
 
@@ -38,7 +38,7 @@ class Progress:
         from tqdm.auto import tqdm
 
         self.started = time.monotonic()
-        self.ok = self.failed = self.tokens = self.bytes = 0
+        self.ok = self.failed = self.skipped = self.tokens = self.bytes = 0
         file = file or sys.stderr
         interactive = hasattr(file, "isatty") and file.isatty()
         # in a log (pod, CI) a line every 30 s instead of a redraw every half second
@@ -52,12 +52,15 @@ class Progress:
     def update(self, results: pa.Table) -> None:
         status = results["status"]
         ok = int(pc.sum(pc.cast(pc.equal(status, "ok"), pa.int64())).as_py() or 0)
+        skipped = int(pc.sum(pc.cast(pc.equal(status, "skipped"), pa.int64())).as_py() or 0)
         self.ok += ok
-        self.failed += results.num_rows - ok
+        self.skipped += skipped
+        self.failed += results.num_rows - ok - skipped
         self.tokens += int(pc.sum(results["num_tokens"]).as_py() or 0)
         self.bytes += int(pc.sum(results["bytes"]).as_py() or 0)
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        self._bar.set_postfix_str(f"ok={self.ok} failed={self.failed} {human_count(self.tokens / elapsed)} tok/s "
+        skipped = f" skipped={self.skipped}" if self.skipped else ""
+        self._bar.set_postfix_str(f"ok={self.ok} failed={self.failed}{skipped} {human_count(self.tokens / elapsed)} tok/s "
                                   f"{human_bytes(self.bytes)}", refresh=False)
         self._bar.update(results.num_rows)
 
@@ -74,7 +77,10 @@ class JobResult:
     failed: int = 0
     """Samples that failed in this run (each has a manifest row with its reason)."""
     skipped: int = 0
-    """Records skipped because an earlier run committed them."""
+    """Records skipped because an earlier run settled them (committed, or skipped for good)."""
+    skipped_bad: int = 0
+    """Samples skipped for good in this run: their states were refused (NaN/Inf, a layer of zeros) under
+    --on-nonfinite skip; each has a "skipped" manifest row with its reason."""
     duplicates: int = 0
     """Records whose sample id another record already has (failed rows)."""
     truncated: int = 0
@@ -84,6 +90,8 @@ class JobResult:
     new_run: bool = True
     failures: list[tuple[str, str]] = field(default_factory=list)
     """(sample_id, error) of the first failures."""
+    skips: list[tuple[str, str]] = field(default_factory=list)
+    """(sample_id, reason) of the first samples skipped for bad states."""
     gpus_per_worker: float | None = None
     cpus_per_worker: float | None = None
     """What each extraction worker reserved (a CPU worker runs that many torch threads, at most its node's cores)."""
@@ -99,7 +107,9 @@ class JobResult:
         secs = max(self.seconds, 1e-9)
         out = [
             f"hsx run {'finished' if self.new_run else 'resumed and finished'} in {self.seconds:.1f}s: "
-            f"{self.ok} ok, {self.failed} failed, {self.skipped} skipped (already done)"
+            f"{self.ok} ok, {self.failed} failed"
+            + (f", {self.skipped_bad} skipped for bad states" if self.skipped_bad else "")
+            + f", {self.skipped} skipped (already done)"
             + (f", {self.truncated} truncated" if self.truncated else ""),
             f"  {human_count(self.tokens)} tokens, {human_bytes(self.bytes)} written; "
             f"{self.ok / secs:.1f} samples/s, {human_count(self.tokens / secs)} tokens/s",
@@ -110,4 +120,8 @@ class JobResult:
         if self.failures:
             out.append(f"  first failures ({len(self.failures)} of {self.failed}):")
             out += [f"    {sid}: {err}" for sid, err in self.failures]
+        if self.skips:
+            out.append(f"  first skipped for bad states ({len(self.skips)} of {self.skipped_bad}; final, not extracted "
+                       "again):")
+            out += [f"    {sid}: {why}" for sid, why in self.skips]
         return out

@@ -2,7 +2,7 @@
 16 bytes a slot per id — never the id strings — split over a few Ray actors.
 
     id_keys(ids) -> uint64 [n]           what the registry keeps of an id: its xxh3_64 (0 mapped to 1)
-    DoneSet.load(run)                    the committed ids' keys, sorted (the driver's resume set): len, contains
+    DoneSet.load(run)                    the settled ids' keys, sorted (the driver's resume set): len, contains
     ClaimTable                           open addressing over two numpy arrays (key, packed source): 16 bytes a slot
     SampleRegistry(done_keys)            one actor per shard (key % shards): claim(keys, sources) -> [verdict]
     start_registry(done, shards)         the shard actors; claim_block(shards, ids, sources) from a read task
@@ -47,18 +47,18 @@ def id_keys(ids: Iterable[str]) -> np.ndarray:
 
 
 class DoneSet:
-    """The keys of the committed sample ids, sorted: 8 bytes an id in the driver."""
+    """The keys of the sample ids a resume skips, sorted: 8 bytes an id in the driver."""
 
     def __init__(self, keys: np.ndarray | None = None) -> None:
         self.keys = np.unique(keys) if keys is not None and len(keys) else np.zeros(0, dtype=np.uint64)
 
     @classmethod
     def load(cls, run) -> DoneSet:
-        """The committed ids of `run` (connectors.run.committed_rows), hashed a slice at a time: the id strings are
-        never all held at once."""
-        from connectors.run import committed_rows, read_manifest
+        """The ids a resume of `run` skips (connectors.run.settled_rows: committed, or skipped for good), hashed a
+        slice at a time: the id strings are never all held at once."""
+        from connectors.run import read_manifest, settled_rows
 
-        ids = committed_rows(read_manifest(run, columns=["sample_id", "status"]))["sample_id"]
+        ids = settled_rows(read_manifest(run, columns=["sample_id", "status"]))["sample_id"]
         step = 1 << 16
         return cls(np.concatenate([np.zeros(0, dtype=np.uint64), *(
             id_keys(ids.slice(start, step).to_pylist()) for start in range(0, len(ids), step))]))

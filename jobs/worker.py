@@ -10,7 +10,9 @@ tokenizer actors start up (each imports its libraries in a fresh process: second
 batch with work waits for it. A load that failed fails that batch with the load's error, and the next batch loads
 again, as a load on first use would.
 Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; the rest go to one
-`llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. `generate` returns once every
+`llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. A sample whose states the
+connector refused (NaN/Inf, a layer of zeros: nothing written) is a failed row, or a "skipped" one under
+`on_nonfinite="skip"`. `generate` returns once every
 file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
 "ok", so an "ok" row is never written for a file that is missing, short or someone else's.
 """
@@ -26,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 
 from connectors import KVTransferConfig
-from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, RunSpec
+from connectors.run import FAILED, OK, RESULT_SCHEMA, SKIPPED, RunDir, RunSpec
 from connectors.safetensors_connector import HiddenStatesConnectorConfig
 from extractor import EngineConfig, SamplingParams
 from jobs.corpus import storable_text
@@ -47,6 +49,9 @@ class WorkerSettings:
     """run.json: the file spec the loaded engine must produce exactly, the data layout, include_output_tokens."""
     cpu_threads: int | None = None
     """torch threads of a CPU worker: the CPUs Ray reserved for it, at most the cores this process may run on."""
+    on_nonfinite: str = "fail"
+    """A sample whose states the connector refused (NaN/Inf, a layer of zeros): a "failed" row, or with "skip" a
+    "skipped" one (final: no resume extracts it again)."""
 
 
 class ExtractionWorker:
@@ -141,6 +146,8 @@ class ExtractionWorker:
         from connectors import read_hidden_states_info
 
         if out.error is not None:
+            if out.error_kind == "bad_states" and self.settings.on_nonfinite == "skip":
+                return _failed(row, f"{row['source']}: {out.error}", status=SKIPPED)
             return _failed(row, f"{row['source']}: {out.error}")
         generated = len(out.outputs[0].token_ids) if out.outputs else 0
         expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.run.include_output_tokens else 0)
@@ -167,7 +174,7 @@ class ExtractionWorker:
                 pass
 
 
-def _failed(row: dict[str, Any], error: str) -> dict[str, Any]:
-    return {"sample_id": row["sample_id"], "status": FAILED, "path": None, "num_tokens": 0,
+def _failed(row: dict[str, Any], error: str, status: str = FAILED) -> dict[str, Any]:
+    return {"sample_id": row["sample_id"], "status": status, "path": None, "num_tokens": 0,
             "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": storable_text(error),
             "source": row["source"], "truncated": row["truncated"], "checksum": None}

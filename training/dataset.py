@@ -1,7 +1,9 @@
 """The training feed: a torch Dataset over an extraction run, opened from its manifest alone.
 
     HiddenStatesDataset(output, ...)   one item per "ok" sample of a run (or of several runs with the same spec):
-                                         raw:    input_ids [T], loss_mask [T], hidden_states [T, L, H]
+                                         raw:    input_ids [T], loss_mask [T], hidden_states [T, L, H] (with
+                                                 dequantize=False as stored: an fp8 run's beside
+                                                 hidden_states_scales [T, L, 1])
                                          eagle3: input_ids [T], loss_mask [T],
                                                  aux_hidden_states [T, (L-1)*H], target_hidden_states [T, H]
                                          a top-k target run (`--target top_k:K`) adds target_topk_ids [T, K] and
@@ -51,6 +53,7 @@ from connectors import storage
 from connectors.format import (
     COMPARED_FIELDS,
     HIDDEN_STATES,
+    HIDDEN_STATES_SCALES,
     LAYER_ID_CONVENTION,
     LOSS_MASK,
     TARGET_TOPK_IDS,
@@ -125,6 +128,11 @@ class HiddenStatesDatasetConfig:
     (fsspec's filecache). Off by default: remote reads fetch byte ranges."""
     include_sample_id: bool = True
     """Add the sample's id (a str) to each item as "sample_id"."""
+    dequantize: bool = True
+    """Give states back in the model dtype (fp8 dequantized with its scales, other storage dtypes cast). False:
+    raw items hold hidden_states as the run stores them, and for an fp8 run its hidden_states_scales [T, L, 1]
+    (value = fp8 x scale), for a reader that takes fp8 itself (speculators' export). Needs layout "raw" without
+    normalize_last_layer."""
     verify: bool = True
     """Check every item's data against the checksum in its file's header (xxh3_64, a few GB/s per core); a damaged
     file raises HiddenStatesFileError. The whole data region is hashed, so with `max_length` the rest of each file
@@ -135,6 +143,9 @@ class HiddenStatesDatasetConfig:
             raise ValueError(f"layout {self.layout!r} is not one of {list(LAYOUTS)}")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"max_length must be >= 1 (or None for whole samples), got {self.max_length}")
+        if not self.dequantize and (self.layout != "raw" or self.normalize_last_layer):
+            raise ValueError("dequantize=False gives states as stored, which only layout='raw' without "
+                             "normalize_last_layer can hold; drop dequantize=False, or use that layout")
 
 
 class HiddenStatesDataset(Dataset):
@@ -242,6 +253,8 @@ class HiddenStatesDataset(Dataset):
             if self._norm is not None:
                 states[:, -1] = self._norm(states[:, -1])
             item["hidden_states"] = states
+            if HIDDEN_STATES_SCALES in tensors:  # dequantize=False on an fp8 run
+                item[HIDDEN_STATES_SCALES] = tensors[HIDDEN_STATES_SCALES]  # [T, L, 1] float32
         elif self._top_k is not None:
             t, n_layers, h = states.shape
             item["aux_hidden_states"] = states.reshape(t, n_layers * h)  # [T, L*H]: every stored layer is aux
@@ -288,7 +301,8 @@ class HiddenStatesDataset(Dataset):
         "loss_mask" [T] (all ones when the file has none)}, the tensors read)."""
         path = self._abs_path(index)
         try:
-            info, tensors = read_rows(self._filesystem(), path, self.config.max_length, verify=verify, names=names)
+            info, tensors = read_rows(self._filesystem(), path, self.config.max_length, verify=verify, names=names,
+                                      dequantize=self.config.dequantize)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{path} (sample {self.sample_id(index)!r}) is missing, though the manifest "
                                     f"commits it; {_REEXTRACT}") from e

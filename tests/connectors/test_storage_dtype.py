@@ -159,3 +159,75 @@ def test_zeros_over_one_repeated_token_are_the_models_own_and_are_written(tmp_pa
                         chunks=1)
     assert connector.wait_for_save() == {}
     assert not load_hidden_states(path)["hidden_states"].any()
+
+
+def _within_fp8(got: torch.Tensor, original: torch.Tensor) -> None:
+    """[t, l, H] states within fp8's rounding of the originals: per token and layer, FP8_RELATIVE_ERROR of the
+    row's largest magnitude."""
+    err = (got - original).abs().amax(-1)
+    assert bool((err <= FP8_RELATIVE_ERROR * original.abs().amax(-1) * 1.001).all())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, comparable with torch.equal (float8 has no equality of its own on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_remote_fp8_reads_equal_the_same_reads_from_local_disk_and_a_token_range_fetches_only_its_rows(
+        remote_backend, connector_factory, tmp_path):
+    """An fp8 file on an object store (behind a metering proxy) read whole, by a layer subset, and by a token range
+    with a layer subset: each equal, bit for bit, to the same read of the same bytes on local disk, and within fp8's
+    error of the states written. A token range fetches the header and its rows only — token ids, the fp8 rows (all
+    L layers of a row: they are contiguous) and those rows' scales. A layer subset of every token is strided through
+    the file, so it is one whole-file GET, never more."""
+    import re
+
+    from connectors.format import HEADER_PROBE_BYTES
+    from tests.connectors.http_proxy import LoopbackProxy
+
+    num_tokens, first, last = 2048, 1500, 1600
+    connector = connector_factory(remote_backend.root, make_spec(torch.float32, LAYERS, HIDDEN),
+                                  storage_options=remote_backend.storage_options, storage_dtype="fp8")
+    token_ids, states = torch.arange(num_tokens), layered_states(num_tokens, seed=4)
+    url = save_request(connector, "fp8-remote", token_ids, states, chunks=4)
+    assert connector.wait_for_save() == {}
+    local = str(tmp_path / "copy.safetensors")
+    with open(local, "wb") as f:
+        f.write(remote_backend.fs.cat_file(remote_backend.key(url)))
+    info = read_hidden_states_info(local)
+    size = info.size
+    assert size > 2 * HEADER_PROBE_BYTES  # large enough that a token range is read by byte ranges
+    row_spans = [(e.start + first * e.row_bytes, e.start + last * e.row_bytes) for e in info.tensors.values()]
+    assert {e.name for e in info.tensors.values()} == {"token_ids", "hidden_states", HIDDEN_STATES_SCALES}
+
+    reads = {"whole": {}, "layers": {"layer_ids": [6, 2]},
+             "range+layers": {"token_range": (first, last), "layer_ids": [4]}}
+    expected = {"whole": states, "layers": states[:, [2, 0]], "range+layers": states[first:last, [1]]}
+    fetched = {}
+    with LoopbackProxy(remote_backend.endpoint) as proxy:
+        options = remote_backend.options_via(proxy.endpoint)
+        for name, kwargs in reads.items():
+            proxy.reset_log()
+            remote = load_hidden_states(url, storage_options=options, **kwargs)
+            fetched[name] = (proxy.body_bytes_sent, [e.range for e in proxy.log if e.method == "GET"])
+            stored = load_hidden_states(url, storage_options=options, dequantize=False, **kwargs)
+            on_disk = load_hidden_states(local, **kwargs)
+            stored_on_disk = load_hidden_states(local, dequantize=False, **kwargs)
+            assert remote.keys() == on_disk.keys() and all(torch.equal(remote[k], on_disk[k]) for k in remote), name
+            assert stored.keys() == stored_on_disk.keys() and all(
+                torch.equal(_bits(stored[k]), _bits(stored_on_disk[k])) for k in stored), name
+            assert remote["hidden_states"].dtype == torch.float32
+            assert stored[HIDDEN_STATES_SCALES].shape == (*expected[name].shape[:2], 1)  # only the layers' scales
+            _within_fp8(remote["hidden_states"], expected[name])
+            assert torch.equal(remote["token_ids"], token_ids[first:last] if "token_range" in kwargs else token_ids)
+
+    needed = sum(b - a for a, b in row_spans)
+    slack = 8192  # JSON object metadata (gcs answers several metadata GETs)
+    assert size <= fetched["whole"][0] <= size + slack  # the file once
+    assert size <= fetched["layers"][0] <= size + slack  # the file once, whole
+    range_bytes, range_gets = fetched["range+layers"]
+    assert needed <= range_bytes <= HEADER_PROBE_BYTES + needed + slack and range_bytes < size // 2
+    for header in filter(None, range_gets):
+        b, e = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", header).groups())
+        assert (b == 0 and e < HEADER_PROBE_BYTES) or any(lo <= b and e < hi for lo, hi in row_spans), \
+            f"fetched bytes {b}-{e}, outside the header and the rows asked for"

@@ -301,10 +301,13 @@ def test_a_topk_target_run_stores_the_aux_layers_and_the_models_top_k_and_resume
     assert "cannot resume" in err and "--target" in err
 
 
-def test_planted_nan_inf_and_zero_states_each_end_as_a_failed_row_naming_token_and_layer(ray_cluster, tiny_llama,
-                                                                                          tmp_path, capsys):
+def test_planted_nan_inf_and_zero_states_fail_by_default_and_a_resume_with_on_nonfinite_skip_skips_them_for_good(
+        ray_cluster, tiny_llama, tmp_path, capsys):
     """The model itself produces the bad states (as an overflow or a broken checkpoint would): token 7's embedding
-    row is NaN, token 8's Inf, tokens 9's and 10's zero: a sample of those two has an all-zero embedding layer."""
+    row is NaN, token 8's Inf, tokens 9's and 10's zero: a sample of those two has an all-zero embedding layer. By
+    default each is a failed row (retried by a resume); a resume with --on-nonfinite skip retries them and records
+    each as a "skipped" row with its reason, final: not a failure for --fail-on-error, counted apart by hsx status,
+    and never extracted again, whatever a later resume's policy."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -322,20 +325,46 @@ def test_planted_nan_inf_and_zero_states_each_end_as_a_failed_row_naming_token_a
            {"id": "zeros", "input_ids": [9, 10, 9, 10]}]
     corpus = write_jsonl(tmp_path / "c.jsonl", good + bad)
     output = str(tmp_path / "out")
-    assert main(["run", "--model", model_dir, "--corpus", corpus, "--output", output, "--layers", "0,2,4",
-                 "--no-progress"]) == EXIT_OK
+    argv = ["run", "--model", model_dir, "--corpus", corpus, "--output", output, "--layers", "0,2,4", "--no-progress"]
+    assert main(argv) == EXIT_OK
     assert "4 ok, 3 failed" in capsys.readouterr().out
     table = _manifest(output)
     failed = {r["sample_id"]: r["error"] for r in table.filter(pc.equal(table["status"], "failed")).to_pylist()}
     assert set(failed) == {"nan", "inf", "zeros"}
-    assert "non-finite value (nan) at token 0, layer 0 (hidden-state id 0)" in failed["nan"]
-    assert "non-finite value (inf) at token 0, layer 0 (hidden-state id 0)" in failed["inf"]
-    assert "layer 0 (hidden-state id 0) is all zeros over all 4 tokens" in failed["zeros"]
+    reasons = {"nan": "non-finite value (nan) at token 0, layer 0 (hidden-state id 0)",
+               "inf": "non-finite value (inf) at token 0, layer 0 (hidden-state id 0)",
+               "zeros": "layer 0 (hidden-state id 0) is all zeros over all 4 tokens"}
+    assert all(reasons[sid] in failed[sid] for sid in reasons)
     assert all("hidden states not committed" in e for e in failed.values())
     assert_exactly_once(output, {f"good-{i}" for i in range(4)})
     assert not glob.glob(os.path.join(output, "data", "**", "nan*"), recursive=True)  # nothing written for them
     assert main(["status", output]) == EXIT_OK
-    assert "hidden states not committed" in capsys.readouterr().out  # counted by kind
+    out = capsys.readouterr().out
+    assert "hidden states not committed" in out and "3 failed" in out and "skipped" not in out  # counted by kind
+
+    # skip: the failed samples are tried again (the good ones are done) and end as skipped rows, exit 0 even so
+    assert main([*argv, "--on-nonfinite", "skip", "--fail-on-error"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "0 ok, 0 failed, 3 skipped for bad states, 4 skipped (already done)" in out
+    assert "first skipped for bad states" in out
+    table = _manifest(output)
+    skipped = {r["sample_id"]: r for r in table.filter(pc.equal(table["status"], "skipped")).to_pylist()}
+    assert set(skipped) == set(reasons)
+    assert all(reasons[sid] in r["error"] and r["path"] is None for sid, r in skipped.items())
+    assert_exactly_once(output, {f"good-{i}" for i in range(4)})  # still no file for them
+    assert main(["status", output]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "4 ok, 0 failed, 3 skipped" in out and "failures by kind" not in out
+    assert all(f"{sid}: " in out and reasons[sid] in out for sid in reasons)  # each skip with its reason
+    assert main(["status", output, "--json"]) == EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["ok"], doc["failed"], doc["skipped"]) == (4, 0, 3)
+
+    # final: a resume, with the default policy too, finds nothing left (no Ray started, no row added)
+    rows = table.num_rows
+    assert main(argv) == EXIT_OK
+    assert "0 ok, 0 failed, 7 skipped (already done)" in capsys.readouterr().out
+    assert _manifest(output).num_rows == rows
 
 
 # -- object storage --------------------------------------------------------------------------------------------------

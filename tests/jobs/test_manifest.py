@@ -13,7 +13,16 @@ import safetensors.torch
 import torch
 
 from connectors.format import HiddenStatesSpec, encode_header
-from connectors.run import RESULT_SCHEMA, RunDir, RunSpec, Sampling, committed_ids, data_path, read_manifest
+from connectors.run import (
+    RESULT_SCHEMA,
+    RunDir,
+    RunSpec,
+    Sampling,
+    committed_ids,
+    data_path,
+    read_manifest,
+    settled_ids,
+)
 from jobs.config import JobConfig
 from jobs.manifest import ManifestWriter, summarize
 from jobs.runinfo import RunMismatch, ensure_run_spec
@@ -89,6 +98,27 @@ def test_summary_counts_samples_with_ok_winning_over_earlier_failures(tmp_path):
     s = summarize(out)
     assert (s.ok, s.failed, s.rows, s.duplicate_ok_rows, s.attempts, s.parts) == (2, 1, 5, 0, 2, 2)
     assert s.tokens == 20 and s.bytes == 200
+    assert s.errors == [("c", "x.jsonl:3: bad c")]
+
+
+def test_skipped_samples_are_settled_for_good_counted_apart_and_undone_only_by_a_later_invalid_mark(tmp_path):
+    """"skipped" (--on-nonfinite skip) is a decision like "ok": a later "failed" row (a duplicate record) does not
+    undo it, a resume skips it, and it is neither committed (no file) nor failed."""
+    out = RunDir(str(tmp_path))
+    w = ManifestWriter(out, "A")
+    w.add(_rows(("a", "ok"), ("b", "skipped"), ("c", "failed"), ("d", "ok"), ("e", "skipped")))
+    w.flush()
+    w2 = ManifestWriter(out, "B")
+    w2.add(_rows(("b", "failed"), ("d", "invalid"), ("e", "invalid")))  # b: a duplicate; d, e: marked for re-extraction
+    w2.flush()
+    w3 = ManifestWriter(out, "C")
+    w3.add(_rows(("d", "skipped")))  # d re-extracted after the mark: its states are refused this time
+    w3.flush()
+    assert committed_ids(out) == {"a"}
+    assert settled_ids(out) == {"a", "b", "d"}  # c failed (retried), e invalid (re-extracted)
+    s = summarize(out)
+    assert (s.ok, s.skipped, s.failed, s.invalid, s.duplicate_ok_rows) == (1, 2, 1, 1, 0)
+    assert s.skips == [("b", "x.jsonl:3: bad b"), ("d", "x.jsonl:3: bad d")]
     assert s.errors == [("c", "x.jsonl:3: bad c")]
 
 

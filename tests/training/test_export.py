@@ -12,8 +12,9 @@ import torch
 
 from cli.args import EXIT_OK, EXIT_USAGE
 from cli.main import build_parser, main
-from connectors import HiddenStatesSpec
+from connectors import HiddenStatesSpec, load_hidden_states
 from connectors.paths import safe_file_stem
+from connectors.quant import FP8, FP8_RELATIVE_ERROR
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import spec_run_json, write_run
 from training import export
@@ -90,6 +91,113 @@ def test_specforge_layout_reads_back_field_by_field(oracle_run, oracle_model, tm
         assert obj["aux_hidden_state"].shape == (1, t, 2 * spec.hidden_size)
         torch.testing.assert_close(obj["hidden_state"][0], post, rtol=1e-5, atol=1e-5)  # post-norm
         torch.testing.assert_close(obj["aux_hidden_state"][0], aux, rtol=1e-5, atol=1e-5)
+
+
+# -- an fp8 run: passed through to speculators, dequantized for the others ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_run(oracle_run, tmp_path_factory):
+    """(output, samples, spec): the oracle run's float32 states stored in fp8 (per-token-per-layer scales)."""
+    _, samples, spec = oracle_run
+    spec8 = HiddenStatesSpec(**{**spec.__dict__, "storage_dtype": FP8})
+    out = str(tmp_path_factory.mktemp("fp8-run"))
+    write_run(out, samples, spec8)
+    return out, samples, spec8
+
+
+def _within_fp8(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """`got` [T, L, H] equals `expected` within fp8's rounding: per token and layer, FP8_RELATIVE_ERROR of that row's
+    largest magnitude (the bound hsx verify allows), and not bit-equal (so fp8 really went through)."""
+    err = (got.float() - expected.float()).abs().amax(-1)  # [T, L]
+    bound = FP8_RELATIVE_ERROR * expected.float().abs().amax(-1)  # [T, L]
+    assert bool((err <= bound * 1.001 + 1e-12).all()), float((err / bound.clamp(min=1e-30)).max())
+    assert not torch.equal(got.float(), expected.float())
+
+
+def test_an_fp8_run_goes_to_speculators_as_its_fp8_bytes_and_scales_which_load_back_within_fp8_error(fp8_run,
+                                                                                                    tmp_path):
+    out, samples, spec = fp8_run
+    dest = str(tmp_path / "spec")
+    export_run(out, dest, "speculators")
+    stored = {r["sample_id"]: r for r in _run_rows(out)}
+    for i, s in enumerate(samples):
+        path = os.path.join(dest, "hidden_states", f"hs_{i}.safetensors")
+        f = safetensors.torch.load_file(path)
+        t, n_layers = len(s.token_ids), len(ORACLE_LAYERS)
+        assert set(f) == {"token_ids", "hidden_states", "hidden_states_scales", "loss_mask"}
+        assert f["hidden_states"].dtype == torch.float8_e4m3fn and f["hidden_states"].shape == (t, n_layers,
+                                                                                                 spec.hidden_size)
+        assert f["hidden_states_scales"].dtype == torch.float32 and f["hidden_states_scales"].shape == (t, n_layers, 1)
+        # the run's own bytes and scales, not a requantization
+        raw = load_hidden_states(os.path.join(out, stored[s.sample_id]["path"]), dequantize=False)
+        assert torch.equal(f["hidden_states"].view(torch.uint8), raw["hidden_states"].view(torch.uint8))
+        assert torch.equal(f["hidden_states_scales"], raw["hidden_states_scales"])
+        # speculators' rule (fp8.to(dtype) * scales.to(dtype)) broadcasts [T, L, 1] as it does its own [T, 1, 1]
+        _within_fp8(f["hidden_states"].float() * f["hidden_states_scales"], s.hidden_states)
+        back = load_hidden_states(path)  # our reader: no hsx metadata, scaled -> float32
+        assert back["hidden_states"].dtype == torch.float32 and torch.equal(back["token_ids"], s.token_ids)
+        _within_fp8(back["hidden_states"], s.hidden_states)
+        part = load_hidden_states(path, layer_ids=[ORACLE_LAYERS[-1], ORACLE_LAYERS[0]], token_range=(1, t - 1))
+        torch.testing.assert_close(part["hidden_states"], back["hidden_states"][1:t - 1][:, [2, 0]], rtol=0, atol=0)
+
+
+def test_the_feed_gives_an_fp8_runs_stored_states_only_when_asked_and_only_in_the_raw_layout(fp8_run):
+    from training.dataset import HiddenStatesDataset
+
+    out, samples, _ = fp8_run
+    stored = HiddenStatesDataset(out, dequantize=False)[0]
+    values = HiddenStatesDataset(out)[0]
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn and "hidden_states" in values
+    assert "hidden_states_scales" not in values and values["hidden_states"].dtype == torch.float32
+    assert torch.equal(stored["hidden_states"].float() * stored["hidden_states_scales"], values["hidden_states"])
+    with pytest.raises(ValueError, match="only layout='raw' without normalize_last_layer"):
+        HiddenStatesDataset(out, layout="eagle3", dequantize=False)
+
+
+def _run_rows(out):
+    from connectors.run import ok_rows
+
+    return ok_rows(out).to_pylist()
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
+def test_an_fp8_run_goes_to_the_other_layouts_dequantized_to_the_model_dtype(fp8_run, oracle_run, oracle_model,
+                                                                           tmp_path, fmt):
+    out, samples, spec = fp8_run
+    model, _ = oracle_model
+    dest = str(tmp_path / fmt)
+    export_run(out, dest, fmt)
+    bf = str(tmp_path / f"{fmt}-float32")
+    export_run(oracle_run[0], bf, fmt)  # the same prompts stored in float32
+    layout = export._LAYOUTS[fmt](dest, None)
+    for i, s in enumerate(samples):
+        rel = layout.relpath(i, s.sample_id)
+        obj, ref = torch.load(os.path.join(dest, rel), weights_only=True), torch.load(os.path.join(bf, rel),
+                                                                                        weights_only=True)
+        target, aux = ("hidden_state", "aux_hidden_state") if fmt == "specforge" else ("hidden_states",
+                                                                                       "aux_hidden_states")
+        assert obj[target].dtype == obj[aux].dtype == torch.float32  # the model dtype, never fp8
+        t, h = len(s.token_ids), spec.hidden_size
+        _within_fp8(obj[aux].reshape(t, 2, h), ref[aux].reshape(t, 2, h))
+        # the target is the final norm of the dequantized pre-norm layer: fp8's error, scaled by the norm
+        with torch.no_grad():
+            expected = model.model.norm(s.hidden_states[:, -1])  # [T, H] from the float32 pre-norm states
+        got = obj[target].reshape(t, h)
+        rel_err = float((got - expected).norm() / expected.norm())
+        assert 0 < rel_err < 2 * FP8_RELATIVE_ERROR, rel_err
+        torch.testing.assert_close(ref[target].reshape(t, h), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "specforge", "modelopt"])
+def test_an_fp8_runs_export_is_byte_deterministic(fp8_run, tmp_path, fmt):
+    out = fp8_run[0]
+    trees = []
+    for n in (1, 2):
+        dest = tmp_path / f"{fmt}{n}"
+        export_run(out, str(dest), fmt)
+        trees.append({f: (dest / f).read_bytes() for f in _files_under(str(dest)) if f != ".hsx-output.json"})
+    assert trees[0] == trees[1] and len(trees[0]) > len(fp8_run[1])
 
 
 def test_specforge_rows_go_in_folders_of_2000():

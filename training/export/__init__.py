@@ -5,7 +5,8 @@
     ExportSummary                             what an export did: samples, written, skipped, tokens, seconds
     export_run(output, dest, fmt, ...)        the export -> ExportSummary; resumes a partial one
     FORMATS                                   the layouts, one module each:
-        speculators.py   SpeculatorsLayout    hidden_states/hs_{i}.safetensors (last layer PRE-norm) + Arrow dataset
+        speculators.py   SpeculatorsLayout    hidden_states/hs_{i}.safetensors (last layer PRE-norm; an fp8 run's
+                                              states and scales as stored) + Arrow dataset
         specforge.py     SpecForgeLayout      rows_{a}-{b}/data_{i}.ckpt (hidden_state POST-norm)
         modelopt.py      ModelOptLayout       {sample_id}.pt (hidden_states POST-norm)
     files.py                                  put (the one atomic durable write, on the local disk), read-back checks
@@ -13,7 +14,9 @@
 The run stores id N pre-norm, as vLLM does. For the post-norm formats a pre-norm run needs the target model's final
 norm: from --model-dir, else the run's model when it is a local folder; otherwise the export is refused (never a
 silent pre-norm "hidden_state"). A run that stored the last layer post-norm cannot be exported for speculators (the
-norm cannot be undone). Every format needs the last stored id to be N.
+norm cannot be undone). Every format needs the last stored id to be N. States stored in fp8 (or another storage
+dtype) pass through as stored to speculators, which reads fp8 with its scales, and are dequantized to the model
+dtype for the others.
 
 Streaming: one sample in memory at a time (`num_workers` reads ahead in DataLoader workers, bounded). Resumable:
 every file is written through `files.put` (temp name in its folder, fsync, rename), so a file under its final name
@@ -76,12 +79,15 @@ class Layout(Protocol):
         relpath(index, sample_id)   where sample `index` goes, relative to DEST
         is_complete(path, n)        whether an existing file there already holds that sample (n tokens)
         write(path, item)           write one sample (an EAGLE-3 item of HiddenStatesDataset; hidden_states for
-                                    speculators) — through files.put, so a file under its final name is complete
+                                    speculators, as stored when `stored_states`) — through files.put, so a file
+                                    under its final name is complete
         on_export_complete(ds)      after every sample file exists: write the index files, if the layout has any
     """
 
     dataset_layout: str
     needs_post_norm: bool
+    stored_states: bool
+    """Take states as the run stores them (fp8 beside its scales), not dequantized to the model dtype."""
 
     def relpath(self, index: int, sample_id: str) -> str: ...
     def is_complete(self, path: str, num_tokens: int) -> bool: ...
@@ -163,7 +169,8 @@ def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None
         FinalNorm.from_model_dir(norm_dir)  # fail before writing anything
         out.inputs["model"] = norm_dir  # the run's own model when --model-dir is not given: checked by open()
     ds = HiddenStatesDataset(output, storage_options=config.storage_options, layout=layout.dataset_layout,
-                             normalize_last_layer=layout.needs_post_norm, model_dir=norm_dir)
+                             normalize_last_layer=layout.needs_post_norm, model_dir=norm_dir,
+                             dequantize=not layout.stored_states)
     if fmt == "modelopt":
         stems: dict[str, int] = {}
         for i in range(len(ds)):

@@ -30,6 +30,8 @@ class ModelOptLayout:
     """HiddenStatesDataset layout the writer takes items in."""
     needs_post_norm: bool = True
     """ModelOpt takes the last layer after the final norm."""
+    stored_states: bool = False
+    """Items come dequantized to the model dtype (ModelOpt reads no fp8)."""
 
     def relpath(self, index: int, sample_id: str) -> str:
         return f"{safe_file_stem(sample_id)}.pt"

@@ -32,6 +32,8 @@ class SpecForgeLayout:
     """HiddenStatesDataset layout the writer takes items in."""
     needs_post_norm: bool = True
     """SpecForge takes the last layer after the final norm."""
+    stored_states: bool = False
+    """Items come dequantized to the model dtype (SpecForge reads no fp8)."""
 
     def relpath(self, index: int, sample_id: str) -> str:
         a = index // ROWS_PER_FOLDER * ROWS_PER_FOLDER

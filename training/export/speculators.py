@@ -2,7 +2,12 @@
 
     DEST/hidden_states/hs_{i}.safetensors   token_ids [T], hidden_states [T, L, H] (every stored layer; the last one
                                             PRE-norm: speculators' generator stores it so, and its trainer applies the
-                                            verifier's norm itself), loss_mask [T] (an extra key its loader ignores)
+                                            verifier's norm itself), loss_mask [T] (an extra key its loader ignores);
+                                            an fp8 run's states pass through as stored: float8_e4m3fn hidden_states
+                                            and float32 hidden_states_scales [T, L, 1] (speculators' FP8 reader
+                                            computes fp8.to(dtype) * scales.to(dtype), which broadcasts our
+                                            per-token-per-layer scales as it does its own [T, 1, 1]); other storage
+                                            dtypes pass through as stored too
     DEST/ (a `datasets.save_to_disk` folder) data-00000-of-00001.arrow (input_ids, loss_mask, seq_len; row i <-> hs_{i}),
                                             dataset_info.json, state.json
 """
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from connectors import safetensors_file
+from connectors.format import HIDDEN_STATES_SCALES
 from connectors.run import RunSpec
 from training.export import files
 
@@ -39,6 +45,8 @@ class SpeculatorsLayout:
     """HiddenStatesDataset layout the writer takes items in."""
     needs_post_norm: bool = False
     """speculators takes the last layer pre-norm, as the run stores it."""
+    stored_states: bool = True
+    """Items hold the states as the run stores them (fp8 with its scales): speculators reads fp8 itself."""
 
     def relpath(self, index: int, sample_id: str) -> str:
         return f"hidden_states/hs_{index}.safetensors"
@@ -54,11 +62,15 @@ class SpeculatorsLayout:
 
     def write(self, path: str, item: dict[str, Any]) -> None:
         tensors = {"token_ids": item["input_ids"].contiguous(),  # [T] int64
-                   "hidden_states": item["hidden_states"].contiguous(),  # [T, L, H], last layer pre-norm
-                   "loss_mask": item["loss_mask"].contiguous()}  # [T]
+                   "hidden_states": item["hidden_states"].contiguous()}  # [T, L, H] as stored, last layer pre-norm
+        if HIDDEN_STATES_SCALES in item:
+            tensors[HIDDEN_STATES_SCALES] = item[HIDDEN_STATES_SCALES].contiguous()  # [T, L, 1] float32
+        tensors["loss_mask"] = item["loss_mask"].contiguous()  # [T]
         meta = {"format": "speculators", "layer_ids": json.dumps(list(self.run.layer_ids)),
                 "layer_id_convention": self.run.layer_id_convention, "last_layer_normalized": "false",
                 "model": self.run.model, "sample_id": str(item["sample_id"])}
+        if self.run.storage_dtype:
+            meta.update(dtype=self.run.dtype, storage_dtype=self.run.storage_dtype)
         files.put(path, safetensors_file.safetensors_content(tensors, meta))
 
     def on_export_complete(self, ds: HiddenStatesDataset) -> None:
