@@ -102,7 +102,7 @@ def test_help_lists_every_command(capsys):
 
 
 def _commands():
-    from jobs.config import DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
+    from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
     from jobs.verify import VerifyConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
@@ -111,7 +111,7 @@ def _commands():
 
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
             "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainDrafterConfig,
-            "eval-drafter": EvalDrafterConfig, "serve": ServeConfig}
+            "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig}
 
 
 def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():

@@ -287,6 +287,18 @@ def test_refusals_name_the_fix(oracle_run, tmp_path):
         export_run(out, dest, "eagle")
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "specforge", "modelopt"])
+def test_a_topk_target_run_is_refused_by_layouts_that_store_the_last_layer(fmt, oracle_run, oracle_model, tmp_path):
+    from tests.drafters.test_topk_training import topk_run
+
+    run = topk_run(str(tmp_path / "run"), oracle_run, oracle_model, 8)
+    with pytest.raises(ValueError, match=rf"{fmt}'s layout stores the last layer's hidden state \(id 4\), which this "
+                                         r"run kept only as a top_k:8 target .* --kind eagle3`, or re-extract with "
+                                         "--target states"):
+        export_run(run, str(tmp_path / "dest"), fmt)
+    assert not (tmp_path / "dest").exists()
+
+
 def test_cli_export_subcommand(oracle_run, tmp_path, capsys):
     out, samples, spec = oracle_run
     parser = build_parser()

@@ -105,6 +105,11 @@ _LAYOUTS: dict[str, Callable[[str, RunSpec], Layout]] = {
 def _check_run(config: ExportConfig, run: RunSpec, layout: Layout) -> str | None:
     """Refuse runs the format cannot represent; return the model dir for the final norm, if one is needed."""
     n, last = run.num_hidden_layers, run.layer_ids[-1]
+    if run.target_top_k is not None:
+        raise ValueError(f"{config.format}'s layout stores the last layer's hidden state (id {n}), which this run "
+                         f"kept only as a {run.target} target (its top-{run.target_top_k} next-token "
+                         "log-probabilities); train on the run with `hsx train-drafter --kind eagle3`, or re-extract "
+                         f"with --target states and id {n} in --layers to export it")
     if len(run.layer_ids) < 2:
         raise ValueError(f"the run stores only layer {list(run.layer_ids)}; {config.format} needs aux layers and the "
                          "last layer (extract e.g. --layers 2,N/2,N-3,N)")
