@@ -141,6 +141,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     target = f"  + {spec.target} target in place of layer {spec.num_hidden_layers}" if spec.target else ""
     print(f"model:    {spec.model}  layers {list(spec.layer_ids)}  {spec.dtype}{stored}{target}")
     print(f"samples:  {s.ok} ok, {s.failed} failed" + (f", {s.skipped} skipped" if s.skipped else "")
+          + (f" ({s.failed_for_good} failed the same way every time: re-runs skip them; fix the records, then "
+             "--retry-failed)" if s.failed_for_good else "")
           + (f", {s.truncated} truncated" if s.truncated else ""))
     print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")

@@ -27,7 +27,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     skipped_rows(table)                            per sample its last "skipped" row, unless "ok"/"invalid" came after
     ok_rows(run)                                   the committed rows, sorted by sample id
     committed_ids(run)                             ids of committed samples
-    settled_ids(run) / settled_rows(table)         ids a resume skips: committed or skipped
+    settled_ids(run) / settled_rows(table)         ids a resume skips: committed, skipped, or failing for good
 
 Exactly-once rests on two orderings. A sample's data file is durable (written, fsynced, renamed, directory fsynced)
 before its "ok" row is written, and that row is committed in a part file that appears atomically and durably (the
@@ -377,6 +377,9 @@ RESULT_SCHEMA = pa.schema([
     ("source", pa.string()),            # corpus file and line/row
     ("truncated", pa.bool_()),          # over-length sample cut to the limit
     ("checksum", pa.string()),          # the file's data checksum ("xxh3_64:<hex>"), as its header records it
+    ("retry", pa.bool_()),              # failed rows: false when the record fails the same way every time (malformed,
+                                        # no known field, over-length, ...): a re-run skips it unless --retry-failed;
+                                        # true or null (older runs): a re-run extracts it again
 ])
 MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
     pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
@@ -729,14 +732,33 @@ def committed_ids(run: RunDir | str, *, storage_options: dict | None = None) -> 
     return set(committed_rows(table)["sample_id"].to_pylist())
 
 
-def settled_ids(run: RunDir | str, *, storage_options: dict | None = None) -> set[str]:
-    """Ids a resume skips: committed samples and samples skipped for good (their last decisive row is "ok" or
-    "skipped"). "failed" samples and those hsx verify marked "invalid" are extracted again."""
-    table = read_manifest(run, columns=["sample_id", "status"], storage_options=storage_options)
-    return set(settled_rows(table)["sample_id"].to_pylist())
+SETTLED_COLUMNS = ("sample_id", "status", "retry")
+"""What settled_rows reads of the manifest."""
 
 
-def settled_rows(table: pa.Table) -> pa.Table:
-    """Per sample a resume skips, its last decisive row ("ok" or "skipped"; see settled_ids)."""
+def settled_ids(run: RunDir | str, *, retry_failed: bool = False, storage_options: dict | None = None) -> set[str]:
+    """Ids a resume skips (see settled_rows)."""
+    table = read_manifest(run, columns=list(SETTLED_COLUMNS), storage_options=storage_options)
+    return set(settled_rows(table, retry_failed=retry_failed)["sample_id"].to_pylist())
+
+
+def settled_rows(table: pa.Table, *, retry_failed: bool = False) -> pa.Table:
+    """The sample ids a resume skips, one row each (column sample_id): committed samples and samples skipped for
+    good (their last decisive row is "ok" or "skipped"), and — unless `retry_failed` — samples whose last row is a
+    failure that repeats (retry false: a malformed record, no known field, over-length, ...). Other failures and
+    samples hsx verify marked "invalid" are extracted again."""
     latest = _decisive_rows(table)
-    return latest.filter(pc.is_in(latest["status"], pa.array([OK, SKIPPED])))
+    settled = latest.filter(pc.is_in(latest["status"], pa.array([OK, SKIPPED]))).select(["sample_id"])
+    if retry_failed or "retry" not in table.column_names:
+        return settled
+    final = pc.and_(pc.equal(table["status"], FAILED), pc.equal(pc.fill_null(table["retry"], True), False))
+    candidates = pc.unique(table["sample_id"].filter(final))
+    if not len(candidates):
+        return settled
+    mine = table.filter(pc.is_in(table["sample_id"], value_set=candidates))  # every row of those samples
+    mine = mine.append_column("_row", pa.array(np.arange(mine.num_rows, dtype=np.int64)))
+    last = mine.take(mine.group_by("sample_id", use_threads=False).aggregate([("_row", "max")])["_row_max"])
+    repeats = last.filter(pc.and_(pc.equal(last["status"], FAILED), pc.equal(pc.fill_null(last["retry"], True),
+                                                                                False)))
+    both = pa.concat_tables([settled, repeats.select(["sample_id"])])
+    return both.group_by("sample_id", use_threads=False).aggregate([])  # a sample ok before its repeat: once

@@ -77,6 +77,10 @@ class JobConfig(EngineOptions):
     owns): more for runs of tens of millions of samples."""
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
+    retry_failed: bool = False
+    """Extract again the samples whose records failed in a way that repeats (malformed JSON, no known field, over the
+    length limit, a duplicate id, ...): after fixing the corpus or a setting. Other failures (the engine, storage,
+    a lost worker) are retried by every re-run."""
     fail_on_error: bool = False
     """Exit with status 1 when any sample failed (by default failures are recorded and the job succeeds)."""
     on_nonfinite: str = "fail"

@@ -95,7 +95,7 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
 
         output = RunDir(config.output, config.storage_options)
         if output.exists(RUN_JSON):
-            done = settled_ids(output)
+            done = settled_ids(output, retry_failed=config.retry_failed)
     tokenizer = SampleTokenizer(TokenizeSettings(
         tokenizer=facts.model, max_prompt_tokens=facts.max_model_len - config.max_tokens, overlength=config.overlength,
         chat_template=override, revision=config.revision, trust_remote_code=config.trust_remote_code))

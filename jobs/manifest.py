@@ -24,12 +24,14 @@ from connectors.run import (
     FAILED,
     INVALID,
     OK,
+    SETTLED_COLUMNS,
     RunDir,
     committed_rows,
     encode_manifest_part,
     live_manifest_parts,
     manifest_rows,
     read_manifest,
+    settled_rows,
     skipped_rows,
 )
 
@@ -88,6 +90,9 @@ class Summary:
     """Samples with an "ok" row."""
     failed: int = 0
     """Samples whose rows all failed."""
+    failed_for_good: int = 0
+    """Of those, samples whose last failure repeats every time (a malformed record, ...): re-runs skip them unless
+    --retry-failed."""
     invalid: int = 0
     """Samples whose committed file hsx verify found bad (not yet re-extracted)."""
     skipped: int = 0
@@ -136,6 +141,7 @@ def summarize(run: RunDir, max_errors: int = 10) -> Summary:
                                                                         pa.string())))
     failed = table.filter(pc.and_(pc.equal(table["status"], FAILED), undone))
     s.failed = len(pc.unique(failed["sample_id"]))
+    s.failed_for_good = len(settled_rows(failed.select(list(SETTLED_COLUMNS))))  # their last row repeats every time
     seen: set[str] = set()
     kinds: Counter[str] = Counter()
     for sid, err in zip(failed["sample_id"].to_pylist(), failed["error"].to_pylist()):

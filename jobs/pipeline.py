@@ -74,8 +74,8 @@ class JobPlan:
     """run.json as written (new run) or checked (resume)."""
     new_run: bool
     done: DoneSet
-    """Keys of the sample ids already settled — committed ("ok") or skipped for good ("skipped", --on-nonfinite
-    skip): 8 bytes an id, never the id strings."""
+    """Keys of the sample ids already settled — committed ("ok"), skipped for good ("skipped", --on-nonfinite skip),
+    or failing the same way every time (unless --retry-failed): 8 bytes an id, never the id strings."""
     attempt: str = ""
     """This attempt's id (manifest parts, the lease)."""
     lease: WriterLease | None = None
@@ -121,7 +121,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
         present = read_run_spec(output)
         spec = build_run_spec(config, facts, files, template, template_source, present=present)
         new_run = ensure_run_spec(output, spec, present)
-        done = DoneSet() if new_run else DoneSet.load(output)
+        done = DoneSet() if new_run else DoneSet.load(output, retry_failed=config.retry_failed)
         plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease)
         plan.nothing_left = _nothing_left(plan)
     except BaseException:
@@ -141,7 +141,7 @@ def _nothing_left(plan: JobPlan) -> bool:
     c = plan.config
     for file in plan.files:
         for block in read_records(file, c.id_field, c.corpus_storage_options):
-            if any(r.error is not None for r in block) or not plan.done.contains(id_keys(r.sample_id for r in block)).all():
+            if not plan.done.contains(id_keys(r.sample_id for r in block)).all():  # a broken record: its derived id
                 return False
     return True
 

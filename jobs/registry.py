@@ -53,12 +53,12 @@ class DoneSet:
         self.keys = np.unique(keys) if keys is not None and len(keys) else np.zeros(0, dtype=np.uint64)
 
     @classmethod
-    def load(cls, run) -> DoneSet:
-        """The ids a resume of `run` skips (connectors.run.settled_rows: committed, or skipped for good), hashed a
-        slice at a time: the id strings are never all held at once."""
-        from connectors.run import read_manifest, settled_rows
+    def load(cls, run, *, retry_failed: bool = False) -> DoneSet:
+        """The ids a resume of `run` skips (connectors.run.settled_rows: committed, skipped for good, or failing the
+        same way every time unless `retry_failed`), hashed a slice at a time: the id strings are never all held."""
+        from connectors.run import SETTLED_COLUMNS, read_manifest, settled_rows
 
-        ids = settled_rows(read_manifest(run, columns=["sample_id", "status"]))["sample_id"]
+        ids = settled_rows(read_manifest(run, columns=list(SETTLED_COLUMNS)), retry_failed=retry_failed)["sample_id"]
         step = 1 << 16
         return cls(np.concatenate([np.zeros(0, dtype=np.uint64), *(
             id_keys(ids.slice(start, step).to_pylist()) for start in range(0, len(ids), step))]))

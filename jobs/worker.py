@@ -112,8 +112,8 @@ class ExtractionWorker:
         results: list[dict[str, Any] | None] = [None] * len(rows)
         todo = []
         for i, row in enumerate(rows):
-            if row["error"] is not None:
-                results[i] = _failed(row, row["error"])
+            if row["error"] is not None:  # the record itself (read, tokenization): it fails the same way every time
+                results[i] = _failed(row, row["error"], retry=False)
             else:
                 todo.append(i)
         if todo:
@@ -174,7 +174,7 @@ class ExtractionWorker:
                 pass
 
 
-def _failed(row: dict[str, Any], error: str, status: str = FAILED) -> dict[str, Any]:
+def _failed(row: dict[str, Any], error: str, status: str = FAILED, retry: bool = True) -> dict[str, Any]:
     return {"sample_id": row["sample_id"], "status": status, "path": None, "num_tokens": 0,
             "num_prompt_tokens": row["num_prompt_tokens"], "bytes": 0, "error": storable_text(error),
-            "source": row["source"], "truncated": row["truncated"], "checksum": None}
+            "source": row["source"], "truncated": row["truncated"], "checksum": None, "retry": retry}

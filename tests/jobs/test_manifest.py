@@ -28,15 +28,41 @@ from jobs.manifest import ManifestWriter, summarize
 from jobs.runinfo import RunMismatch, ensure_run_spec
 
 
-def _rows(*rows):
+def _rows(*rows, retry: bool | None = None):
+    """Manifest rows (sample_id, status); failed ones with `retry` (None: as older runs, retried)."""
     cols = {n: [] for n in RESULT_SCHEMA.names}
     for sid, status in rows:
         ok = status == "ok"
         for k, v in dict(sample_id=sid, status=status, path=data_path(sid) if ok else None, num_tokens=10 if ok else 0,
                          num_prompt_tokens=10, bytes=100 if ok else 0, error=None if ok else f"x.jsonl:3: bad {sid}",
-                         source="x.jsonl:3", truncated=False, checksum=None).items():
+                         source="x.jsonl:3", truncated=False, checksum=None,
+                         retry=None if ok else retry).items():
             cols[k].append(v)
     return pa.Table.from_pydict(cols, schema=RESULT_SCHEMA)
+
+
+def test_failures_that_repeat_stay_failed_on_a_resume_unless_retry_failed(tmp_path):
+    out = RunDir(str(tmp_path))
+    w = ManifestWriter(out, "A")
+    w.add(_rows(("malformed", "failed"), ("over-length", "failed"), retry=False))  # the record itself: every time
+    w.add(_rows(("engine", "failed"), retry=True))  # may pass on a retry
+    w.add(_rows(("old", "failed")))  # an older run's row (no retry column value): retried, as it was
+    w.add(_rows(("good", "ok")))
+    w.flush()
+    assert settled_ids(out) == {"good", "malformed", "over-length"}
+    assert settled_ids(out, retry_failed=True) == {"good"}
+    w = ManifestWriter(out, "B")  # --retry-failed: one record now passes, the other fails transiently
+    w.add(_rows(("malformed", "ok")))
+    w.add(_rows(("over-length", "failed"), retry=True))
+    w.flush()
+    assert settled_ids(out) == {"good", "malformed"}
+    s = summarize(out)
+    assert (s.ok, s.failed, s.failed_for_good) == (2, 3, 0)
+    w = ManifestWriter(out, "C")
+    w.add(_rows(("over-length", "failed"), retry=False))
+    w.flush()
+    assert settled_ids(out) == {"good", "malformed", "over-length"}
+    assert summarize(out).failed_for_good == 1
 
 
 def test_parts_appear_whole_and_pyarrow_reads_the_folder_as_the_manifest(tmp_path):
