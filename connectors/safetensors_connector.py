@@ -94,7 +94,7 @@ class HiddenStatesConnectorConfig:
     """Bound on the captured rows one request holds in memory (a sample far longer than max_num_batched_tokens comes
     in many prefill chunks). Once a request holds half of it, its rows go to the writer threads as a piece: checked,
     converted to the storage dtype and appended to the request's spool (spool_dir), one piece of a request at a time
-    (the engine waits for the previous one when the next would pass the bound); the file is assembled from the spool
+    (the engine waits for the previous one before handing over the next); the file is assembled from the spool
     when the request finishes, the same bytes the in-memory path writes. A request holds at most this bound, or half
     of it plus one chunk's rows when a chunk is larger than half. Requests under half of it stay in memory."""
     spool_dir: str = ""
@@ -483,4 +483,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
 
     def shutdown(self) -> None:
         self._writer.drain()
+        with self._lock:
+            unfinished = list(self._requests.values())
+        for pending in unfinished:  # started, never finished nor aborted: their spools go now
+            self._close_spool(pending)
         self._writer.shutdown()

@@ -155,6 +155,17 @@ def test_an_aborted_request_leaves_no_spool(tmp_path, connector_factory):
     assert not (tmp_path / "run" / "gone.safetensors").exists()
 
 
+def test_a_request_never_finished_has_its_spool_released_at_shutdown(tmp_path, connector_factory):
+    spool_dir = tmp_path / "spool"
+    connector = connector_factory(str(tmp_path / "run"), make_spec(torch.float32, LAYERS, HIDDEN),
+                                  max_staged_bytes_per_request=BOUND, spool_dir=str(spool_dir))
+    token_ids, states = random_request(10 * CHUNK, torch.float32, seed=9)
+    feed(connector, "left", token_ids, states, finish=False)
+    assert spool_files(spool_dir)
+    connector.shutdown()
+    assert spool_files(spool_dir) == []
+
+
 @pytest.mark.s3
 def test_an_upload_that_fails_mid_stream_leaves_no_object_and_no_open_multipart_upload(s3_bucket, connector_factory,
                                                                                        tmp_path):
