@@ -15,7 +15,7 @@ import torch
 from connectors import RequestInfo, load_hidden_states
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.quant import FP8, BadStates
-from tests.connectors.conftest import _S3, _make_backend, make_spec
+from tests.connectors.conftest import _GS, _S3, _make_backend, make_spec
 from tests.connectors.http_proxy import LoopbackProxy
 from tests.connectors.test_storage_contract import HIDDEN, LAYERS, random_request
 from tests.connectors.test_storage_faults import fast_failing
@@ -26,7 +26,7 @@ BOUND = 6 * CHUNK * ROW_BYTES  # pieces of 3 chunks
 UNBOUNDED = 1 << 40
 
 
-@pytest.fixture(params=["local", "memory", _S3])
+@pytest.fixture(params=["local", "memory", _S3, _GS])
 def store(request, tmp_path):
     return _make_backend(request.param, request, tmp_path)
 
