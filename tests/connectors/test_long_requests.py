@@ -142,28 +142,21 @@ def test_bad_states_in_a_spooled_request_fail_it_with_the_in_memory_message_and_
     assert said in messages["spooled"] and messages["spooled"] == messages["in-memory"]
 
 
-def test_an_aborted_request_leaves_no_spool(tmp_path, connector_factory):
+@pytest.mark.parametrize("end", ["abort", "shutdown"])
+def test_a_request_aborted_or_never_finished_leaves_no_spool(end, tmp_path, connector_factory):
     spool_dir = tmp_path / "spool"
     connector = connector_factory(str(tmp_path / "run"), make_spec(torch.float32, LAYERS, HIDDEN),
                                   max_staged_bytes_per_request=BOUND, spool_dir=str(spool_dir))
     token_ids, states = random_request(10 * CHUNK, torch.float32, seed=9)
     feed(connector, "gone", token_ids, states, finish=False)
     assert spool_files(spool_dir)  # the request is spooling...
-    connector.abort_request("gone")
-    assert connector.wait_for_save() == {}
+    if end == "abort":
+        connector.abort_request("gone")
+        assert connector.wait_for_save() == {}
+    else:  # started, never finished nor aborted
+        connector.shutdown()
     assert spool_files(spool_dir) == [] and os.listdir(spool_dir) == []  # ...and its spool is gone with it
     assert not (tmp_path / "run" / "gone.safetensors").exists()
-
-
-def test_a_request_never_finished_has_its_spool_released_at_shutdown(tmp_path, connector_factory):
-    spool_dir = tmp_path / "spool"
-    connector = connector_factory(str(tmp_path / "run"), make_spec(torch.float32, LAYERS, HIDDEN),
-                                  max_staged_bytes_per_request=BOUND, spool_dir=str(spool_dir))
-    token_ids, states = random_request(10 * CHUNK, torch.float32, seed=9)
-    feed(connector, "left", token_ids, states, finish=False)
-    assert spool_files(spool_dir)
-    connector.shutdown()
-    assert spool_files(spool_dir) == []
 
 
 @pytest.mark.s3
