@@ -15,6 +15,7 @@ import torch
 from connectors import RequestInfo, load_hidden_states
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.quant import FP8, BadStates
+from connectors.storage import STREAM_BLOCK_BYTES, put_atomic
 from tests.connectors.conftest import _GS, _S3, _make_backend, make_spec
 from tests.connectors.http_proxy import LoopbackProxy
 from tests.connectors.test_storage_contract import HIDDEN, LAYERS, random_request
@@ -186,3 +187,19 @@ def test_an_upload_that_fails_mid_stream_leaves_no_object_and_no_open_multipart_
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket)
     assert not uploads.get("Uploads"), uploads  # each attempt's upload was aborted, not left open
     assert spool_files(tmp_path / "spool") == []
+
+
+def test_a_streamed_write_that_fails_part_way_leaves_nothing_on_any_store(store):
+    """put_atomic(stream=True) past its first uploaded part, then the writer fails: no object appears, whole or
+    partial, on any backend (object stores abort the upload instead of completing it)."""
+    def doomed(f) -> None:
+        f.write(b"x" * (STREAM_BLOCK_BYTES + 1024))  # one part is already on its way
+        raise OSError("the spool could not be read")
+
+    with pytest.raises(OSError, match="spool could not be read"):
+        put_atomic(store.fs, store.key(store.url("doomed.safetensors")), doomed, stream=True)
+    put_atomic(store.fs, store.key(store.url("fine.safetensors")), lambda f: f.write(b"y" * 100), stream=True)
+    assert [os.path.basename(p) for p in store.files()] == ["fine.safetensors"]
+    if store.name == "s3":
+        bucket = store.key(store.root).split("/")[0]
+        assert not store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
