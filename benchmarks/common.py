@@ -35,6 +35,11 @@ SHAPES = {
     # the same share of the FLOPs as in the 8B (~7.5%).
     "small": dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096, rope_theta=500000.0),
+    # one long sample's states against a cheap attention (bench_long_sample.py): 8 KiB of float32 states a token over
+    # all 4 layers, 2 heads of 32 and one KV head, positions up to 64k
+    "long": dict(hidden_size=512, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=65536,
+                 rope_theta=500000.0),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
 }

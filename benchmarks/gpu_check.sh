@@ -5,7 +5,9 @@
 #   2. benchmarks/bench_extraction.py on the Llama-3-8B shape in bf16: tokens/s, b/a, b/c, early exit, MFU, storage,
 #      and a torch.profiler breakdown (memory section skipped: it reloads the 8B model in subprocesses);
 #   3. benchmarks/bench_regeneration.py on the same model: regeneration with output-token files vs generate;
-#   4. benchmarks/bench_storage.py on the same model: bytes per token of bf16 vs fp8 files, fp8's error per layer.
+#   4. benchmarks/bench_storage.py on the same model: bytes per token of bf16 vs fp8 files, fp8's error per layer;
+#   5. benchmarks/bench_long_sample.py: host peak RSS of one 32k-token sample in 2048-token chunks, with and without
+#      the connector's staging bound (its own small model, bf16; the states come to host memory chunk by chunk).
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -13,7 +15,8 @@
 # tenacity. On a machine that cannot reach a package index, carry tenacity as a wheel in .whl/ (it is pure Python):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl tenacity
 # The random 8B model (16 GB) is built under $HSX_GPU_SCRATCH (default /tmp/hsx-gpu), not in RESULTS_DIR; only
-# results.{json,md}, profiles.txt, machine.txt, regeneration.md and three logs (eight files) land in RESULTS_DIR.
+# results.{json,md}, profiles.txt, machine.txt, regeneration.md, storage.md, long-sample.md and their logs land
+# in RESULTS_DIR.
 set -uo pipefail
 results=${1:?usage: benchmarks/gpu_check.sh RESULTS_DIR [bench_extraction.py flags]}
 shift
@@ -46,4 +49,8 @@ cp "$scratch"/regen/results.md "$results"/regeneration.md 2>/dev/null
 timeout 180 python3 benchmarks/bench_storage.py --out "$scratch/storage" --model-dir "$scratch/model" --device cuda \
     --num-samples 32 2>&1 | tee "$results/storage.log" || status=1
 cp "$scratch"/storage/results-storage.md "$results"/storage.md 2>/dev/null
+# 5. one long sample in bounded host memory: bounded vs unbounded staging, bf16 and fp8
+timeout 240 python3 benchmarks/bench_long_sample.py --out "$scratch/long" --device cuda 2>&1 \
+    | tee "$results/long-sample.log" || status=1
+cp "$scratch"/long/results-long-sample.md "$results"/long-sample.md 2>/dev/null
 exit $status

@@ -16,6 +16,8 @@
     storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
     safetensors_file.py                one safetensors file's bytes through that put: write_atomic (checksummed)
     writer.py                          background writes with a bound on bytes in flight
+    spool.py                           Spool: a long request's per-token streams staged on local disk (anonymous
+                                       files), read back block by block when its file is assembled
     reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /
                                        cleanup_hidden_states / read_rows (the training feed's read); fp8 dequantized
 

@@ -7,9 +7,11 @@ is all zeros).
     quantize(states, storage_dtype)     [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
     dequantize(stored, scales, dtype)   the inverse: stored.to(dtype) * scales.to(dtype) (scales None: a cast)
     BadStates                           what the connector raises for such a sample (nothing is written)
-    state_problem(chunks, layer_ids, token_ids)
+    state_problem(chunks, layer_ids, token_ids, logprobs)
                                         "non-finite value (nan) at token 3, layer 1 (hidden-state id 16)", "layer 2
-                                        (...) is all zeros over all T tokens" (of distinct tokens), or None
+                                        (...) is all zeros over all T tokens" (of distinct tokens), a non-finite
+                                        target log-probability, or None
+    StateChecker(layer_ids)             the same pass fed chunk by chunk (a long request's spool): feed(), finish()
 
 fp8 follows speculators' FP8 transfer (REFERENCE.md): scale = amax / 448 (e4m3's largest value) over the hidden
 dimension, clamped at 1e-12, value = fp8 * scale. hsx keeps one scale per token **and layer** ([T, L, 1]): the
@@ -80,50 +82,75 @@ def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, dtype: torch.d
     return stored.to(dtype) * scales.to(dtype)
 
 
-def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None,
-                  token_ids: Sequence[torch.Tensor] | None = None) -> str | None:
-    """Why states given as chunks along the token axis ([t_i, L, H] each, in order) must not be committed: the first
-    NaN or Inf (by token and layer position), else a layer whose every value is zero (a capture that never ran, the
-    failure vLLM and speculators shipped), else None. `layer_ids` names each layer position's hidden-state id.
+class StateChecker:
+    """The pass that finds states never to be committed, fed chunk by chunk along the token axis (a long request's
+    rows are checked as they go to its spool, the others all at once by `state_problem`); same findings, same
+    messages, same order as one pass over the whole sample:
 
-    A layer of zeros counts only over more than one distinct token (`token_ids`, chunks alike): a model's own
-    embedding row may be zero (padding_idx rows are), and a bias-free decoder keeps such a token zero through every
-    layer, so a sample of one repeated token can be zero by right; zeros across different tokens mean the states
-    were never captured."""
+        feed(states, token_ids, logprobs=None) -> problem | None   states [t, L, H], token_ids [t], logprobs [t, K]:
+                                                                    the first NaN/Inf of the states, at once
+        finish() -> problem | None                                  a layer of zeros over distinct tokens, else the
+                                                                    first non-finite target log-probability
 
-    def which(position: int) -> str:
-        return f"layer {position}" + (f" (hidden-state id {layer_ids[position]})" if layer_ids else "")
+    A layer of zeros counts only over more than one distinct token: a model's own embedding row may be zero
+    (padding_idx rows are), and a bias-free decoder keeps such a token zero through every layer, so a sample of one
+    repeated token can be zero by right; zeros across different tokens mean the states were never captured."""
 
-    first = 0
-    zero: torch.Tensor | None = None  # per layer: every value so far is zero
-    for chunk in chunks:
-        if chunk.numel() == 0:
-            continue
-        x = chunk.float() if chunk.element_size() == 1 else chunk
+    def __init__(self, layer_ids: Sequence[int] | None = None) -> None:
+        self._layer_ids = layer_ids
+        self._tokens = 0
+        self._zero: torch.Tensor | None = None  # per layer: every value so far is zero
+        self._distinct: set[int] = set()  # up to two distinct token ids
+        self._logprob_problem: str | None = None
+
+    def _which(self, position: int) -> str:
+        return f"layer {position}" + (f" (hidden-state id {self._layer_ids[position]})" if self._layer_ids else "")
+
+    def feed(self, states: torch.Tensor, token_ids: torch.Tensor | None = None,
+             logprobs: torch.Tensor | None = None) -> str | None:
+        first = self._tokens
+        self._tokens += states.shape[0]
+        if token_ids is not None and len(self._distinct) < 2:
+            self._distinct.update(int(t) for t in token_ids.unique()[:2])
+        if logprobs is not None and self._logprob_problem is None:
+            finite = torch.isfinite(logprobs)
+            if not bool(finite.all()):
+                t, rank = (~finite).nonzero()[0].tolist()
+                self._logprob_problem = (f"non-finite target log-probability ({logprobs[t, rank].item()}) at token "
+                                         f"{first + t}, rank {rank}")
+        if states.numel() == 0:
+            return None
+        x = states.float() if states.element_size() == 1 else states
         finite = torch.isfinite(x)
         if not bool(finite.all()):
             t, layer, _ = (~finite).nonzero()[0].tolist()
             value = x[t, layer][~finite[t, layer]][0].item()
-            return f"non-finite value ({value}) at token {first + t}, {which(layer)}"
+            return f"non-finite value ({value}) at token {first + t}, {self._which(layer)}"
         nonzero = (x != 0).any(dim=-1).any(dim=0)  # [L]
-        zero = ~nonzero if zero is None else zero & ~nonzero
-        first += chunk.shape[0]
-    if token_ids is not None and len({int(t) for c in token_ids for t in c.unique()}) < 2:
+        self._zero = ~nonzero if self._zero is None else self._zero & ~nonzero
         return None
-    if zero is not None and bool(zero.any()):
-        layer = int(zero.nonzero()[0])
-        return f"{which(layer)} is all zeros over all {first} tokens"
-    return None
+
+    def finish(self, *, distinct_tokens_known: bool = True) -> str | None:
+        """`distinct_tokens_known`: token ids were fed (without them any layer of zeros counts)."""
+        zero_counts = not distinct_tokens_known or len(self._distinct) >= 2
+        if zero_counts and self._zero is not None and bool(self._zero.any()):
+            layer = int(self._zero.nonzero()[0])
+            return f"{self._which(layer)} is all zeros over all {self._tokens} tokens"
+        return self._logprob_problem
 
 
-def logprob_problem(chunks: Sequence[torch.Tensor]) -> str | None:
-    """Why a top-k target's log-probabilities, given as chunks [t_i, K] along the token axis, must not be committed:
-    the first NaN or Inf (a log_softmax of finite logits is finite), else None."""
-    first = 0
-    for chunk in chunks:
-        finite = torch.isfinite(chunk)
-        if not bool(finite.all()):
-            t, rank = (~finite).nonzero()[0].tolist()
-            return f"non-finite target log-probability ({chunk[t, rank].item()}) at token {first + t}, rank {rank}"
-        first += chunk.shape[0]
-    return None
+def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None,
+                  token_ids: Sequence[torch.Tensor] | None = None,
+                  logprobs: Sequence[torch.Tensor] | None = None) -> str | None:
+    """Why states given as chunks along the token axis ([t_i, L, H] each, in order) must not be committed: the first
+    NaN or Inf (by token and layer position), else a layer whose every value is zero (a capture that never ran, the
+    failure vLLM and speculators shipped; counted over distinct `token_ids` only, see StateChecker), else the first
+    non-finite `logprobs` (a top-k target's, [t_i, K] chunks alike), else None. `layer_ids` names each layer
+    position's hidden-state id."""
+    checker = StateChecker(layer_ids)
+    for i, chunk in enumerate(chunks):
+        problem = checker.feed(chunk, None if token_ids is None else token_ids[i],
+                               None if logprobs is None else logprobs[i])
+        if problem is not None:
+            return problem
+    return checker.finish(distinct_tokens_known=token_ids is not None)

@@ -8,6 +8,13 @@ metadata built here holds a placeholder of the same length, so `connectors.forma
 States holding NaN, Inf or a layer of zeros are never committed: the request fails with `connectors.quant.BadStates`
 naming the token and layer (`check_states`).
 
+Long requests in bounded memory: a request's rows stay in memory until it finishes, unless they reach half of
+`max_staged_bytes_per_request` (a sample far longer than a prefill chunk); from then on they go, a piece at a time,
+to a writer thread that checks them (`connectors.quant.StateChecker`, chunk by chunk), converts them to the storage
+dtype and appends each per-token stream to the request's spool (`connectors.spool`), and the file is assembled from
+the spool when the request finishes: the same bytes, written and uploaded streaming. The spool is released whatever
+happens (a finished, failed or aborted request).
+
 Where a file may go is decided twice: when a request starts (`connectors.paths.PathPolicy`: inside an allowed root;
 `PathOwners`: no other request owns it, see kv_transfer_params["overwrite"]) and again when it is written, from the
 allowed root the request's path lies in, following no symlink (`connectors.storage.local_parent`).
@@ -26,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +52,8 @@ from connectors.format import (
     request_metadata,
 )
 from connectors.paths import Destination, PathOwners, PathPolicy
-from connectors.quant import MODEL, BadStates, check_storage_dtype, logprob_problem, quantize, state_problem
+from connectors.quant import MODEL, BadStates, StateChecker, check_storage_dtype, quantize, state_problem
+from connectors.spool import Spool
 from connectors.writer import BackgroundWriter
 
 __all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
@@ -82,11 +90,23 @@ class HiddenStatesConnectorConfig:
     check_states: bool = True
     """Refuse to commit states holding NaN/Inf or a layer of zeros (the request fails with BadStates, naming the token
     and layer); the check reads each sample's states once, on the writer thread."""
+    max_staged_bytes_per_request: int = 256 << 20
+    """Bound on the captured rows one request holds in memory (a sample far longer than max_num_batched_tokens comes
+    in many prefill chunks). Once a request holds half of it, its rows go to the writer threads as a piece: checked,
+    converted to the storage dtype and appended to the request's spool (spool_dir), one piece of a request at a time
+    (the engine waits for the previous one before handing over the next); the file is assembled from the spool
+    when the request finishes, the same bytes the in-memory path writes. A request holds at most this bound, or half
+    of it plus one chunk's rows when a chunk is larger than half. Requests under half of it stay in memory."""
+    spool_dir: str = ""
+    """Where long requests' spool files go: "" = beside the files on local storage (the request's allowed root), the
+    system temp folder for object stores. The files are anonymous (nothing is left behind, even after a crash) and
+    need room for the longest sample's stored states; on a tmpfs they are memory again."""
 
     def __post_init__(self) -> None:
         for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool), ("check_states", bool),
                            ("num_writer_threads", int), ("max_bytes_in_flight", int), ("max_write_attempts", int),
-                           ("write_retry_backoff_s", (int, float)), ("storage_options", dict)):
+                           ("write_retry_backoff_s", (int, float)), ("storage_options", dict),
+                           ("max_staged_bytes_per_request", int), ("spool_dir", str)):
             value = getattr(self, name)
             # a YAML/JSON "false" is a non-empty string, hence truthy: refuse it rather than enable custom paths
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -99,6 +119,9 @@ class HiddenStatesConnectorConfig:
             raise ValueError(f"num_writer_threads must be >= 1, got {self.num_writer_threads}")
         if self.max_bytes_in_flight < 1:
             raise ValueError(f"max_bytes_in_flight must be >= 1 byte, got {self.max_bytes_in_flight}")
+        if self.max_staged_bytes_per_request < 2:
+            raise ValueError(f"max_staged_bytes_per_request must be >= 2 bytes, got {self.max_staged_bytes_per_request}"
+                             " (e.g. 268435456 for 256 MiB)")
         if self.max_write_attempts < 1:
             raise ValueError(f"max_write_attempts must be >= 1, got {self.max_write_attempts}")
         if self.write_retry_backoff_s < 0:
@@ -131,6 +154,26 @@ class _Pending:
     state_chunks: list[torch.Tensor] = field(default_factory=list)
     extra_chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """The further per-token tensors of the spec's files (a top-k target's), chunk by chunk."""
+    num_tokens: int = 0
+    staged_bytes: int = 0
+    """Bytes of the rows held in the lists above."""
+    spool: Spool | None = None
+    """Set once the request passed half of max_staged_bytes_per_request: its rows go there, piece by piece."""
+    checker: StateChecker | None = None
+    piece: Future | None = None
+    """The request's last piece on its way to the spool (one at a time: pieces append in order)."""
+    piece_bytes: int = 0
+
+    def held_bytes(self) -> int:
+        """The request's rows in memory: staged, and in the piece still being spooled."""
+        return self.staged_bytes + (self.piece_bytes if self.piece is not None and not self.piece.done() else 0)
+
+    def take_rows(self) -> list[dict[str, torch.Tensor]]:
+        """The staged rows chunk by chunk ({name: [t, ...]} each), handed on: nothing is staged after."""
+        rows = [{TOKEN_IDS: ids, HIDDEN_STATES: states, **{n: c[i] for n, c in self.extra_chunks.items()}}
+                for i, (ids, states) in enumerate(zip(self.token_chunks, self.state_chunks))]
+        self.token_chunks, self.state_chunks, self.extra_chunks, self.staged_bytes = [], [], {}, 0
+        return rows
 
 
 def _buffers(tensors) -> dict[tuple, int]:
@@ -163,6 +206,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         self._spec_metadata = spec.to_metadata()
         self._dtype = spec.torch_dtype
         self._extra_rows = extra_row_entries(spec)  # name -> (dtype, row shape): a top-k target's tensors
+        self.peak_staged_bytes = 0
+        """The most bytes of captured rows one request held in memory (staged, or in a piece being spooled)."""
 
     @property
     def peak_bytes_in_flight(self) -> int:
@@ -219,48 +264,128 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             if got.dtype != dtype or tuple(got.shape) != (hidden_states.shape[0], *row):
                 raise ValueError(f"request {request_id}: {name} is {got.dtype} {list(got.shape)}, expected {dtype} "
                                  f"{[hidden_states.shape[0], *row]} (one row per token)")
-        pending.token_chunks.append(token_ids.reshape(-1).to(torch.int64))
+        pending.num_tokens += hidden_states.shape[0]
+        if pending.piece is not None and pending.piece.done() and pending.piece.exception() is not None:
+            return  # a piece failed (BadStates, storage): the request fails with it; its rows need not be kept
+        token_ids = token_ids.reshape(-1).to(torch.int64)
+        nbytes = token_ids.nbytes + hidden_states.nbytes + sum(t.nbytes for t in extra.values())
+        bound = self.extra_config.max_staged_bytes_per_request
+        if pending.piece is not None and pending.held_bytes() + nbytes > bound:
+            wait([pending.piece])  # the previous piece is written before more rows are taken
+        pending.token_chunks.append(token_ids)
         pending.state_chunks.append(hidden_states)
         for name in self._extra_rows:
             pending.extra_chunks.setdefault(name, []).append(extra[name])
+        pending.staged_bytes += nbytes
+        self.peak_staged_bytes = max(self.peak_staged_bytes, pending.held_bytes())
+        if pending.staged_bytes >= bound // 2:
+            self._spool_piece(pending)
+
+    def _spool_piece(self, pending: _Pending) -> None:
+        """Hand the staged rows to a writer thread, which appends them to the request's spool (after its previous
+        piece: the engine waits for that one first)."""
+        if pending.spool is None:
+            cfg = self.extra_config
+            local = storage.is_local(self._fs)
+            pending.spool = Spool(cfg.spool_dir or (pending.dest.root if local else tempfile.gettempdir()))
+            pending.checker = StateChecker(self.spec.layer_ids)
+            logger.debug("request %s holds %d bytes of rows: spooling to %s", pending.info.request_id,
+                         pending.staged_bytes, pending.spool.directory)
+        if pending.piece is not None:
+            wait([pending.piece])
+            if pending.piece.exception() is not None:  # the request fails with it: these rows need no spooling
+                pending.take_rows()
+                return
+        nbytes = pending.staged_bytes
+        rows = pending.take_rows()
+        pending.piece = self._writer.submit(_buffers(t for r in rows for t in r.values()), self._append_piece,
+                                            pending, rows)
+        pending.piece_bytes = nbytes
+
+    def _append_piece(self, pending: _Pending, rows: list[dict[str, torch.Tensor]]) -> None:
+        """On a writer thread: check each chunk's rows, convert them to the storage dtype, append every stream."""
+        for chunk in rows:
+            states = chunk[HIDDEN_STATES]
+            if self.extra_config.check_states:
+                problem = pending.checker.feed(states, chunk[TOKEN_IDS], chunk.get(TARGET_TOPK_LOGPROBS))
+                if problem is not None:
+                    raise self._bad_states(pending.info.request_id, problem)
+            stored = self._stored_rows(chunk)
+            for name, t in stored.items():
+                pending.spool.append(name, t)
 
     def request_finished(self, request_id: str) -> dict[str, Any]:
         with self._lock:
             pending = self._pending(request_id)
             del self._requests[request_id]
+        if pending.spool is not None:
+            return self._finish_spooled(pending)
         # the chunks go to storage as they are, back to back: no concatenated copy on the engine's thread
         token_chunks = pending.token_chunks or [torch.empty(0, dtype=torch.int64)]
         state_chunks = pending.state_chunks or [
             torch.empty(0, len(self.spec.layer_ids), self.spec.hidden_size, dtype=self._dtype)]
-        num_tokens = sum(c.shape[0] for c in token_chunks)
         tensors: dict[str, list[torch.Tensor]] = {TOKEN_IDS: token_chunks, HIDDEN_STATES: state_chunks}
         for name, (dtype, row) in self._extra_rows.items():
             tensors[name] = pending.extra_chunks.get(name) or [torch.empty(0, *row, dtype=dtype)]
+        mask = self._loss_mask(pending)
+        if mask is not None:
+            tensors[LOSS_MASK] = [mask]
+        buffers = _buffers(c for chunks in tensors.values() for c in chunks)
+        return self._submit(pending, buffers, self._stored, tensors)
+
+    def _loss_mask(self, pending: _Pending) -> torch.Tensor | None:
+        """[T] uint8: the request's loss_mask over its prompt, 1 over the output tokens after it."""
         info = pending.info
-        if info.loss_mask is not None:
-            extra = max(0, num_tokens - info.num_prompt_tokens)
-            mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
-            tensors[LOSS_MASK] = [mask[:num_tokens]]
-        metadata = request_metadata(self._spec_metadata, request_id=request_id, num_tokens=num_tokens,
+        if info.loss_mask is None:
+            return None
+        extra = max(0, pending.num_tokens - info.num_prompt_tokens)
+        mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
+        return mask[:pending.num_tokens]
+
+    def _submit(self, pending: _Pending, buffers: dict[tuple, int], prepare, *args) -> dict[str, Any]:
+        """The request's file goes to a writer thread: `prepare(pending, *args)` there gives its tensors."""
+        info = pending.info
+        metadata = request_metadata(self._spec_metadata, request_id=info.request_id, num_tokens=pending.num_tokens,
                                     num_prompt_tokens=info.num_prompt_tokens,
                                     include_output_tokens=pending.include_output_tokens, sample_id=info.sample_id)
-        buffers = _buffers(c for chunks in tensors.values() for c in chunks)
         try:
-            future = self._writer.submit(buffers, self._write, pending, tensors, metadata, time.perf_counter())
+            future = self._writer.submit(buffers, self._write, pending, prepare, args, metadata, time.perf_counter())
         except BaseException:
             self._release(pending, written=False)
+            self._close_spool(pending)
             raise
         with self._lock:
-            self._futures[request_id] = future
+            self._futures[info.request_id] = future
         return {"hidden_states_path": pending.dest.path}
 
-    def _write(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str],
-               submitted: float) -> int:
+    def _finish_spooled(self, pending: _Pending) -> dict[str, Any]:
+        """A spooled request: its last rows are spooled, then its file is assembled from the spool (writer thread)."""
+        rows = pending.take_rows()
+        return self._submit(pending, _buffers(t for r in rows for t in r.values()), self._spooled, rows)
+
+    def _spooled(self, pending: _Pending, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """On a writer thread: the file's tensors from the spool, once the previous piece (FIFO: started before this
+        task) and these last rows are in it and the whole sample passed the check."""
+        pending.piece.result()  # raises the piece's own error (BadStates, a full disk)
+        self._append_piece(pending, rows)
+        problem = pending.checker.finish() if self.extra_config.check_states else None
+        if problem is not None:
+            raise self._bad_states(pending.info.request_id, problem)
+        spool = pending.spool
+        names = [TOKEN_IDS, HIDDEN_STATES] + ([HIDDEN_STATES_SCALES] if self.spec.scaled else []) + list(
+            self._extra_rows)
+        tensors: dict[str, Any] = {name: spool.stream(name) for name in names}
+        mask = self._loss_mask(pending)
+        if mask is not None:
+            tensors[LOSS_MASK] = mask
+        return tensors
+
+    def _write(self, pending: _Pending, prepare, args: tuple, metadata: dict[str, str], submitted: float) -> int:
         """On a writer thread. The file stops being live before the future completes: once `wait_for_save` returns,
         a later request for it sees it committed (or free), never still in flight."""
         written = False
         try:
-            tensors = self._stored(pending.info.request_id, tensors)
+            tensors = prepare(pending, *args)
             size = self._write_file(pending.dest, tensors, metadata)
             written = True
             with self._lock:
@@ -268,19 +393,22 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             return size
         finally:
             self._release(pending, written=written)
+            self._close_spool(pending)
 
-    def _stored(self, request_id: str, tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    @staticmethod
+    def _bad_states(request_id: str, problem: str) -> BadStates:
+        return BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these states: "
+                         "check the model and --dtype (fp16 overflows?) before re-extracting")
+
+    def _stored(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
         """The tensors as the file stores them, on the writer thread: states that must not be committed (NaN, Inf, an
         all-zero layer) refused with BadStates; states quantized to the spec's storage dtype chunk by chunk (fp8: a
         float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
         states = tensors[HIDDEN_STATES]
         if self.extra_config.check_states:
-            problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS])
-            if problem is None and TARGET_TOPK_LOGPROBS in tensors:
-                problem = logprob_problem(tensors[TARGET_TOPK_LOGPROBS])
+            problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS], tensors.get(TARGET_TOPK_LOGPROBS))
             if problem is not None:
-                raise BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these "
-                                "states: check the model and --dtype (fp16 overflows?) before re-extracting")
+                raise self._bad_states(pending.info.request_id, problem)
         if not self.spec.storage_dtype:
             return tensors
         pairs = [quantize(c, self.spec.storage_dtype) for c in states]
@@ -289,6 +417,24 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             out[HIDDEN_STATES_SCALES] = [scale for _, scale in pairs]
         out.update({k: v for k, v in tensors.items() if k not in out})  # file order: the top-k target, loss_mask
         return out
+
+    def _stored_rows(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One chunk's rows as the file stores them, in file order (the spool's pieces)."""
+        stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL)
+        out = {TOKEN_IDS: rows[TOKEN_IDS], HIDDEN_STATES: stored}
+        if scales is not None:
+            out[HIDDEN_STATES_SCALES] = scales
+        out.update({name: rows[name] for name in self._extra_rows})
+        return out
+
+    @staticmethod
+    def _close_spool(pending: _Pending) -> None:
+        """Release the request's spool files (anonymous: closing removes them), after the piece that may be writing
+        to them (an abort waits for at most that one piece)."""
+        if pending.spool is not None:
+            if pending.piece is not None:
+                wait([pending.piece])
+            pending.spool.close()
 
     def _write_file(self, dest: Destination, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
         local = storage.is_local(self._fs)
@@ -318,6 +464,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             pending = self._requests.pop(request_id, None)
             if pending is not None:
                 self._owners.release(pending.dest, request_id, committed=False)
+        if pending is not None:
+            self._close_spool(pending)
 
     # -- engine, per batch / lifetime ---------------------------------------------------------------------------
     def wait_for_save(self, timeout: float | None = None) -> dict[str, BaseException]:
@@ -335,4 +483,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
 
     def shutdown(self) -> None:
         self._writer.drain()
+        with self._lock:
+            unfinished = list(self._requests.values())
+        for pending in unfinished:  # started, never finished nor aborted: their spools go now
+            self._close_spool(pending)
         self._writer.shutdown()

@@ -5,7 +5,9 @@
                                                    on the calling thread); transient errors retried with backoff.
                                                    A tensor may be given as its chunks along dim 0 (prefill chunks,
                                                    decode rows): written back to back from their own memory, never
-                                                   concatenated in RAM first
+                                                   concatenated in RAM first; or as a stream of a spool on local
+                                                   disk (connectors.spool): read back block by block, hashed in the
+                                                   same pass and uploaded streaming, never whole in memory
     safetensors_content(tensors, meta)             any safetensors file's bytes for put_atomic, deterministic
                                                    (exports, checkpoints)
 """
@@ -13,7 +15,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import fsspec
@@ -27,10 +29,12 @@ from connectors.format import (
     data_hasher,
     encode_header,
 )
+from connectors.spool import SpooledTensor
 from connectors.storage import Content, is_local, put_atomic, retrying
 
-Tensors = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
-"""name -> a tensor, or the chunks of one along dim 0 (same dtype and trailing shape), in file order."""
+Tensors = Mapping[str, "torch.Tensor | Sequence[torch.Tensor] | SpooledTensor"]
+"""name -> a tensor, the chunks of one along dim 0 (same dtype and trailing shape), or a spooled one, in file order."""
+Part = "memoryview | SpooledTensor"
 
 
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, metadata: dict[str, str] | None, *,
@@ -44,14 +48,27 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
     attempt cleans up its own temp file, so a failed write leaves nothing behind. `root`: as for `put_atomic`.
     """
-    entries, views = _layout(tensors)
+    entries, parts = _layout(tensors)
     metadata = {**(metadata or {}), CHECKSUM_KEY: CHECKSUM_PLACEHOLDER}
+    stream = False
     if is_local(fs):
-        content: Content = _hashing_writer(entries, metadata, views)
-    else:
-        metadata[CHECKSUM_KEY] = data_checksum(views)  # the header that holds it is encoded after hashing
-        content = [encode_header(entries, metadata), *views]
-    return retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root)
+        content: Content = _hashing_writer(entries, metadata, parts)
+    elif all(isinstance(p, memoryview) for p in parts):  # in memory: one put of the views (joined by put_atomic)
+        metadata[CHECKSUM_KEY] = data_checksum(parts)  # the header that holds it is encoded after hashing
+        content = [encode_header(entries, metadata), *parts]
+    else:  # spooled: one pass to hash (the header comes first and holds the checksum), one to upload, streaming
+        hasher = data_hasher()
+        for block in _blocks(parts):
+            hasher.update(block)
+        metadata[CHECKSUM_KEY] = checksum_value(hasher)
+        header = encode_header(entries, metadata)
+
+        def content(f: BinaryIO) -> None:
+            f.write(header)
+            for block in _blocks(parts):
+                f.write(block)
+        stream = True
+    return retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root, stream=stream)
 
 
 def safetensors_content(tensors: Tensors, metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:
@@ -62,11 +79,16 @@ def safetensors_content(tensors: Tensors, metadata: dict[str, str] | None = None
     return [encode_header(entries, metadata), *views]
 
 
-def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[memoryview]]:
-    """name -> (dtype, shape) of every tensor, and the raw bytes of every chunk in file order (views, not copies)."""
+def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[Part]]:
+    """name -> (dtype, shape) of every tensor, and the raw bytes of every chunk in file order (views, not copies; a
+    spooled tensor as itself)."""
     entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    views: list[memoryview] = []
+    parts: list[Part] = []
     for name, value in tensors.items():
+        if isinstance(value, SpooledTensor):
+            entries[name] = (value.dtype, value.shape)
+            parts.append(value)
+            continue
         chunks = [value] if isinstance(value, torch.Tensor) else list(value)
         if not chunks:
             raise ValueError(f"tensor {name!r} has no chunks; pass at least one (possibly empty) tensor")
@@ -76,15 +98,25 @@ def _layout(tensors: Tensors) -> tuple[dict[str, tuple[torch.dtype, tuple[int, .
                 raise ValueError(f"chunks of {name!r} disagree: {first.dtype} {list(first.shape)} vs {c.dtype} "
                                  f"{list(c.shape)}; chunks must share dtype and all but the first dimension")
         entries[name] = (first.dtype, (sum(c.shape[0] for c in chunks), *first.shape[1:]))
-        views += [memoryview(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        parts += [memoryview(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                   for c in chunks if c.numel()]
-    return entries, views
+    return entries, parts
 
 
 _HASH_BLOCK_BYTES = 1 << 20  # hashed, then written while still in the CPU's cache
 
 
-def _hashing_writer(entries, metadata: dict[str, str], views: list[memoryview]):
+def _blocks(parts: list[Part]) -> Iterator[bytes | memoryview]:
+    """The data bytes in file order, _HASH_BLOCK_BYTES at a time at most (a spool reads its own blocks back)."""
+    for part in parts:
+        if isinstance(part, SpooledTensor):
+            yield from part.blocks()
+            continue
+        for offset in range(0, len(part), _HASH_BLOCK_BYTES):
+            yield part[offset:offset + _HASH_BLOCK_BYTES]
+
+
+def _hashing_writer(entries, metadata: dict[str, str], parts: list[Part]):
     """Local disks: write the header with a placeholder checksum, then the data block by block, each block hashed
     just before it is written (one pass over memory instead of two), then the header again with the real checksum
     (same length: same layout). No reader sees the placeholder: put_atomic renames the file into place after."""
@@ -92,11 +124,9 @@ def _hashing_writer(entries, metadata: dict[str, str], views: list[memoryview]):
         header = encode_header(entries, metadata)
         f.write(header)
         hasher = data_hasher()
-        for view in views:
-            for offset in range(0, len(view), _HASH_BLOCK_BYTES):
-                block = view[offset:offset + _HASH_BLOCK_BYTES]
-                hasher.update(block)
-                f.write(block)
+        for block in _blocks(parts):
+            hasher.update(block)
+            f.write(block)
         final = encode_header(entries, {**metadata, CHECKSUM_KEY: checksum_value(hasher)})
         assert len(final) == len(header), "checksum values have one length"
         f.seek(0)

@@ -4,9 +4,11 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
     open_url(url, storage_options)        -> (fs, path)
     parse_storage_options(value, flag)    -  fsspec options from a dict or JSON text (flags, job files)
     create_exclusive(fs, path, data)      -  create a small file only if absent (leases): True if this call made it
-    put_atomic(fs, path, content, root=)  -  any whole file (bytes, buffers, or a writer function), atomic and durable:
+    put_atomic(fs, path, content, root=, stream=)
+                                          -  any whole file (bytes, buffers, or a writer function), atomic and durable:
                                              the one atomic write every file of a run goes through (data files,
-                                             manifest parts, run.json, exports)
+                                             manifest parts, run.json, exports); stream=True: a writer function's
+                                             bytes are uploaded as written (a long request's spool), never whole
     retrying(what, path, attempts, backoff) - tenacity's retry of transient errors (I/O, network), re-raised after
     pending_write(fs, path, root=)        -  context manager: readers of `path` wait while it is held
     local_parent(path, root)              -  (dir fd, name) of a local file's folder, reached from `root` without
@@ -156,7 +158,8 @@ Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
 or a function that writes into a binary file object (torch.save, a pyarrow stream, ...)."""
 
 
-def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, root: str | None = None) -> int:
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, root: str | None = None,
+               stream: bool = False) -> int:
     """Write a whole file so that readers see no file (or the old one) or all of the new one, durably. Returns bytes.
 
     Local disks: a temp file in the same directory is written, flushed and fsynced, renamed over `path`, and the
@@ -168,12 +171,33 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, ro
     An existing file (or symlink) under the final name is replaced, never followed. Object stores (s3, gcs, azure,
     memory): a single put, which appears whole. Other filesystems: a temp name and a move. No retries here: callers
     that want them wrap it (see `write_atomic`).
+
+    `stream`: a writer function's bytes go to the store as it writes them, never gathered in memory (local disks
+    always stream). On s3, gcs and azure the store's own file object uploads them in parts (a multipart, resumable
+    or block upload) and the object appears only when that upload completes; on a failure the upload is discarded
+    (aborted) and never completed, so no partial object appears. The function must write sequentially (no seek).
+    Other filesystems write the temp name that way; memory:// (visible from its open) gathers them as without it.
     """
     parent = posixpath.dirname(path)
     if is_local(fs):
         size = _write_local(path, content, root)
         assert size is not None  # only an exclusive create can find the name taken
         return size
+    if stream and callable(content):
+        if _protocols(fs) & _COMMIT_ON_CLOSE_PROTOCOLS:
+            return _put_streaming(fs, path, content)
+        if not writes_in_place(fs):
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            tmp = f"{parent}/{temp_name(posixpath.basename(path))}"
+            try:
+                size = _put_streaming(fs, tmp, content)
+                fs.mv(tmp, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    if fs.exists(tmp):
+                        fs.rm(tmp)
+            return size
     if isinstance(content, (bytes, bytearray)):
         data = bytes(content)
     elif callable(content):
@@ -196,6 +220,30 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, content: Content, *, ro
             if fs.exists(tmp):
                 fs.rm(tmp)
     return len(data)
+
+
+_COMMIT_ON_CLOSE_PROTOCOLS = {"s3", "s3a", "gcs", "gs", "az", "abfs", "abfss"}
+"""Stores whose file objects upload in parts and make the object appear only when closed (discard() aborts)."""
+STREAM_BLOCK_BYTES = 8 << 20
+"""Part size of a streamed upload: the memory it buffers (S3's smallest part is 5 MiB)."""
+
+
+def _put_streaming(fs: fsspec.AbstractFileSystem, path: str, write) -> int:
+    """`write(f)` into the store's own file object for `path`; committed by close() only if it returned. On any
+    failure the upload is discarded and the object marked closed, so neither an error path nor the garbage
+    collector (fsspec's __del__ closes, which would commit) ever completes a partial upload."""
+    f = fs.open(path, "wb", block_size=STREAM_BLOCK_BYTES)
+    try:
+        write(f)
+        size = f.tell()
+        f.close()  # the upload completes: the object appears, whole
+    except BaseException:
+        with contextlib.suppress(Exception):
+            f.discard()  # s3: abort the multipart upload; gcs: cancel the resumable one
+        with contextlib.suppress(Exception):
+            f.closed = True
+        raise
+    return size
 
 
 def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:

@@ -97,3 +97,21 @@ def test_bfloat16_states_match_a_bfloat16_forward(tiny_llama, kv_config):
     expected = reference_states(ref, ids, LAYERS)
     # same dtype, same single-request shapes: bf16 kernels agree to bf16 resolution
     torch.testing.assert_close(obj["hidden_states"].float(), expected.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_a_long_prompt_spooled_in_bounded_memory_equals_a_plain_transformers_forward(tiny_llama, kv_config):
+    """A prompt far longer than max_num_batched_tokens, with a staging bound far below its states: the rows go
+    through the connector's spool, and the file still holds exactly what a plain forward computes."""
+    bound = 200_000  # a 64-token chunk of 4 layers x 64 floats is 66 KiB; the prompt's rows are 1 MiB
+    llm = LLM(model=tiny_llama, speculative_config=spec_config(ORDERED), dtype="float32", max_num_batched_tokens=64,
+              kv_transfer_config=kv_config(max_staged_bytes_per_request=bound))
+    rng = random.Random(3)
+    ids = [rng.randrange(16, 500) for _ in range(1000)]
+    (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0))
+    peak = llm.connector.peak_staged_bytes
+    llm.shutdown()
+    assert out.error is None and bound // 2 <= peak <= bound
+    obj = load_hidden_states(out.kv_transfer_params["hidden_states_path"], verify=True)
+    assert obj["token_ids"].tolist() == ids
+    expected = reference_states(load_reference(tiny_llama), ids, ORDERED)
+    torch.testing.assert_close(obj["hidden_states"], expected, rtol=1e-4, atol=1e-4)
