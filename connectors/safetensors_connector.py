@@ -84,6 +84,9 @@ class HiddenStatesConnectorConfig:
     """Attempts per file on transient storage errors, with exponential backoff."""
     write_retry_backoff_s: float = 0.2
     """First backoff between write attempts, in seconds; doubles per attempt (plus as much jitter), capped at 10 s."""
+    write_retry_s: float | None = None
+    """Retry a failing write for this many seconds instead of max_write_attempts times: an outage of the store up to
+    that long costs time, not samples (hsx run sets it from --storage-retry-seconds)."""
     storage_dtype: str = ""
     """How hidden_states are stored (connectors.quant.STORAGE_DTYPES): "" or "model" = the model dtype, bfloat16,
     float16, float32, or float8_e4m3fn ("fp8") with a float32 scale per token and layer. Recorded in every file."""
@@ -126,6 +129,11 @@ class HiddenStatesConnectorConfig:
             raise ValueError(f"max_write_attempts must be >= 1, got {self.max_write_attempts}")
         if self.write_retry_backoff_s < 0:
             raise ValueError(f"write_retry_backoff_s must be >= 0, got {self.write_retry_backoff_s}")
+        if self.write_retry_s is not None and (isinstance(self.write_retry_s, bool) or
+                                               not isinstance(self.write_retry_s, (int, float)) or
+                                               not self.write_retry_s > 0):
+            raise ValueError(f"write_retry_s must be a number of seconds > 0 (or null: max_write_attempts), got "
+                             f"{self.write_retry_s!r}")
         if isinstance(self.allowed_roots, str):
             object.__setattr__(self, "allowed_roots", (self.allowed_roots,))
         object.__setattr__(self, "storage_dtype", check_storage_dtype(self.storage_dtype, flag="storage_dtype"))
@@ -440,7 +448,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         local = storage.is_local(self._fs)
         path = dest.path if local else self._fs._strip_protocol(dest.path)
         cfg = self.extra_config
-        retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s}
+        retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s,
+                 "for_s": cfg.write_retry_s}
         with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root, **retry):
             return safetensors_file.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
 

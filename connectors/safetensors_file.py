@@ -38,14 +38,16 @@ Part = "memoryview | SpooledTensor"
 
 
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, metadata: dict[str, str] | None, *,
-                 max_attempts: int = 5, backoff_s: float = 0.2, root: str | None = None) -> int:
+                 max_attempts: int = 5, backoff_s: float = 0.2, for_s: float | None = None,
+                 root: str | None = None) -> int:
     """Write a safetensors file so that no reader ever sees it partial. Returns the bytes written.
 
     `metadata[CHECKSUM_KEY]` is set to the checksum of the data (`connectors.format.data_checksum` of the bytes
     after the header), replacing any placeholder in place: give the key with `CHECKSUM_PLACEHOLDER` (as
     `request_metadata` does) and the file is exactly `connectors.format.file_size(...)` bytes. The hashing runs here,
     on the caller's (writer) thread; on local disks it runs as the data is written (see `_hashing_writer`).
-    Transient errors are retried (exponential backoff with jitter) up to `max_attempts`, then re-raised; every
+    Transient errors are retried (exponential backoff with jitter) up to `max_attempts` (or for `for_s` seconds:
+    `storage.retrying`), then re-raised; every
     attempt cleans up its own temp file, so a failed write leaves nothing behind. `root`: as for `put_atomic`.
     """
     entries, parts = _layout(tensors)
@@ -68,7 +70,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
             for block in _blocks(parts):
                 f.write(block)
         stream = True
-    return retrying("write", path, max_attempts, backoff_s)(put_atomic, fs, path, content, root=root, stream=stream)
+    return retrying("write", path, max_attempts, backoff_s, for_s)(put_atomic, fs, path, content, root=root, stream=stream)
 
 
 def safetensors_content(tensors: Tensors, metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:

@@ -143,14 +143,16 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, Exception)
 
 
-def retrying(what: str, path: str, max_attempts: int, backoff_s: float) -> Retrying:
-    """Retry transient errors with exponential backoff and jitter (both scaled by `backoff_s`), then re-raise."""
-    return Retrying(stop=stop_after_attempt(max_attempts),
-                    wait=wait_exponential(multiplier=backoff_s, max=10) + wait_random(0, backoff_s),
+def retrying(what: str, path: str, max_attempts: int, backoff_s: float, for_s: float | None = None) -> Retrying:
+    """Retry transient errors with exponential backoff and jitter (both scaled by `backoff_s`, at most 10 s apart),
+    then re-raise: `max_attempts` times, or — given `for_s` — for as long as `for_s` seconds since the first attempt
+    (an outage of the store that long is ridden out), however many attempts that takes."""
+    stop = stop_after_attempt(max_attempts) if for_s is None else stop_after_delay(for_s)
+    of = f"{max_attempts}" if for_s is None else f"retrying for {for_s:g} s"
+    return Retrying(stop=stop, wait=wait_exponential(multiplier=backoff_s, max=10) + wait_random(0, backoff_s),
                     retry=retry_if_exception(_is_transient), reraise=True,
-                    before_sleep=lambda rs: logger.warning("%s of %s failed (attempt %d/%d): %s; retrying", what,
-                                                           path, rs.attempt_number, max_attempts,
-                                                           rs.outcome.exception()))
+                    before_sleep=lambda rs: logger.warning("%s of %s failed (attempt %d/%s): %s; retrying", what,
+                                                           path, rs.attempt_number, of, rs.outcome.exception()))
 
 
 Content = "bytes | Sequence[bytes | memoryview] | Callable[[BinaryIO], object]"
@@ -376,7 +378,7 @@ def _open_subfolder(fd: int, part: str, path: str, root: str, where: str) -> int
 
 @contextlib.contextmanager
 def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True, max_attempts: int = 5,
-                  backoff_s: float = 0.2, root: str | None = None) -> Iterator[None]:
+                  backoff_s: float = 0.2, for_s: float | None = None, root: str | None = None) -> Iterator[None]:
     """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring).
 
     On local disks the lock is opened relative to `path`'s folder as `local_parent(path, root)` reaches it, never
@@ -402,7 +404,7 @@ def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = T
                 os.close(fd)
         return
     body = f'{{"pid": {os.getpid()}, "since": {time.time():.3f}}}'.encode()
-    retrying("lock", lock, max_attempts, backoff_s)(fs.pipe_file, lock, body)
+    retrying("lock", lock, max_attempts, backoff_s, for_s)(fs.pipe_file, lock, body)
     try:
         yield
     finally:

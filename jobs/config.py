@@ -58,7 +58,11 @@ class JobConfig(EngineOptions):
 
     # -- execution -------------------------------------------------------------------------------------------------
     workers: int = 1
-    """Extraction workers; each holds one engine (one model copy) for its lifetime."""
+    """Extraction workers; each holds one engine (one model copy) for its lifetime. The job waits for this many."""
+    max_workers: int | None = None
+    """Grow the worker pool up to this many while work is queued and the cluster has room for another worker (an
+    autoscaling cluster adds nodes for pending workers; nodes added mid-job get workers). Default: --workers, a
+    fixed pool."""
     gpus_per_worker: float | None = None
     """GPUs per worker; default 1 when the Ray cluster has GPUs, else 0 (CPU)."""
     cpus_per_worker: float | None = None
@@ -73,8 +77,8 @@ class JobConfig(EngineOptions):
     """Ray cluster to run on (ray://..., auto, HOST:PORT); default a local Ray started for this job (or the cluster
     in $RAY_ADDRESS)."""
     registry_shards: int = 4
-    """Actors that decide which records to extract, skip or fail as duplicates (each holds 16-32 bytes per id it
-    owns): more for runs of tens of millions of samples."""
+    """Actors that decide which records to extract, skip or fail as duplicates (each holds 16 bytes per id it owns,
+    plus about 1 MB): more for runs of tens of millions of samples."""
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     retry_failed: bool = False
@@ -87,6 +91,9 @@ class JobConfig(EngineOptions):
     """A sample whose states hold NaN/Inf or an all-zero layer (never written): fail (a "failed" row, extracted
     again by a resume) or skip (a "skipped" row naming token and layer: final, never extracted again, not a
     failure for --fail-on-error)."""
+    storage_retry_seconds: float = 120.0
+    """How long a failing write to --output is retried (backoff doubling up to 10 s apart) before the sample fails —
+    or, for a manifest commit, the job: an outage of the store up to that long costs time, not samples."""
     manifest_flush_rows: int = 1000
     """Commit manifest rows at least every this many samples."""
     manifest_flush_seconds: float = 30.0
@@ -117,10 +124,15 @@ class JobConfig(EngineOptions):
         for name in ("workers", "tokenizer_workers", "tokens_per_task", "manifest_flush_rows", "registry_shards"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.max_workers is not None and int(self.max_workers) < int(self.workers):
+            raise ValueError(f"--max-workers {self.max_workers} is below --workers {self.workers}; the pool grows "
+                             "from --workers to --max-workers")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
         if self.cpus_per_worker is not None and self.cpus_per_worker < 0:
             raise ValueError(f"--cpus-per-worker must be >= 0, got {self.cpus_per_worker}")
+        if not self.storage_retry_seconds > 0:
+            raise ValueError(f"--storage-retry-seconds must be > 0, got {self.storage_retry_seconds}")
         if self.manifest_flush_seconds <= 0:
             raise ValueError(f"--manifest-flush-seconds must be > 0, got {self.manifest_flush_seconds}")
         if self.include_output_tokens and self.max_tokens == 0:
@@ -132,6 +144,9 @@ class JobConfig(EngineOptions):
             raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
         self.sampling_params()
         self.check_engine()  # the engine's and the connector's own checks, on the objects the workers will get
+
+    def connector_settings(self) -> dict[str, Any]:
+        return {**super().connector_settings(), "write_retry_s": float(self.storage_retry_seconds)}
 
     def sampling_params(self):
         """The SamplingParams every sample runs with (each gets its own kv_transfer_params on top)."""

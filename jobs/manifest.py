@@ -34,6 +34,7 @@ from connectors.run import (
     settled_rows,
     skipped_rows,
 )
+from connectors.storage import retrying
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,11 @@ logger = logging.getLogger(__name__)
 class ManifestWriter:
     """Buffers result rows and commits them as atomic Parquet parts."""
 
-    def __init__(self, run: RunDir, attempt: str, flush_rows: int = 1000, flush_seconds: float = 30.0) -> None:
+    def __init__(self, run: RunDir, attempt: str, flush_rows: int = 1000, flush_seconds: float = 30.0,
+                 retry_s: float | None = None) -> None:
+        """`retry_s`: how long a commit that fails with a transient storage error is retried (None: not retried)."""
         self.run = run
+        self.retry_s = retry_s
         self.attempt = attempt
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
@@ -79,7 +83,10 @@ class ManifestWriter:
             self._put(*self._unsent)
 
     def _put(self, name: str, raw: bytes, rows: int) -> None:
-        self.run.put(name, raw)
+        if self.retry_s is None:
+            self.run.put(name, raw)
+        else:  # a put that raised may have landed: its retry puts the same name and bytes (see flush)
+            retrying("manifest commit", self.run.url_of(name), 1, 0.2, self.retry_s)(self.run.put, name, raw)
         self._unsent = None
         logger.debug("committed %d manifest rows to %s", rows, name)
 

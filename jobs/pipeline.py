@@ -203,7 +203,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=c.tokenizer_workers),
                         num_cpus=TOKENIZER_CPUS)
     ds = ds.map_batches(ExtractionWorker, fn_constructor_args=(work,), batch_size=None, batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(size=c.workers), num_gpus=gpus_per_worker,
+                        compute=ray.data.ActorPoolStrategy(min_size=c.workers, max_size=c.max_workers or c.workers),
+                        num_gpus=gpus_per_worker,
                         num_cpus=cpus_per_worker)
     return ds
 
@@ -265,7 +266,8 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     import ray
 
     config = plan.config
-    writer = ManifestWriter(plan.output, attempt, config.manifest_flush_rows, config.manifest_flush_seconds)
+    writer = ManifestWriter(plan.output, attempt, config.manifest_flush_rows, config.manifest_flush_seconds,
+                            retry_s=config.storage_retry_seconds)
     progress = Progress(config.progress)
     counter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-count")
     count = counter.submit(_count_corpus, plan.files, config.corpus_storage_options)

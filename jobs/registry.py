@@ -1,9 +1,10 @@
 """The sample registry: which records to extract, skip (committed) or fail (duplicate id), in memory that holds
-16 bytes a slot per id — never the id strings — split over a few Ray actors.
+16 bytes per id — never the id strings — split over a few Ray actors.
 
     id_keys(ids) -> uint64 [n]           what the registry keeps of an id: its xxh3_64 (0 mapped to 1)
     DoneSet.load(run)                    the settled ids' keys, sorted (the driver's resume set): len, contains
-    ClaimTable                           open addressing over two numpy arrays (key, packed source): 16 bytes a slot
+    ClaimTable                           sorted runs of (key, packed source), 16 bytes an entry, and a small hash
+                                         buffer for new keys
     SampleRegistry(done_keys)            one actor per shard (key % shards): claim(keys, sources) -> [verdict]
     start_registry(done, shards)         the shard actors; claim_block(shards, ids, sources) from a read task
 
@@ -13,8 +14,9 @@ its records are claimed again by the same source and are not mistaken for duplic
 source claimed is a duplicate and fails — two records writing one file would make the manifest lie.
 
 Memory: a source "corpus/file.jsonl:123" (or "...parquet#45") is kept as (the file's index, the line), packed in 8
-bytes; the file names once per shard. A table grows by doubling at 3/4 full, so a shard holds 16 to 32 bytes per id
-it owns: with 4 shards, 4 to 8 MB per million ids in each process (benchmarks/bench_registry.py). Keys are 64-bit
+bytes; the file names once per shard. A shard holds 16 bytes per id it owns plus a constant (a 1 MB buffer, merges
+of at most 8 MB): 16 MB per million ids over all shards, 4 MB in each of 4 (benchmarks/bench_registry.py). An open-
+addressing table of the same entries held 16-32 bytes an id and, while doubling, both copies. Keys are 64-bit
 hashes: two ids of a 10M-id run share one with a probability of about 3 in a million (n^2 / 2^65) — the second
 would be skipped or failed as a duplicate; the manifest, which keeps the ids, stays exact.
 
@@ -46,11 +48,19 @@ def id_keys(ids: Iterable[str]) -> np.ndarray:
     return keys
 
 
+def sorted_unique(keys: np.ndarray) -> np.ndarray:
+    """The distinct keys, sorted (a sort and a compare: numpy's own unique hashes first, ten times slower here)."""
+    keys = np.sort(np.asarray(keys, dtype=np.uint64))
+    if len(keys) > 1:
+        keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    return keys
+
+
 class DoneSet:
     """The keys of the sample ids a resume skips, sorted: 8 bytes an id in the driver."""
 
     def __init__(self, keys: np.ndarray | None = None) -> None:
-        self.keys = np.unique(keys) if keys is not None and len(keys) else np.zeros(0, dtype=np.uint64)
+        self.keys = sorted_unique(keys) if keys is not None and len(keys) else np.zeros(0, dtype=np.uint64)
 
     @classmethod
     def load(cls, run, *, retry_failed: bool = False) -> DoneSet:
@@ -74,7 +84,7 @@ class DoneSet:
         return self.keys[at] == keys
 
 
-class ClaimTable:
+class _HashTable:
     """key -> value (uint64, value 0 = none) by linear probing over numpy arrays, claimed a batch at a time."""
 
     MAX_LOAD = 0.75
@@ -138,14 +148,79 @@ class ClaimTable:
         self._probe(keys, vals)
 
 
+class ClaimTable:
+    """key -> value (uint64, nonzero), claimed a batch at a time: new keys go into a small hash table; when it is
+    3/4 full its entries become a sorted run (two parallel arrays, 16 bytes an entry, no empty slots), and runs of
+    similar size are merged up to `run_cap` entries. A key lives in exactly one place; a lookup is a binary search
+    of each run and a probe of the buffer. Memory: 16 bytes a key, plus a constant (the buffer, and a merge's
+    temporary arrays of at most `run_cap` entries) — no doubling of one big table, whose peak holds both copies."""
+
+    def __init__(self, keys: np.ndarray | None = None, vals: np.ndarray | None = None, *,
+                 buffer_slots: int = 1 << 16, run_cap: int = 1 << 19) -> None:
+        """`keys`/`vals`: distinct keys to start with (one run)."""
+        self.buffer_slots, self.run_cap = buffer_slots, run_cap
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._buffer = _HashTable(buffer_slots)
+        if keys is not None and len(keys):
+            order = np.argsort(keys, kind="stable")
+            self.runs.append((keys[order], vals[order]))
+
+    @property
+    def count(self) -> int:
+        return sum(len(k) for k, _ in self.runs) + self._buffer.count
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.runs) + self._buffer.nbytes
+
+    def claim(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """For each key: the value it already had (the first claim's), or 0 when this call put it in with its own
+        value. Within one call the first occurrence of a key claims it; later ones get that value back."""
+        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        if self._buffer.count + len(unique) > _HashTable.MAX_LOAD * len(self._buffer._keys):
+            self._flush(len(unique))  # before the lookups: the buffer's keys move into the runs
+        before = np.zeros(len(unique), dtype=np.uint64)
+        pending = np.ones(len(unique), dtype=bool)
+        for run_keys, run_vals in self.runs:
+            at = np.minimum(np.searchsorted(run_keys, unique), len(run_keys) - 1)
+            hit = pending & (run_keys[at] == unique)
+            before[hit] = run_vals[at[hit]]
+            pending &= ~hit
+        rest = np.flatnonzero(pending)
+        if len(rest):
+            before[rest] = self._buffer._probe(unique[rest], vals[first][rest])
+        out = before[inverse]
+        later = np.ones(len(keys), dtype=bool)
+        later[first] = False  # a repeat within this call sees the first occurrence's value when that was new
+        fresh_then = later & (out == 0)
+        out[fresh_then] = vals[first][inverse][fresh_then]
+        return out
+
+    def _flush(self, incoming: int) -> None:
+        """The buffer's entries as a new sorted run (merged with the last runs while they are of similar size and
+        the merge stays within run_cap); a fresh buffer with room for `incoming` keys."""
+        table = self._buffer
+        used = table._keys != 0
+        if used.any():
+            keys, vals = table._keys[used], table._vals[used]
+            order = np.argsort(keys)
+            self.runs.append((keys[order], vals[order]))
+        self._buffer = _HashTable(max(self.buffer_slots, int(incoming / _HashTable.MAX_LOAD) + 1))
+        while len(self.runs) >= 2:
+            (k1, v1), (k2, v2) = self.runs[-2], self.runs[-1]
+            if len(k1) + len(k2) > self.run_cap or len(k1) > 2 * len(k2):
+                break
+            keys, vals = np.concatenate([k1, k2]), np.concatenate([v1, v2])
+            order = np.argsort(keys, kind="stable")
+            self.runs[-2:] = [(keys[order], vals[order])]
+
+
 class SampleRegistry:
     """One shard of the registry (a Ray actor): the ids whose key % shards is its own."""
 
     def __init__(self, done_keys: np.ndarray | Sequence[str] = ()) -> None:
-        done = done_keys if isinstance(done_keys, np.ndarray) else id_keys(done_keys)
-        self._table = ClaimTable(max(1 << 12, int(len(done) / ClaimTable.MAX_LOAD) + 1))
-        if len(done):
-            self._table.claim(done, np.full(len(done), _DONE, dtype=np.uint64))
+        done = sorted_unique(done_keys if isinstance(done_keys, np.ndarray) else id_keys(done_keys))
+        self._table = ClaimTable(done, np.full(len(done), _DONE, dtype=np.uint64))
         self._files: dict[str, int] = {}
         self._names: list[str] = []
         self._skipped = 0
@@ -193,10 +268,14 @@ class SampleRegistry:
 
 
 def start_registry(done: DoneSet, shards: int = DEFAULT_SHARDS) -> list:
-    """The shard actors (no CPU reserved), each given the committed keys it owns."""
+    """The shard actors (no CPU reserved), each given the committed keys it owns, on the driver's node: the job
+    outlives any other node (a lost worker node costs only its unfinished samples), and a shard's claims cannot be
+    rebuilt elsewhere."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = ray.remote(num_cpus=0)(SampleRegistry)
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, scheduling_strategy=here)(SampleRegistry)
     n = np.uint64(shards)
     return [actor.remote(done.keys[done.keys % n == np.uint64(i)]) for i in range(shards)]
 

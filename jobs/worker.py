@@ -144,6 +144,7 @@ class ExtractionWorker:
 
     def _result(self, row: dict[str, Any], out, rel_path: str) -> dict[str, Any]:
         from connectors import read_hidden_states_info
+        from connectors.storage import retrying
 
         if out.error is not None:
             if out.error_kind == "bad_states" and self.settings.on_nonfinite == "skip":
@@ -151,8 +152,10 @@ class ExtractionWorker:
             return _failed(row, f"{row['source']}: {out.error}")
         generated = len(out.outputs[0].token_ids) if out.outputs else 0
         expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.run.include_output_tokens else 0)
-        try:
-            info = read_hidden_states_info(self.output.url_of(rel_path), storage_options=self.output.storage_options)
+        url, cfg = self.output.url_of(rel_path), self.settings.connector
+        try:  # the store may fail between the write and this read, as during the write: retried as long
+            info = retrying("read back", url, cfg.max_write_attempts, cfg.write_retry_backoff_s, cfg.write_retry_s)(
+                read_hidden_states_info, url, storage_options=self.output.storage_options)
         except (OSError, ValueError, TimeoutError) as e:
             return _failed(row, f"written file cannot be read back: {type(e).__name__}: {e}")
         if info.num_tokens != expected or info.metadata.get("sample_id") != row["sample_id"]:

@@ -7,6 +7,8 @@ exactly the requests it was writing (reported by wait_for_save) and leaves no ob
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import s3fs
@@ -148,3 +150,29 @@ def test_lock_that_cannot_be_removed_does_not_fail_a_landed_write_nor_block_read
     assert bucket_keys(s3_bucket) == {f"{bucket}/run/landed.safetensors", f"{bucket}/run/landed.safetensors.lock"}
     got = load_hidden_states(path, storage_options=options, wait_timeout=0.5)  # the object is whole: no waiting
     assert bool((got["hidden_states"] == 4.0).all())
+
+
+def test_an_outage_shorter_than_write_retry_s_costs_time_not_the_request(s3_bucket, connector_factory):
+    """Every request to the store fails for 3 s (an outage, lock and data alike): with write_retry_s the write waits
+    it out and lands; counted in attempts (max_write_attempts 3, as fast) the same outage fails the request."""
+    url, options = s3_bucket
+    outcomes = {}
+    for name, retry in (("by-time", {"write_retry_s": 30.0}), ("by-attempts", {"max_write_attempts": 3})):
+        with LoopbackProxy(options["client_kwargs"]["endpoint_url"]) as proxy:
+            connector = connector_factory(f"{url}/{name}", make_spec(), storage_options=fast_failing(proxy.endpoint),
+                                          write_retry_backoff_s=0.05, **retry)
+            proxy.targets = lambda method, path: True
+            proxy.fail_next = -1
+            ends = threading.Timer(3.0, lambda p=proxy: setattr(p, "fail_next", 0))
+            ends.start()
+            started = time.monotonic()
+            save(connector, "during", 5.0)
+            outcomes[name] = (connector.wait_for_save(), time.monotonic() - started, proxy.injected_failures)
+            ends.join()
+
+    failures, seconds, injected = outcomes["by-time"]
+    assert failures == {} and seconds >= 3.0 and injected >= 3
+    got = load_hidden_states(f"{url}/by-time/during.safetensors", storage_options=options)
+    assert bool((got["hidden_states"] == 5.0).all())
+    failures, seconds, _ = outcomes["by-attempts"]
+    assert list(failures) == ["during"] and seconds < 3.0

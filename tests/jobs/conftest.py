@@ -95,6 +95,12 @@ def write_jsonl(path, records, raw_lines=()) -> str:
     return str(path)
 
 
+def word_corpus(tmp_path, n: int) -> tuple[str, set[str]]:
+    """n prompts of 5-44 words as JSONL, and their ids: enough work for a job to be interrupted mid-run."""
+    records = [{"id": f"k{i:04d}", "prompt": " ".join(["word"] * (5 + i % 40)) + f" {i}"} for i in range(n)]
+    return write_jsonl(tmp_path / "words.jsonl", records), {r["id"] for r in records}
+
+
 def write_jsonl_gz(path, records) -> str:
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for r in records:

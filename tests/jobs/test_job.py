@@ -1,16 +1,13 @@
 """End-to-end jobs on the session's local Ray: real engine, real files, checked against a transformers oracle;
-bad input, S3, kill -9 of the driver and of a worker, the job-submission API."""
+bad input, S3, the job-submission API (faults — a worker or node lost, the storage down, the driver killed — are in
+test_faults.py)."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
+import posixpath
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -20,7 +17,7 @@ import torch
 from cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from cli.main import main
 from connectors import load_hidden_states, read_hidden_states_info
-from connectors.run import RunDir, committed_ids
+from connectors.run import RunDir, committed_ids, read_manifest
 from jobs.config import JobConfig
 from jobs.estimate import estimate
 from jobs.pipeline import run_job
@@ -29,30 +26,32 @@ from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _manifest(output: str):
-    return pq.read_table(os.path.join(output, "manifest"))
+def _manifest(output: str, storage_options: dict | None = None):
+    return read_manifest(output, storage_options=storage_options)
 
 
-def _ok_rows(output: str) -> dict[str, dict]:
-    table = _manifest(output)
+def _ok_rows(output: str, storage_options: dict | None = None) -> dict[str, dict]:
+    table = _manifest(output, storage_options)
     ok = table.filter(pc.equal(table["status"], "ok")).to_pylist()
     by_id = {r["sample_id"]: r for r in ok}
     assert len(by_id) == len(ok), "a sample has more than one ok row"
     return by_id
 
 
-def assert_exactly_once(output: str, expected_ids: set[str]) -> dict[str, dict]:
+def assert_exactly_once(output: str, expected_ids: set[str], storage_options: dict | None = None) -> dict[str, dict]:
     """One ok row per expected sample; each points at a complete, loadable file of that sample; no other visible
-    data files remain (orphans of killed runs were overwritten by the re-run)."""
-    rows = _ok_rows(output)
+    data files remain (orphans of killed runs were overwritten by the re-run). `output`: a folder or a URL."""
+    run = RunDir(output, storage_options or {})
+    rows = _ok_rows(output, storage_options)
     assert set(rows) == expected_ids
     for sid, row in rows.items():
-        path = os.path.join(output, row["path"])
-        obj = load_hidden_states(path)
+        url = run.url_of(row["path"])
+        obj = load_hidden_states(url, storage_options=storage_options)
         assert obj["token_ids"].shape[0] == row["num_tokens"] == obj["hidden_states"].shape[0]
-        assert os.path.getsize(path) == row["bytes"]
-        assert read_hidden_states_info(path).metadata["sample_id"] == sid
-    files = {os.path.relpath(p, output) for p in glob.glob(os.path.join(output, "data", "*", "*.safetensors"))}
+        info = read_hidden_states_info(url, storage_options=storage_options)
+        assert info.size == row["bytes"] and info.metadata["sample_id"] == sid
+    run.fs.invalidate_cache()
+    files = {posixpath.relpath(p, run.root) for p in run.fs.find(run.path("data")) if p.endswith(".safetensors")}
     assert files == {r["path"] for r in rows.values()}
     return rows
 
@@ -402,82 +401,6 @@ def test_s3_corpus_and_s3_output_with_generated_tokens(ray_cluster, tiny_llama, 
     assert json.loads(fs.cat_file(f"{url}/run/run.json"))["max_tokens"] == 3
     # what a resume on S3 skips: every committed id, read back from the S3 manifest
     assert committed_ids(RunDir(f"{url}/run", options)) == set(table["sample_id"].to_pylist())
-
-
-# -- kill -9 -----------------------------------------------------------------------------------------------------------
-def _kill_corpus(tmp_path, n: int) -> tuple[str, set[str]]:
-    records = [{"id": f"k{i:04d}", "prompt": " ".join(["word"] * (5 + i % 40)) + f" {i}"} for i in range(n)]
-    return write_jsonl(tmp_path / "kill.jsonl", records), {r["id"] for r in records}
-
-
-def test_driver_killed_mid_run_then_rerun_is_exactly_once(ray_cluster, tiny_llama, tmp_path):
-    corpus, ids = _kill_corpus(tmp_path, 400)
-    output = str(tmp_path / "out")
-    args = ["--model", tiny_llama, "--corpus", corpus, "--output", output, "--workers", "2", "--tokens-per-task",
-            "64", "--manifest-flush-rows", "3", "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", *args, "--address", ray_cluster.address],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    manifest = os.path.join(output, "manifest")
-    deadline = time.monotonic() + 180
-    while not (os.path.isdir(manifest) and any(n.endswith(".parquet") for n in os.listdir(manifest))):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the job never committed a row"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
-    committed = len(_ok_rows(output))
-    files = glob.glob(os.path.join(output, "data", "*", "*.safetensors"))
-    assert 0 < committed < len(ids), "the kill did not land mid-run"
-    result = run_job(JobConfig(model=tiny_llama, corpus=(corpus,), output=output, workers=1, progress=False))
-    assert result.skipped == committed and result.ok == len(ids) - committed and result.failed == 0
-    assert_exactly_once(output, ids)
-    assert len(files) >= committed  # files existed with no row (orphans) or not; either way none is counted
-
-
-def test_worker_killed_mid_run_is_replaced_and_nothing_is_lost(ray_cluster, tiny_llama, tmp_path):
-    import psutil
-
-    def worker_pids() -> list[int]:  # by process title ("ray::MapWorker(MapBatches(ExtractionWorker))[.submit]"),
-        pids = []  # among this process's descendants (its Ray's raylet and workers): the state API would need the
-        for p in psutil.Process().children(recursive=True):  # dashboard, which the test cluster does not run
-            try:
-                if (p.cmdline() or [""])[0].startswith("ray::MapWorker(MapBatches(ExtractionWorker))"):
-                    pids.append(p.pid)
-            except psutil.Error:  # gone meanwhile
-                pass
-        return pids
-
-    corpus, ids = _kill_corpus(tmp_path, 300)
-    output = str(tmp_path / "out")
-    config = JobConfig(model=tiny_llama, corpus=(corpus,), output=output, workers=2, tokens_per_task=64,
-                       progress=False)
-    results, errors = [], []
-    job = threading.Thread(target=lambda: _capture(results, errors, run_job, config))
-    job.start()
-    killed = None
-    deadline = time.monotonic() + 180
-    while killed is None and job.is_alive() and time.monotonic() < deadline:
-        if glob.glob(os.path.join(output, "data", "*", "*.safetensors")):
-            workers = worker_pids()
-            if workers:
-                killed = workers[0]
-                os.kill(killed, signal.SIGKILL)
-                done_at_kill = len(glob.glob(os.path.join(output, "data", "*", "*.safetensors")))
-        time.sleep(0.02)
-    job.join(timeout=300)
-    assert not errors, errors
-    assert killed is not None and done_at_kill < len(ids), "the kill did not land mid-run"
-    (result,) = results
-    assert result.ok == len(ids) and result.failed == 0
-    assert_exactly_once(output, ids)
-
-
-def _capture(results, errors, fn, *args):
-    try:
-        results.append(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - reported by the test thread
-        errors.append(e)
 
 
 # -- job submission API ----------------------------------------------------------------------------------------------
