@@ -21,7 +21,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +28,7 @@ import pyarrow as pa  # noqa: E402
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import best_of  # noqa: E402
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo  # noqa: E402
 from connectors.run import OK, RunSpec, new_attempt_id, write_manifest_part, write_run_spec  # noqa: E402
 from training.collate import PadCollator  # noqa: E402
@@ -44,15 +44,6 @@ def write_manifest(root: str, n: int, spec: HiddenStatesSpec) -> None:
                       "status": pa.array([OK] * n), "bytes": pa.array([0] * n, pa.int64())})
     write_run_spec(root, RunSpec.from_file_spec(spec))
     write_manifest_part(root, table, new_attempt_id(), 0)
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def bench_open(tmp: str, rows: int, walk_files: int, repeats: int) -> list[dict]:

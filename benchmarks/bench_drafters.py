@@ -235,19 +235,25 @@ def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None,
     return train_drafter(config), None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def reference_target(args: argparse.Namespace):
+    """(the cached reference target for `args`, {"reference target": seconds}), torch on --threads threads."""
     import torch
 
-    from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
-    from training.reference_target import build_reference_target, default_cache_root
+    from training.reference_target import build_reference_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     target = build_reference_target(target_config(args))
-    timings["reference target"] = time.perf_counter() - t0
+    return target, {"reference target": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
+    from training.reference_target import default_cache_root
+
+    target, timings = reference_target(args)
     rep = target.report
     print(f"reference target {target.path} ({'cached' if target.cached else 'built'}; build took "
           f"{rep['build_seconds']:.0f} s): {rep['parameters'] / 1e6:.2f}M parameters, "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyarrow as pa  # noqa: E402
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import best_of, write_results  # noqa: E402
 from connectors import HiddenStatesSpec  # noqa: E402
 from connectors.run import (  # noqa: E402
     OK,
@@ -69,15 +69,6 @@ def write_run(root: str, rows: int, part_rows: int) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(part, range(-(-rows // part_rows))))
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def measure(root: str, repeats: int) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_drafters import extract, rewrite_run, target_config, write_corpus  # noqa: E402
+from benchmarks.bench_drafters import extract, reference_target, rewrite_run, write_corpus  # noqa: E402
 
 FORMATS = {"bf16": ("bfloat16", ""), "fp8": ("float8_e4m3fn", ""), "fp8 + top-k 64": ("float8_e4m3fn", "top_k:64")}
 TARGET_WITHIN = 0.02
@@ -99,18 +99,11 @@ def run_bytes(run: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from training.evaluate import evaluate_speculation
-    from training.reference_target import build_reference_target, default_cache_root
+    from training.reference_target import default_cache_root
     from training.trainer import TrainDrafterConfig, train_drafter
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    target = build_reference_target(target_config(args))
-    timings["reference target"] = time.perf_counter() - t0
+    target, timings = reference_target(args)
     work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-storage-quality",
                                      f"{os.path.basename(target.path)}-t{args.train_tokens}-regen{args.regenerate}")
     os.makedirs(work, exist_ok=True)

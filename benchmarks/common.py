@@ -191,6 +191,16 @@ def timed(fn, device: torch.device) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def best_of(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn(), in seconds."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:

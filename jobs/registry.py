@@ -85,7 +85,8 @@ class DoneSet:
 
 
 class _HashTable:
-    """key -> value (uint64, value 0 = none) by linear probing over numpy arrays, claimed a batch at a time."""
+    """key -> value (uint64, value 0 = none) by linear probing over numpy arrays, of a fixed size: ClaimTable's buffer
+    (it starts a new one before this one passes MAX_LOAD)."""
 
     MAX_LOAD = 0.75
 
@@ -98,20 +99,6 @@ class _HashTable:
     @property
     def nbytes(self) -> int:
         return self._keys.nbytes + self._vals.nbytes
-
-    def claim(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
-        """For each key: the value it already had (the first claim's), or 0 when this call put it in with its own
-        value. Within one call the first occurrence of a key claims it; later ones get that value back."""
-        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        if self.count + len(unique) > self.MAX_LOAD * len(self._keys):
-            self._grow(self.count + len(unique))
-        before = self._probe(unique, vals[first])  # [u] 0 where inserted now
-        out = before[inverse]
-        later = np.ones(len(keys), dtype=bool)
-        later[first] = False  # a repeat within this call sees the first occurrence's value when that was new
-        fresh_then = later & (out == 0)
-        out[fresh_then] = vals[first][inverse][fresh_then]
-        return out
 
     def _probe(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
         """Distinct keys: find or insert each; [n] the value found (0 when inserted)."""
@@ -135,17 +122,6 @@ class _HashTable:
             todo = todo[~settled]  # their slot holds another key (or another took it this round): the next one
             slots[todo] = (slots[todo] + np.uint64(1)) & mask
         return found
-
-    def _grow(self, needed: int) -> None:
-        size = len(self._keys)
-        while needed > self.MAX_LOAD * size:
-            size *= 2
-        used = self._keys != 0
-        keys, vals = self._keys[used], self._vals[used]
-        self._keys = np.zeros(size, dtype=np.uint64)
-        self._vals = np.zeros(size, dtype=np.uint64)
-        self.count = 0
-        self._probe(keys, vals)
 
 
 class ClaimTable:
