@@ -83,10 +83,8 @@ class ManifestWriter:
             self._put(*self._unsent)
 
     def _put(self, name: str, raw: bytes, rows: int) -> None:
-        if self.retry_s is None:
-            self.run.put(name, raw)
-        else:  # a put that raised may have landed: its retry puts the same name and bytes (see flush)
-            retrying("manifest commit", self.run.url_of(name), 1, 0.2, self.retry_s)(self.run.put, name, raw)
+        # one attempt without retry_s; a put that raised may have landed: a retry puts the same name and bytes
+        retrying("manifest commit", self.run.url_of(name), 1, 0.2, self.retry_s)(self.run.put, name, raw)
         self._unsent = None
         logger.debug("committed %d manifest rows to %s", rows, name)
 

@@ -133,13 +133,15 @@ class ClaimTable:
 
     def __init__(self, keys: np.ndarray | None = None, vals: np.ndarray | None = None, *,
                  buffer_slots: int = 1 << 16, run_cap: int = 1 << 19) -> None:
-        """`keys`/`vals`: distinct keys to start with (one run)."""
+        """`keys`/`vals`: distinct keys to start with (one run; kept as given when already sorted, as a resume's are)."""
         self.buffer_slots, self.run_cap = buffer_slots, run_cap
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []
         self._buffer = _HashTable(buffer_slots)
         if keys is not None and len(keys):
-            order = np.argsort(keys, kind="stable")
-            self.runs.append((keys[order], vals[order]))
+            if not bool((keys[1:] > keys[:-1]).all()):
+                order = np.argsort(keys, kind="stable")
+                keys, vals = keys[order], vals[order]
+            self.runs.append((keys, vals))
 
     @property
     def count(self) -> int:
