@@ -207,7 +207,8 @@ def files_size(root: str) -> tuple[int, int]:
 
 
 # -- sections ---------------------------------------------------------------------------------------------------------
-def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_ids, device, scratch) -> dict:
+def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_ids, device, scratch,
+                checkpoint=lambda res: None) -> dict:
     tokens = sum(len(s) for s in corpus)
     wanted = {"a"}
     if "extraction" in args.sections:
@@ -292,6 +293,7 @@ def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_
         # this machine can beat (c) by more.
         res["ratios"]["b_over_c_ceiling"] = res["approaches"]["c"]["median_wall_s"] * peak / flops["b"]
     if args.profile:
+        checkpoint(res)  # the timings are kept even if profiling runs past a GPU lease's time limit
         res["profile"] = {name: profile_once(timed_parts[0][name], device, os.path.join(args.out, f"profile-{name}.txt"))
                           for name in order}
         clear(scratch)
@@ -542,7 +544,12 @@ def main(argv: list[str] | None = None) -> None:
                "machine": machine_info(device)}
     if {"extraction", "early_exit", "storage"} & set(args.sections):
         llm_early = make_llm(args, early_ids, os.path.join(scratch, "e")) if "early_exit" in args.sections else None
-        results["speed"] = bench_speed(args, llm, llm_early, corpus, layer_ids, early_ids, device, scratch)
+        def checkpoint(speed: dict) -> None:
+            now = {**results, "speed": speed, "load_before": load_before,
+                   "load_after": [round(x, 2) for x in os.getloadavg()]}
+            write_results(args.out, "results", now, markdown(now))
+
+        results["speed"] = bench_speed(args, llm, llm_early, corpus, layer_ids, early_ids, device, scratch, checkpoint)
         if llm_early is not None:
             llm_early.shutdown()
             del llm_early

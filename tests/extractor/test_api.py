@@ -236,7 +236,7 @@ def test_after_an_early_exit_extraction_the_model_still_runs_to_the_end(tiny_lla
     llm = LLM(model=tiny_llama, speculative_config=spec_config([1]), dtype="float32", kv_transfer_config=kv_config())
     llm.generate(["one two three"], SamplingParams(max_tokens=0))
     with torch.no_grad():
-        logits = llm.runner.model(torch.tensor([[5, 6, 7]])).logits  # a plain forward, outside the engine
+        logits = llm.runner.model(torch.tensor([[5, 6, 7]], device=llm.runner.device)).logits  # a plain forward, outside the engine
     assert logits.shape == (1, 3, llm.runner.vocab_size)
 
 
