@@ -19,7 +19,10 @@
     spool.py                           Spool: a long request's per-token streams staged on local disk (anonymous
                                        files), read back block by block when its file is assembled
     reader.py                          load_hidden_states / read_hidden_states_info / verify_hidden_states /
-                                       cleanup_hidden_states / read_rows (the training feed's read); fp8 dequantized
+                                       cleanup_hidden_states / read_rows (the training feed's read); fp8 dequantized;
+                                       any of them over one sample's byte range of a shard
+    shards.py                          the sharded layout: many samples' files in one object, written atomically,
+                                       orphans removed
 
 This package never imports transformers or ray. The training feed built on it is the `training` package.
 """

@@ -76,17 +76,20 @@ def _exact(path: str, blob: bytes, expected: int) -> bytes:
 
 
 def read_hidden_states_info(path: str, *, storage_options: dict | None = None,
-                            wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> HiddenStatesFileInfo:
-    """The file's tensors, shapes and `__metadata__`, reading only its header (checked against the file's size)."""
+                            wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
+                            byte_range: tuple[int, int] | None = None) -> HiddenStatesFileInfo:
+    """The file's tensors, shapes and `__metadata__`, reading only its header (checked against the file's size).
+    `byte_range` (offset, length): the sample stored at those bytes of a shard (see load_hidden_states)."""
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    with storage.read_ranges(fs, p) as (size, read):
+    with storage.read_ranges(fs, p, byte_range) as (size, read):
         return _read_info(path, size, read)
 
 
 def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True,
               names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK),
-              dtype: torch.dtype | None = None, dequantize: bool = True) -> tuple[HiddenStatesFileInfo, dict]:
+              dtype: torch.dtype | None = None, dequantize: bool = True,
+              byte_range: tuple[int, int] | None = None) -> tuple[HiddenStatesFileInfo, dict]:
     """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
     `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
     as they are); without it only those tensors' bytes are read. `fs`/`path` as `storage.open_url` gives them.
@@ -96,10 +99,11 @@ def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True
 
     The training feed's read: a local file is memory-mapped copy-on-write (its tensors share the page cache; edits
     stay private), a small remote file arrives whole with its header in one request, a large one as header + one
-    byte range per tensor (only the leading rows unless verified)."""
+    byte range per tensor (only the leading rows unless verified). `byte_range` (offset, length): the sample stored at
+    those bytes of a shard, read the same way (a local shard is mapped whole, its other samples' pages never touched)."""
     if HIDDEN_STATES in names:
         names = (*names, HIDDEN_STATES_SCALES)
-    info, out = _read_rows(fs, path, max_rows, verify, names)
+    info, out = _read_rows(fs, path, max_rows, verify, names, byte_range)
     return info, _dequantized(info, out, dtype) if dequantize else out
 
 
@@ -122,19 +126,20 @@ def model_dtype(info: HiddenStatesFileInfo) -> torch.dtype:
     return torch.float32 if info.scaled else info.dtype
 
 
-def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequence[str]
-               ) -> tuple[HiddenStatesFileInfo, dict]:
+def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequence[str],
+               byte_range: tuple[int, int] | None = None) -> tuple[HiddenStatesFileInfo, dict]:
     if storage.is_local(fs):
         # memory-mapped, copy-on-write: tensors share the page cache (no copy), in-place edits stay private
         with storage.open_regular_file(path) as (fd, size):
+            base, size = storage.sample_window(path, size, byte_range)
             if size < 8:
                 raise HiddenStatesFileError(path, f"{size} bytes is too short for a safetensors file (need at least "
                                                   "8); the file is truncated: re-extract it")
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        info, _ = read_header(path, size, lambda start, end: mm[start:end])
+        info, _ = read_header(path, size, lambda start, end: mm[base + start:base + min(end, size)])
         if verify and info.checksum is not None:
             with memoryview(mm) as view:
-                check_checksum(info, data_checksum([view[info.data_start:]]))
+                check_checksum(info, data_checksum([view[base + info.data_start:base + size]]))
         rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
         out = {}
         for name in names:
@@ -142,13 +147,18 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
                 e = info.tensors[name]
                 shape = (rows, *e.shape[1:])
                 count = math.prod(shape)
-                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.start).reshape(shape)
+                out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=base + e.start).reshape(shape)
                              if count else torch.empty(shape, dtype=e.dtype))
         return info, out
 
     url = storage.full_url(fs, path)
-    info, probe = read_header(url, lambda: storage.size_of(fs, path),
-                              lambda start, end: fs.cat_file(path, start=start, end=end))
+    if byte_range is None:
+        origin, size = 0, (lambda: storage.size_of(fs, path))
+    else:
+        origin, size = storage.sample_window(url, storage.size_of(fs, path), byte_range)
+    end_of = (lambda end: end) if byte_range is None else (lambda end: min(end, size))
+    info, probe = read_header(url, size, lambda start, end: fs.cat_file(path, start=origin + start,
+                                                                     end=origin + end_of(end)))
     whole = len(probe) == info.size  # a small file arrives whole with its header
     rows = info.num_tokens if max_rows is None else min(max_rows, info.num_tokens)
     names = [n for n in names if n in info.tensors]
@@ -157,7 +167,7 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
     if whole:
         data = memoryview(probe)
     elif checked:  # the whole data region, in one request: all of it is hashed, whatever max_length keeps
-        region = fs.cat_file(path, start=info.data_start, end=info.size)
+        region = fs.cat_file(path, start=origin + info.data_start, end=origin + info.size)
         data, base = memoryview(_exact(url, region, info.size - info.data_start)), info.data_start
     if checked:
         check_checksum(info, data_checksum([data[info.data_start - base:]]))
@@ -166,8 +176,8 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
         blobs = [data[a - base:b - base] for a, b in spans]
     else:
         todo = [i for i, (a, b) in enumerate(spans) if b > a]
-        fetched = fs.cat_ranges([path] * len(todo), [spans[i][0] for i in todo], [spans[i][1] for i in todo],
-                                on_error="raise") if todo else []
+        fetched = fs.cat_ranges([path] * len(todo), [origin + spans[i][0] for i in todo],
+                                [origin + spans[i][1] for i in todo], on_error="raise") if todo else []
         blobs = [b""] * len(spans)
         for i, blob in zip(todo, fetched):
             blobs[i] = blob
@@ -202,7 +212,7 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                        layer_ids: Sequence[int] | None = None, layer_indices: Sequence[int] | None = None,
                        verify: bool = False, storage_options: dict | None = None,
                        wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S, dtype: torch.dtype | None = None,
-                       dequantize: bool = True) -> dict[str, torch.Tensor]:
+                       dequantize: bool = True, byte_range: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Load a hidden-states file (vLLM's or hsx's) from a local path or any fsspec URL.
 
     token_range:   (start, end) rows to read, Python-slice style; only those bytes are fetched (unless `verify`).
@@ -214,6 +224,8 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
     dtype:         what fp8 hidden_states (stored with hidden_states_scales) come back as: default the model dtype
                    the file records (float32 for a file without hsx metadata, e.g. speculators').
     dequantize:    False returns fp8 states as stored, with their hidden_states_scales (layers selected alike).
+    byte_range:    (offset, length) of one sample in a shard object (a run of the sharded layout: its manifest row's
+                   `offset` and `bytes`): only those bytes are read, as if they were the file.
 
     A whole load returns every tensor of the file; a token range returns those rows of every per-token tensor
     (token_ids, hidden_states, loss_mask, a top-k target's tensors, and only the scales of those rows). Either way scaled states come back as values, the scales dropped, unless
@@ -222,7 +234,11 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
     if token_range is None and not storage.is_local(fs):
-        data = fs.cat_file(p)  # one request: the header below is this version's
+        if byte_range is None:
+            data = fs.cat_file(p)  # one request: the header below is this version's
+        else:
+            origin, length = storage.sample_window(path, storage.size_of(fs, p), byte_range)
+            data = _exact(path, fs.cat_file(p, start=origin, end=origin + length), length)
         info, _ = parse_header(path, data, len(data))
         positions = _layer_positions(info, layer_ids, layer_indices)
         view = memoryview(data)
@@ -230,7 +246,7 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
             check_checksum(info, data_checksum([view[info.data_start:]]))
         out = {n: tensor_from_bytes(bytearray(view[e.start:e.end]), e) for n, e in info.tensors.items()}
     else:
-        with storage.read_ranges(fs, p) as (size, read):
+        with storage.read_ranges(fs, p, byte_range) as (size, read):
             info = _read_info(path, size, read)
             positions = _layer_positions(info, layer_ids, layer_indices)
             if token_range is None:  # every tensor, whole: the blobs are the data region, hashed as they are
@@ -265,7 +281,8 @@ def _read_token_range(info: HiddenStatesFileInfo, read, token_range: tuple[int, 
 
 
 def verify_hidden_states(path: str, *, storage_options: dict | None = None,
-                         wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S) -> HiddenStatesFileInfo:
+                         wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
+                         byte_range: tuple[int, int] | None = None) -> HiddenStatesFileInfo:
     """Read the whole file and check it; return its info, or raise HiddenStatesFileError saying what is wrong.
 
     Checks: the header (as every read does), the data against the header's checksum (files without one, such as
@@ -274,7 +291,7 @@ def verify_hidden_states(path: str, *, storage_options: dict | None = None,
     """
     fs, p = storage.open_url(path, storage_options)
     storage.wait_until_readable(fs, p, wait_timeout)
-    with storage.read_ranges(fs, p) as (size, read):
+    with storage.read_ranges(fs, p, byte_range) as (size, read):
         info = _read_info(path, size, read)
         _scan(info, read, finite=True)
     return info

@@ -21,6 +21,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, SKIPPED, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row (of the live parts)
+    referenced_paths(run, prefix)                  the distinct paths rows point at (shards), part by part
     live_manifest_parts(run)                       the parts read: all, less what a compaction superseded
     compact_manifest(run)                          merge the parts into a few large sorted ones, atomically
     committed_rows(table)                          per sample its last "ok" row, unless "invalid" came after it
@@ -369,10 +370,10 @@ RESULT_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
     ("status", pa.string()),            # "ok" | "failed" | "invalid" (hsx verify found the committed file bad) |
                                         # "skipped" (refused on purpose, final: --on-nonfinite skip)
-    ("path", pa.string()),              # data file relative to OUTPUT; null unless ok
+    ("path", pa.string()),              # data file (or shard) relative to OUTPUT; null unless ok
     ("num_tokens", pa.int64()),         # rows stored (prompt, plus generated tokens when included)
     ("num_prompt_tokens", pa.int64()),
-    ("bytes", pa.int64()),              # file size
+    ("bytes", pa.int64()),              # file size (in a shard: the sample's length there)
     ("error", pa.string()),             # why it failed or was skipped; null when ok
     ("source", pa.string()),            # corpus file and line/row
     ("truncated", pa.bool_()),          # over-length sample cut to the limit
@@ -380,6 +381,8 @@ RESULT_SCHEMA = pa.schema([
     ("retry", pa.bool_()),              # failed rows: false when the record fails the same way every time (malformed,
                                         # no known field, over-length, ...): a re-run skips it unless --retry-failed;
                                         # true or null (older runs): a re-run extracts it again
+    ("offset", pa.int64()),             # --layout sharded: where the sample's bytes start in the shard `path`
+                                        # (they run for `bytes`); null for a file of its own
 ])
 MANIFEST_SCHEMA = RESULT_SCHEMA.append(pa.field("attempt", pa.string())).append(
     pa.field("committed_at", pa.timestamp("ms", tz="UTC")))
@@ -507,6 +510,24 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
 
 
 _MANIFEST_READ_TRIES = 5
+
+
+def referenced_paths(run: RunDir | str, prefix: str, *, storage_options: dict | None = None) -> set[str]:
+    """The distinct `path` values under `prefix` of every manifest row (any status), read one part at a time: memory
+    grows with the distinct paths (a run's shards), not with its rows."""
+    run = as_run_dir(run, storage_options)
+    schema = pa.schema([MANIFEST_SCHEMA.field("path")])
+    for attempt in range(_MANIFEST_READ_TRIES):
+        found: set[str] = set()
+        try:
+            for name in live_manifest_parts(run):
+                paths = pc.unique(_read_part(run, name, schema)["path"].drop_null())
+                found.update(p for p in paths.to_pylist() if p.startswith(prefix))
+            return found
+        except _PartGone:
+            if attempt == _MANIFEST_READ_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 class _PartGone(RunFormatError):
@@ -699,23 +720,33 @@ def skipped_rows(table: pa.Table) -> pa.Table:
 
 def ok_rows(run: RunDir | str, *, storage_options: dict | None = None) -> pa.Table:
     """One "ok" row per committed sample (see committed_rows), sorted by sample_id: columns sample_id, path,
-    num_tokens, checksum. Raises FileNotFoundError when `run` has no manifest and ValueError when it has no
+    num_tokens, checksum, offset and bytes (offset null unless the sample lies in a shard: see sample_range). Raises FileNotFoundError when `run` has no manifest and ValueError when it has no
     committed sample, both saying what to pass instead.
     """
     run = as_run_dir(run, storage_options)
     if not run.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no manifest at {run.url_of(MANIFEST_DIR)}; pass the OUTPUT folder of an "
                                 f"extraction run (it holds {RUN_JSON} and {MANIFEST_DIR}/)")
-    table = read_manifest(run, columns=[*REQUIRED_COLUMNS, "checksum"])
+    table = read_manifest(run, columns=[*REQUIRED_COLUMNS, "checksum", "offset", "bytes"])
     total = table.num_rows
     table = committed_rows(table)
     if table.num_rows == 0:
         raise ValueError(f"manifest at {run.url_of(MANIFEST_DIR)} has {total} rows and none with status 'ok'; the "
                          "run has no usable samples (see its 'error' column for why they failed)")
-    table = table.select(["sample_id", "path", "num_tokens", "checksum"])
+    table = table.select(["sample_id", "path", "num_tokens", "checksum", "offset", "bytes"])
     if not _sorted_by_id(table):
         table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
     return table.combine_chunks()
+
+
+def sample_range(offset: int | None, length: int | None) -> tuple[int, int] | None:
+    """The `byte_range` a reader takes for a manifest row's `offset` and `bytes`: None for a file of its own."""
+    if offset is None:
+        return None
+    if length is None or offset < 0 or length < 0:
+        raise RunFormatError(f"a manifest row places its sample at offset {offset} with length {length}: damaged; "
+                             "re-run the same `hsx run` after `hsx verify` marks it")
+    return int(offset), int(length)
 
 
 def _sorted_by_id(table: pa.Table) -> bool:

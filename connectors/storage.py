@@ -17,7 +17,8 @@ Everything above this module (connector, reader, dataset) works on any fsspec UR
     remove(fs, path)                      -  idempotent delete of a file and its lock
     open_regular_file(path)               -  (fd, size) of a local file, refusing FIFOs, devices and directories
                                              (symlinks followed) without ever blocking on them
-    read_ranges(fs, path)                 -  (size, read(starts, ends)) over one version of one file, local or remote
+    read_ranges(fs, path, byte_range=)    -  (size, read(starts, ends)) over one version of one file, local or remote,
+                                             or over one sample's byte range of a shard (sample_window checks it)
     size_of(fs, path)                     -  an object's size as its store reports it, checked
 
 Bytes only: the safetensors files written through put_atomic are made in connectors/safetensors_file.py.
@@ -516,8 +517,11 @@ ReadRanges = "Callable[[list[int], list[int]], list[bytes]]"
 
 
 @contextlib.contextmanager
-def read_ranges(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[int, ReadRanges]]:
-    """(size, read(starts, ends) -> blobs) over one version of one file.
+def read_ranges(fs: fsspec.AbstractFileSystem, path: str,
+                byte_range: tuple[int, int] | None = None) -> Iterator[tuple[int, ReadRanges]]:
+    """(size, read(starts, ends) -> blobs) over one version of one file, or of the `byte_range` (offset, length) of
+    it that holds one sample (a shard of the sharded layout): offsets are then relative to the range, and a read never
+    returns bytes past its end.
 
     On a local disk the file is opened once with `open_regular_file` and every read goes through that descriptor, so
     a concurrent replace of the file cannot mix the header of one version with the rows of another; elsewhere the
@@ -525,9 +529,26 @@ def read_ranges(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[tuple[int,
     """
     if is_local(fs):
         with open_regular_file(path) as (fd, size):
-            yield size, lambda starts, ends: [_pread(fd, s, e) for s, e in zip(starts, ends)]
+            base, size = sample_window(path, size, byte_range)
+            yield size, lambda starts, ends: [_pread(fd, base + s, base + min(e, size)) for s, e in zip(starts, ends)]
         return
-    yield size_of(fs, path), lambda starts, ends: fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+    base, size = sample_window(full_url(fs, path), size_of(fs, path), byte_range)
+    yield size, lambda starts, ends: fs.cat_ranges([path] * len(starts), [base + s for s in starts],
+                                                   [base + min(e, size) for e in ends], on_error="raise")
+
+
+def sample_window(where: str, object_size: int, byte_range: tuple[int, int] | None) -> tuple[int, int]:
+    """(offset, size) of one sample's bytes in an object of `object_size` bytes: the whole object, or `byte_range`
+    (offset, length), which must lie inside it (HiddenStatesFileError otherwise)."""
+    if byte_range is None:
+        return 0, object_size
+    offset, length = (int(x) for x in byte_range)
+    if offset < 0 or length < 0 or offset + length > object_size:
+        raise HiddenStatesFileError(where, f"bytes [{offset}, {offset + length}) are not inside the object, which "
+                                           f"holds {object_size} bytes: the shard is truncated or was replaced, or "
+                                           "the manifest row's range is wrong; run `hsx verify` on the run and "
+                                           "re-run the same `hsx run` to extract what it marks")
+    return offset, length
 
 
 def size_of(fs: fsspec.AbstractFileSystem, path: str) -> int:

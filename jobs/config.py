@@ -19,6 +19,7 @@ from typing import Any
 from extractor.options import EngineOptions, flag, flag_errors
 
 OVERLENGTH_POLICIES = ("truncate", "skip")
+LAYOUTS = ("files", "sharded")
 NONFINITE_POLICIES = ("fail", "skip")
 
 
@@ -80,6 +81,14 @@ class JobConfig(EngineOptions):
     """Actors that decide which records to extract, skip or fail as duplicates (each holds 16 bytes per id it owns,
     plus about 1 MB): more for runs of tens of millions of samples."""
 
+    layout: str = "files"
+    """How samples are stored: files (one safetensors file per sample, vLLM's layout) or sharded (samples appended
+    to shard objects of about --shard-mb, each sample's byte range in the manifest: few objects and PUT requests on
+    object stores; every hsx reader reads a sample by range)."""
+    shard_mb: float = 256.0
+    """--layout sharded: a shard's size in MiB. A shard is one unit of work's samples, so this sets the unit of work
+    (--tokens-per-task is not used): a worker that dies redoes at most its shard."""
+
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     retry_failed: bool = False
     """Extract again the samples whose records failed in a way that repeats (malformed JSON, no known field, over the
@@ -118,6 +127,11 @@ class JobConfig(EngineOptions):
                            parse_storage_options(self.corpus_storage_options, "--corpus-storage-options"))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout {self.layout!r} is not a layout; use files (a file per sample, the default) "
+                             "or sharded (shard objects of about --shard-mb)")
+        if not self.shard_mb > 0:
+            raise ValueError(f"--shard-mb must be > 0, got {self.shard_mb}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"--on-nonfinite {self.on_nonfinite!r} is not a policy; use fail (a failed row, retried "
                              "on resume) or skip (a skipped row, final)")

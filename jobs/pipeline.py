@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -194,7 +195,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
-        on_nonfinite=c.on_nonfinite)
+        on_nonfinite=c.on_nonfinite, layout=c.layout)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
@@ -207,6 +208,18 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
                         num_gpus=gpus_per_worker,
                         num_cpus=cpus_per_worker)
     return ds
+
+
+def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
+    """Tokens per unit of work: --tokens-per-task, or under --layout sharded as many as fill a shard of --shard-mb
+    (a shard is one unit's samples), from the bytes a token takes in the run's files."""
+    if config.layout != "sharded":
+        return config.tokens_per_task
+    from connectors.format import file_entries
+
+    per_token = sum(dtype.itemsize * math.prod(shape) for dtype, shape in
+                    file_entries(spec.file_spec(), 1, loss_mask=True).values())
+    return max(1, int(config.shard_mb * 2**20 / per_token))
 
 
 @contextlib.contextmanager
@@ -277,7 +290,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
             result.gpus_per_worker, result.cpus_per_worker = gpus, cpus
             registry = start_registry(plan.done, config.registry_shards)
             try:
-                with _data_context(config.tokens_per_task):
+                with _data_context(tokens_per_unit(config, plan.spec)):
                     ds = build_dataset(plan, registry, gpus, cpus)
                     try:
                         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -321,6 +334,8 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                             "same command: those samples are extracted again") from e
         if config.compact and not lease_lost.is_set():
             _compact(plan.output)
+        if not lease_lost.is_set():
+            _remove_orphan_shards(plan.output)
     finally:
         progress.close()
         counter.shutdown(wait=False, cancel_futures=True)
@@ -330,6 +345,24 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     result.tokens, result.bytes = progress.tokens, progress.bytes
     result.seconds = time.monotonic() - started
     return result
+
+
+def _remove_orphan_shards(output) -> None:
+    """Remove the shards no manifest row points into (a worker died after writing one, before its rows were
+    committed): at the end of a job, under its lease. A failure leaves them; no reader counts them."""
+    from connectors.run import referenced_paths
+    from connectors.shards import SHARD_DIR, remove_orphan_shards
+
+    if not output.list(SHARD_DIR):
+        return
+    try:
+        removed = remove_orphan_shards(output, referenced_paths(output, f"{SHARD_DIR}/"))
+    except (OSError, ValueError) as e:
+        logger.warning("could not remove orphan shards of %s (no reader counts them): %s", output.url, e)
+        return
+    if removed:
+        logger.info("removed %d orphan shard(s) of %s (written by workers whose rows never reached the "
+                    "manifest)", removed, output.url)
 
 
 def _compact(output) -> None:

@@ -47,6 +47,7 @@ from connectors.run import (
     read_run_spec,
     row_file_problem,
     row_path_problem,
+    sample_range,
     write_manifest_part,
 )
 
@@ -206,7 +207,8 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
         return f"path: {problem}"
     url = run.url_of(row["path"])
     try:
-        info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0)
+        info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0,
+                                    byte_range=_range(row))
     except FileNotFoundError:
         return "missing: the file is gone"
     except HiddenStatesFileError as e:
@@ -251,7 +253,8 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
         captured["n"] = out[0] if isinstance(out, tuple) else out
 
     for row in rows:
-        stored = load_hidden_states(run.url_of(row["path"]), storage_options=run.storage_options)
+        stored = load_hidden_states(run.url_of(row["path"]), storage_options=run.storage_options,
+                                    byte_range=_range(row))
         ids = stored["token_ids"]  # [T]
         states = stored["hidden_states"]  # [T, L, H]
         handle = last_layer.register_forward_hook(keep_last)
@@ -300,8 +303,14 @@ def _prompt_tokens(run: RunDir, row: dict) -> int:
     """For manifests that leave num_prompt_tokens out (hsx's rows record it): the file's own metadata."""
     from connectors.reader import read_hidden_states_info
 
-    info = read_hidden_states_info(run.url_of(row["path"]), storage_options=run.storage_options)
+    info = read_hidden_states_info(run.url_of(row["path"]), storage_options=run.storage_options,
+                                   byte_range=_range(row))
     return int(info.metadata.get("num_prompt_tokens") or info.num_tokens)
+
+
+def _range(row: dict) -> tuple[int, int] | None:
+    """The row's sample range in its shard (--layout sharded), or None for a file of its own."""
+    return sample_range(row.get("offset"), row.get("bytes"))
 
 
 def _check_generated(last, ids, num_prompt: int, norm, lm_head, greedy: bool, device: str) -> dict[str, int]:

@@ -15,6 +15,11 @@ connector refused (NaN/Inf, a layer of zeros: nothing written) is a failed row, 
 `on_nonfinite="skip"`. `generate` returns once every
 file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
 "ok", so an "ok" row is never written for a file that is missing, short or someone else's.
+
+With `layout="sharded"` the connector writes each sample's file to the worker's local staging folder instead; once
+the batch is done, its good files (headers read back as above) are written to the output as one shard
+(connectors.shards: one atomic, streamed put) and each "ok" row records the shard, the sample's offset and length.
+A shard that cannot be written fails its samples (retried by a re-run); the local files go either way.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +59,8 @@ class WorkerSettings:
     on_nonfinite: str = "fail"
     """A sample whose states the connector refused (NaN/Inf, a layer of zeros): a "failed" row, or with "skip" a
     "skipped" one (final: no resume extracts it again)."""
+    layout: str = "files"
+    """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards)."""
 
 
 class ExtractionWorker:
@@ -60,6 +69,9 @@ class ExtractionWorker:
 
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
+        # where the connector writes: the output, or (sharded) a local folder the batch's shard is made from
+        self._staging = tempfile.mkdtemp(prefix="hsx-shard-") if settings.layout == "sharded" else None
+        self.files = self.output if self._staging is None else RunDir(self._staging)
         self.llm = None
         self._loader = named_thread_pool(1, "hsx-load")
         self._loading = self._loader.submit(self._load)
@@ -69,8 +81,10 @@ class ExtractionWorker:
         from extractor import LLM
 
         s = self.settings
+        connector = s.connector if self._staging is None else dataclasses.replace(
+            s.connector, shared_storage_path=self._staging, allowed_roots=None, storage_options={})
         llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
-                                                          kv_connector_extra_config=s.connector))
+                                                          kv_connector_extra_config=connector))
         diff = s.run.file_spec().differences(llm.spec)
         if diff:
             llm.shutdown()
@@ -103,7 +117,7 @@ class ExtractionWorker:
     def _sampling_params(self, rel_path: str) -> SamplingParams:
         # overwrite: the manifest decides what is committed, so a re-extraction replaces its own orphan (and the
         # connector remembers no file of a long job)
-        kv = {"hidden_states_path": self.output.url_of(rel_path),
+        kv = {"hidden_states_path": self.files.url_of(rel_path),
               "include_output_tokens": self.settings.run.include_output_tokens, "overwrite": True}
         return dataclasses.replace(self.settings.sampling, extra_args={"kv_transfer_params": kv})
 
@@ -128,12 +142,43 @@ class ExtractionWorker:
         params = [self._sampling_params(p) for p in paths]
         llm = self._engine()
         try:
-            outputs = llm.generate(prompts, params, request_ids=[r["sample_id"] for r in rows])
-        except Exception:  # noqa: BLE001 - the engine isolates requests; if a call still fails, isolate them here
-            logger.exception("generate() failed for a batch of %d; retrying its samples one by one", len(rows))
-            return [self._extract_one(r, prompt, path, param) for r, prompt, path, param in
-                    zip(rows, prompts, paths, params)]
-        return [self._result(r, out, path) for r, out, path in zip(rows, outputs, paths)]
+            try:
+                outputs = llm.generate(prompts, params, request_ids=[r["sample_id"] for r in rows])
+            except Exception:  # noqa: BLE001 - the engine isolates requests; if a call still fails, isolate them
+                logger.exception("generate() failed for a batch of %d; retrying its samples one by one", len(rows))
+                results = [self._extract_one(r, prompt, path, param) for r, prompt, path, param in
+                           zip(rows, prompts, paths, params)]
+            else:
+                results = [self._result(r, out, path) for r, out, path in zip(rows, outputs, paths)]
+            return results if self._staging is None else self._write_shard(results)
+        finally:
+            if self._staging is not None:  # the batch's local files: in its shard now, or failed
+                for entry in os.listdir(self._staging):
+                    shutil.rmtree(os.path.join(self._staging, entry), ignore_errors=True)
+
+    def _write_shard(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The batch's good files as one shard of the output; their rows then point into it (failed if it cannot
+        be written: nothing of it is committed)."""
+        from connectors.shards import new_shard_path, write_shard
+
+        good = [r for r in results if r["status"] == OK]
+        if not good:
+            return results
+        rel, cfg = new_shard_path(), self.settings.connector
+        try:
+            spans = write_shard(self.output.fs, self.output.path(rel), [self.files.path(r["path"]) for r in good],
+                                attempts=cfg.max_write_attempts, backoff_s=cfg.write_retry_backoff_s,
+                                for_s=cfg.write_retry_s)
+        except (OSError, ValueError, TimeoutError) as e:
+            error = f"shard write to {self.output.url_of(rel)} failed: {type(e).__name__}: {e}"
+            return [_failed(r, error) if r["status"] == OK else r for r in results]
+        changed = [r["sample_id"] for r, (_, length) in zip(good, spans) if length != r["bytes"]]
+        if changed:  # a local file changed after it was read back: the shard is someone's, but not these rows'
+            error = f"the staged files of {changed[:3]} changed after they were read back; extract them again"
+            return [_failed(r, error) if r["status"] == OK else r for r in results]
+        for r, (offset, _) in zip(good, spans):
+            r.update(path=rel, offset=offset)
+        return results
 
     def _extract_one(self, row, prompt, path, param) -> dict[str, Any]:
         try:
@@ -152,10 +197,10 @@ class ExtractionWorker:
             return _failed(row, f"{row['source']}: {out.error}")
         generated = len(out.outputs[0].token_ids) if out.outputs else 0
         expected = row["num_prompt_tokens"] + (max(generated - 1, 0) if self.settings.run.include_output_tokens else 0)
-        url, cfg = self.output.url_of(rel_path), self.settings.connector
+        url, cfg = self.files.url_of(rel_path), self.settings.connector
         try:  # the store may fail between the write and this read, as during the write: retried as long
             info = retrying("read back", url, cfg.max_write_attempts, cfg.write_retry_backoff_s, cfg.write_retry_s)(
-                read_hidden_states_info, url, storage_options=self.output.storage_options)
+                read_hidden_states_info, url, storage_options=self.files.storage_options)
         except (OSError, ValueError, TimeoutError) as e:
             return _failed(row, f"written file cannot be read back: {type(e).__name__}: {e}")
         if info.num_tokens != expected or info.metadata.get("sample_id") != row["sample_id"]:
@@ -175,6 +220,9 @@ class ExtractionWorker:
                 llm.shutdown()
             except Exception:  # noqa: BLE001 - best effort at teardown; every reported file is already durable
                 pass
+        staging = getattr(self, "_staging", None)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _failed(row: dict[str, Any], error: str, status: str = FAILED, retry: bool = True) -> dict[str, Any]:

@@ -63,7 +63,15 @@ from connectors.format import (
     HiddenStatesFileInfo,
 )
 from connectors.reader import read_hidden_states_info, read_rows
-from connectors.run import RunDir, RunSpec, ok_rows, read_run_spec, row_file_problem, row_path_problem
+from connectors.run import (
+    RunDir,
+    RunSpec,
+    ok_rows,
+    read_run_spec,
+    row_file_problem,
+    row_path_problem,
+    sample_range,
+)
 from extractor.norm import FinalNorm
 
 logger = logging.getLogger(__name__)
@@ -88,7 +96,8 @@ def _run_spec(run: RunDir, rows: pa.Table) -> RunSpec:
     if spec is not None:
         return spec
     first = run.path(rows["path"][0].as_py())
-    header = read_hidden_states_info(storage.full_url(run.fs, first), storage_options=run.storage_options)
+    header = read_hidden_states_info(storage.full_url(run.fs, first), storage_options=run.storage_options,
+                                     byte_range=sample_range(rows["offset"][0].as_py(), rows["bytes"][0].as_py()))
     file_spec = header.spec
     if file_spec is None:
         raise ValueError(f"{run.url}: cannot tell the run's spec — it has no run.json, and its first data file "
@@ -185,6 +194,12 @@ class HiddenStatesDataset(Dataset):
         self._sample_ids = pa.concat_arrays([t["sample_id"].combine_chunks() for t in tables])
         self._paths = pa.concat_arrays([t["path"].combine_chunks() for t in tables])
         self._checksums = pa.concat_arrays([t["checksum"].combine_chunks() for t in tables])
+        # --layout sharded: each sample's (offset, length) in its shard; None when no run holds a shard
+        sharded = any(t["offset"].null_count < t.num_rows for t in tables)
+        self._offsets = np.concatenate([t["offset"].fill_null(-1).to_numpy() for t in tables]).astype(np.int64) \
+            if sharded else None
+        self._lengths = np.concatenate([t["bytes"].fill_null(-1).to_numpy() for t in tables]).astype(np.int64) \
+            if sharded else None
         # a row without a token count (a damaged manifest) reads as -1: its file's count never matches it
         self._num_tokens = np.concatenate([t["num_tokens"].fill_null(-1).to_numpy() for t in tables]
                                           ).astype(np.int64)
@@ -234,7 +249,7 @@ class HiddenStatesDataset(Dataset):
         return self._sample_ids[index].as_py()
 
     def path(self, index: int) -> str:
-        """The URL (or local path) of sample `index`'s file."""
+        """The URL (or local path) of sample `index`'s file (or shard: see byte_range)."""
         fs, _ = storage.open_url(self._outputs[0], self.config.storage_options)
         return storage.full_url(fs, self._abs_path(index))
 
@@ -302,7 +317,7 @@ class HiddenStatesDataset(Dataset):
         path = self._abs_path(index)
         try:
             info, tensors = read_rows(self._filesystem(), path, self.config.max_length, verify=verify, names=names,
-                                      dequantize=self.config.dequantize)
+                                      dequantize=self.config.dequantize, byte_range=self.byte_range(index))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{path} (sample {self.sample_id(index)!r}) is missing, though the manifest "
                                     f"commits it; {_REEXTRACT}") from e
@@ -310,6 +325,12 @@ class HiddenStatesDataset(Dataset):
         ids = tensors[TOKEN_IDS]
         mask = tensors[LOSS_MASK].to(torch.long) if LOSS_MASK in tensors else torch.ones_like(ids)
         return {"input_ids": ids, "loss_mask": mask}, tensors
+
+    def byte_range(self, index: int) -> tuple[int, int] | None:
+        """(offset, length) of sample `index` in its shard (a run of --layout sharded); None for a file of its own."""
+        if self._offsets is None or self._offsets[index] < 0:
+            return None
+        return sample_range(int(self._offsets[index]), int(self._lengths[index]))
 
     def _abs_path(self, index: int) -> str:
         rel = self._paths[index].as_py()

@@ -6,6 +6,7 @@ wait_for_save) and come back through the public reader API; checks look at the s
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -420,3 +421,52 @@ def test_an_exclusive_create_asks_the_store_to_refuse_an_existing_object(remote_
         else:
             assert writes and all("ifGenerationMatch=0" in e.path for e in writes), [e.path for e in writes]
     assert remote_backend.fs.cat(path) == b"first"
+
+
+def test_a_sample_reads_by_its_byte_range_of_a_shard_as_it_reads_as_a_file(backend, connector_factory, tmp_path):
+    """A shard (connectors.shards) is the samples' own files one after another: every reader, given a sample's
+    (offset, length), reads it as it reads the file alone — and never a byte of its neighbours."""
+    from connectors.format import HiddenStatesFileError
+    from connectors.reader import read_rows, verify_hidden_states
+    from connectors.shards import SHARD_ALIGN, write_shard
+    from connectors.storage import open_url
+
+    local = tmp_path / "staged"
+    connector = connector_factory(str(local), make_spec(torch.bfloat16, LAYERS, HIDDEN))
+    requests = [random_request(n, torch.bfloat16, seed=n) for n in (1, 300, 17, 4096)]
+    files = [save_request(connector, f"r{i}", ids, states, loss_mask=(torch.arange(len(ids)) % 2).to(torch.uint8),
+                          sample_id=f"s{i}") for i, (ids, states) in enumerate(requests)]
+    assert connector.wait_for_save() == {}
+    fs, path = open_url(backend.url("shards/one.hsxshard"), backend.storage_options)
+    spans = write_shard(fs, path, files)
+    assert [n for _, n in spans] == [os.path.getsize(f) for f in files]
+    assert all(o % SHARD_ALIGN == 0 for o, _ in spans) and backend.files()[backend.key(path)] == sum(spans[-1])
+    url, opts = backend.url("shards/one.hsxshard"), backend.storage_options
+    for (ids, states), span, file in zip(requests, spans, files):
+        whole = load_hidden_states(url, byte_range=span, storage_options=opts, verify=True)
+        alone = load_hidden_states(file)
+        assert whole.keys() == alone.keys() and all(torch.equal(whole[k], alone[k]) for k in alone)
+        assert torch.equal(whole["hidden_states"], states)
+        rows = load_hidden_states(url, byte_range=span, storage_options=opts, token_range=(0, 5), layer_ids=[4],
+                                  verify=True)
+        assert torch.equal(rows["hidden_states"], states[:5, [1]]) and torch.equal(rows["token_ids"], ids[:5])
+        info = read_hidden_states_info(url, byte_range=span, storage_options=opts)
+        assert info.size == span[1] and info.metadata["sample_id"] == alone_id(file)
+        assert verify_hidden_states(url, byte_range=span, storage_options=opts).num_tokens == len(ids)
+        got_info, got = read_rows(fs, path, 7, byte_range=span)  # the training feed's read (local: mapped)
+        assert torch.equal(got["hidden_states"], states[:7]) and got_info.size == span[1]
+    # a range past the object's end, or one that starts inside another sample, is refused naming the problem
+    end = spans[-1][0] + spans[-1][1]
+    with pytest.raises(HiddenStatesFileError, match=r"are not inside the object, which holds"):
+        load_hidden_states(url, byte_range=(spans[-1][0], spans[-1][1] + 1), storage_options=opts)
+    with pytest.raises(HiddenStatesFileError, match=r"are not inside the object"):
+        read_hidden_states_info(url, byte_range=(end, 8), storage_options=opts)
+    with pytest.raises(HiddenStatesFileError):
+        load_hidden_states(url, byte_range=(spans[1][0] + 8, spans[1][1] - 8), storage_options=opts)
+    # a range one sample too short: its header says more bytes than the range holds
+    with pytest.raises(HiddenStatesFileError):
+        load_hidden_states(url, byte_range=(spans[1][0], spans[1][1] - 1), storage_options=opts)
+
+
+def alone_id(file: str) -> str:
+    return read_hidden_states_info(file).metadata["sample_id"]

@@ -39,19 +39,30 @@ def _ok_rows(output: str, storage_options: dict | None = None) -> dict[str, dict
 
 
 def assert_exactly_once(output: str, expected_ids: set[str], storage_options: dict | None = None) -> dict[str, dict]:
-    """One ok row per expected sample; each points at a complete, loadable file of that sample; no other visible
-    data files remain (orphans of killed runs were overwritten by the re-run). `output`: a folder or a URL."""
+    """One ok row per expected sample; each points at a complete, loadable file of that sample (or, --layout
+    sharded, at that sample's own byte range of a shard, ranges of a shard never overlapping); no other visible data
+    files or shards remain (orphans of killed runs were overwritten or removed). `output`: a folder or a URL."""
     run = RunDir(output, storage_options or {})
     rows = _ok_rows(output, storage_options)
     assert set(rows) == expected_ids
     for sid, row in rows.items():
         url = run.url_of(row["path"])
-        obj = load_hidden_states(url, storage_options=storage_options)
+        where = None if row.get("offset") is None else (row["offset"], row["bytes"])
+        obj = load_hidden_states(url, storage_options=storage_options, byte_range=where)
         assert obj["token_ids"].shape[0] == row["num_tokens"] == obj["hidden_states"].shape[0]
-        info = read_hidden_states_info(url, storage_options=storage_options)
+        info = read_hidden_states_info(url, storage_options=storage_options, byte_range=where)
         assert info.size == row["bytes"] and info.metadata["sample_id"] == sid
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for row in rows.values():
+        if row.get("offset") is not None:
+            spans.setdefault(row["path"], []).append((row["offset"], row["offset"] + row["bytes"]))
+    for shard, ranges in spans.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), f"samples of {shard} overlap"
+        assert run.fs.size(run.path(shard)) == ranges[-1][1], f"{shard} is not as long as its last sample's end"
     run.fs.invalidate_cache()
-    files = {posixpath.relpath(p, run.root) for p in run.fs.find(run.path("data")) if p.endswith(".safetensors")}
+    files = {posixpath.relpath(p, run.root) for folder in ("data", "shards") if run.exists(folder)
+             for p in run.fs.find(run.path(folder)) if p.endswith((".safetensors", ".hsxshard"))}
     assert files == {r["path"] for r in rows.values()}
     return rows
 
