@@ -38,8 +38,8 @@ between) is an orphan no reader counts and the next run overwrites.
 Versions of run.json: 2 (written now) adds `data_layout`, the name of the data-file naming scheme (new runs:
 "sha256/digest-stem", injective in the sample id); 1 (hsx 0.1's first round) is read with its own layout
 "sha1-shard/safe-stem", under which two ids could share a file. Other versions are refused with a message naming
-the versions this hsx reads. This module never imports transformers or
-ray.
+the versions this hsx reads. 3 is written for a run of `--layout sharded` (and `storage_layout: "sharded"`): hsx before it
+refuses such a run instead of reading shards as files. This module never imports transformers or ray.
 """
 
 from __future__ import annotations
@@ -81,7 +81,11 @@ DATA_DIR = "data"
 MANIFEST_DIR = "manifest"
 RUN_FORMAT = "hsx.run"
 RUN_FORMAT_VERSION = "2"
-READABLE_VERSIONS = ("1", "2")
+SHARDED_RUN_FORMAT_VERSION = "3"
+"""run.json of a run of --layout sharded: its rows point into shards, which hsx before it would read as files (and
+its compaction would drop the rows' offsets), so it refuses version 3 and says to upgrade."""
+READABLE_VERSIONS = ("1", "2", "3")
+STORAGE_LAYOUTS = ("files", "sharded")
 DATA_LAYOUT = "sha256/digest-stem"
 """data/<2 hex>/<sha256(id)[:32]>-<readable stem>.safetensors: injective in the exact id (the digest), and on
 case-insensitive filesystems too (lower-case hex); the stem after it is for people browsing the folder."""
@@ -237,6 +241,9 @@ class RunSpec:
     corpus_fingerprint: str = ""
     data_layout: str = DATA_LAYOUT
     """Naming scheme of the data files (see data_path)."""
+    storage_layout: str = "files"
+    """How samples are stored: "files" (one per sample) or "sharded" (connectors.shards; run.json version 3). (Not
+    `layout`: version 1 used that key for a description of its folders.)"""
     versions: Mapping[str, str] = field(default_factory=dict)
     """Package versions of the first attempt."""
     created_at: str = ""
@@ -249,6 +256,9 @@ class RunSpec:
         object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
         if isinstance(self.sampling, Mapping):
             object.__setattr__(self, "sampling", Sampling(**self.sampling))
+        if self.storage_layout not in STORAGE_LAYOUTS:
+            raise RunFormatError(f"run.json names storage_layout {self.storage_layout!r}, unknown to this hsx (it reads "
+                                 f"{list(STORAGE_LAYOUTS)}); upgrade hsx to read this run")
         if self.data_layout not in DATA_LAYOUTS:
             raise RunFormatError(f"run.json names data layout {self.data_layout!r}, unknown to this hsx (it reads "
                                  f"{list(DATA_LAYOUTS)}); upgrade hsx to read this run")
@@ -292,7 +302,8 @@ class RunSpec:
     # -- JSON ---------------------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The run.json document (version RUN_FORMAT_VERSION), flat."""
-        doc: dict[str, Any] = {"format": RUN_FORMAT, "format_version": RUN_FORMAT_VERSION,
+        version = SHARDED_RUN_FORMAT_VERSION if self.storage_layout == "sharded" else RUN_FORMAT_VERSION
+        doc: dict[str, Any] = {"format": RUN_FORMAT, "format_version": version,
                                "file_format": FORMAT_NAME, "file_format_version": FORMAT_VERSION}
         for name in FILE_FIELDS:
             value = getattr(self.files, name)

@@ -13,20 +13,23 @@ Exactly once: a shard is written whole by one atomic put (storage.put_atomic, st
 copies) before any of its rows is reported, so an "ok" row always points into a whole shard. A shard whose rows
 never reached the manifest (its worker or the job died in between) is an orphan no reader counts: shard names are
 new for every write (a re-run never overwrites a committed shard), and the job removes orphans when it ends
-(`remove_orphan_shards`, under the writer lease).
+(`remove_orphan_shards`, under the writer lease): unreferenced shards of its own attempt and of earlier ones (their
+folder is the attempt id, which sorts by time), never those of a later job that took the lease over.
 
     SHARD_DIR, SHARD_SUFFIX, SHARD_ALIGN
-    new_shard_path()                          -> "shards/<yyyymmdd>/<uuid>.hsxshard", relative to the output root
+    new_shard_path(attempt)                   -> "shards/<attempt>/<uuid>.hsxshard", relative to the output root
     shard_spans(sizes)                        -> [(offset, length)], total size: where each file goes
     write_shard(fs, path, files, ...)         -> [(offset, length)]: the local files as one shard, atomically
-    remove_orphan_shards(run, referenced)     -> shards removed (those no manifest row points into)
+    remove_orphan_shards(run, referenced, attempt, stop)
+                                              -> shards removed (those no manifest row points into)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
+import posixpath
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -41,9 +44,10 @@ SHARD_ALIGN = 64
 _COPY_BLOCK = 8 << 20
 
 
-def new_shard_path() -> str:
-    """A fresh shard name, relative to the output root: never one a committed row can point at."""
-    return f"{SHARD_DIR}/{time.strftime('%Y%m%d', time.gmtime())}/{uuid.uuid4().hex}{SHARD_SUFFIX}"
+def new_shard_path(attempt: str) -> str:
+    """A fresh shard name for the job attempt `attempt`, relative to the output root: never one a committed row can
+    point at."""
+    return f"{SHARD_DIR}/{attempt}/{uuid.uuid4().hex}{SHARD_SUFFIX}"
 
 
 def shard_spans(sizes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
@@ -89,16 +93,28 @@ def write_shard(fs, path: str, files: Sequence[str], *, attempts: int = 1, backo
     return spans
 
 
-def remove_orphan_shards(run, referenced: Iterable[str]) -> int:
+def remove_orphan_shards(run, referenced: Iterable[str], attempt: str, stop: threading.Event | None = None) -> int:
     """Remove the shards under `run`'s SHARD_DIR that no manifest row points into (`referenced`: the paths of every
-    row, relative to the root). Only under the writer lease (no job writing meanwhile). Returns how many."""
+    row, relative to the root), and temp files of shard writes that died, written by attempt `attempt` or earlier
+    ones. Only under the writer lease: stops as soon as `stop` is set (the lease was lost). Returns how many."""
     keep = set(referenced)
     removed = 0
-    for day in run.list(SHARD_DIR):
-        for name in run.list(f"{SHARD_DIR}/{day}"):
-            rel = f"{SHARD_DIR}/{day}/{name}"
-            if not name.endswith(SHARD_SUFFIX) or rel in keep:
+    for folder in run.list(SHARD_DIR):
+        if folder > attempt:  # a later job's (it took the lease over): never ours to judge
+            continue
+        run.fs.invalidate_cache(run.path(f"{SHARD_DIR}/{folder}"))
+        try:  # dot-names too: the temp file of a local write that died
+            names = [posixpath.basename(p.rstrip("/")) for p in run.fs.ls(run.path(f"{SHARD_DIR}/{folder}"),
+                                                                            detail=False)]
+        except FileNotFoundError:
+            continue
+        for name in names:
+            rel = f"{SHARD_DIR}/{folder}/{name}"
+            if SHARD_SUFFIX not in name or rel in keep:
                 continue
+            if stop is not None and stop.is_set():
+                logger.warning("stopped removing orphan shards of %s: the writer lease was lost", run.url)
+                return removed
             try:
                 run.fs.rm(run.path(rel))
                 removed += 1

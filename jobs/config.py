@@ -87,7 +87,8 @@ class JobConfig(EngineOptions):
     object stores; every hsx reader reads a sample by range)."""
     shard_mb: float = 256.0
     """--layout sharded: a shard's size in MiB. A shard is one unit of work's samples, so this sets the unit of work
-    (--tokens-per-task is not used): a worker that dies redoes at most its shard."""
+    (--tokens-per-task is not used): a worker that dies redoes at most its shard. Sized by the prompts' tokens: with
+    --include-output-tokens a shard also holds the generated tokens' states, up to --max-tokens a sample more."""
 
     # -- bookkeeping -----------------------------------------------------------------------------------------------
     retry_failed: bool = False

@@ -180,7 +180,8 @@ def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     return gpus, per_worker
 
 
-def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float = 1.0):
+def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float = 1.0,
+                  attempt: str = ""):
     """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA)."""
     import ray.data
 
@@ -195,7 +196,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
-        on_nonfinite=c.on_nonfinite, layout=c.layout)
+        on_nonfinite=c.on_nonfinite, layout=c.layout, attempt=attempt or plan.attempt or new_attempt_id())
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
@@ -291,7 +292,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
             registry = start_registry(plan.done, config.registry_shards)
             try:
                 with _data_context(tokens_per_unit(config, plan.spec)):
-                    ds = build_dataset(plan, registry, gpus, cpus)
+                    ds = build_dataset(plan, registry, gpus, cpus, attempt)
                     try:
                         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                             if lease_lost.is_set():
@@ -335,7 +336,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
         if config.compact and not lease_lost.is_set():
             _compact(plan.output)
         if not lease_lost.is_set():
-            _remove_orphan_shards(plan.output)
+            _remove_orphan_shards(plan.output, attempt, lease_lost)
     finally:
         progress.close()
         counter.shutdown(wait=False, cancel_futures=True)
@@ -347,16 +348,16 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     return result
 
 
-def _remove_orphan_shards(output) -> None:
+def _remove_orphan_shards(output, attempt: str, lease_lost: threading.Event) -> None:
     """Remove the shards no manifest row points into (a worker died after writing one, before its rows were
     committed): at the end of a job, under its lease. A failure leaves them; no reader counts them."""
     from connectors.run import referenced_paths
     from connectors.shards import SHARD_DIR, remove_orphan_shards
 
-    if not output.list(SHARD_DIR):
-        return
     try:
-        removed = remove_orphan_shards(output, referenced_paths(output, f"{SHARD_DIR}/"))
+        if not output.list(SHARD_DIR):
+            return
+        removed = remove_orphan_shards(output, referenced_paths(output, f"{SHARD_DIR}/"), attempt, lease_lost)
     except (OSError, ValueError) as e:
         logger.warning("could not remove orphan shards of %s (no reader counts them): %s", output.url, e)
         return

@@ -29,7 +29,7 @@ IDENTITY = {
     "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype", "target": "--target",
     "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
-    "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field",
+    "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field", "storage_layout": "--layout",
 }
 
 
@@ -71,6 +71,7 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
         include_output_tokens=config.include_output_tokens, sampling=sampling, id_field=config.id_field,
+        storage_layout=config.layout,
         corpus=tuple(f.url for f in files), corpus_fingerprint=corpus_fingerprint(files, sizes),
         versions=_versions(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 

@@ -40,6 +40,7 @@ from connectors.outputs import check_output_file, write_output_file
 from connectors.run import (
     INVALID,
     RunDir,
+    RunFormatError,
     RunSpec,
     committed_rows,
     new_attempt_id,
@@ -207,8 +208,11 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
         return f"path: {problem}"
     url = run.url_of(row["path"])
     try:
-        info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0,
-                                    byte_range=_range(row))
+        where = _range(row)
+    except RunFormatError as e:
+        return f"damaged: {e}"
+    try:
+        info = verify_hidden_states(url, storage_options=run.storage_options, wait_timeout=0, byte_range=where)
     except FileNotFoundError:
         return "missing: the file is gone"
     except HiddenStatesFileError as e:

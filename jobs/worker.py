@@ -61,6 +61,8 @@ class WorkerSettings:
     "skipped" one (final: no resume extracts it again)."""
     layout: str = "files"
     """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards)."""
+    attempt: str = ""
+    """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
 
 
 class ExtractionWorker:
@@ -70,7 +72,7 @@ class ExtractionWorker:
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         # where the connector writes: the output, or (sharded) a local folder the batch's shard is made from
-        self._staging = tempfile.mkdtemp(prefix="hsx-shard-") if settings.layout == "sharded" else None
+        self._staging = _staging_folder() if settings.layout == "sharded" else None
         self.files = self.output if self._staging is None else RunDir(self._staging)
         self.llm = None
         self._loader = named_thread_pool(1, "hsx-load")
@@ -153,8 +155,8 @@ class ExtractionWorker:
             return results if self._staging is None else self._write_shard(results)
         finally:
             if self._staging is not None:  # the batch's local files: in its shard now, or failed
-                for entry in os.listdir(self._staging):
-                    shutil.rmtree(os.path.join(self._staging, entry), ignore_errors=True)
+                shutil.rmtree(self._staging, ignore_errors=True)
+                os.makedirs(self._staging, exist_ok=True)
 
     def _write_shard(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The batch's good files as one shard of the output; their rows then point into it (failed if it cannot
@@ -164,7 +166,7 @@ class ExtractionWorker:
         good = [r for r in results if r["status"] == OK]
         if not good:
             return results
-        rel, cfg = new_shard_path(), self.settings.connector
+        rel, cfg = new_shard_path(self.settings.attempt), self.settings.connector
         try:
             spans = write_shard(self.output.fs, self.output.path(rel), [self.files.path(r["path"]) for r in good],
                                 attempts=cfg.max_write_attempts, backoff_s=cfg.write_retry_backoff_s,
@@ -223,6 +225,30 @@ class ExtractionWorker:
         staging = getattr(self, "_staging", None)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+STAGING_PREFIX = "hsx-shard-"
+
+
+def _staging_folder() -> str:
+    """A fresh local folder for a sharded worker's files (named by its pid), after removing those of workers on this
+    machine whose process is gone (killed: no teardown ran)."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if name.startswith(STAGING_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _failed(row: dict[str, Any], error: str, status: str = FAILED, retry: bool = True) -> dict[str, Any]:

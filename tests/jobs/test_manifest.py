@@ -36,7 +36,7 @@ def _rows(*rows, retry: bool | None = None):
         for k, v in dict(sample_id=sid, status=status, path=data_path(sid) if ok else None, num_tokens=10 if ok else 0,
                          num_prompt_tokens=10, bytes=100 if ok else 0, error=None if ok else f"x.jsonl:3: bad {sid}",
                          source="x.jsonl:3", truncated=False, checksum=None,
-                         retry=None if ok else retry).items():
+                         retry=None if ok else retry, offset=None).items():
             cols[k].append(v)
     return pa.Table.from_pydict(cols, schema=RESULT_SCHEMA)
 

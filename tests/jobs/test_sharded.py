@@ -8,6 +8,7 @@ HiddenStatesDataset — and `hsx verify` must tell a damaged sample of a shard f
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from connectors.run import RunDir, ok_rows, read_manifest
 from connectors.shards import SHARD_ALIGN, SHARD_DIR, SHARD_SUFFIX
 from jobs.config import JobConfig
 from jobs.pipeline import run_job
+from jobs.runinfo import RunMismatch
 from tests.jobs.conftest import word_corpus
 from tests.jobs.test_job import assert_exactly_once
 from training.dataset import HiddenStatesDataset
@@ -115,6 +117,8 @@ def test_verify_marks_the_damaged_sample_of_a_shard_and_a_rerun_replaces_it_and_
     output = str(tmp_path / "sharded")
     config = _job(tiny_llama, corpus, output, layout="sharded", shard_mb=SHARD_MB)
     assert run_job(config).ok == len(ids)
+    run_json = json.load(open(os.path.join(output, "run.json")))  # older hsx refuse version 3: shards are not files
+    assert (run_json["format_version"], run_json["storage_layout"]) == ("3", "sharded")
     assert main(["verify", output]) == EXIT_OK
     rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
     victim = rows["k0007"]
@@ -142,7 +146,11 @@ def test_verify_marks_the_damaged_sample_of_a_shard_and_a_rerun_replaces_it_and_
     assert sum(r["path"] == victim["path"] for r in committed.values()) >= 1
 
 
-def test_layout_flags_are_checked(tiny_llama, tmp_path):
+def test_layout_flags_are_checked_and_a_run_keeps_its_layout(by_file, tiny_llama, tmp_path):
+    files_corpus, _, files_run = by_file
+    with pytest.raises(RunMismatch, match="storage_layout: run has 'files', this job has 'sharded' \\(--layout\\)"):
+        run_job(_job(tiny_llama, files_corpus, files_run, layout="sharded"))
+    assert json.load(open(os.path.join(files_run, "run.json")))["format_version"] == "2"
     corpus, _ = word_corpus(tmp_path, 2)
     with pytest.raises(ValueError, match="--layout 'shards' is not a layout; use files"):
         _job(tiny_llama, corpus, str(tmp_path / "o"), layout="shards")
