@@ -133,11 +133,16 @@ def full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if is_local(fs) else fs.unstrip_protocol(path)
 
 
+_MISSING_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"})
+"""botocore's and google-auth's errors for credentials that are not there: no retry brings them (by name, so that
+neither library is imported here)."""
+
+
 def _is_transient(e: BaseException) -> bool:
-    """Errors worth retrying: I/O and network failures, not bad arguments or missing permissions."""
+    """Errors worth retrying: I/O and network failures, not bad arguments, missing permissions or credentials."""
     permanent = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
                  ValueError, TypeError, KeyError, MemoryError)
-    if isinstance(e, permanent):
+    if isinstance(e, permanent) or any(c.__name__ in _MISSING_CREDENTIALS for c in type(e).__mro__):
         return False
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
         return False

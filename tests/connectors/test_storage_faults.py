@@ -176,3 +176,22 @@ def test_an_outage_shorter_than_write_retry_s_costs_time_not_the_request(s3_buck
     assert bool((got["hidden_states"] == 5.0).all())
     failures, seconds, _ = outcomes["by-attempts"]
     assert list(failures) == ["during"] and seconds < 3.0
+
+
+def test_missing_credentials_fail_the_write_at_once_not_after_write_retry_s(s3_bucket, connector_factory,
+                                                                           monkeypatch, tmp_path):
+    """No credentials anywhere (a worker without the driver's environment): no retry brings them, so a write with
+    write_retry_s = 60 fails at once with botocore's reason, rather than waiting out the minute."""
+    url, options = s3_bucket
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup either
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    connector = connector_factory(f"{url}/no-credentials", make_spec(), write_retry_s=60.0, write_retry_backoff_s=0.05,
+                                  storage_options=fast_failing(options["client_kwargs"]["endpoint_url"]))
+    started = time.monotonic()
+    save(connector, "uncredentialed", 1.0)
+    failures = connector.wait_for_save()
+    assert list(failures) == ["uncredentialed"] and time.monotonic() - started < 20
+    assert "credentials" in str(failures["uncredentialed"]).lower()
