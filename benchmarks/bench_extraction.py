@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layer ids for (b), comma-separated (default: EAGLE-3's [2, N/2, N-3, N])")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per forward")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per approach; medians are reported")
+    p.add_argument("--storage-dtype", default="", help="how hsx's files store the states (the connector's "
+                   "storage_dtype: model, bfloat16, fp8, ...); e.g. fp8 halves the bytes a host-bound run writes")
     p.add_argument("--slices", type=int, default=None,
                    help="interleave approaches on this many slices of the corpus per pass (default: 4 on CPU, "
                         "1 on CUDA); each slice is one generate call")
@@ -436,7 +438,8 @@ def memory_worker(job: dict) -> None:
 # -- report -----------------------------------------------------------------------------------------------------------
 def markdown(r: dict) -> str:
     m = r["machine"]
-    lines = [f"## hsx extraction benchmark — {r['config']['shape']}, {r['config']['dtype']}, {r['config']['device']}",
+    lines = [f"## hsx extraction benchmark — {r['config']['shape']}, {r['config']['dtype']}, {r['config']['device']}"
+             f", files in {r['config'].get('storage_dtype', 'model')} dtype",
              "",
              f"Machine: {m.get('gpu') or m['cpu_model']}; {m['cpu_affinity']} CPU cores usable, torch threads "
              f"{m['torch_threads']}; torch {m['torch']}, transformers {m['transformers']}; load average "
@@ -534,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     args.layers_resolved = layer_ids
     llm = make_llm(args, layer_ids, os.path.join(scratch, "b"))
     corpus = make_corpus(llm.tokenizer, args.num_samples, args.min_len, args.max_len, args.seed)
-    results = {"config": {"shape": args.shape, "dtype": args.dtype, "device": args.device, "attn": args.attn,
+    results = {"config": {"shape": args.shape, "dtype": args.dtype, "storage_dtype": args.storage_dtype or "model",
+                          "device": args.device, "attn": args.attn,
                           "num_hidden_layers": n, "hidden_size": config["hidden_size"],
                           "vocab_size": config["vocab_size"], "layers": layer_ids, "early_exit_layers": early_ids,
                           "min_len": args.min_len, "max_len": args.max_len, "repeats": args.repeats,

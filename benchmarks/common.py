@@ -133,8 +133,9 @@ def speculative_config(layer_ids) -> dict:
 
 
 def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
+    extra = {"shared_storage_path": out_dir, "storage_dtype": getattr(args, "storage_dtype", "") or ""}
     return LLM(model=args.model_dir, speculative_config=speculative_config(layer_ids),
-               kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": out_dir}),
+               kv_transfer_config=KVTransferConfig(kv_connector_extra_config=extra),
                dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                attn_implementation=args.attn)
 

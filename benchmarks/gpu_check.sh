@@ -14,6 +14,10 @@
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
+# Then, if the lease has time (a second command): early exit with fp8 files, whether it is bound by the host's writes
+#   python3 benchmarks/bench_extraction.py --device cuda --model-dir /tmp/hsx-gpu/model --out /tmp/fp8 \
+#       --sections extraction,early_exit --storage-dtype fp8 --num-samples 128 --repeats 2
+#
 # Needs python3 with CUDA torch, transformers, safetensors, fsspec, pyarrow, numpy, tqdm, pyyaml and pytest, and
 # tenacity. On a machine that cannot reach a package index, carry tenacity as a wheel in .whl/ (it is pure Python):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl tenacity
