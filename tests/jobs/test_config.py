@@ -55,7 +55,8 @@ def test_job_file_loads_the_same_config_and_flags_override_it(tmp_path):
 
 def test_config_round_trips_through_argv():
     cfg = JobConfig(model="m", corpus=("a", "b"), output="s3://b/run", layers=(2, 4), workers=2, max_workers=8, max_tokens=3,
-                    include_output_tokens=True, progress=False, storage_options={"k": {"v": 1}}, overlength="skip")
+                    include_output_tokens=True, progress=False, storage_options={"k": {"v": 1}}, overlength="skip",
+                    layout="sharded", shard_mb=0.5)
     assert _parse(*config_to_argv(cfg)) == cfg
 
 
@@ -64,6 +65,8 @@ def test_config_round_trips_through_argv():
     (["--workers", "0"], "--workers"),
     (["--workers", "4", "--max-workers", "2"], "--max-workers"),
     (["--storage-retry-seconds", "0"], "--storage-retry-seconds"),
+    (["--layout", "shards"], "--layout"),
+    (["--layout", "sharded", "--shard-mb", "0"], "--shard-mb"),
     (["--include-output-tokens"], "--include-output-tokens"),
     (["--storage-options", "{not json"], "--storage-options"),
     (["--max-model-len", "8", "--max-tokens", "8"], "--max-tokens"),

@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import safetensors.torch
 import torch
 
 from cli.args import EXIT_FAILED, EXIT_OK
@@ -25,6 +26,7 @@ from jobs.runinfo import RunMismatch
 from tests.jobs.conftest import word_corpus
 from tests.jobs.test_job import assert_exactly_once
 from training.dataset import HiddenStatesDataset
+from training.export import export_run
 
 pytestmark = [pytest.mark.ray]
 
@@ -119,6 +121,14 @@ def test_verify_marks_the_damaged_sample_of_a_shard_and_a_rerun_replaces_it_and_
     assert run_job(config).ok == len(ids)
     run_json = json.load(open(os.path.join(output, "run.json")))  # older hsx refuse version 3: shards are not files
     assert (run_json["format_version"], run_json["storage_layout"]) == ("3", "sharded")
+    # an export reads each sample by its range: speculators' layout, one file per sample in dataset (id) order
+    dest = str(tmp_path / "speculators")
+    assert export_run(output, dest, "speculators").written == len(ids)
+    for i, row in enumerate(ok_rows(output).to_pylist()):
+        exported = safetensors.torch.load_file(os.path.join(dest, "hidden_states", f"hs_{i}.safetensors"))
+        stored = load_hidden_states(os.path.join(output, row["path"]), byte_range=(row["offset"], row["bytes"]))
+        assert torch.equal(exported["hidden_states"], stored["hidden_states"])
+        assert torch.equal(exported["token_ids"], stored["token_ids"])
     assert main(["verify", output]) == EXIT_OK
     rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
     victim = rows["k0007"]
