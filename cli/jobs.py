@@ -144,7 +144,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
           + (f" ({s.failed_for_good} failed the same way every time: re-runs skip them; fix the records, then "
              "--retry-failed)" if s.failed_for_good else "")
           + (f", {s.truncated} truncated" if s.truncated else ""))
-    print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {s.ok} files")
+    where = f"{s.shards} shards (--layout sharded)" if s.shards else f"{s.ok} files"
+    print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)} in {where}")
     print(f"manifest: {s.rows} rows in {s.parts} parts from {s.attempts} attempts")
     if s.invalid:
         print(f"invalid:  {s.invalid} samples whose files hsx verify found bad; re-run the job to re-extract them")

@@ -108,6 +108,8 @@ class Summary:
     truncated: int = 0
     tokens: int = 0
     bytes: int = 0
+    shards: int = 0
+    """Shard objects the committed samples lie in (--layout sharded); 0 when each has a file of its own."""
     parts: int = 0
     attempts: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)
@@ -128,6 +130,9 @@ def summarize(run: RunDir, max_errors: int = 10) -> Summary:
     s.ok = ok.num_rows
     s.tokens = int(pc.sum(ok["num_tokens"]).as_py() or 0)
     s.bytes = int(pc.sum(ok["bytes"]).as_py() or 0)
+    if "offset" in ok.column_names:
+        in_shards = ok.filter(pc.is_valid(ok["offset"]))["path"]
+        s.shards = len(pc.unique(in_shards)) if len(in_shards) else 0
     s.truncated = int(pc.sum(pc.cast(ok["truncated"], pa.int64())).as_py() or 0)
     # "ok" rows beyond one per sample and per re-extraction after an "invalid" row: 0 unless exactly-once broke
     counts = table.group_by(["sample_id", "status"], use_threads=False).aggregate([("status", "count")]).to_pylist()

@@ -130,6 +130,10 @@ def test_verify_marks_the_damaged_sample_of_a_shard_and_a_rerun_replaces_it_and_
         assert torch.equal(exported["hidden_states"], stored["hidden_states"])
         assert torch.equal(exported["token_ids"], stored["token_ids"])
     assert main(["verify", output]) == EXIT_OK
+    capsys.readouterr()
+    main(["status", output])
+    shards = len({r["path"] for r in ok_rows(output).to_pylist()})
+    assert f"in {shards} shards (--layout sharded)" in capsys.readouterr().out
     rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
     victim = rows["k0007"]
     shard = os.path.join(output, victim["path"])
