@@ -14,6 +14,7 @@ order). Files written by vLLM have the two tensors and no metadata; they load al
     HiddenStatesSpec                  what every file of one producer shares (its `__metadata__`)
     HiddenStatesFileError             the one error for a file hsx refuses: malformed header, damaged data, ...
     encode_header / file_size         the bytes before the data, and a file's exact size, before writing it
+    data_bytes                        the tensors' data alone (a file's size less its header)
     file_entries / extra_row_entries  the tensors of a spec's files; the per-token ones beyond the states
     parse_header / read_header        a header, checked against the file's real size before any data is read
     data_hasher / check_checksum      the data checksum, written by `connectors.storage`, verified by readers
@@ -460,8 +461,12 @@ def file_size(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata:
     Exact for the file `connectors.safetensors_file.write_atomic` makes of `metadata` when that holds the checksum key (as
     `request_metadata` does, with CHECKSUM_PLACEHOLDER): the writer replaces the value with one of the same length.
     """
-    return len(encode_header(tensors, metadata)) + sum(dtype.itemsize * math.prod(shape)
-                                                       for dtype, shape in tensors.values())
+    return len(encode_header(tensors, metadata)) + data_bytes(tensors)
+
+
+def data_bytes(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    """Bytes of the tensors' data alone (name -> (dtype, shape)), without the header."""
+    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in tensors.values())
 
 
 def parse_header(path: str, probe: bytes, total_size: int) -> tuple[HiddenStatesFileInfo, int]:

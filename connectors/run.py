@@ -54,9 +54,9 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -75,6 +75,7 @@ from connectors.format import (
 from connectors.paths import FILE_SUFFIX, id_digest
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 RUN_JSON = "run.json"
 DATA_DIR = "data"
@@ -501,26 +502,34 @@ def read_manifest(run: RunDir | str, columns: Sequence[str] | None = None, *,
     being read makes the read start over from a fresh listing, so a reader never sees a gap or a duplicate."""
     run = as_run_dir(run, storage_options)
     schema = MANIFEST_SCHEMA if columns is None else pa.schema([MANIFEST_SCHEMA.field(c) for c in columns])
-    for attempt in range(_MANIFEST_READ_TRIES):
+
+    def read() -> pa.Table:
         parts = live_manifest_parts(run)
         if not parts:
             return schema.empty_table()
-        try:
-            if len(parts) == 1:
-                tables = [_read_part(run, parts[0], schema)]
-            else:  # many small parts on an object store: fetch them concurrently
-                with concurrent.futures.ThreadPoolExecutor(min(16, len(parts)),
-                                                           thread_name_prefix="hsx-manifest") as pool:
-                    tables = list(pool.map(lambda name: _read_part(run, name, schema), parts))
-            return pa.concat_tables(tables)
-        except _PartGone:
-            if attempt == _MANIFEST_READ_TRIES - 1:
-                raise
-            logger.debug("a manifest part of %s went away while being read (a compaction); reading again", run.url)
-    raise AssertionError("unreachable")
+        if len(parts) == 1:
+            return _read_part(run, parts[0], schema)
+        # many small parts on an object store: fetch them concurrently
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(parts)), thread_name_prefix="hsx-manifest") as pool:
+            return pa.concat_tables(list(pool.map(lambda name: _read_part(run, name, schema), parts)))
+
+    return _again_if_compacted(run, read)
 
 
 _MANIFEST_READ_TRIES = 5
+
+
+def _again_if_compacted(run: RunDir, read: Callable[[], _T]) -> _T:
+    """`read()`, started over (up to _MANIFEST_READ_TRIES times) when a part or record it listed went away under it
+    (a compaction replaced it): what every manifest reader does so that it never sees a gap or a duplicate."""
+    for attempt in range(_MANIFEST_READ_TRIES):
+        try:
+            return read()
+        except _PartGone:
+            if attempt == _MANIFEST_READ_TRIES - 1:
+                raise
+            logger.debug("the manifest of %s changed while being read (a compaction); reading again", run.url)
+    raise AssertionError("unreachable")
 
 
 def referenced_paths(run: RunDir | str, prefix: str, *, storage_options: dict | None = None) -> set[str]:
@@ -528,17 +537,15 @@ def referenced_paths(run: RunDir | str, prefix: str, *, storage_options: dict | 
     grows with the distinct paths (a run's shards), not with its rows."""
     run = as_run_dir(run, storage_options)
     schema = pa.schema([MANIFEST_SCHEMA.field("path")])
-    for attempt in range(_MANIFEST_READ_TRIES):
+
+    def read() -> set[str]:
         found: set[str] = set()
-        try:
-            for name in live_manifest_parts(run):
-                paths = pc.unique(_read_part(run, name, schema)["path"].drop_null())
-                found.update(p for p in paths.to_pylist() if p.startswith(prefix))
-            return found
-        except _PartGone:
-            if attempt == _MANIFEST_READ_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+        for name in live_manifest_parts(run):
+            paths = pc.unique(_read_part(run, name, schema)["path"].drop_null())
+            found.update(p for p in paths.to_pylist() if p.startswith(prefix))
+        return found
+
+    return _again_if_compacted(run, read)
 
 
 class _PartGone(RunFormatError):
@@ -603,13 +610,7 @@ def live_manifest_parts(run: RunDir | str, *, storage_options: dict | None = Non
     """The part files whose rows make the manifest, in commit order (by name): every part, less those a compaction
     record supersedes and the parts of a compaction that has no record (it did not finish)."""
     run = as_run_dir(run, storage_options)
-    for attempt in range(_MANIFEST_READ_TRIES):
-        try:
-            return _live_parts(run)
-        except _PartGone:  # a record removed by a later compaction after the listing: list again
-            if attempt == _MANIFEST_READ_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    return _again_if_compacted(run, lambda: _live_parts(run))  # a record removed after the listing: list again
 
 
 def _live_parts(run: RunDir) -> list[str]:

@@ -130,9 +130,7 @@ def summarize(run: RunDir, max_errors: int = 10) -> Summary:
     s.ok = ok.num_rows
     s.tokens = int(pc.sum(ok["num_tokens"]).as_py() or 0)
     s.bytes = int(pc.sum(ok["bytes"]).as_py() or 0)
-    if "offset" in ok.column_names:
-        in_shards = ok.filter(pc.is_valid(ok["offset"]))["path"]
-        s.shards = len(pc.unique(in_shards)) if len(in_shards) else 0
+    s.shards = len(pc.unique(ok.filter(pc.is_valid(ok["offset"]))["path"]))
     s.truncated = int(pc.sum(pc.cast(ok["truncated"], pa.int64())).as_py() or 0)
     # "ok" rows beyond one per sample and per re-extraction after an "invalid" row: 0 unless exactly-once broke
     counts = table.group_by(["sample_id", "status"], use_threads=False).aggregate([("status", "count")]).to_pylist()

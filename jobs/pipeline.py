@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -180,9 +179,9 @@ def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     return gpus, per_worker
 
 
-def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float = 1.0,
-                  attempt: str = ""):
-    """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA)."""
+def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str):
+    """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA); `attempt` names the
+    shards its workers write (--layout sharded)."""
     import ray.data
 
     c, f = plan.config, plan.facts
@@ -196,7 +195,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
-        on_nonfinite=c.on_nonfinite, layout=c.layout, attempt=attempt or plan.attempt or new_attempt_id())
+        on_nonfinite=c.on_nonfinite, layout=c.layout, attempt=attempt)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,
@@ -216,10 +215,9 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
     (a shard is one unit's samples), from the bytes a token takes in the run's files."""
     if config.layout != "sharded":
         return config.tokens_per_task
-    from connectors.format import file_entries
+    from connectors.format import data_bytes, file_entries
 
-    per_token = sum(dtype.itemsize * math.prod(shape) for dtype, shape in
-                    file_entries(spec.file_spec(), 1, loss_mask=True).values())
+    per_token = data_bytes(file_entries(spec.file_spec(), 1, loss_mask=True))
     return max(1, int(config.shard_mb * 2**20 / per_token))
 
 
