@@ -26,18 +26,20 @@ def register(sub) -> None:
 
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
         from connectors.lease import LeaseLost
-        from training.trainer import TrainingStopped, train_drafter
+        from jobs.train import ReplicasFailed, train_drafter
+        from training.trainer import TrainingStopped
 
         config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig)
         try:
             r = train_drafter(config)
-        except (TrainingStopped, LeaseLost) as e:  # bad data or a diverged training: it failed, nothing bad saved
+        except (TrainingStopped, LeaseLost, ReplicasFailed) as e:  # bad data, a diverged training, dead replicas
             print(f"hsx train-drafter: {e}", file=sys.stderr)
             return EXIT_FAILED
         except (ValueError, FileNotFoundError) as e:
             raise UsageError(str(e)) from e
         acc = "/".join(f"{a:.3f}" for a in r["accuracy_per_position"])
-        print(f"trained {r['kind']} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "
+        on = f" on {r['workers']} replicas" if config.distributed() else ""
+        print(f"trained {r['kind']}{on} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "
               f"{r['final_loss']:.4f}, accuracy per position {acc}, simulated acceptance length "
               f"{r['simulated_acceptance_length']:.3f}; drafter in {r['out']}, report {r['out']}/report.json")
         return EXIT_OK
@@ -47,7 +49,8 @@ def register(sub) -> None:
                 help="train a drafter (EAGLE-3, Medusa, MLPSpeculator or any registered family) on a run",
                 description="Train a drafter on an extraction run (OUTPUT) against its target model; writes the "
                             "checkpoint serving engines load (speculative_config method = --kind) and report.json to "
-                            "--out. Re-running the same command resumes from --out/checkpoint.")
+                            "--out. Re-running the same command resumes from --out/checkpoint. --workers N trains N "
+                            "data-parallel replicas on Ray (a private local Ray, or --address).")
 
     from training.evaluate import EvalDrafterConfig  # hsx eval-drafter: AL and tokens/s per method
 

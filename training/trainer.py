@@ -43,10 +43,11 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.pt"
 REPORT_NAME = "report.json"
+SAMPLE_LOG = "samples.jsonl"
 LR_SCHEDULES = ("constant", "cosine")
 RESUME_FIELDS = ("kind", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
                  "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options",
-                 "skip_bad_samples")
+                 "skip_bad_samples", "workers")
 """Settings a resumed training must share with the checkpoint's (besides the run's and the model's identity)."""
 LEGACY_MARKERS = (f"{CHECKPOINT_DIR}/{STATE_NAME}", REPORT_NAME)
 """Files that mark an --out as a training's output from before hsx wrote ownership markers."""
@@ -109,6 +110,19 @@ class TrainDrafterConfig:
     NaN/Inf states, and batches whose loss or gradient is not finite, instead of stopping at the first one."""
     break_lease: bool = False
     """Take --out over from another training that looks alive (only when that one is known to be gone)."""
+    workers: int = 1
+    """Data-parallel replicas on Ray Train (DDP: gloo on CPU, NCCL on GPU), each reading its share of every global
+    batch: the global batch is --workers x --batch-tokens. 1 (the default): this process alone."""
+    gpus_per_worker: float | None = None
+    """GPUs each replica takes with --workers N (default: 1 when the Ray cluster has GPUs, else 0: CPU and gloo)."""
+    address: str | None = None
+    """An existing Ray cluster to train on (ray://host:10001, host:6379, auto); default: $RAY_ADDRESS, else a private
+    local Ray. Implies training on Ray (with --workers replicas)."""
+    max_failures: int = 3
+    """With --workers N: times the replicas are restarted from the last checkpoint after one dies (0 = none)."""
+    log_sample_ids: bool = False
+    """Write OUT/samples.jsonl: per optimizer step its epoch, step and the ids of the samples trained on (a resumed
+    training's log holds each checkpointed step once)."""
 
     def __post_init__(self) -> None:
         for name in ("storage_options", "family_options"):
@@ -129,6 +143,14 @@ class TrainDrafterConfig:
         found = families().get(self.kind)
         if found is None:
             raise ValueError(f"--kind {self.kind!r} is not a drafter family; choose one of {sorted(families())}")
+        if self.workers < 1 or self.max_failures < 0:
+            raise ValueError(f"--workers must be >= 1 and --max-failures >= 0, got {self.workers} and "
+                             f"{self.max_failures}")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
+        if self.distributed() and self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r} with --workers {self.workers}: Ray gives each replica its "
+                             "device; use --gpus-per-worker (and --device auto, cpu or cuda)")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
         if self.steps is not None and self.steps < 1:
@@ -151,6 +173,10 @@ class TrainDrafterConfig:
             if name not in takes and getattr(self, name) is not None:
                 owners = sorted(n for n, f in families().items() if name in getattr(f, "options", ()))
                 raise ValueError(f"--{name.replace('_', '-')} applies to --kind {' / '.join(owners)} only")
+
+    def distributed(self) -> bool:
+        """Whether this training runs on Ray (jobs.train): --workers > 1 or an --address."""
+        return self.workers > 1 or bool(self.address)
 
     def drafter_options(self) -> dict[str, Any]:
         """Keyword options for the family's for_run (its config's fields)."""
@@ -254,23 +280,29 @@ def _committed_samples(config: TrainDrafterConfig) -> int | None:
         return None
 
 
+def open_dataset(config: TrainDrafterConfig):
+    """The run as the trainer reads it (raw layout, samples truncated to --batch-tokens, with their ids)."""
+    from training.dataset import HiddenStatesDataset
+
+    try:
+        return HiddenStatesDataset(config.run, layout="raw", storage_options=config.storage_options,
+                                   max_length=config.batch_tokens, include_sample_id=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
+
+
 def check_run(config: TrainDrafterConfig):
     """(dataset, target head) once the target folder, the run and the kind's needs are checked; ValueError naming
     the fix otherwise."""
     from drafters.base import TargetHead
     from drafters.registry import drafter_class
-    from training.dataset import HiddenStatesDataset
 
     cls = drafter_class(config.kind)
     hf = _target_config(config.model)
     if _committed_samples(config) == 0:
         raise ValueError(f"--run {config.run} has no extracted samples (its manifest holds no 'ok' rows); run the "
                          "extraction first (`hsx run`), or see why its samples failed with `hsx status`")
-    try:
-        ds = HiddenStatesDataset(config.run, layout="raw", storage_options=config.storage_options,
-                                 max_length=config.batch_tokens, include_sample_id=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
+    ds = open_dataset(config)
     spec = ds.run_info
     if len(ds) == 0 or int(ds.num_tokens.sum()) == 0:
         raise ValueError(f"--run {config.run} has no extracted samples (its manifest holds no 'ok' rows); run the "
@@ -313,28 +345,6 @@ def check_run(config: TrainDrafterConfig):
 
 
 # -- batches ------------------------------------------------------------------------------------------------------
-
-
-def epoch_batches(num_tokens, seed: int, epoch: int, batch_tokens: int) -> list[list[int]]:
-    """The epoch's batches: ShardSampler's order (seed, epoch), consecutive samples while they fit batch_tokens."""
-    from training.sampler import ShardSampler
-
-    sampler = ShardSampler(len(num_tokens), num_replicas=1, rank=0, shuffle=True, seed=seed)
-    sampler.set_epoch(epoch)
-    batches: list[list[int]] = []
-    current, used = [], 0
-    for i in sampler:
-        n = min(int(num_tokens[i]), batch_tokens)
-        if n == 0:
-            continue
-        if current and used + n > batch_tokens:
-            batches.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _device(name: str) -> torch.device:
@@ -423,6 +433,7 @@ def load_checkpoint(folder: str, config: TrainDrafterConfig, identity: dict[str,
     except Exception as e:  # a damaged file: the user decides, nothing is overwritten
         raise ValueError(f"{path} cannot be read ({e}); delete it to start over") from e
     theirs, ours = state.get("resume_key", {}), config.resume_key()
+    theirs = {"workers": 1, **theirs}  # checkpoints from before --workers trained in one process
     diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
     if diff:
         listed = "; ".join(f"{k}: {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in diff.items())
@@ -558,14 +569,39 @@ class _Window:
 
 
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
-    """Train `config.kind` on `config.run`; the report (see the module docstring), also in OUT/report.json.
+    """Train `config.kind` on `config.run` in this process; the report (see the module docstring), also in
+    OUT/report.json. `--workers N` (data-parallel replicas on Ray Train) is jobs.train.train_drafter's.
 
     Before any work: --out is checked (connectors.outputs: never the model, the run, inside either, or another
     folder holding one; writable), then the run. Then --out is taken (one writer); a training refused or stopped
     before its first checkpoint leaves no --out behind."""
     import torch
 
+    if config.distributed():
+        raise ValueError(f"--workers {config.workers} / --address train on Ray: call jobs.train.train_drafter (what "
+                         "`hsx train-drafter` does), not training.trainer.train_drafter")
+    from training.replicas import OneProcess
+
     started = time.monotonic()
+    out, ds, target, identity, drafter = prepare_training(config)
+    device, dtype = _device(config.device), getattr(torch, config.dtype)
+    with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
+        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+        feed = CheckedFeed(ds, skip=config.skip_bad_samples)
+        if state is None:
+            drafter.prepare(feed)
+        checkpoints = Checkpoints(config, out.check_lease, state)
+        final = train_loop(config, feed, target, drafter, state, identity, device, dtype, OneProcess(),
+                           checkpoints.save, progress=config.progress)
+        return finish(config, out, drafter, final, ds, identity, started,
+                      resumed_from=state["step"] if state is not None else None)
+
+
+def prepare_training(config: TrainDrafterConfig):
+    """(output folder, dataset, target head, run identity, untrained drafter) once --out and the run are checked;
+    the drafter is initialised from `config.seed` (not yet `prepare`d on the data)."""
+    import torch
+
     out = config.output_folder()
     out.check()
     ds, target = check_run(config)
@@ -573,7 +609,6 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     from drafters.registry import drafter_class
 
     cls = drafter_class(config.kind)
-    device, dtype = _device(config.device), getattr(torch, config.dtype)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     try:
@@ -581,30 +616,74 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     except TypeError as e:  # an option the family's config does not have
         raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
                          ) from e
-    with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
-        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
-        return _train(config, out, ds, target, drafter, state, identity, device, dtype, started)
+    return out, ds, target, identity, drafter
 
 
-def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity, device, dtype, started: float
-           ) -> dict[str, Any]:
-    import fsspec
+class SampleLog:
+    """OUT/samples.jsonl (--log-sample-ids): one line per optimizer step, {"epoch", "step", "loss", "ids"} (the
+    global batch's loss and the samples it trained on, all replicas'). Appended at each checkpoint before the state that records its length; a resumed
+    training cuts it back to that length, so every line belongs to a step the checkpoint holds, once."""
+
+    def __init__(self, out: str) -> None:
+        self.path = os.path.join(out, SAMPLE_LOG)
+
+    def resume(self, nbytes: int) -> None:
+        if os.path.exists(self.path) and os.path.getsize(self.path) != nbytes:
+            with open(self.path, "r+b") as f:
+                f.truncate(nbytes)
+
+    def append(self, lines: list[dict[str, Any]]) -> int:
+        with open(self.path, "ab") as f:
+            f.write(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+
+
+class Checkpoints:
+    """Where replica 0 saves the training's state: OUT/checkpoint/ (save_checkpoint: atomic, durable) and, with
+    --log-sample-ids, OUT/samples.jsonl; `check_lease` is called first (LeaseLost: another writer took --out)."""
+
+    def __init__(self, config: TrainDrafterConfig, check_lease, resumed: dict[str, Any] | None) -> None:
+        self.folder = os.path.join(config.out, CHECKPOINT_DIR)
+        self.check_lease = check_lease
+        self.log = SampleLog(config.out) if config.log_sample_ids else None
+        if self.log is not None:
+            self.log.resume((resumed or {}).get("sample_log_bytes", 0))
+
+    def save(self, state: dict[str, Any], logged: list[dict[str, Any]]) -> None:
+        self.check_lease()
+        if self.log is not None:
+            state["sample_log_bytes"] = self.log.append(logged)
+        save_checkpoint(self.folder, state)
+
+
+# -- the loop -----------------------------------------------------------------------------------------------------
+
+
+def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, state: dict[str, Any] | None,
+               identity: dict[str, Any], device, dtype, replica, save, *, progress: bool = False) -> dict[str, Any]:
+    """The optimizer steps of one replica (`replica`: training.replicas.OneProcess or TorchDistributed) from
+    `state` (a checkpoint; None: the `drafter` as initialised and prepared) to the last step; every replica runs it
+    in lockstep and replica 0 calls save(state, logged steps) at each checkpoint and at the end. The final state.
+
+    Per step every replica learns (one gather) what the others hold: bad samples (the same stop or skip everywhere),
+    states that overflow --dtype, how many loss tokens. Each replica's loss is weighted by its share of the global
+    batch's loss tokens (so the averaged gradient is the global batch's, as in one process); a replica without
+    samples in a global batch (fewer samples than replicas) steps on its last batch with weight 0."""
     import torch
     from torch.utils.data import DataLoader
 
-    from connectors import storage
-    from drafters.base import DrafterBatch
+    from drafters.base import DrafterBatch, StepResult
     from training.collate import PackCollator
+    from training.replicas import TrainingStep
 
-    spec = ds.run_info
-    ckpt_dir = os.path.join(config.out, CHECKPOINT_DIR)
-    feed = CheckedFeed(ds, skip=config.skip_bad_samples)
-    if state is None:
-        drafter.prepare(feed)
+    spec, ds, world = feed.ds.run_info, feed.ds, replica.world
     drafter.to(device, dtype)
     target = target.to(device, dtype)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    model = replica.wrap(TrainingStep(drafter))
     window = _Window()
     step, epoch, done_in_epoch, tokens, skipped_batches = 0, 0, 0, 0, 0
     if state is not None:
@@ -615,20 +694,25 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
         skipped_batches = state.get("skipped_batches", 0)
         window.items.extend(state["window"])
         _set_rng_state(state["rng"])
-        logger.info("resuming %s from step %d (epoch %d, batch %d)", ckpt_dir, step, epoch, done_in_epoch)
-    resumed_from = step if state is not None else None
-
-    per_epoch = len(epoch_batches(ds.num_tokens, config.seed, 0, config.batch_tokens))
+        if replica.rank == 0:
+            logger.info("resuming %s from step %d (epoch %d, batch %d)", config.out, step, epoch, done_in_epoch)
+    per_epoch = len(replica.batches(ds.num_tokens, config.seed, 0, config.batch_tokens))
     total = config.steps if config.steps is not None else max(1, math.ceil((config.epochs or 1.0) * per_epoch))
     collate = feed.collate(PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate"))
+    logged: list[dict[str, Any]] = []
+    last_batch = None
 
-    def checkpoint() -> None:
-        out.check_lease()
-        save_checkpoint(ckpt_dir, {
+    def checkpoint() -> dict[str, Any]:
+        current = {
             "step": step, "epoch": epoch, "batch_in_epoch": done_in_epoch, "tokens": tokens,
             "model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(),
             "window": list(window.items), "resume_key": config.resume_key(), "run_identity": identity,
-            "skipped_samples": dict(feed.skipped), "skipped_batches": skipped_batches})
+            "skipped_samples": dict(feed.skipped), "skipped_batches": skipped_batches,
+            "batches_per_epoch": per_epoch}
+        if replica.rank == 0:
+            save(current, logged)
+        logged.clear()
+        return current
 
     def not_finite(what: str, ids: list[str]) -> None:
         shown = ", ".join(repr(i) for i in ids[:4]) + (", ..." if len(ids) > 4 else "")
@@ -641,7 +725,7 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
                               "--skip-bad-samples to skip such batches)")
 
     bar = None
-    if config.progress:
+    if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc=f"train {config.kind}", unit="step", dynamic_ncols=True)
@@ -649,45 +733,74 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
     try:
         while step < total:
             steps_before, whole_epoch = step, done_in_epoch == 0
-            batches = epoch_batches(ds.num_tokens, config.seed, epoch, config.batch_tokens)[done_in_epoch:]
+            batches = replica.batches(ds.num_tokens, config.seed, epoch, config.batch_tokens)[done_in_epoch:]
             loader = DataLoader(feed, batch_sampler=batches, collate_fn=collate, num_workers=config.num_workers)
             for packed, bad in loader:
                 if step >= total:
                     break
                 done_in_epoch += 1
-                feed.take_bad(bad, step)
-                if packed is None:
+                batch, ids, finite, mine = None, [], True, 0
+                if packed is not None:
+                    ids = list(packed["sample_id"])
+                    batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
+                    finite = bool(torch.isfinite(batch.hidden_states).all()) and (  # finite as stored, not in --dtype
+                        batch.target_topk is None or bool(torch.isfinite(batch.target_topk[1]).all()))
+                    mine = int(batch.loss_mask.sum())
+                seen = replica.gather({"bad": bad, "ids": ids, "finite": finite, "tokens": mine,
+                                       "ready": batch is not None or last_batch is not None})
+                feed.take_bad([b for s in seen for b in s["bad"]], step)
+                if not any(s["ids"] for s in seen):
                     continue
-                ids = list(packed["sample_id"])
-                batch = DrafterBatch.from_packed(packed, spec.layer_ids).to(device, dtype)
-                if not (bool(torch.isfinite(batch.hidden_states).all()) and (  # finite as stored, not in --dtype
-                        batch.target_topk is None or bool(torch.isfinite(batch.target_topk[1]).all()))):
+                if not all(s["finite"] for s in seen):
                     if not config.skip_bad_samples:
+                        overflowing = [i for s in seen if not s["finite"] for i in s["ids"]]
                         raise TrainingStopped(f"training stopped at step {step + 1}: the states of samples "
-                                              f"{ids[:4]} overflow --dtype {config.dtype}; train in bfloat16 or "
-                                              "float32")
+                                              f"{overflowing[:4]} overflow --dtype {config.dtype}; train in "
+                                              "bfloat16 or float32")
                     skipped_batches += 1
                     continue
+                if not all(s["ready"] for s in seen):  # a replica without samples and no batch to step on yet
+                    skipped_batches += 1
+                    continue
+                global_tokens = sum(s["tokens"] for s in seen)
+                weight = 1.0 if world == 1 else (world * mine / global_tokens if global_tokens else 1.0)
+                if batch is None:
+                    batch, weight = last_batch, 0.0
                 for group in optimizer.param_groups:
                     group["lr"] = config.lr_at(step, total)
-                result = drafter.training_step(batch, target)
                 optimizer.zero_grad(set_to_none=True)
+                result = StepResult(*model(batch, target))
                 loss = float(result.loss.detach())
+                if world > 1:  # the global batch's loss (weighted by loss tokens) and counts, and whether all finite
+                    summed = replica.sum(torch.tensor(
+                        [float(not math.isfinite(loss)), loss * mine if weight else 0.0,
+                         *(result.correct.float().cpu() * (weight > 0)), *(result.counted.float().cpu() * (weight > 0))],
+                        dtype=torch.float64, device=device if device.type == "cuda" else "cpu")).cpu()
+                    k = len(result.correct)
+                    loss = math.nan if summed[0] else float(summed[1]) / max(1, global_tokens)
+                    result = StepResult(result.loss, summed[2:2 + k].round().long(), summed[2 + k:].round().long())
+                every = [i for s in seen for i in s["ids"]]
                 if not math.isfinite(loss):
-                    not_finite(f"the loss is {loss}", ids)
+                    if world > 1:  # every replica's backward runs (DDP's gradient exchange), nothing is applied
+                        (result.loss * 0.0).backward()
+                        optimizer.zero_grad(set_to_none=True)
+                    not_finite(f"the loss is {loss}", every)
                     skipped_batches += 1
                     continue
-                result.loss.backward()
+                (result.loss * weight if weight != 1.0 else result.loss).backward()
                 norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or math.inf))
                 if not math.isfinite(norm):
-                    not_finite(f"the gradient norm is {norm}", ids)
+                    not_finite(f"the gradient norm is {norm}", every)
                     optimizer.zero_grad(set_to_none=True)
                     skipped_batches += 1
                     continue
                 optimizer.step()
                 step += 1
-                tokens += int(batch.loss_mask.sum())
+                tokens += global_tokens
+                last_batch = batch if weight else last_batch
                 window.add(loss, result.correct, result.counted)
+                if config.log_sample_ids:
+                    logged.append({"epoch": epoch, "step": step, "loss": loss, "ids": every})
                 if bar is not None:
                     fig = window.figures()
                     bar.set_postfix_str(f"loss {fig['loss']:.3f} acc "
@@ -705,22 +818,34 @@ def _train(config: TrainDrafterConfig, out, ds, target, drafter, state, identity
     finally:
         if bar is not None:
             bar.close()
-    checkpoint()
+    return checkpoint()
+
+
+def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, identity: dict[str, Any],
+           started: float, *, resumed_from: int | None, **extra: Any) -> dict[str, Any]:
+    """Save the trained drafter (`final`'s weights) in the serving layout and OUT/report.json; the report."""
+    import fsspec
+
+    from connectors import storage
+
+    drafter.load_state_dict(final["model"])
     drafter.eval()
     verifier = os.path.abspath(config.model)
     check_finite_weights(drafter.state_dict(), "the trained drafter")
     out.check_lease()
     drafter.save_pretrained(config.out, verifier=verifier)
-    fig = window.figures()
+    window = _Window()
+    window.items.extend(final["window"])
+    fig, skipped = window.figures(), final.get("skipped_samples", {})
     report = {
         "kind": config.kind, "run": config.run, "target": verifier, "out": os.path.abspath(config.out),
-        "steps": step, "epochs": round(step / max(1, per_epoch), 4), "tokens": tokens,
-        "resumed_from_step": resumed_from, "final_loss": fig["loss"], "accuracy_per_position": fig["accuracy"],
-        "simulated_acceptance_length": fig["simulated_acceptance_length"],
-        "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(spec.layer_ids),
-        "samples": len(ds), "skipped_samples": len(feed.skipped), "skipped_batches": skipped_batches,
-        "skipped": dict(list(sorted(feed.skipped.items()))[:100]), "run_identity": identity,
-        "wall_seconds": round(time.monotonic() - started, 3),
+        "steps": final["step"], "epochs": round(final["step"] / max(1, final["batches_per_epoch"]), 4),
+        "tokens": final["tokens"], "resumed_from_step": resumed_from, "final_loss": fig["loss"],
+        "accuracy_per_position": fig["accuracy"], "simulated_acceptance_length": fig["simulated_acceptance_length"],
+        "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(ds.run_info.layer_ids),
+        "samples": len(ds), "skipped_samples": len(skipped), "skipped_batches": final.get("skipped_batches", 0),
+        "skipped": dict(list(sorted(skipped.items()))[:100]), "run_identity": identity, "workers": config.workers,
+        **extra, "wall_seconds": round(time.monotonic() - started, 3),
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "storage_options"},
     }
     storage.put_atomic(fsspec.filesystem("file"), os.path.join(config.out, REPORT_NAME),

@@ -1,0 +1,232 @@
+"""`hsx train-drafter --workers N`: the drafter trainer's data-parallel replicas on Ray Train.
+
+    train_drafter(config) -> report   --workers 1 without --address: training.trainer.train_drafter (this process);
+                                      otherwise N replicas (TorchTrainer: DDP over gloo on CPU, NCCL on GPU)
+
+The driver does what one process does before training (checks --out and the run, initialises and prepares the
+drafter from --seed, takes --out's lease, reads a checkpoint to resume), then starts the replicas. Each replica
+opens the run itself (a local folder on one machine, s3:// or gs:// across nodes), takes the prepared drafter and
+the target head from Ray's object store (the target folder need not exist on other nodes) and runs
+training.trainer.train_loop with training.replicas.TorchDistributed: its share of each global batch (--workers x
+--batch-tokens), gradients averaged by DDP and weighted by loss tokens, the same optimizer and schedule as one
+process.
+
+Checkpoints: replica 0 hands each one to a keeper actor pinned to the driver's node, which writes it to
+OUT/checkpoint with the one-process trainer's atomic, durable write (so --out is local to the driver, as with one
+process) while the driver holds --out's lease; a lost lease makes the next save fail. A replica that dies (a killed
+process, a lost node) restarts the group (up to --max-failures times), and every replica continues from the last
+checkpoint the keeper wrote; a killed driver is resumed by running the same command again, like one process.
+A replica's deterministic error (bad data, a diverged loss, a lost lease) is recorded by the keeper and ends the
+training without restarts, with its message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+from connectors.lease import LeaseLost
+from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
+from training.trainer import (
+    CHECKPOINT_DIR,
+    STATE_NAME,
+    CheckedFeed,
+    Checkpoints,
+    TrainDrafterConfig,
+    TrainingStopped,
+    finish,
+    load_checkpoint,
+    open_dataset,
+    prepare_training,
+    run_identity,
+    train_loop,
+)
+from training.trainer import train_drafter as train_in_process
+
+logger = logging.getLogger(__name__)
+
+class ReplicasFailed(RuntimeError):
+    """The replicas kept dying (more than --max-failures restarts); the message says the last reason."""
+
+
+_FATAL = {"TrainingStopped": TrainingStopped, "LeaseLost": LeaseLost, "ValueError": ValueError}
+"""A replica's errors that a restart cannot mend: the training ends with the same error in the driver."""
+
+
+def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
+    """Train `config.kind` on `config.run`: in this process (--workers 1, no --address) or as --workers replicas on
+    Ray. The report (training.trainer's, plus "workers" and "worker_restarts"), also in OUT/report.json."""
+    if not config.distributed():
+        return train_in_process(config)
+    import ray
+    import torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    started = time.monotonic()
+    out, ds, target, identity, drafter = prepare_training(config)
+    with ray_cluster(config.address) as local:
+        gpus = _gpus(config)
+        _check_fits(config, gpus, local)
+        with out.open():
+            state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+            if state is None:
+                drafter.prepare(CheckedFeed(ds, skip=config.skip_bad_samples))
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            keeper = ray.remote(num_cpus=0, max_restarts=0)(_Keeper).options(scheduling_strategy=here).remote(
+                config, (state or {}).get("sample_log_bytes", 0))
+            storage = tempfile.mkdtemp(prefix="hsx-train-")  # Ray Train's own run records; our checkpoints: OUT
+            done = threading.Event()
+            threading.Thread(target=_watch_lease, args=(out, keeper, done), daemon=True).start()
+            try:
+                trainer = TorchTrainer(
+                    _replica, train_loop_config={
+                        "config": config, "keeper": keeper, "identity": identity, "gpus": gpus,
+                        "drafter": ray.put(drafter.cpu()), "target": ray.put(target)},
+                    scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=gpus > 0,
+                                                 resources_per_worker={"CPU": 1, **({"GPU": gpus} if gpus else {})}),
+                    run_config=RunConfig(name=f"hsx-train-{uuid.uuid4().hex[:8]}", storage_path=storage,
+                                         failure_config=FailureConfig(max_failures=config.max_failures)))
+                try:
+                    trainer.fit()
+                except Exception as e:  # Ray Train's TrainingFailedError and the like: say what the replicas said
+                    stopped = ray.get(keeper.stopped.remote())
+                    if stopped is not None:
+                        raise _FATAL[stopped[0]](stopped[1]) from None
+                    raise ReplicasFailed(f"the {config.workers} training replicas failed (restarted up to "
+                                       f"--max-failures {config.max_failures} times): {first_line(e)}") from e
+                restarts = ray.get(keeper.starts.remote()) - 1
+            finally:
+                done.set()
+                shutil.rmtree(storage, ignore_errors=True)
+            final = torch.load(os.path.join(config.out, CHECKPOINT_DIR, STATE_NAME), map_location="cpu",
+                               weights_only=False)
+            return finish(config, out, drafter, final, ds, identity, started,
+                          resumed_from=state["step"] if state is not None else None, worker_restarts=restarts)
+
+
+def _gpus(config: TrainDrafterConfig) -> float:
+    gpus = config.gpus_per_worker
+    if gpus is None:
+        gpus = 0.0 if config.device == "cpu" else gpus_default()
+    if config.device == "cuda" and not gpus:
+        raise ValueError(f"--device cuda with --workers {config.workers}: the Ray cluster has no GPU for the replicas "
+                         "(or --gpus-per-worker is 0); drop --device cuda to train on CPUs")
+    if config.device == "cpu" and gpus:
+        raise ValueError("--device cpu and --gpus-per-worker > 0 contradict each other; drop one")
+    return float(gpus)
+
+
+def _check_fits(config: TrainDrafterConfig, gpus: float, local: bool) -> None:
+    import ray
+
+    have = ray.cluster_resources()
+    problems = []
+    if config.workers > have.get("CPU", 0):
+        problems.append(f"--workers {config.workers} needs {config.workers} CPUs, the cluster has "
+                        f"{have.get('CPU', 0):g}")
+    if gpus and config.workers * gpus > have.get("GPU", 0):
+        problems.append(f"--workers {config.workers} x --gpus-per-worker {gpus:g} needs {config.workers * gpus:g} "
+                        f"GPUs, the cluster has {have.get('GPU', 0):g}")
+    check_fits(problems, local=local, fix="lower --workers or --gpus-per-worker",
+               waiting="waiting: an autoscaling cluster may add nodes")
+
+
+def _watch_lease(out, keeper, done: threading.Event) -> None:
+    """Tell the keeper when --out's lease is lost, so that no further checkpoint is written."""
+    while not done.wait(0.5):
+        try:
+            out.check_lease()
+        except LeaseLost as e:
+            keeper.revoke.remote(str(e))
+            return
+
+
+class _Keeper:
+    """On the driver's node: the training's checkpoints in OUT (training.trainer.Checkpoints), the latest one for
+    replicas that (re)start, and the error that ended the training, if a replica met one that restarts cannot
+    mend."""
+
+    def __init__(self, config: TrainDrafterConfig, sample_log_bytes: int) -> None:
+        self.config = config
+        self.revoked: str | None = None
+        self.fatal: tuple[str, str] | None = None
+        self.started = 0
+        self.checkpoints = Checkpoints(config, self._check_lease, {"sample_log_bytes": sample_log_bytes})
+
+    def _check_lease(self) -> None:
+        if self.revoked is not None:
+            raise LeaseLost(self.revoked)
+
+    def revoke(self, message: str) -> None:
+        self.revoked = message
+
+    def latest(self, rank: int) -> dict[str, Any] | None:
+        """The last checkpoint written (None: the training starts afresh); rank 0's calls count the starts."""
+        import torch
+
+        self.started += rank == 0
+        path = os.path.join(self.config.out, CHECKPOINT_DIR, STATE_NAME)
+        return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+
+    def save(self, state: dict[str, Any], logged: list[dict[str, Any]]) -> None:
+        self.checkpoints.save(state, logged)
+
+    def stop(self, kind: str, message: str) -> None:
+        self.fatal = self.fatal or (kind, message)
+
+    def stopped(self) -> tuple[str, str] | None:
+        return self.fatal
+
+    def starts(self) -> int:
+        return self.started
+
+
+def _replica(cfg: dict[str, Any]) -> None:
+    """One replica (a Ray Train worker): its share of every step, from the keeper's last checkpoint."""
+    import random
+
+    import ray
+    import torch
+
+    from training.replicas import TorchDistributed
+
+    config: TrainDrafterConfig = cfg["config"]
+    keeper = cfg["keeper"]
+    stopped = ray.get(keeper.stopped.remote())
+    if stopped is not None:  # a restart after an error that another start would meet again
+        raise _FATAL[stopped[0]](stopped[1])
+    try:
+        replica = TorchDistributed()
+        ds = open_dataset(config)
+        if run_identity(ds) != cfg["identity"]:
+            raise ValueError(f"--run {config.run} changed while the training started (its run.json or committed "
+                             "samples differ from what the driver read); run the training again")
+        drafter, target = ray.get(cfg["drafter"]), ray.get(cfg["target"])
+        state = ray.get(keeper.latest.remote(replica.rank))
+        if cfg["gpus"]:
+            import ray.train.torch
+
+            device = ray.train.torch.get_device()
+        else:
+            device = torch.device("cpu")
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+
+        def save(current: dict[str, Any], logged: list[dict[str, Any]]) -> None:
+            ray.get(keeper.save.remote(current, logged))
+
+        train_loop(config, CheckedFeed(ds, skip=config.skip_bad_samples), target, drafter, state, cfg["identity"],
+                   device, getattr(torch, config.dtype), replica, save)
+    except (TrainingStopped, LeaseLost, ValueError) as e:
+        cause = getattr(e, "cause", None) or e  # a keeper call's error comes wrapped in Ray's RayTaskError
+        kind = next(name for name, cls in _FATAL.items() if isinstance(cause, cls))
+        ray.get(keeper.stop.remote(kind, str(cause)))
+        raise
