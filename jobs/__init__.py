@@ -20,6 +20,7 @@ The only package that knows both the engine (extractor) and the storage side (co
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run
     submit.py        `hsx submit`: Ray's job submission API
+    train.py         `hsx train-drafter --workers N`: the trainer's data-parallel replicas on Ray Train
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
 """

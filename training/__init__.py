@@ -7,7 +7,9 @@ for another trainer.
     export/        export_run(output, dest, fmt): the run in speculators', SpecForge's or ModelOpt's on-disk layout
                    (`hsx export`), one module per layout
     trainer.py     TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` for any registered family
-                   (checks before training, the checked feed, packed batches, resumable checkpoints, report.json)
+                   (checks before training, the checked feed, packed batches, resumable checkpoints, report.json);
+                   train_loop: the steps of one process or of one data-parallel replica (jobs/train.py starts those)
+    replicas.py    OneProcess / TorchDistributed: a replica's share of each global batch and its collectives
     evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
                    tokens/s, losslessness against plain greedy decoding
     reference_target.py   a small Llama trained locally on the standard library's sources, for acceptance figures
