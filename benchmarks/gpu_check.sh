@@ -10,7 +10,9 @@
 #   3. benchmarks/bench_regeneration.py on the same model: regeneration with output-token files vs generate;
 #   4. benchmarks/bench_storage.py on the same model: bytes per token of bf16 vs fp8 files, fp8's error per layer;
 #   5. benchmarks/bench_long_sample.py: host peak RSS of one 32k-token sample in 2048-token chunks, with and without
-#      the connector's staging bound (its own small model, bf16; the states come to host memory chunk by chunk).
+#      the connector's staging bound (its own small model, bf16; the states come to host memory chunk by chunk);
+#   6. on a machine with 2 GPUs or more: benchmarks/bench_train_parallel.py --device cuda, drafter training on 2 Ray
+#      Train replicas (NCCL) vs one process on the same global batch (target: >= 1.8x tokens/s).
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -19,7 +21,8 @@
 #       --sections extraction,early_exit --storage-dtype fp8 --num-samples 128 --repeats 2
 #
 # Needs python3 with CUDA torch, transformers, safetensors, fsspec, pyarrow, numpy, tqdm, pyyaml and pytest, and
-# tenacity. On a machine that cannot reach a package index, carry tenacity as a wheel in .whl/ (it is pure Python):
+# tenacity (step 6 also ray[train]). On a machine that cannot reach a package index, carry tenacity as a wheel in
+# .whl/ (it is pure Python):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl tenacity
 # The random 8B model (16 GB) is built under $HSX_GPU_SCRATCH (default /tmp/hsx-gpu), not in RESULTS_DIR; only
 # results.{json,md}, profiles.txt, machine.txt, regeneration.md, storage.md, long-sample.md and their logs land
@@ -61,4 +64,10 @@ cp "$scratch"/storage/results-storage.md "$results"/storage.md 2>/dev/null
 timeout 80 python3 benchmarks/bench_long_sample.py --out "$scratch/long" --device cuda 2>&1 \
     | tee "$results/long-sample.log" || status=1
 cp "$scratch"/long/results-long-sample.md "$results"/long-sample.md 2>/dev/null
+# 6. drafter training on 2 replicas (one GPU each) vs one process, where there are 2 GPUs
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    timeout 240 python3 benchmarks/bench_train_parallel.py --out "$scratch/train" --device cuda --samples 1024 \
+        --hidden-size 1024 --batch-tokens 8192 --steps 30 2>&1 | tee "$results/train-parallel.log" || status=1
+    cp "$scratch"/train/train-parallel.md "$results"/train-parallel.md 2>/dev/null
+fi
 exit $status

@@ -620,8 +620,8 @@ def prepare_training(config: TrainDrafterConfig):
 
 
 class SampleLog:
-    """OUT/samples.jsonl (--log-sample-ids): one line per optimizer step, {"epoch", "step", "loss", "ids"} (the
-    global batch's loss and the samples it trained on, all replicas'). Appended at each checkpoint before the state that records its length; a resumed
+    """OUT/samples.jsonl (--log-sample-ids): one line per optimizer step, {"epoch", "step", "loss", "tokens", "time",
+    "ids"} (the global batch's loss and loss tokens, when it ended, the samples it trained on, all replicas'). Appended at each checkpoint before the state that records its length; a resumed
     training cuts it back to that length, so every line belongs to a step the checkpoint holds, once."""
 
     def __init__(self, out: str) -> None:
@@ -800,7 +800,8 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
                 last_batch = batch if weight else last_batch
                 window.add(loss, result.correct, result.counted)
                 if config.log_sample_ids:
-                    logged.append({"epoch": epoch, "step": step, "loss": loss, "ids": every})
+                    logged.append({"epoch": epoch, "step": step, "loss": loss, "tokens": global_tokens,
+                                   "time": time.time(), "ids": every})
                 if bar is not None:
                     fig = window.figures()
                     bar.set_postfix_str(f"loss {fig['loss']:.3f} acc "

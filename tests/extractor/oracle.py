@@ -14,7 +14,11 @@ from torch import nn
 _FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 
 
-def load_reference(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+ENGINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""The device an engine built without `device=` runs on."""
+
+
+def load_reference(model_dir: str, dtype: torch.dtype = torch.float32, device: str = ENGINE_DEVICE):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
