@@ -21,6 +21,7 @@ The only package that knows both the engine (extractor) and the storage side (co
     estimate.py      `hsx estimate`: exact file sizes before a run
     submit.py        `hsx submit`: Ray's job submission API
     train.py         `hsx train-drafter --workers N`: the trainer's data-parallel replicas on Ray Train
+    online.py        `hsx train-drafter --online`: a drafter trained from a live extraction, nothing stored
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
 """

@@ -179,23 +179,31 @@ def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     return gpus, per_worker
 
 
-def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str):
+def tokenize_settings(plan: JobPlan) -> TokenizeSettings:
+    """How the job's records become token ids and loss masks (the TokenizeStage actors')."""
+    c, f = plan.config, plan.facts
+    return TokenizeSettings(tokenizer=f.model, max_prompt_tokens=f.max_model_len - c.max_tokens,
+                            overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
+                            trust_remote_code=c.trust_remote_code)
+
+
+def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str,
+                  layout: str | None = None):
     """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA); `attempt` names the
-    shards its workers write (--layout sharded)."""
+    shards its workers write (--layout sharded). `layout` "online" (jobs/online.py): rows carry each sample's file
+    bytes instead (worker.ONLINE_SCHEMA), nothing is stored."""
     import ray.data
 
     c, f = plan.config, plan.facts
     files = [{"url": x.url, "format": x.format} for x in plan.files]
-    tokenize = TokenizeSettings(tokenizer=f.model, max_prompt_tokens=f.max_model_len - c.max_tokens,
-                                overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
-                                trust_remote_code=c.trust_remote_code)
+    tokenize = tokenize_settings(plan)
     work = WorkerSettings(
         engine=c.engine_config(model=f.model, layer_ids=f.layer_ids, dtype=f.dtype, max_model_len=f.max_model_len,
                                device=None if gpus_per_worker > 0 else "cpu"),
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
-        on_nonfinite=c.on_nonfinite, layout=c.layout, attempt=attempt)
+        on_nonfinite=c.on_nonfinite, layout=layout or c.layout, attempt=attempt)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,

@@ -61,7 +61,12 @@ _FATAL = {"TrainingStopped": TrainingStopped, "LeaseLost": LeaseLost, "ValueErro
 
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     """Train `config.kind` on `config.run`: in this process (--workers 1, no --address) or as --workers replicas on
-    Ray. The report (training.trainer's, plus "workers" and "worker_restarts"), also in OUT/report.json."""
+    Ray. The report (training.trainer's, plus "workers" and "worker_restarts"), also in OUT/report.json. --online:
+    jobs.online.train_online (a live extraction feeds the trainer)."""
+    if config.online:
+        from jobs.online import train_online
+
+        return train_online(config)
     if not config.distributed():
         return train_in_process(config)
     import ray

@@ -60,7 +60,9 @@ class WorkerSettings:
     """A sample whose states the connector refused (NaN/Inf, a layer of zeros): a "failed" row, or with "skip" a
     "skipped" one (final: no resume extracts it again)."""
     layout: str = "files"
-    """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards)."""
+    """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards);
+    "online": nothing stored, each sample's file bytes returned in the row's `payload` (ONLINE_SCHEMA) for a trainer
+    that reads the stream (jobs/online.py)."""
     attempt: str = ""
     """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
 
@@ -71,8 +73,9 @@ class ExtractionWorker:
 
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
-        # where the connector writes: the output, or (sharded) a local folder the batch's shard is made from
-        self._staging = _staging_folder() if settings.layout == "sharded" else None
+        # where the connector writes: the output, (sharded) a local folder the batch's shard is made from, or
+        # (online) this process's memory, from which each file's bytes go into its row
+        self._staging = {"sharded": _staging_folder, "online": _memory_folder}.get(settings.layout, lambda: None)()
         self.files = self.output if self._staging is None else RunDir(self._staging)
         self.llm = None
         self._loader = named_thread_pool(1, "hsx-load")
@@ -135,7 +138,8 @@ class ExtractionWorker:
         if todo:
             for i, result in zip(todo, self._extract([rows[i] for i in todo])):
                 results[i] = result
-        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+        return pa.Table.from_pylist(results, schema=ONLINE_SCHEMA if self.settings.layout == "online" else
+                                    RESULT_SCHEMA)
 
     def _extract(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
@@ -152,11 +156,27 @@ class ExtractionWorker:
                            zip(rows, prompts, paths, params)]
             else:
                 results = [self._result(r, out, path) for r, out, path in zip(rows, outputs, paths)]
+            if self.settings.layout == "online":
+                return self._with_payloads(results)
             return results if self._staging is None else self._write_shard(results)
         finally:
-            if self._staging is not None:  # the batch's local files: in its shard now, or failed
+            if self.settings.layout == "online":  # the batch's files, in their rows now
+                if self.files.fs.exists(self.files.root):
+                    self.files.fs.rm(self.files.root, recursive=True)
+            elif self._staging is not None:  # the batch's local files: in its shard now, or failed
                 shutil.rmtree(self._staging, ignore_errors=True)
                 os.makedirs(self._staging, exist_ok=True)
+
+    def _with_payloads(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each good sample's file bytes in its row (`payload`), read back from memory."""
+        for r in results:
+            r["payload"] = None
+            if r["status"] == OK:
+                try:
+                    r["payload"] = self.files.fs.cat_file(self.files.path(r["path"]))
+                except OSError as e:
+                    r.update(_failed(r, f"the sample's states cannot be read back from memory: {e}"), payload=None)
+        return results
 
     def _write_shard(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The batch's good files as one shard of the output; their rows then point into it (failed if it cannot
@@ -223,11 +243,20 @@ class ExtractionWorker:
             except Exception:  # noqa: BLE001 - best effort at teardown; every reported file is already durable
                 pass
         staging = getattr(self, "_staging", None)
-        if staging is not None:
+        if staging is not None and "://" not in staging:
             shutil.rmtree(staging, ignore_errors=True)
 
 
 STAGING_PREFIX = "hsx-shard-"
+ONLINE_SCHEMA = RESULT_SCHEMA.append(pa.field("payload", pa.large_binary()))
+"""An online worker's rows: the manifest row plus the sample's file bytes (null unless ok)."""
+
+
+def _memory_folder() -> str:
+    """This process's folder on fsspec's in-memory filesystem (an online worker's files live there per batch)."""
+    import uuid
+
+    return f"memory://hsx-online-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _staging_folder() -> str:

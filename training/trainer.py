@@ -47,7 +47,7 @@ SAMPLE_LOG = "samples.jsonl"
 LR_SCHEDULES = ("constant", "cosine")
 RESUME_FIELDS = ("kind", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
                  "max_grad_norm", "batch_tokens", "seed", "dtype", "draft_vocab_size", "ttt_steps", "family_options",
-                 "skip_bad_samples", "workers")
+                 "skip_bad_samples", "workers", "online")
 """Settings a resumed training must share with the checkpoint's (besides the run's and the model's identity)."""
 LEGACY_MARKERS = (f"{CHECKPOINT_DIR}/{STATE_NAME}", REPORT_NAME)
 """Files that mark an --out as a training's output from before hsx wrote ownership markers."""
@@ -57,11 +57,11 @@ LEGACY_MARKERS = (f"{CHECKPOINT_DIR}/{STATE_NAME}", REPORT_NAME)
 class TrainDrafterConfig:
     """A drafter training (`hsx train-drafter`: field `batch_tokens` = flag `--batch-tokens`)."""
 
-    run: str
+    run: str = ""
     """The extraction run to train on: a local folder or URL (s3://, gs://) holding run.json, data/ and manifest/."""
-    model: str
+    model: str = ""
     """The target model's local folder (the model the run was extracted from): its final norm, lm_head, embeddings."""
-    out: str
+    out: str = ""
     """Local folder for the trained drafter (serving layout), OUT/report.json and OUT/checkpoint/."""
     kind: str = "eagle3"
     """Drafter family: eagle3, medusa, mlp_speculator, or any other in the registry (drafters/registry.py)."""
@@ -120,12 +120,27 @@ class TrainDrafterConfig:
     local Ray. Implies training on Ray (with --workers replicas)."""
     max_failures: int = 3
     """With --workers N: times the replicas are restarted from the last checkpoint after one dies (0 = none)."""
+    online: bool = False
+    """Train from a live extraction instead of a stored run: --corpus goes through `hsx run`'s readers,
+    tokenization and extraction workers on Ray, and each sample's states reach the trainer through Ray's object store
+    (nothing written; --run not used). Each epoch is one pass over the corpus (the target runs again)."""
+    corpus: tuple[str, ...] = ()
+    """--online: the corpus files (JSONL or Parquet, globs, any fsspec URL), as `hsx run --corpus`."""
+    extract: dict[str, Any] = field(default_factory=dict)
+    """--online: further `hsx run` settings for the extraction, as JSON with its config keys (e.g. '{"layers":
+    "1,2,4", "max_tokens": 64, "include_output_tokens": true, "workers": 2}')."""
+    inflight_mb: float = 512.0
+    """--online: Ray object-store memory the stream may hold ahead of the trainer (states extracted, not yet
+    trained on); the extraction waits when it is full."""
     log_sample_ids: bool = False
     """Write OUT/samples.jsonl: per optimizer step its epoch, step and the ids of the samples trained on (a resumed
     training's log holds each checkpointed step once)."""
 
     def __post_init__(self) -> None:
-        for name in ("storage_options", "family_options"):
+        if isinstance(self.corpus, str):
+            object.__setattr__(self, "corpus", (self.corpus,))
+        object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
+        for name in ("storage_options", "family_options", "extract"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
@@ -135,9 +150,26 @@ class TrainDrafterConfig:
             if not isinstance(value, dict):
                 raise ValueError(f"--{name.replace('_', '-')} must be a JSON object, got {type(value).__name__}")
             object.__setattr__(self, name, dict(value))
-        for name in ("run", "model", "out"):
+        for name in ("model", "out") + (() if self.online else ("run",)):
             if not str(getattr(self, name) or "").strip():
-                raise ValueError(f"--{name} is required")
+                raise ValueError(f"--{name} is required (or key {name!r} in the --config file)")
+        if self.online:
+            if self.run or not self.corpus:
+                raise ValueError("--online trains from --corpus through a live extraction: give --corpus FILES and "
+                                 "no --run")
+            if self.workers > 1:
+                raise ValueError("--online trains in one process (--workers 1) for now; train on a stored run "
+                                 "(`hsx run`, then --run) for --workers N")
+            if self.lr_schedule != "constant" and self.steps is None:
+                raise ValueError("--online with --lr-schedule cosine needs --steps (a live corpus has no known "
+                                 "length)")
+            if self.epochs is not None and self.epochs != int(self.epochs):
+                raise ValueError(f"--online trains whole passes over the corpus: --epochs {self.epochs} must be "
+                                 "a whole number")
+            if not self.inflight_mb > 0:
+                raise ValueError(f"--inflight-mb must be > 0, got {self.inflight_mb}")
+        elif self.corpus or self.extract:
+            raise ValueError("--corpus and --extract belong to --online training; without --online, train on --run")
         from drafters.registry import families
 
         found = families().get(self.kind)
@@ -197,7 +229,8 @@ class TrainDrafterConfig:
         from connectors.outputs import OutputFolder
 
         return OutputFolder(self.out, command="train-drafter", flag="--out",
-                            inputs={"--model": self.model, "--run": self.run}, legacy_markers=LEGACY_MARKERS,
+                            inputs={k: v for k, v in (("--model", self.model), ("--run", self.run)) if v},
+                            legacy_markers=LEGACY_MARKERS,
                             break_lease=self.break_lease)
 
     def lr_at(self, step: int, total: int) -> float:
@@ -214,7 +247,7 @@ class TrainDrafterConfig:
 # -- checks before training -------------------------------------------------------------------------------------
 
 
-def _target_config(model: str):
+def target_config(model: str):
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -291,14 +324,41 @@ def open_dataset(config: TrainDrafterConfig):
         raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
 
 
+def check_layers(config: TrainDrafterConfig, spec, what: str, layers_fix: str) -> None:
+    """ValueError when the states `spec` describes cannot train --kind: another layer convention, a post-norm last
+    layer, a top-k target for a kind that reads layer N, layers missing (`layers_fix` names the fix, {ids} the
+    layers to ask for)."""
+    from drafters.registry import drafter_class
+
+    cls = drafter_class(config.kind)
+    if spec.layer_id_convention != "vllm":
+        raise ValueError(f"{what} counts layers in the {spec.layer_id_convention!r} convention; drafters "
+                         "read hsx runs in vLLM's ids — re-extract with hsx")
+    n = int(spec.num_hidden_layers)
+    if spec.last_layer_normalized and n in spec.layer_ids:
+        raise ValueError(f"{what} stored layer {n} after the final norm; drafters apply the target's "
+                         "final norm themselves and need it pre-norm (hsx's default) — re-extract without normalising")
+    need = cls.required_layer_ids(n, None)
+    if spec.target_top_k is not None:
+        if not cls.reads_topk_target:
+            raise ValueError(f"--kind {config.kind} trains on the state of layer {n} itself, but {what} "
+                             f"keeps a {spec.target} target in its place (the target's top-{spec.target_top_k} "
+                             "next-token log-probabilities, which only EAGLE-3-style training reads); re-extract "
+                             f"with --target states and layer {n} in --layers for {config.kind}")
+        need = tuple(i for i in need if i != n)  # the top-k target stands in for N
+    missing = [i for i in need if i not in spec.layer_ids]
+    if missing:
+        ids = ",".join(str(i) for i in sorted({*spec.layer_ids, *need}))
+        raise ValueError(f"--kind {config.kind} needs layers {list(need)} but {what} stores {list(spec.layer_ids)} "
+                         f"(missing {missing}); " + layers_fix.format(ids=ids))
+
+
 def check_run(config: TrainDrafterConfig):
     """(dataset, target head) once the target folder, the run and the kind's needs are checked; ValueError naming
     the fix otherwise."""
     from drafters.base import TargetHead
-    from drafters.registry import drafter_class
 
-    cls = drafter_class(config.kind)
-    hf = _target_config(config.model)
+    hf = target_config(config.model)
     if _committed_samples(config) == 0:
         raise ValueError(f"--run {config.run} has no extracted samples (its manifest holds no 'ok' rows); run the "
                          "extraction first (`hsx run`), or see why its samples failed with `hsx status`")
@@ -312,26 +372,7 @@ def check_run(config: TrainDrafterConfig):
         raise ValueError(f"--run {config.run} is not from the target --model {config.model}: {'; '.join(problems)}. "
                          "Train against the model the run was extracted from (or re-extract with this one)")
     _warn_if_other_weights(spec, config.model, hf)
-    if spec.layer_id_convention != "vllm":
-        raise ValueError(f"--run {config.run} counts layers in the {spec.layer_id_convention!r} convention; drafters "
-                         "read hsx runs in vLLM's ids — re-extract with hsx")
-    n = int(spec.num_hidden_layers)
-    if spec.last_layer_normalized and n in spec.layer_ids:
-        raise ValueError(f"--run {config.run} stored layer {n} after the final norm; drafters apply the target's "
-                         "final norm themselves and need it pre-norm (hsx's default) — re-extract without normalising")
-    need = cls.required_layer_ids(n, None)
-    if spec.target_top_k is not None:
-        if not cls.reads_topk_target:
-            raise ValueError(f"--kind {config.kind} trains on the state of layer {n} itself, but --run {config.run} "
-                             f"keeps a {spec.target} target in its place (the target's top-{spec.target_top_k} "
-                             "next-token log-probabilities, which only EAGLE-3-style training reads); re-extract "
-                             f"with --target states and layer {n} in --layers for {config.kind}")
-        need = tuple(i for i in need if i != n)  # the top-k target stands in for N
-    missing = [i for i in need if i not in spec.layer_ids]
-    if missing:
-        ids = ",".join(str(i) for i in sorted({*spec.layer_ids, *need}))
-        raise ValueError(f"--kind {config.kind} needs layers {list(need)} but the run stores {list(spec.layer_ids)} "
-                         f"(missing {missing}); re-extract with --layers {ids}")
+    check_layers(config, spec, f"--run {config.run}", "re-extract with --layers {ids}")
     target = TargetHead.from_model_dir(config.model)
     first = next(CheckedFeed(ds, skip=config.skip_bad_samples).token_items(), None)
     if first is None:
@@ -347,7 +388,7 @@ def check_run(config: TrainDrafterConfig):
 # -- batches ------------------------------------------------------------------------------------------------------
 
 
-def _device(name: str) -> torch.device:
+def torch_device(name: str) -> torch.device:
     import torch
 
     if name == "auto":
@@ -433,7 +474,7 @@ def load_checkpoint(folder: str, config: TrainDrafterConfig, identity: dict[str,
     except Exception as e:  # a damaged file: the user decides, nothing is overwritten
         raise ValueError(f"{path} cannot be read ({e}); delete it to start over") from e
     theirs, ours = state.get("resume_key", {}), config.resume_key()
-    theirs = {"workers": 1, **theirs}  # checkpoints from before --workers trained in one process
+    theirs = {"workers": 1, "online": False, **theirs}  # checkpoints from before --workers / --online
     diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
     if diff:
         listed = "; ".join(f"{k}: {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in diff.items())
@@ -478,8 +519,10 @@ class CheckedFeed:
     reason)} so that the training process (not a DataLoader worker) decides: stop with one line naming the sample,
     or, with `skip`, leave it out and count it."""
 
-    def __init__(self, ds, skip: bool) -> None:
+    def __init__(self, ds, skip: bool, spec=None) -> None:
         self.ds = ds
+        """The run's HiddenStatesDataset; None for items that come from elsewhere (a live stream: `check`)."""
+        self.spec = spec if spec is not None else ds.run_info
         self.skip = skip
         self.skipped: dict[str, str] = {}
         """sample id -> why it was left out (with `skip`; reasons seen by the token pass too)."""
@@ -488,17 +531,21 @@ class CheckedFeed:
         return len(self.ds)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        import torch
-
         try:
             item = self.ds[index]
         except (OSError, ValueError) as e:
             return {"bad": (self.ds.sample_id(index), _one_line(e))}
+        return self.check(item)
+
+    def check(self, item: dict[str, Any]) -> dict[str, Any]:
+        """`item`, or {"bad": (sample_id, reason)} when its states are not all finite."""
+        import torch
+
         states = item["hidden_states"]  # [T, L, H]
         finite = torch.isfinite(states)
         if not bool(finite.all()):
             t, layer, _ = (~finite).nonzero()[0].tolist()
-            layer_id = self.ds.run_info.layer_ids[layer]
+            layer_id = self.spec.layer_ids[layer]
             return {"bad": (item["sample_id"], f"{int((~finite).sum())} NaN/Inf values in its hidden states (first "
                                                f"at token {t}, layer id {layer_id}), though its checksum is intact: "
                                                "the extraction produced them (an fp16 overflow?)")}
@@ -584,7 +631,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
 
     started = time.monotonic()
     out, ds, target, identity, drafter = prepare_training(config)
-    device, dtype = _device(config.device), getattr(torch, config.dtype)
+    device, dtype = torch_device(config.device), getattr(torch, config.dtype)
     with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
         state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
         feed = CheckedFeed(ds, skip=config.skip_bad_samples)
@@ -661,8 +708,34 @@ class Checkpoints:
 # -- the loop -----------------------------------------------------------------------------------------------------
 
 
+class RunBatches:
+    """The batches of a stored run: each epoch the replica's share of every global batch in ShardSampler's order,
+    read by a DataLoader (--num-workers processes). A position in it is (epoch, batches done in the epoch)."""
+
+    def __init__(self, config: TrainDrafterConfig, feed: CheckedFeed, replica, collate) -> None:
+        self.config, self.feed, self.replica, self.collate = config, feed, replica, collate
+        self.per_epoch = len(replica.batches(feed.ds.num_tokens, config.seed, 0, config.batch_tokens))
+        """Optimizer steps in an epoch (None: unknown until the epoch ends, as for a live stream)."""
+
+    def epoch(self, epoch: int, done: int):
+        """(packed batch or None, bad samples) of `epoch` after its first `done` batches."""
+        from torch.utils.data import DataLoader
+
+        c = self.config
+        batches = self.replica.batches(self.feed.ds.num_tokens, c.seed, epoch, c.batch_tokens)[done:]
+        return DataLoader(self.feed, batch_sampler=batches, collate_fn=self.collate, num_workers=c.num_workers)
+
+    def taken(self) -> None:
+        """The loop takes the batch last given (a stored run's position is the loop's count of batches)."""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must keep beyond (epoch, batches done) to resume here: nothing, for a run."""
+        return {}
+
+
 def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, state: dict[str, Any] | None,
-               identity: dict[str, Any], device, dtype, replica, save, *, progress: bool = False) -> dict[str, Any]:
+               identity: dict[str, Any], device, dtype, replica, save, *, progress: bool = False, source=None,
+               spec=None) -> dict[str, Any]:
     """The optimizer steps of one replica (`replica`: training.replicas.OneProcess or TorchDistributed) from
     `state` (a checkpoint; None: the `drafter` as initialised and prepared) to the last step; every replica runs it
     in lockstep and replica 0 calls save(state, logged steps) at each checkpoint and at the end. The final state.
@@ -670,15 +743,21 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
     Per step every replica learns (one gather) what the others hold: bad samples (the same stop or skip everywhere),
     states that overflow --dtype, how many loss tokens. Each replica's loss is weighted by its share of the global
     batch's loss tokens (so the averaged gradient is the global batch's, as in one process); a replica without
-    samples in a global batch (fewer samples than replicas) steps on its last batch with weight 0."""
+    samples in a global batch (fewer samples than replicas) steps on its last batch with weight 0.
+
+    `source` gives the batches (default: RunBatches over `feed`'s run; a live stream for --online, whose `spec` is
+    the run spec its samples follow); a checkpoint keeps source.state() and passes it back to a resumed source."""
     import torch
-    from torch.utils.data import DataLoader
 
     from drafters.base import DrafterBatch, StepResult
     from training.collate import PackCollator
     from training.replicas import TrainingStep
 
-    spec, ds, world = feed.ds.run_info, feed.ds, replica.world
+    world = replica.world
+    spec = spec if spec is not None else feed.ds.run_info
+    if source is None:
+        collate = feed.collate(PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate"))
+        source = RunBatches(config, feed, replica, collate)
     drafter.to(device, dtype)
     target = target.to(device, dtype)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -696,9 +775,9 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
         _set_rng_state(state["rng"])
         if replica.rank == 0:
             logger.info("resuming %s from step %d (epoch %d, batch %d)", config.out, step, epoch, done_in_epoch)
-    per_epoch = len(replica.batches(ds.num_tokens, config.seed, 0, config.batch_tokens))
-    total = config.steps if config.steps is not None else max(1, math.ceil((config.epochs or 1.0) * per_epoch))
-    collate = feed.collate(PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate"))
+    per_epoch, epochs = source.per_epoch, config.epochs or 1.0
+    total = config.steps if config.steps is not None else (
+        max(1, math.ceil(epochs * per_epoch)) if per_epoch is not None else None)  # None: until the passes end
     logged: list[dict[str, Any]] = []
     last_batch = None
 
@@ -708,7 +787,7 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
             "model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(),
             "window": list(window.items), "resume_key": config.resume_key(), "run_identity": identity,
             "skipped_samples": dict(feed.skipped), "skipped_batches": skipped_batches,
-            "batches_per_epoch": per_epoch}
+            "batches_per_epoch": per_epoch, "source": source.state()}
         if replica.rank == 0:
             save(current, logged)
         logged.clear()
@@ -731,14 +810,13 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
         bar = tqdm(total=total, initial=step, desc=f"train {config.kind}", unit="step", dynamic_ncols=True)
     drafter.train()
     try:
-        while step < total:
+        while total is None or step < total:
             steps_before, whole_epoch = step, done_in_epoch == 0
-            batches = replica.batches(ds.num_tokens, config.seed, epoch, config.batch_tokens)[done_in_epoch:]
-            loader = DataLoader(feed, batch_sampler=batches, collate_fn=collate, num_workers=config.num_workers)
-            for packed, bad in loader:
-                if step >= total:
+            for packed, bad in source.epoch(epoch, done_in_epoch):
+                if total is not None and step >= total:
                     break
                 done_in_epoch += 1
+                source.taken()
                 batch, ids, finite, mine = None, [], True, 0
                 if packed is not None:
                     ids = list(packed["sample_id"])
@@ -816,6 +894,8 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
                                           f"was skipped ({len(feed.skipped)} bad samples); run `hsx verify "
                                           f"{config.run} --all` and re-run the extraction")
                 epoch, done_in_epoch = epoch + 1, 0
+                if total is None and epoch >= epochs:
+                    break
     finally:
         if bar is not None:
             bar.close()
@@ -840,7 +920,8 @@ def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, 
     fig, skipped = window.figures(), final.get("skipped_samples", {})
     report = {
         "kind": config.kind, "run": config.run, "target": verifier, "out": os.path.abspath(config.out),
-        "steps": final["step"], "epochs": round(final["step"] / max(1, final["batches_per_epoch"]), 4),
+        "steps": final["step"], "epochs": round(final["step"] / final["batches_per_epoch"], 4)
+        if final["batches_per_epoch"] else final["epoch"],
         "tokens": final["tokens"], "resumed_from_step": resumed_from, "final_loss": fig["loss"],
         "accuracy_per_position": fig["accuracy"], "simulated_acceptance_length": fig["simulated_acceptance_length"],
         "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(ds.run_info.layer_ids),

@@ -1,0 +1,338 @@
+"""`hsx train-drafter --online`: a drafter trained from a live extraction, no files written.
+
+    train_online(config) -> report     the trainer (training.trainer.train_loop, one process) fed by LiveBatches
+    LiveBatches                         one pass over the corpus through `hsx run`'s stages, as packed batches
+
+The corpus goes through the same stages as `hsx run` (jobs/pipeline.py: readers, the sample registry, tokenization
+with chat loss masks, extraction workers with the job's layers, dtype and `max_tokens` / `include_output_tokens`
+regeneration) with the workers' "online" layout: each sample's file is made in the worker's memory and its bytes
+travel in the row through Ray's object store to the trainer, which reads it back with every check a stored run gets
+(header against the run spec, the row's sample id, token count and checksum) and packs consecutive samples into
+batches of --batch-tokens. Nothing is stored anywhere but --out.
+
+Backpressure: Ray Data holds at most --inflight-mb of object-store memory for the stream's blocks
+(ExecutionOptions.resource_limits); when the trainer is slower than the extraction, the workers wait.
+Resume: a checkpoint records the ids of the samples the epoch has trained on (8-byte keys, jobs.registry.id_keys);
+a resumed training's stream skips them (the registry's done set), so it trains on the rest of the pass. Samples
+extracted but not trained on when the training stopped are extracted again. Each further epoch is a new pass
+(the target runs again). EAGLE-3's draft vocabulary comes from a tokens-only pass over the corpus before training
+(the prompts' loss-masked tokens; with --include-output-tokens every prompt token, the generated ones being unknown
+until the target writes them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from connectors.format import LOSS_MASK, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, TOKEN_IDS
+from connectors.run import OK, RunDir, new_attempt_id, row_file_problem
+from jobs.cluster import first_line, ray_cluster
+from jobs.config import JobConfig
+from jobs.corpus import expand_corpus, read_records
+from jobs.model import ModelFacts
+from jobs.pipeline import (
+    JobPlan,
+    _data_context,
+    _resolve_resources,
+    build_dataset,
+    load_chat_template,
+    registry_stats,
+    tokenize_settings,
+    tokens_per_unit,
+)
+from jobs.records import RECORD_SCHEMA
+from jobs.registry import DoneSet, id_keys, start_registry
+from jobs.runinfo import build_run_spec
+from training.trainer import (
+    CHECKPOINT_DIR,
+    CheckedFeed,
+    Checkpoints,
+    TrainDrafterConfig,
+    check_layers,
+    finish,
+    load_checkpoint,
+    target_config,
+    torch_device,
+    train_loop,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILURES_KEPT = 100
+
+
+def extraction_config(config: TrainDrafterConfig) -> JobConfig:
+    """The `hsx run` settings of --online's extraction: --model, --corpus and --extract's keys."""
+    reserved = {"model", "corpus", "output", "progress", "address", "layout"} & set(config.extract)
+    if reserved:
+        raise ValueError(f"--extract sets {sorted(reserved)}, which --online decides (--model, --corpus, --address "
+                         "are train-drafter's own flags; the states are not stored)")
+    try:
+        return JobConfig(model=config.model, corpus=config.corpus, output=f"memory://hsx-online/{uuid.uuid4().hex}",
+                         progress=False, **config.extract)
+    except TypeError as e:
+        raise ValueError(f"--extract: {e} (use `hsx run` config keys, e.g. layers, max_tokens, workers)") from e
+
+
+def plan_stream(job: JobConfig) -> JobPlan:
+    """prepare_job's plan without an output: the model's facts, the corpus files, the chat template and the run
+    spec every streamed sample's file follows."""
+    job.check_required()
+    facts = ModelFacts.resolve(job)
+    files = expand_corpus(job.corpus, job.corpus_storage_options)
+    override, template, template_source = load_chat_template(job, facts)
+    spec = build_run_spec(job, facts, files, template, template_source)
+    return JobPlan(job, facts, RunDir(job.output), files, override, spec, new_run=True, done=DoneSet(),
+                   attempt=new_attempt_id())
+
+
+def stream_identity(plan: JobPlan, config: TrainDrafterConfig) -> dict[str, Any]:
+    """What a resumed --online training must find unchanged: the run spec the stream's samples follow (model,
+    layers, dtype, generation) and the corpus files' names and sizes."""
+    doc = {k: v for k, v in plan.spec.to_json().items() if k != "created_at"}
+    spec = json.dumps(doc, sort_keys=True, default=str).encode()
+    corpus = json.dumps([f.url for f in plan.files] + sorted(config.corpus)).encode()
+    return {"run_sha256": hashlib.sha256(spec).hexdigest(), "committed_sha256": hashlib.sha256(corpus).hexdigest(),
+            "committed_samples": None}
+
+
+class CorpusTokens:
+    """The corpus's token ids and loss masks, tokenized here as the job's tokenizer stage would (EAGLE-3's draft
+    vocabulary pass: Drafter.prepare reads token_items())."""
+
+    def __init__(self, plan: JobPlan) -> None:
+        self.plan = plan
+
+    def token_items(self) -> Iterator[dict[str, Any]]:
+        import pyarrow as pa
+        import torch
+
+        from jobs.tokenization import TokenizeStage
+
+        c = self.plan.config
+        stage = TokenizeStage(tokenize_settings(self.plan))
+        every_token = c.include_output_tokens  # the loss goes to generated tokens: count the prompts' instead
+        for file in self.plan.files:
+            for records in read_records(file, c.id_field, c.corpus_storage_options):
+                table = pa.Table.from_pydict({"sample_id": [r.sample_id for r in records],
+                                              "source": [r.source for r in records],
+                                              "payload": [r.payload for r in records],
+                                              "error": [r.error for r in records]}, schema=RECORD_SCHEMA)
+                for row in stage(table).to_pylist():
+                    if row["error"] is None:
+                        ids = torch.tensor(row["prompt_token_ids"], dtype=torch.long)
+                        mask = torch.ones_like(ids) if every_token or row["loss_mask"] is None else \
+                            torch.tensor(row["loss_mask"], dtype=torch.long)
+                        yield {"input_ids": ids, "loss_mask": mask}
+
+
+class LiveBatches:
+    """Packed batches of a live extraction, one pass over the corpus per epoch (a train_loop source)."""
+
+    per_epoch = None  # a live corpus has no known length
+
+    def __init__(self, config: TrainDrafterConfig, plan: JobPlan, feed: CheckedFeed, collate, local: bool,
+                 resumed: dict[str, Any] | None) -> None:
+        import fsspec
+
+        self.config, self.plan, self.feed, self.collate, self.local = config, plan, feed, collate, local
+        self.consumed = list(np.asarray((resumed or {}).get("consumed", np.zeros(0, np.uint64)), np.uint64))
+        """Keys of the samples this epoch has trained on (a resumed stream skips them)."""
+        self.epoch_of_consumed = (resumed or {}).get("epoch", 0)
+        self._last: list[int] = []
+        self.failures: dict[str, str] = {}
+        self.failed = self.extracted = self.passes = 0
+        self.target_forwards = 0
+        """Samples the extraction workers ran the target on (ok ones: each was trained on or is in flight)."""
+        self.peak_inflight_bytes = 0
+        self._memory = fsspec.filesystem("memory")
+        self._scratch = f"/hsx-online-trainer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def state(self) -> dict[str, Any]:
+        return {"consumed": np.asarray(self.consumed, dtype=np.uint64), "epoch": self.epoch_of_consumed}
+
+    def epoch(self, epoch: int, done: int) -> Iterator[tuple[Any, list]]:
+        """(packed batch, bad samples) of one pass; samples consumed before a resume are not extracted again."""
+        if epoch != self.epoch_of_consumed:
+            self.consumed, self.epoch_of_consumed = [], epoch
+        pending: list[dict[str, Any]] = []
+        bad: list[tuple[str, str]] = []
+        used = 0
+        for item in self._items(DoneSet(np.asarray(self.consumed, dtype=np.uint64))):
+            if "bad" in item:
+                bad.append(item["bad"])
+                continue
+            n = min(int(item["input_ids"].shape[0]), self.config.batch_tokens)
+            if pending and used + n > self.config.batch_tokens:
+                yield self._batch(pending, bad)
+                pending, bad, used = [], [], 0
+            pending.append(item)
+            used += n
+        if pending or bad:
+            yield self._batch(pending, bad)
+        self.passes += 1
+
+    def _batch(self, items: list[dict[str, Any]], bad: list[tuple[str, str]]):
+        self._last = id_keys([it["sample_id"] for it in items] + [sid for sid, _ in bad]).tolist()
+        return (self.collate(items) if items else None), bad
+
+    def taken(self) -> None:
+        """The batch last yielded is being trained on (or skipped for good): a resume does not extract it again.
+        (A batch the loop pulled but never took, at its last step, is extracted again.)"""
+        self.consumed.extend(self._last)
+        self._last = []
+
+    def _items(self, done: DoneSet) -> Iterator[dict[str, Any]]:
+        """The pass's samples as checked training items, in the order the workers finish them."""
+        import ray
+        import ray.data
+
+        job = self.plan.config
+        gpus, cpus = _resolve_resources(job, self.local)
+        registry = start_registry(done, job.registry_shards)
+        ctx = ray.data.DataContext.get_current()
+        saved = ctx.execution_options.resource_limits
+        ctx.execution_options.resource_limits = ray.data.ExecutionResources(
+            object_store_memory=int(self.config.inflight_mb * 2**20))
+        try:
+            with _data_context(tokens_per_unit(job, self.plan.spec)):
+                ds = build_dataset(self.plan, registry, gpus, cpus, self.plan.attempt, layout="online")
+                for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    self.peak_inflight_bytes = max(self.peak_inflight_bytes, _store_bytes())
+                    for row in table.to_pylist():
+                        item = self._item(row)
+                        if item is not None:
+                            yield item
+            stats = registry_stats(registry)
+            if stats["duplicates"]:
+                logger.warning("%d records of the corpus repeat an id: each was extracted once", stats["duplicates"])
+        finally:
+            ctx.execution_options.resource_limits = saved
+            for shard in registry:
+                try:
+                    ray.kill(shard)
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
+
+    def _item(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The row's sample as a training item (raw layout), {"bad": ...} when its file fails a check, None for a
+        sample the extraction failed (counted, with its reason)."""
+        sid = row["sample_id"]
+        if row["status"] != OK:
+            self.failed += 1
+            if len(self.failures) < MAX_FAILURES_KEPT:
+                self.failures[sid] = row["error"]
+            return None
+        self.extracted += 1
+        self.target_forwards += 1
+        path = f"{self._scratch}/{uuid.uuid4().hex}.safetensors"
+        self._memory.pipe_file(path, row["payload"])
+        try:
+            item = _read_item(self._memory, path, self.plan.spec, row, self.config.batch_tokens)
+        except (OSError, ValueError) as e:
+            return {"bad": (sid, " ".join(str(e).split()))}
+        finally:
+            self._memory.rm_file(path)
+        return self.feed.check(item)
+
+
+def _read_item(fs, path: str, spec, row: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """A streamed sample's file read as the training feed reads a stored one (training.dataset's raw layout)."""
+    from connectors.format import HIDDEN_STATES
+    from connectors.reader import read_rows
+
+    names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) + (
+        (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if spec.target_top_k is not None else ())
+    info, tensors = read_rows(fs, path, max_length, verify=True, names=names)
+    problem = spec.file_spec().file_problem(info)
+    if problem is None:
+        mismatch = row_file_problem(info, row["sample_id"], row["num_tokens"], row["checksum"])
+        problem = mismatch[1] if mismatch is not None else None
+    if problem is not None:
+        raise ValueError(f"the streamed states of sample {row['sample_id']!r} are not what the extraction "
+                         f"recorded: {problem}")
+    ids = tensors[TOKEN_IDS]
+    item = {"input_ids": ids, "hidden_states": tensors[HIDDEN_STATES], "sample_id": row["sample_id"],
+            "loss_mask": tensors[LOSS_MASK].long() if LOSS_MASK in tensors else ids.new_ones(ids.shape)}
+    if spec.target_top_k is not None:
+        item[TARGET_TOPK_IDS], item[TARGET_TOPK_LOGPROBS] = tensors[TARGET_TOPK_IDS], tensors[TARGET_TOPK_LOGPROBS]
+    return item
+
+
+def _store_bytes() -> int:
+    """Bytes Ray's object store holds now (the stream's blocks among them)."""
+    import ray
+
+    total, free = ray.cluster_resources().get("object_store_memory", 0), \
+        ray.available_resources().get("object_store_memory", 0)
+    return int(max(0, total - free))
+
+
+class _Trained:
+    """What finish() reports of the data of an --online training (it has no dataset)."""
+
+    def __init__(self, spec, samples: int) -> None:
+        self.run_info, self.samples = spec, samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+
+def train_online(config: TrainDrafterConfig) -> dict[str, Any]:
+    """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
+    samples extracted and failed, passes, the target's forward count, the peak of the object store)."""
+    import torch
+
+    from drafters.base import TargetHead
+    from drafters.registry import drafter_class
+    from training.collate import PackCollator
+    from training.replicas import OneProcess
+
+    started = time.monotonic()
+    out = config.output_folder()
+    out.check()
+    target_config(config.model)
+    plan = plan_stream(extraction_config(config))
+    spec = plan.spec
+    check_layers(config, spec, "--online's extraction", "add \"layers\": \"{ids}\" to --extract")
+    identity = stream_identity(plan, config)
+    target = TargetHead.from_model_dir(config.model)
+    torch.manual_seed(config.seed)
+    try:
+        drafter = drafter_class(config.kind).for_run(spec, target, config.num_speculative_tokens,
+                                                     **config.drafter_options())
+    except TypeError as e:
+        raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
+                         ) from e
+    device, dtype = torch_device(config.device), getattr(torch, config.dtype)
+    with ray_cluster(config.address) as local, out.open():
+        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+        feed = CheckedFeed(None, skip=config.skip_bad_samples, spec=spec)
+        if state is None:
+            drafter.prepare(CorpusTokens(plan))
+        collate = PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate")
+        source = LiveBatches(config, plan, feed, collate, local, state.get("source") if state else None)
+        try:
+            final = train_loop(config, feed, target, drafter, state, identity, device, dtype, OneProcess(),
+                               Checkpoints(config, out.check_lease, state).save, progress=config.progress,
+                               source=source, spec=spec)
+        except Exception as e:
+            import ray
+
+            if isinstance(e, ray.exceptions.RayError):
+                raise RuntimeError(f"the online extraction failed: {first_line(e)}") from e
+            raise
+        online = {"extracted": source.extracted, "failed": source.failed, "passes": source.passes,
+                  "target_forwards": source.target_forwards, "peak_object_store_bytes": source.peak_inflight_bytes,
+                  "inflight_mb": config.inflight_mb, "failures": dict(list(source.failures.items())[:20])}
+        return finish(config, out, drafter, final, _Trained(spec, source.extracted), identity, started,
+                      resumed_from=state["step"] if state is not None else None, online=online)

@@ -1,0 +1,114 @@
+"""`hsx train-drafter --online` (jobs/online.py): a drafter trained from a live extraction through Ray's object
+store, nothing stored; the streamed states against a plain transformers forward; resume skips what was consumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+
+import pytest
+import torch
+
+from jobs.tiny_models import sample_text
+from training.trainer import TrainDrafterConfig
+
+pytestmark = [pytest.mark.ray]
+
+LAYERS = (1, 2, 4)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus" / "prompts.jsonl"
+    path.parent.mkdir()
+    texts = sample_text(12, seed=3, min_words=4, max_words=30)
+    path.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    return str(path), texts
+
+
+def _config(tiny_llama, corpus, out, **kw) -> TrainDrafterConfig:
+    defaults = dict(online=True, model=tiny_llama, corpus=(corpus[0],), out=str(out), extract={"layers": "1,2,4"},
+                    batch_tokens=64, draft_vocab_size=48, lr=3e-3, device="cpu", progress=False,
+                    log_sample_ids=True, checkpoint_every=2)
+    return TrainDrafterConfig(**{**defaults, **kw})
+
+
+def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, ray_cluster, tmp_path):
+    from jobs.online import LiveBatches, extraction_config, plan_stream
+    from jobs.registry import DoneSet
+    from tests.extractor.oracle import load_reference, reference_states
+    from training.collate import PackCollator
+    from training.trainer import CheckedFeed
+
+    config = _config(tiny_llama, corpus, tmp_path / "out")
+    plan = plan_stream(extraction_config(config))
+    assert plan.spec.layer_ids == LAYERS
+    source = LiveBatches(config, plan, CheckedFeed(None, skip=False, spec=plan.spec), PackCollator(64), False, None)
+    items = list(source._items(DoneSet()))
+    assert sorted(it["sample_id"] for it in items) == [f"p{i:02d}" for i in range(12)]
+    ref = load_reference(tiny_llama)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    for it in items:
+        text = corpus[1][int(it["sample_id"][1:])]
+        ids = tok(text).input_ids
+        assert it["input_ids"].tolist() == ids
+        torch.testing.assert_close(it["hidden_states"], reference_states(ref, ids, LAYERS), rtol=1e-4, atol=1e-4)
+    assert source.extracted == 12 and source.failed == 0
+
+
+def test_online_training_writes_only_its_out_and_a_resume_skips_what_it_trained_on(tiny_llama, corpus, ray_cluster,
+                                                                                  tmp_path, capsys):
+    from cli.main import main
+    from jobs.train import train_drafter
+
+    out = tmp_path / "online"
+    before = set(os.listdir(tempfile.gettempdir()))
+    code = main(["train-drafter", "--online", "--model", tiny_llama, "--corpus", corpus[0], "--out", str(out),
+                 "--extract", '{"layers": "1,2,4"}', "--steps", "2", "--batch-tokens", "64", "--draft-vocab-size",
+                 "48", "--lr", "3e-3", "--device", "cpu", "--no-progress", "--log-sample-ids",
+                 "--checkpoint-every", "2"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "trained eagle3 for 2 steps" in printed.out
+    first = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    consumed = {i for line in first for i in line["ids"]}
+    assert [x["step"] for x in first] == [1, 2] and 0 < len(consumed) < 12
+    # nothing stored but --out: no run, no staging folder, the corpus folder as it was
+    assert sorted(os.listdir(out)) == [".hsx-output.json", "checkpoint", "config.json", "model.safetensors",
+                                       "report.json", "samples.jsonl"]
+    assert os.listdir(os.path.dirname(corpus[0])) == ["prompts.jsonl"]
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("hsx")}
+
+    report = train_drafter(_config(tiny_llama, corpus, out))  # the rest of the pass (epochs 1)
+    assert report["resumed_from_step"] == 2 and report["epochs"] == 1
+    assert report["online"]["extracted"] == 12 - len(consumed)  # what the first training consumed is not extracted
+    log = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == list(range(1, report["steps"] + 1))
+    seen = Counter(i for line in log for i in line["ids"])
+    assert sorted(seen) == [f"p{i:02d}" for i in range(12)] and set(seen.values()) == {1}
+    assert report["tokens"] == sum(x["tokens"] for x in log)
+
+
+def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_path):
+    from jobs.train import train_drafter
+
+    with pytest.raises(ValueError, match="give --corpus FILES and no --run"):
+        TrainDrafterConfig(online=True, model=tiny_llama, out=str(tmp_path / "o"))
+    for bad, match in [
+                       (dict(run="./run"), "no --run"),
+                       (dict(workers=2), "one process"),
+                       (dict(lr_schedule="cosine"), "needs --steps"),
+                       (dict(epochs=1.5), "whole number")]:
+        with pytest.raises(ValueError, match=match):
+            _config(tiny_llama, corpus, tmp_path / "o", **bad)
+    with pytest.raises(ValueError, match="belong to --online"):
+        _config(tiny_llama, corpus, tmp_path / "o", online=False, run="./run")
+    for extract, match in [({"output": "x"}, "--online decides"), ({"layerz": "1"}, "--extract: .*layerz"),
+                           ({"layers": "1,2"}, "needs layers .* add \"layers\": \"1,2,4\" to --extract")]:
+        with pytest.raises(ValueError, match=match):
+            train_drafter(_config(tiny_llama, corpus, tmp_path / "o", extract=extract))
+    assert not (tmp_path / "o").exists()
