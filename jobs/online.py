@@ -77,8 +77,10 @@ def extraction_config(config: TrainDrafterConfig) -> JobConfig:
         raise ValueError(f"--extract sets {sorted(reserved)}, which --online decides (--model, --corpus, --address "
                          "are train-drafter's own flags; the states are not stored)")
     try:
-        return JobConfig(model=config.model, corpus=config.corpus, output=f"memory://hsx-online/{uuid.uuid4().hex}",
-                         progress=False, **config.extract)
+        output = config.cache or f"memory://hsx-online/{uuid.uuid4().hex}"
+        options = {"storage_options": config.storage_options} if config.cache else {}
+        return JobConfig(model=config.model, corpus=config.corpus, output=output, progress=False,
+                         **options, **config.extract)
     except TypeError as e:
         raise ValueError(f"--extract: {e} (use `hsx run` config keys, e.g. layers, max_tokens, workers)") from e
 
@@ -152,7 +154,8 @@ class LiveBatches:
         self.failures: dict[str, str] = {}
         self.failed = self.extracted = self.passes = 0
         self.target_forwards = 0
-        """Samples the extraction workers ran the target on (ok ones: each was trained on or is in flight)."""
+        """Samples the extraction delivered ("ok" rows: the target ran once for each; with --cache, the ones it
+        committed to the run)."""
         self.peak_inflight_bytes = 0
         self._memory = fsspec.filesystem("memory")
         self._scratch = f"/hsx-online-trainer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -161,13 +164,19 @@ class LiveBatches:
         return {"consumed": np.asarray(self.consumed, dtype=np.uint64), "epoch": self.epoch_of_consumed}
 
     def epoch(self, epoch: int, done: int) -> Iterator[tuple[Any, list]]:
-        """(packed batch, bad samples) of one pass; samples consumed before a resume are not extracted again."""
+        """(packed batch, bad samples) of one pass; samples consumed before a resume are not extracted again. With
+        --cache the first pass also stores the run and later epochs read it (`done` batches in)."""
         if epoch != self.epoch_of_consumed:
             self.consumed, self.epoch_of_consumed = [], epoch
+        if self.config.cache and epoch >= 1:
+            yield from self._stored(epoch, done)
+            return
         pending: list[dict[str, Any]] = []
         bad: list[tuple[str, str]] = []
         used = 0
-        for item in self._items(DoneSet(np.asarray(self.consumed, dtype=np.uint64))):
+        consumed = DoneSet(np.asarray(self.consumed, dtype=np.uint64))
+        items = self._cached_items(consumed) if self.config.cache else self._items(consumed)
+        for item in items:
             if "bad" in item:
                 bad.append(item["bad"])
                 continue
@@ -190,6 +199,88 @@ class LiveBatches:
         (A batch the loop pulled but never took, at its last step, is extracted again.)"""
         self.consumed.extend(self._last)
         self._last = []
+
+    def _stored(self, epoch: int, done: int) -> Iterator[tuple[Any, list]]:
+        """An epoch after the first of a --cache training: the stored run, as a training on --run reads it."""
+        from training.replicas import OneProcess
+        from training.trainer import RunBatches, open_dataset
+
+        self._last = []
+        feed = CheckedFeed(open_dataset(self.config, self.config.cache), skip=self.config.skip_bad_samples)
+        yield from RunBatches(self.config, feed, OneProcess(), feed.collate(self.collate)).epoch(epoch, done)
+
+    def _cached_items(self, consumed: DoneSet) -> Iterator[dict[str, Any]]:
+        """The first pass of a --cache training: `hsx run` into --cache (its manifest, checksums and resume), each
+        committed sample read back from the run for training. A resumed pass first trains on what the run already
+        holds and this epoch did not consume, then extracts the rest."""
+        import queue
+        import threading
+
+        from connectors.run import ok_rows
+        from jobs.pipeline import execute_job, prepare_job
+
+        plan = prepare_job(self.plan.config)  # run.json written or checked, the cache's lease taken
+        rows = queue.Queue(maxsize=4)  # batches of rows between the job and the trainer: the job waits when full
+        stop = threading.Event()
+
+        def hand(batch) -> None:
+            self.target_forwards += batch["status"].to_pylist().count(OK)
+            while not stop.is_set():
+                try:
+                    rows.put(batch, timeout=0.5)
+                    return
+                except queue.Full:
+                    continue
+            raise _Stopped("the training stopped reading the stream")
+
+        def job() -> None:
+            try:
+                outcome = ("done", execute_job(plan, on_batch=hand))
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
+                outcome = ("error", e)
+            while not stop.is_set():  # unless the trainer stopped reading
+                try:
+                    rows.put(outcome, timeout=0.5)
+                    return
+                except queue.Full:
+                    continue
+
+        stored = ok_rows(plan.output) if not plan.new_run and len(plan.done) else None
+        thread = threading.Thread(target=job, name="hsx-online-cache", daemon=True)
+        thread.start()
+        try:
+            if stored is not None:
+                for row in stored.to_pylist():
+                    if not consumed.contains(id_keys([row["sample_id"]]))[0]:
+                        yield self._stored_item(plan, {**row, "status": OK})
+            while True:
+                got = rows.get()
+                if isinstance(got, tuple):
+                    if got[0] == "error" and not isinstance(got[1], _Stopped):
+                        raise got[1]
+                    if got[0] == "done" and got[1].failed:
+                        logger.warning("%d samples of the corpus failed to extract into --cache %s (`hsx status` "
+                                       "lists why)", got[1].failed, plan.output.url)
+                    break
+                for row in got.to_pylist():
+                    if row["status"] != OK:
+                        self._item(row)  # counted as failed
+                    elif not consumed.contains(id_keys([row["sample_id"]]))[0]:
+                        yield self._stored_item(plan, row)
+        finally:
+            stop.set()
+            thread.join()
+
+    def _stored_item(self, plan: JobPlan, row: dict[str, Any]) -> dict[str, Any]:
+        from connectors.run import sample_range
+
+        self.extracted += 1
+        try:
+            item = _read_item(plan.output.fs, plan.output.path(row["path"]), self.plan.spec, row,
+                              self.config.batch_tokens, sample_range(row.get("offset"), row.get("bytes")))
+        except (OSError, ValueError) as e:
+            return {"bad": (row["sample_id"], " ".join(str(e).split()))}
+        return self.feed.check(item)
 
     def _items(self, done: DoneSet) -> Iterator[dict[str, Any]]:
         """The pass's samples as checked training items, in the order the workers finish them."""
@@ -245,14 +336,19 @@ class LiveBatches:
         return self.feed.check(item)
 
 
-def _read_item(fs, path: str, spec, row: dict[str, Any], max_length: int) -> dict[str, Any]:
+class _Stopped(Exception):
+    """The trainer stopped reading the first pass of a --cache training (its steps are done)."""
+
+
+def _read_item(fs, path: str, spec, row: dict[str, Any], max_length: int,
+               byte_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """A streamed sample's file read as the training feed reads a stored one (training.dataset's raw layout)."""
     from connectors.format import HIDDEN_STATES
     from connectors.reader import read_rows
 
     names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) + (
         (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if spec.target_top_k is not None else ())
-    info, tensors = read_rows(fs, path, max_length, verify=True, names=names)
+    info, tensors = read_rows(fs, path, max_length, verify=True, names=names, byte_range=byte_range)
     problem = spec.file_spec().file_problem(info)
     if problem is None:
         mismatch = row_file_problem(info, row["sample_id"], row["num_tokens"], row["checksum"])

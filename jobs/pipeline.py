@@ -262,8 +262,10 @@ def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
         return None
 
 
-def execute_job(plan: JobPlan) -> JobResult:
-    """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back."""
+def execute_job(plan: JobPlan, on_batch=None) -> JobResult:
+    """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back.
+    `on_batch(rows)` sees every batch of rows once it is handed to the manifest writer (a trainer reading the run as
+    it is written: jobs/online.py); an exception it raises stops the job, the rows received are committed."""
     attempt = plan.attempt or new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()
@@ -276,13 +278,14 @@ def execute_job(plan: JobPlan) -> JobResult:
     keep_alive = plan.lease.keep_alive() if plan.lease is not None else contextlib.nullcontext(threading.Event())
     try:
         with keep_alive as lease_lost:
-            return _execute(plan, result, attempt, started, lease_lost)
+            return _execute(plan, result, attempt, started, lease_lost, on_batch)
     finally:
         if plan.lease is not None:
             plan.lease.release()
 
 
-def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lease_lost: threading.Event) -> JobResult:
+def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lease_lost: threading.Event,
+             on_batch=None) -> JobResult:
     import ray
 
     config = plan.config
@@ -308,6 +311,8 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                             progress.update(batch)
                             _note(result, batch)
                             writer.maybe_flush()
+                            if on_batch is not None:
+                                on_batch(batch)
                             if count.done() and count.result() is not None:
                                 progress.set_total(max(count.result() - len(plan.done), 0))
                                 count = concurrent.futures.Future()

@@ -129,6 +129,9 @@ class TrainDrafterConfig:
     extract: dict[str, Any] = field(default_factory=dict)
     """--online: further `hsx run` settings for the extraction, as JSON with its config keys (e.g. '{"layers":
     "1,2,4", "max_tokens": 64, "include_output_tokens": true, "workers": 2}')."""
+    cache: str | None = None
+    """--online: also store the first pass as an ordinary `hsx run` in this folder or URL (manifest, checksums,
+    exactly once, resumable; --storage-options apply); later epochs read it instead of running the target again."""
     inflight_mb: float = 512.0
     """--online: Ray object-store memory the stream may hold ahead of the trainer (states extracted, not yet
     trained on); the extraction waits when it is full."""
@@ -168,8 +171,9 @@ class TrainDrafterConfig:
                                  "a whole number")
             if not self.inflight_mb > 0:
                 raise ValueError(f"--inflight-mb must be > 0, got {self.inflight_mb}")
-        elif self.corpus or self.extract:
-            raise ValueError("--corpus and --extract belong to --online training; without --online, train on --run")
+        elif self.corpus or self.extract or self.cache:
+            raise ValueError("--corpus, --extract and --cache belong to --online training; without --online, train "
+                             "on --run")
         from drafters.registry import families
 
         found = families().get(self.kind)
@@ -229,7 +233,8 @@ class TrainDrafterConfig:
         from connectors.outputs import OutputFolder
 
         return OutputFolder(self.out, command="train-drafter", flag="--out",
-                            inputs={k: v for k, v in (("--model", self.model), ("--run", self.run)) if v},
+                            inputs={k: v for k, v in (("--model", self.model), ("--run", self.run),
+                                                      ("--cache", self.cache)) if v},
                             legacy_markers=LEGACY_MARKERS,
                             break_lease=self.break_lease)
 
@@ -313,15 +318,17 @@ def _committed_samples(config: TrainDrafterConfig) -> int | None:
         return None
 
 
-def open_dataset(config: TrainDrafterConfig):
-    """The run as the trainer reads it (raw layout, samples truncated to --batch-tokens, with their ids)."""
+def open_dataset(config: TrainDrafterConfig, run: str | None = None):
+    """The run (default --run) as the trainer reads it (raw layout, samples truncated to --batch-tokens, with their
+    ids)."""
     from training.dataset import HiddenStatesDataset
 
+    run = run or config.run
     try:
-        return HiddenStatesDataset(config.run, layout="raw", storage_options=config.storage_options,
+        return HiddenStatesDataset(run, layout="raw", storage_options=config.storage_options,
                                    max_length=config.batch_tokens, include_sample_id=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--run {config.run}: cannot open the run ({e})") from e
+        raise ValueError(f"{run}: cannot open the run ({e})") from e
 
 
 def check_layers(config: TrainDrafterConfig, spec, what: str, layers_fix: str) -> None:

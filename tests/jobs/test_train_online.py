@@ -93,6 +93,35 @@ def test_online_training_writes_only_its_out_and_a_resume_skips_what_it_trained_
     assert report["tokens"] == sum(x["tokens"] for x in log)
 
 
+def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in_later_epochs(
+        tiny_llama, corpus, ray_cluster, tmp_path):
+    """--cache: the first pass is an `hsx run` into the cache (every sample once, checksums that verify), later
+    epochs read it (the target runs once per sample in all); stopped after 2 steps and resumed, each epoch still
+    trains on every sample once."""
+    from connectors.run import ok_rows, read_manifest
+    from jobs.train import train_drafter
+    from jobs.verify import VerifyConfig, verify_run
+
+    out, cache = tmp_path / "hybrid", tmp_path / "cache"
+    first = train_drafter(_config(tiny_llama, corpus, out, cache=str(cache), steps=2))
+    assert first["steps"] == 2
+    report = train_drafter(_config(tiny_llama, corpus, out, cache=str(cache), epochs=2))
+    assert report["resumed_from_step"] == 2 and report["epochs"] == 2
+    log = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == list(range(1, report["steps"] + 1))
+    for epoch in (0, 1):
+        seen = Counter(i for line in log if line["epoch"] == epoch for i in line["ids"])
+        assert sorted(seen) == [f"p{i:02d}" for i in range(12)] and set(seen.values()) == {1}, epoch
+    # the cache is an ordinary run: every sample committed once, files that verify
+    assert sorted(ok_rows(str(cache))["sample_id"].to_pylist()) == [f"p{i:02d}" for i in range(12)]
+    statuses = Counter(read_manifest(str(cache), ["status"])["status"].to_pylist())
+    assert statuses == {"ok": 12}
+    checked = verify_run(VerifyConfig(output=str(cache)))
+    assert checked.checked == 12 and not checked.failures
+    # the second training's later epoch read the run: the target ran only for what the first left to extract
+    assert first["online"]["target_forwards"] + report["online"]["target_forwards"] == 12
+
+
 def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_path):
     from jobs.train import train_drafter
 
