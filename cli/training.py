@@ -37,6 +37,16 @@ def register(sub) -> None:
             return EXIT_FAILED
         except (ValueError, FileNotFoundError) as e:
             raise UsageError(str(e)) from e
+        if "trainers" in r:  # --fanout: a line per trainer, then the stream's
+            failed = [t for t in r["trainers"] if "error" in t]
+            for t in r["trainers"]:
+                print(f"{t['out']}: failed: {t['error']}" if "error" in t else
+                      f"{t['out']}: trained {t['kind']} for {t['steps']} steps ({t['tokens']} tokens), loss "
+                      f"{t['final_loss']:.4f}, simulated acceptance length {t['simulated_acceptance_length']:.3f}")
+            s = r["online"]
+            print(f"one stream for {len(r['trainers'])} trainers: {s['passes']} passes, the target ran for "
+                  f"{s['target_forwards']} samples, {s['failed']} failed to extract")
+            return EXIT_FAILED if failed else EXIT_OK
         acc = "/".join(f"{a:.3f}" for a in r["accuracy_per_position"])
         on = f" on {r['workers']} replicas" if config.distributed() else ""
         print(f"trained {r['kind']}{on} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "

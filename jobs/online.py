@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -174,9 +175,8 @@ class LiveBatches:
         pending: list[dict[str, Any]] = []
         bad: list[tuple[str, str]] = []
         used = 0
-        consumed = DoneSet(np.asarray(self.consumed, dtype=np.uint64))
-        items = self._cached_items(consumed) if self.config.cache else self._items(consumed)
-        for item in items:
+        items = self._pass_items(epoch, DoneSet(np.asarray(self.consumed, dtype=np.uint64)))
+        for item in shuffled(items, int(self.config.shuffle_mb * 2**20), random.Random(self.config.seed * 7919 + epoch)):
             if "bad" in item:
                 bad.append(item["bad"])
                 continue
@@ -189,6 +189,10 @@ class LiveBatches:
         if pending or bad:
             yield self._batch(pending, bad)
         self.passes += 1
+
+    def _pass_items(self, epoch: int, consumed: DoneSet) -> Iterator[dict[str, Any]]:
+        """The training items of pass `epoch`, minus `consumed`."""
+        return self._cached_items(consumed) if self.config.cache else self._items(consumed)
 
     def _batch(self, items: list[dict[str, Any]], bad: list[tuple[str, str]]):
         self._last = id_keys([it["sample_id"] for it in items] + [sid for sid, _ in bad]).tolist()
@@ -291,9 +295,10 @@ class LiveBatches:
         gpus, cpus = _resolve_resources(job, self.local)
         registry = start_registry(done, job.registry_shards)
         ctx = ray.data.DataContext.get_current()
-        saved = ctx.execution_options.resource_limits
+        saved = ctx.execution_options.resource_limits, ctx.execution_options.preserve_order
         ctx.execution_options.resource_limits = ray.data.ExecutionResources(
             object_store_memory=int(self.config.inflight_mb * 2**20))
+        ctx.execution_options.preserve_order = True  # the corpus's order: a training that can be repeated
         try:
             with _data_context(tokens_per_unit(job, self.plan.spec)):
                 ds = build_dataset(self.plan, registry, gpus, cpus, self.plan.attempt, layout="online")
@@ -307,7 +312,7 @@ class LiveBatches:
             if stats["duplicates"]:
                 logger.warning("%d records of the corpus repeat an id: each was extracted once", stats["duplicates"])
         finally:
-            ctx.execution_options.resource_limits = saved
+            ctx.execution_options.resource_limits, ctx.execution_options.preserve_order = saved
             for shard in registry:
                 try:
                     ray.kill(shard)
@@ -336,8 +341,136 @@ class LiveBatches:
         return self.feed.check(item)
 
 
+class StreamHub:
+    """One live extraction feeding several trainers (--fanout): each pass streams once and every item goes to each
+    trainer that asked for the pass, through a bounded queue per trainer (a slow trainer makes the stream wait,
+    within --inflight-mb; none is skipped or repeated). A pass skips only what every trainer in it consumed before
+    a resume."""
+
+    END = object()
+
+    def __init__(self, stream: LiveBatches, trainers: int, queue_items: int = 64) -> None:
+        import queue
+        import threading
+
+        self.stream = stream
+        self.queues = [queue.Queue(maxsize=queue_items) for _ in range(trainers)]
+        self.resumed: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, np.uint64))] * trainers
+        self.asking = [-1] * trainers
+        """The pass each trainer waits for (-1: not yet asked)."""
+        self.active = [True] * trainers
+        self.error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def resume(self, i: int, epoch: int, consumed: np.ndarray) -> None:
+        self.resumed[i] = (epoch, consumed)
+
+    def finished(self, i: int) -> None:
+        with self._changed:
+            self.active[i] = False
+            self._changed.notify_all()
+
+    def run(self) -> None:
+        """Stream the passes the trainers ask for, in this thread, until every trainer is done."""
+        p = 0
+        try:
+            while True:
+                with self._changed:  # every trainer asked for this pass or a later one (or is done)
+                    self._changed.wait_for(lambda p=p: all(not a or k >= p for a, k in zip(self.active, self.asking)))
+                    live = [i for i, a in enumerate(self.active) if a]
+                    if not live:
+                        return
+                    needing = [i for i in live if self.asking[i] == p]
+                if not needing:  # every trainer resumed in a later pass
+                    p += 1
+                    continue
+                skip = None  # a trainer resumed in this pass consumed part of it; others need all of it
+                for i in needing:
+                    epoch, consumed = self.resumed[i]
+                    keys = set(consumed.tolist()) if epoch == p else set()
+                    skip = keys if skip is None else skip & keys
+                for item in self.stream._items(DoneSet(np.asarray(sorted(skip), dtype=np.uint64))):
+                    for i in needing:
+                        self._put(i, (p, item))
+                for i in needing:
+                    self._put(i, (p, self.END))
+                self.stream.passes += 1
+                p += 1
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def _put(self, i: int, what) -> None:
+        import queue
+
+        while self.active[i]:
+            try:
+                self.queues[i].put(what, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def items(self, i: int, epoch: int) -> Iterator[dict[str, Any]]:
+        """Trainer i's items of pass `epoch`."""
+        import queue
+
+        with self._changed:
+            self.asking[i] = epoch
+            self._changed.notify_all()
+        while True:
+            try:
+                p, item = self.queues[i].get(timeout=0.5)
+            except queue.Empty:
+                if self.error is not None:
+                    raise RuntimeError(f"the online extraction failed: {first_line(self.error)}") from self.error
+                continue
+            if item is self.END:
+                return
+            yield item
+
+
+class FanoutBatches(LiveBatches):
+    """One --fanout trainer's batches: its share of the hub's stream, packed to its own --batch-tokens."""
+
+    def __init__(self, config: TrainDrafterConfig, hub: StreamHub, i: int, collate,
+                 resumed: dict[str, Any] | None) -> None:
+        super().__init__(config, hub.stream.plan, hub.stream.feed, collate, hub.stream.local, resumed)
+        self.hub, self.i = hub, i
+        hub.resume(i, self.epoch_of_consumed, np.asarray(self.consumed, dtype=np.uint64))
+
+    def _pass_items(self, epoch: int, consumed: DoneSet) -> Iterator[dict[str, Any]]:
+        for item in self.hub.items(self.i, epoch):
+            sid = item["bad"][0] if "bad" in item else item["sample_id"]
+            if not consumed.contains(id_keys([sid]))[0]:
+                self.extracted += 1
+                yield item
+
+
 class _Stopped(Exception):
     """The trainer stopped reading the first pass of a --cache training (its steps are done)."""
+
+
+def shuffled(items: Iterator[dict[str, Any]], capacity: int, rng) -> Iterator[dict[str, Any]]:
+    """`items` in a random order drawn from a buffer of up to `capacity` bytes of states (a streaming shuffle: the
+    stream's order is the workers', samples of one corpus file together; a trainer wants them mixed)."""
+    buffer: list[dict[str, Any]] = []
+    held = 0
+    for item in items:
+        buffer.append(item)
+        held += _item_bytes(item)
+        while buffer and held > capacity:
+            j = rng.randrange(len(buffer))
+            buffer[j], buffer[-1] = buffer[-1], buffer[j]
+            out = buffer.pop()
+            held -= _item_bytes(out)
+            yield out
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def _item_bytes(item: dict[str, Any]) -> int:
+    states = item.get("hidden_states")
+    return 0 if states is None else states.numel() * states.element_size()
 
 
 def _read_item(fs, path: str, spec, row: dict[str, Any], max_length: int,
@@ -383,52 +516,150 @@ class _Trained:
         return self.samples
 
 
+class _OnlineTrainer:
+    """One drafter trained from the stream: checked and initialised before any stream starts."""
+
+    def __init__(self, config: TrainDrafterConfig, plan: JobPlan) -> None:
+        import torch
+
+        from drafters.base import TargetHead
+        from drafters.registry import drafter_class
+
+        self.started = time.monotonic()
+        self.config, self.plan, self.spec = config, plan, plan.spec
+        self.out = config.output_folder()
+        self.out.check()
+        target_config(config.model)
+        check_layers(config, self.spec, "--online's extraction", "add \"layers\": \"{ids}\" to --extract")
+        self.identity = stream_identity(plan, config)
+        self.target = TargetHead.from_model_dir(config.model)
+        torch.manual_seed(config.seed)
+        try:
+            self.drafter = drafter_class(config.kind).for_run(self.spec, self.target, config.num_speculative_tokens,
+                                                              **config.drafter_options())
+        except TypeError as e:
+            raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its "
+                             "fields") from e
+
+    def run(self, make_source) -> dict[str, Any]:
+        """Train under --out's lease; `make_source(feed, collate, resumed source state)` gives the batches."""
+        import torch
+
+        from training.collate import PackCollator
+        from training.replicas import OneProcess
+
+        c = self.config
+        device, dtype = torch_device(c.device), getattr(torch, c.dtype)
+        with self.out.open():
+            state = load_checkpoint(os.path.join(c.out, CHECKPOINT_DIR), c, self.identity)
+            feed = CheckedFeed(None, skip=c.skip_bad_samples, spec=self.spec)
+            collate = PackCollator(c.batch_tokens, pad_to_max=False, overlong="truncate")
+            source = make_source(feed, collate, state.get("source") if state else None)
+            if state is None:
+                self.drafter.prepare(CorpusTokens(self.plan))
+            try:
+                final = train_loop(c, feed, self.target, self.drafter, state, self.identity, device, dtype,
+                                   OneProcess(), Checkpoints(c, self.out.check_lease, state).save,
+                                   progress=c.progress, source=source, spec=self.spec)
+            except Exception as e:
+                import ray
+
+                if isinstance(e, ray.exceptions.RayError):
+                    raise RuntimeError(f"the online extraction failed: {first_line(e)}") from e
+                raise
+            online = {"extracted": source.extracted, "failed": source.failed, "passes": source.passes,
+                      "target_forwards": source.target_forwards, "inflight_mb": c.inflight_mb,
+                      "peak_object_store_bytes": source.peak_inflight_bytes,
+                      "failures": dict(list(source.failures.items())[:20])}
+            return finish(c, self.out, self.drafter, final, _Trained(self.spec, source.extracted), self.identity,
+                          self.started, resumed_from=state["step"] if state is not None else None, online=online)
+
+
 def train_online(config: TrainDrafterConfig) -> dict[str, Any]:
     """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
-    samples extracted and failed, passes, the target's forward count, the peak of the object store)."""
-    import torch
-
-    from drafters.base import TargetHead
-    from drafters.registry import drafter_class
-    from training.collate import PackCollator
-    from training.replicas import OneProcess
-
-    started = time.monotonic()
-    out = config.output_folder()
-    out.check()
-    target_config(config.model)
+    samples extracted and failed, passes, the target's forward count, the peak of the object store). With
+    --fanout: train_fanout's report."""
+    if config.fanout:
+        return train_fanout(config)
     plan = plan_stream(extraction_config(config))
-    spec = plan.spec
-    check_layers(config, spec, "--online's extraction", "add \"layers\": \"{ids}\" to --extract")
-    identity = stream_identity(plan, config)
-    target = TargetHead.from_model_dir(config.model)
-    torch.manual_seed(config.seed)
-    try:
-        drafter = drafter_class(config.kind).for_run(spec, target, config.num_speculative_tokens,
-                                                     **config.drafter_options())
-    except TypeError as e:
-        raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
-                         ) from e
-    device, dtype = torch_device(config.device), getattr(torch, config.dtype)
-    with ray_cluster(config.address) as local, out.open():
-        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
-        feed = CheckedFeed(None, skip=config.skip_bad_samples, spec=spec)
-        if state is None:
-            drafter.prepare(CorpusTokens(plan))
-        collate = PackCollator(config.batch_tokens, pad_to_max=False, overlong="truncate")
-        source = LiveBatches(config, plan, feed, collate, local, state.get("source") if state else None)
-        try:
-            final = train_loop(config, feed, target, drafter, state, identity, device, dtype, OneProcess(),
-                               Checkpoints(config, out.check_lease, state).save, progress=config.progress,
-                               source=source, spec=spec)
-        except Exception as e:
-            import ray
+    trainer = _OnlineTrainer(config, plan)
+    with ray_cluster(config.address) as local:
+        return trainer.run(lambda feed, collate, resumed: LiveBatches(config, plan, feed, collate, local, resumed))
 
-            if isinstance(e, ray.exceptions.RayError):
-                raise RuntimeError(f"the online extraction failed: {first_line(e)}") from e
-            raise
-        online = {"extracted": source.extracted, "failed": source.failed, "passes": source.passes,
-                  "target_forwards": source.target_forwards, "peak_object_store_bytes": source.peak_inflight_bytes,
-                  "inflight_mb": config.inflight_mb, "failures": dict(list(source.failures.items())[:20])}
-        return finish(config, out, drafter, final, _Trained(spec, source.extracted), identity, started,
-                      resumed_from=state["step"] if state is not None else None, online=online)
+
+FANOUT_FIXED = ("model", "corpus", "extract", "online", "cache", "fanout", "address", "inflight_mb", "workers",
+                "gpus_per_worker", "max_failures", "run")
+"""Settings every --fanout trainer shares (the stream's); an entry may set any other, and must set its own out."""
+
+
+def fanout_configs(config: TrainDrafterConfig) -> list[TrainDrafterConfig]:
+    """The trainers of --fanout FILE: a YAML or JSON list of settings (or {"trainers": [...]}), each over the
+    command's own."""
+    import dataclasses
+
+    import fsspec
+    import yaml
+
+    try:
+        with fsspec.open(config.fanout, "rt", encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--fanout {config.fanout}: cannot be read ({first_line(e)})") from e
+    entries = doc.get("trainers") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--fanout {config.fanout} must list the trainers: a list of settings (or trainers: [...]), "
+                         "each a mapping with its own out")
+    fields = {f.name for f in dataclasses.fields(TrainDrafterConfig)}
+    configs, outs = [], set()
+    for n, entry in enumerate(entries, 1):
+        unknown = sorted(set(entry) - fields)
+        fixed = sorted(set(entry) & set(FANOUT_FIXED))
+        if unknown or fixed or "out" not in entry:
+            why = (f"unknown settings {unknown}" if unknown else f"{fixed} are the stream's, shared by every trainer"
+                   if fixed else "no out (each trainer writes its own folder)")
+            raise ValueError(f"--fanout {config.fanout}: trainer {n}: {why}")
+        c = dataclasses.replace(config, fanout=None, **entry)
+        if os.path.realpath(c.out) in outs:
+            raise ValueError(f"--fanout {config.fanout}: trainer {n} writes to {c.out}, as an earlier one does")
+        outs.add(os.path.realpath(c.out))
+        configs.append(c)
+    if config.cache:
+        raise ValueError("--fanout with --cache is not supported yet: train the trainers on the cached run instead")
+    return configs
+
+
+def train_fanout(config: TrainDrafterConfig) -> dict[str, Any]:
+    """Several drafters trained from one live extraction (--fanout): the target runs once per sample and pass for
+    all of them. {"trainers": [report or {"out", "error"}], "online": the stream's counts}; a trainer that fails does
+    not stop the others."""
+    import threading
+
+    configs = fanout_configs(config)
+    plan = plan_stream(extraction_config(config))
+    trainers = [_OnlineTrainer(c, plan) for c in configs]  # every check before the stream starts
+    reports: list[dict[str, Any] | None] = [None] * len(trainers)
+    with ray_cluster(config.address) as local:
+        stream = LiveBatches(config, plan, CheckedFeed(None, skip=config.skip_bad_samples, spec=plan.spec), None,
+                             local, None)
+        hub = StreamHub(stream, len(trainers))
+
+        def work(i: int) -> None:
+            try:
+                reports[i] = trainers[i].run(lambda feed, collate, resumed: FanoutBatches(
+                    configs[i], hub, i, collate, resumed))
+            except Exception as e:  # noqa: BLE001 - reported with the trainer's out; the others go on
+                logger.error("fan-out trainer %d (%s) failed: %s", i + 1, configs[i].out, first_line(e))
+                reports[i] = {"out": configs[i].out, "error": f"{type(e).__name__}: {first_line(e)}"}
+            finally:
+                hub.finished(i)
+
+        threads = [threading.Thread(target=work, args=(i,), name=f"hsx-fanout-{i + 1}") for i in range(len(configs))]
+        for t in threads:
+            t.start()
+        try:
+            hub.run()
+        finally:
+            for t in threads:  # a stream that failed ends every trainer's wait (hub.error)
+                t.join()
+    return {"trainers": reports, "online": {"passes": stream.passes, "target_forwards": stream.target_forwards,
+                                            "failed": stream.failed, "peak_object_store_bytes": stream.peak_inflight_bytes}}

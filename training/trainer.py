@@ -129,9 +129,16 @@ class TrainDrafterConfig:
     extract: dict[str, Any] = field(default_factory=dict)
     """--online: further `hsx run` settings for the extraction, as JSON with its config keys (e.g. '{"layers":
     "1,2,4", "max_tokens": 64, "include_output_tokens": true, "workers": 2}')."""
+    fanout: str | None = None
+    """--online: train several drafters from one stream (the target runs once per sample and pass for all): a YAML
+    or JSON file listing each trainer's settings over this command's (each its own out; e.g. kind, lr, seed, steps,
+    family_options). Reported per trainer."""
     cache: str | None = None
     """--online: also store the first pass as an ordinary `hsx run` in this folder or URL (manifest, checksums,
     exactly once, resumable; --storage-options apply); later epochs read it instead of running the target again."""
+    shuffle_mb: float = 256.0
+    """--online: the stream's samples are mixed in a buffer of this many MiB of states (seeded by --seed and the
+    epoch) before they fill batches; 0 keeps the workers' order."""
     inflight_mb: float = 512.0
     """--online: Ray object-store memory the stream may hold ahead of the trainer (states extracted, not yet
     trained on); the extraction waits when it is full."""
@@ -169,11 +176,12 @@ class TrainDrafterConfig:
             if self.epochs is not None and self.epochs != int(self.epochs):
                 raise ValueError(f"--online trains whole passes over the corpus: --epochs {self.epochs} must be "
                                  "a whole number")
-            if not self.inflight_mb > 0:
-                raise ValueError(f"--inflight-mb must be > 0, got {self.inflight_mb}")
-        elif self.corpus or self.extract or self.cache:
-            raise ValueError("--corpus, --extract and --cache belong to --online training; without --online, train "
-                             "on --run")
+            if not self.inflight_mb > 0 or self.shuffle_mb < 0:
+                raise ValueError(f"--inflight-mb must be > 0 and --shuffle-mb >= 0, got {self.inflight_mb} and "
+                                 f"{self.shuffle_mb}")
+        elif self.corpus or self.extract or self.cache or self.fanout:
+            raise ValueError("--corpus, --extract, --cache and --fanout belong to --online training; without "
+                             "--online, train on --run")
         from drafters.registry import families
 
         found = families().get(self.kind)

@@ -122,6 +122,35 @@ def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in
     assert first["online"]["target_forwards"] + report["online"]["target_forwards"] == 12
 
 
+def test_fanout_trains_three_drafters_from_one_stream_each_as_if_alone(tiny_llama, corpus, ray_cluster, tmp_path):
+    """--fanout: three trainers (two EAGLE-3 seeds and lrs, a Medusa) from one pass of the target; each trains on
+    every sample once, and the first ends with the weights it reaches trained alone from its own stream."""
+    from jobs.train import train_drafter
+
+    fanout = tmp_path / "fanout.yaml"
+    fanout.write_text(f"""trainers:
+  - {{out: {tmp_path / 'a'}, seed: 0}}
+  - {{out: {tmp_path / 'b'}, seed: 1, lr: 0.001}}
+  - {{out: {tmp_path / 'c'}, kind: medusa, draft_vocab_size: null, num_speculative_tokens: 2}}
+""")
+    result = train_drafter(_config(tiny_llama, corpus, tmp_path / "x", fanout=str(fanout)))
+    assert result["online"]["passes"] == 1 and result["online"]["target_forwards"] == 12  # one pass for all three
+    for name, kind in (("a", "eagle3"), ("b", "eagle3"), ("c", "medusa")):
+        report = next(r for r in result["trainers"] if r["out"] == str(tmp_path / name))
+        assert report["kind"] == kind and report["steps"] > 0, report
+        log = [json.loads(x) for x in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+        seen = Counter(i for line in log for i in line["ids"])
+        assert sorted(seen) == [f"p{i:02d}" for i in range(12)] and set(seen.values()) == {1}
+    alone = train_drafter(_config(tiny_llama, corpus, tmp_path / "alone", seed=0))
+    assert alone["online"]["target_forwards"] == 12
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "alone" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
 def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_path):
     from jobs.train import train_drafter
 
