@@ -14,7 +14,8 @@ same held-out prompts on the reference target.
 3. Both decode the held-out prompts (k = 3, greedy, every output checked equal to plain greedy decoding): mean
    acceptance length and tokens per target step, online against offline (target: within 2%); the online training's
    peak object-store use against --inflight-mb, the peak RSS of this process (the trainer) and of the extraction
-   workers (sampled), and the target's forward count against one pass per epoch.
+   workers (sampled; beside the same extraction as a plain `hsx run`), and the target's forward count against one
+   pass per epoch.
 
 Never pass/fail, except lossy decoding.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
     ap.add_argument("--inflight-mb", type=float, default=256.0)
+    ap.add_argument("--shuffle-mb", type=float, default=256.0, help="the online trainer's shuffle buffer")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds (each trained both ways)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 32; --quick 4)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 96; --quick 16)")
@@ -107,62 +111,90 @@ def main(argv=None) -> int:
     extract(target.path, corpus, run, None, args.threads, args.regenerate)
     timings["extraction (offline)"] = time.perf_counter() - t0
 
-    recipe = dict(kind="eagle3", model=target.path, epochs=args.epochs, num_speculative_tokens=args.num_speculative_tokens,
-                  lr=args.drafter_lr, batch_tokens=args.batch_tokens, progress=False, device="cpu", seed=0)
-    tag = f"e{args.epochs}-b{args.batch_tokens}"
-    offline_out = os.path.join(work, "drafters", f"eagle3-offline-{tag}")
-    t0 = time.perf_counter()
-    offline = train_drafter(TrainDrafterConfig(run=run, out=offline_out, **recipe))
-    timings["train offline"] = time.perf_counter() - t0
-
-    online_out = os.path.join(work, "drafters", f"eagle3-online-{tag}")
+    recipe = dict(kind="eagle3", model=target.path, epochs=args.epochs,
+                  num_speculative_tokens=args.num_speculative_tokens, lr=args.drafter_lr,
+                  batch_tokens=args.batch_tokens, progress=False, device="cpu")
     extract_settings = {"max_tokens": args.regenerate, "temperature": 0.0, "include_output_tokens": True,
                         "dtype": "float32", "workers": 1}
     if args.threads:
         extract_settings["cpus_per_worker"] = args.threads
+    outs, reports = {}, {}
+    for seed in args.seeds:
+        tag = f"e{args.epochs}-b{args.batch_tokens}-seed{seed}"
+        outs[("offline", seed)] = os.path.join(work, "drafters", f"eagle3-offline-{tag}")
+        t0 = time.perf_counter()
+        reports[("offline", seed)] = train_drafter(TrainDrafterConfig(run=run, out=outs[("offline", seed)],
+                                                                      seed=seed, **recipe))
+        timings[f"train offline seed {seed}"] = time.perf_counter() - t0
+        outs[("online", seed)] = os.path.join(work, "drafters", f"eagle3-online-{tag}-sh{args.shuffle_mb:g}")
+        t0 = time.perf_counter()
+        with PeakRss() as rss:
+            reports[("online", seed)] = train_drafter(TrainDrafterConfig(
+                online=True, corpus=(corpus,), out=outs[("online", seed)], extract=extract_settings, seed=seed,
+                inflight_mb=args.inflight_mb, shuffle_mb=args.shuffle_mb, **recipe))
+        timings[f"train online seed {seed} (extraction included)"] = time.perf_counter() - t0
+    online = reports[("online", args.seeds[0])]
+
+    # the same extraction as an ordinary `hsx run` (files written), for the worker's RSS without the stream
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="bench-online-run-")
     t0 = time.perf_counter()
-    with PeakRss() as rss:
-        online = train_drafter(TrainDrafterConfig(online=True, corpus=(corpus,), out=online_out,
-                                                  extract=extract_settings, inflight_mb=args.inflight_mb, **recipe))
-    timings["train online (extraction included)"] = time.perf_counter() - t0
+    with PeakRss() as plain:
+        extract(target.path, corpus, os.path.join(scratch, "run"), None, args.threads, args.regenerate)
+    timings["extraction (hsx run, RSS reference)"] = time.perf_counter() - t0
+    shutil.rmtree(scratch, ignore_errors=True)
 
     prompts = list(target.prompts[:args.num_prompts])
-    methods = {name: {"method": "eagle3", "model": out, "num_speculative_tokens": args.num_speculative_tokens}
-               for name, out in (("offline", offline_out), ("online", online_out))}
+    methods = {f"{how} seed {seed}": {"method": "eagle3", "model": out,
+                                      "num_speculative_tokens": args.num_speculative_tokens}
+               for (how, seed), out in outs.items()}
     t0 = time.perf_counter()
     results = {r.method: r for r in evaluate_speculation(target.path, prompts, methods, args.max_tokens,
                                                          threads=args.threads, strict=False, errors="record")}
     timings["evaluation"] = time.perf_counter() - t0
-    off, on = results["offline"], results["online"]
-    samples = online["online"]["extracted"]
+    rows = {}
+    for how in ("offline", "online"):
+        rs = [results[f"{how} seed {seed}"] for seed in args.seeds]
+        rows[how] = {"al": [r.mean_acceptance_length for r in rs], "tokens_per_step": [r.tokens_per_target_step
+                                                                                        for r in rs],
+                     "steps": reports[(how, args.seeds[0])]["steps"], "tokens": reports[(how, args.seeds[0])]["tokens"]}
+        rows[how]["al_mean"] = statistics.mean(rows[how]["al"])
+        rows[how]["tps_mean"] = statistics.mean(rows[how]["tokens_per_step"])
     figures = {
-        "offline": {"al": off.mean_acceptance_length, "tokens_per_step": off.tokens_per_target_step,
-                    "steps": offline["steps"], "tokens": offline["tokens"], "final_loss": offline["final_loss"]},
-        "online": {"al": on.mean_acceptance_length, "tokens_per_step": on.tokens_per_target_step,
-                   "steps": online["steps"], "tokens": online["tokens"], "final_loss": online["final_loss"],
-                   **online["online"]},
-        "al_ratio": on.mean_acceptance_length / off.mean_acceptance_length,
-        "tps_ratio": on.tokens_per_target_step / off.tokens_per_target_step,
+        **rows, "online_stream": online["online"],
+        "al_ratio": rows["online"]["al_mean"] / rows["offline"]["al_mean"],
+        "tps_ratio": rows["online"]["tps_mean"] / rows["offline"]["tps_mean"],
+        "seed_spread": max(max(r["al"]) - min(r["al"]) for r in rows.values()),
         "peak_rss_trainer_mb": rss.trainer / 2**20, "peak_rss_worker_mb": rss.workers / 2**20,
-        "inflight_mb": args.inflight_mb, "timings": timings, "lossless": off.lossless and on.lossless,
+        "peak_rss_worker_hsx_run_mb": plain.workers / 2**20, "peak_rss_driver_hsx_run_mb": plain.trainer / 2**20,
+        "inflight_mb": args.inflight_mb, "shuffle_mb": args.shuffle_mb, "timings": timings,
+        "lossless": all(r.lossless for r in results.values()),
     }
+    stream = online["online"]
     lines = ["# EAGLE-3 trained online vs offline", "",
              f"Reference target {os.path.basename(target.path)}; {args.train_tokens} prompt tokens in "
              f"{args.prompt_len}-token prompts, each with the target's {args.regenerate} greedy tokens; EAGLE-3, "
-             f"{args.epochs} epochs of {args.batch_tokens}-token batches (lr {args.drafter_lr:g}, constant), seed 0; "
-             f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, k = {args.num_speculative_tokens}, "
-             "every output equal to plain greedy decoding.", "",
-             "| trained | steps | tokens | mean AL | tokens / target step |", "|---|---:|---:|---:|---:|"]
-    for name in ("offline", "online"):
-        f = figures[name]
-        lines.append(f"| {name} | {f['steps']} | {f['tokens']:,} | {f['al']:.3f} | {f['tokens_per_step']:.3f} |")
+             f"{args.epochs} epochs of {args.batch_tokens}-token batches (lr {args.drafter_lr:g}, constant), seeds "
+             f"{args.seeds}; online with --shuffle-mb {args.shuffle_mb:g}; {len(prompts)} held-out prompts x "
+             f"{args.max_tokens} tokens, greedy, k = {args.num_speculative_tokens}, every output equal to plain "
+             "greedy decoding.", "",
+             "| trained | steps | tokens | AL per seed | AL mean | tokens / target step per seed | mean |",
+             "|---|---:|---:|---|---:|---|---:|"]
+    for how, r in rows.items():
+        lines.append(f"| {how} | {r['steps']} | {r['tokens']:,} | {', '.join(f'{a:.3f}' for a in r['al'])} | "
+                     f"{r['al_mean']:.3f} | {', '.join(f'{t:.3f}' for t in r['tokens_per_step'])} | "
+                     f"{r['tps_mean']:.3f} |")
     lines += ["", f"Online / offline: AL {figures['al_ratio']:.3f}, tokens per target step {figures['tps_ratio']:.3f} "
-                  "(target: within 2%).",
-              f"Online: {samples} samples extracted in {online['online']['passes']} passes (the target ran once per "
-              f"sample and pass: {online['online']['target_forwards']} forwards), {online['online']['failed']} "
-              f"failed; object store peak {online['online']['peak_object_store_bytes'] / 2**20:.1f} MiB "
-              f"(--inflight-mb {args.inflight_mb:g}); peak RSS trainer {figures['peak_rss_trainer_mb']:.0f} MiB, "
-              f"extraction worker {figures['peak_rss_worker_mb']:.0f} MiB.", "",
+                  f"(target: within 2%); largest spread of AL over seeds {figures['seed_spread']:.3f}.",
+              f"Online (seed {args.seeds[0]}): {stream['extracted']} samples in {stream['passes']} passes (the target "
+              f"ran once per sample and pass: {stream['target_forwards']} forwards), {stream['failed']} failed; "
+              f"object store peak {stream['peak_object_store_bytes'] / 2**20:.1f} MiB (--inflight-mb "
+              f"{args.inflight_mb:g}); peak RSS trainer {figures['peak_rss_trainer_mb']:.0f} MiB, extraction worker "
+              f"{figures['peak_rss_worker_mb']:.0f} MiB (seed {args.seeds[-1]}); the same extraction as a plain "
+              f"`hsx run` (files written): worker {figures['peak_rss_worker_hsx_run_mb']:.0f} MiB, driver "
+              f"{figures['peak_rss_driver_hsx_run_mb']:.0f} MiB.", "",
               "timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
     md = "\n".join(lines) + "\n"
     if args.out:
