@@ -26,14 +26,16 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_drafters import extract, reference_target, write_corpus  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.bench_job import ProcessPeaks  # noqa: E402
+from benchmarks.common import peak_rss, reset_peak_rss, write_results  # noqa: E402
+
+WORKER = "ExtractionWorker"  # in the Ray process title of an extraction worker
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,34 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else full)
     return args
-
-
-class PeakRss:
-    """Peak RSS (bytes) of this process and of the Ray extraction workers on this machine, sampled every 0.2 s."""
-
-    def __init__(self) -> None:
-        self.trainer = self.workers = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.wait(0.2):
-            self.trainer = max(self.trainer, me.memory_info().rss)
-            for p in psutil.process_iter(["cmdline", "memory_info"]):
-                cmd = p.info["cmdline"] or []
-                if cmd and cmd[0].startswith("ray::") and "ExtractionWorker" in cmd[0] and p.info["memory_info"]:
-                    self.workers = max(self.workers, p.info["memory_info"].rss)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def main(argv=None) -> int:
@@ -128,11 +102,13 @@ def main(argv=None) -> int:
         timings[f"train offline seed {seed}"] = time.perf_counter() - t0
         outs[("online", seed)] = os.path.join(work, "drafters", f"eagle3-online-{tag}-sh{args.shuffle_mb:g}")
         t0 = time.perf_counter()
-        with PeakRss() as rss:
+        reset_peak_rss()
+        with ProcessPeaks() as rss:
             reports[("online", seed)] = train_drafter(TrainDrafterConfig(
                 online=True, corpus=(corpus,), out=outs[("online", seed)], extract=extract_settings, seed=seed,
                 inflight_mb=args.inflight_mb, shuffle_mb=args.shuffle_mb, **recipe))
         timings[f"train online seed {seed} (extraction included)"] = time.perf_counter() - t0
+        trainer_peak = peak_rss()
     online = reports[("online", args.seeds[0])]
 
     # the same extraction as an ordinary `hsx run` (files written), for the worker's RSS without the stream
@@ -141,9 +117,11 @@ def main(argv=None) -> int:
 
     scratch = tempfile.mkdtemp(prefix="bench-online-run-")
     t0 = time.perf_counter()
-    with PeakRss() as plain:
+    reset_peak_rss()
+    with ProcessPeaks() as plain:
         extract(target.path, corpus, os.path.join(scratch, "run"), None, args.threads, args.regenerate)
     timings["extraction (hsx run, RSS reference)"] = time.perf_counter() - t0
+    driver_peak = peak_rss()
     shutil.rmtree(scratch, ignore_errors=True)
 
     prompts = list(target.prompts[:args.num_prompts])
@@ -167,8 +145,11 @@ def main(argv=None) -> int:
         "al_ratio": rows["online"]["al_mean"] / rows["offline"]["al_mean"],
         "tps_ratio": rows["online"]["tps_mean"] / rows["offline"]["tps_mean"],
         "seed_spread": max(max(r["al"]) - min(r["al"]) for r in rows.values()),
-        "peak_rss_trainer_mb": rss.trainer / 2**20, "peak_rss_worker_mb": rss.workers / 2**20,
-        "peak_rss_worker_hsx_run_mb": plain.workers / 2**20, "peak_rss_driver_hsx_run_mb": plain.trainer / 2**20,
+        "peak_rss_trainer_mb": trainer_peak / 2**20, "peak_rss_worker_mb": rss.peak_of(WORKER) / 2**20,
+        "peak_private_worker_mb": rss.peak_of(WORKER, private=True) / 2**20,
+        "peak_rss_worker_hsx_run_mb": plain.peak_of(WORKER) / 2**20,
+        "peak_private_worker_hsx_run_mb": plain.peak_of(WORKER, private=True) / 2**20,
+        "peak_rss_driver_hsx_run_mb": driver_peak / 2**20,
         "inflight_mb": args.inflight_mb, "shuffle_mb": args.shuffle_mb, "timings": timings,
         "lossless": all(r.lossless for r in results.values()),
     }
@@ -191,9 +172,11 @@ def main(argv=None) -> int:
               f"Online (seed {args.seeds[0]}): {stream['extracted']} samples in {stream['passes']} passes (the target "
               f"ran once per sample and pass: {stream['target_forwards']} forwards), {stream['failed']} failed; "
               f"object store peak {stream['peak_object_store_bytes'] / 2**20:.1f} MiB (--inflight-mb "
-              f"{args.inflight_mb:g}); peak RSS trainer {figures['peak_rss_trainer_mb']:.0f} MiB, extraction worker "
-              f"{figures['peak_rss_worker_mb']:.0f} MiB (seed {args.seeds[-1]}); the same extraction as a plain "
-              f"`hsx run` (files written): worker {figures['peak_rss_worker_hsx_run_mb']:.0f} MiB, driver "
+              f"{args.inflight_mb:g}). Peak RSS (VmHWM; private RssAnon in brackets) in the online training of seed "
+              f"{args.seeds[-1]}: trainer {figures['peak_rss_trainer_mb']:.0f} MiB, extraction worker "
+              f"{figures['peak_rss_worker_mb']:.0f} MiB ({figures['peak_private_worker_mb']:.0f}); the same "
+              f"extraction as a plain `hsx run` (files written): worker {figures['peak_rss_worker_hsx_run_mb']:.0f} "
+              f"MiB ({figures['peak_private_worker_hsx_run_mb']:.0f}), driver "
               f"{figures['peak_rss_driver_hsx_run_mb']:.0f} MiB.", "",
               "timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
     md = "\n".join(lines) + "\n"
