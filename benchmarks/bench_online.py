@@ -31,38 +31,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_drafters import extract, reference_target, write_corpus  # noqa: E402
+from benchmarks.bench_drafters import extract  # noqa: E402
 from benchmarks.bench_job import ProcessPeaks  # noqa: E402
+from benchmarks.bench_storage_quality import reference_parser, regenerated_run, with_defaults  # noqa: E402
 from benchmarks.common import peak_rss, reset_peak_rss, write_results  # noqa: E402
 
 WORKER = "ExtractionWorker"  # in the Ray process title of an extraction worker
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small target, few samples: the plumbing")
-    ap.add_argument("--target-steps", type=int, default=None)
-    ap.add_argument("--train-tokens", type=int, default=None, help="prompt tokens (default 30000; --quick 3000)")
-    ap.add_argument("--regenerate", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap = reference_parser(__doc__)
     ap.add_argument("--epochs", type=int, default=None, help="passes over the corpus (default 4; --quick 1)")
-    ap.add_argument("--batch-tokens", type=int, default=1024)
-    ap.add_argument("--drafter-lr", type=float, default=2e-3)
     ap.add_argument("--inflight-mb", type=float, default=256.0)
     ap.add_argument("--shuffle-mb", type=float, default=256.0, help="the online trainer's shuffle buffer")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="training seeds (each trained both ways)")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 32; --quick 4)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 96; --quick 16)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    for name, full, small in (("train_tokens", 30_000, 3_000), ("epochs", 4, 1), ("num_prompts", 32, 4),
-                              ("max_tokens", 96, 16)):
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.quick else full)
-    return args
+    return with_defaults(ap.parse_args(argv), (("train_tokens", 30_000, 3_000), ("epochs", 4, 1)))
 
 
 def main(argv=None) -> int:
@@ -70,20 +53,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from jobs.train import train_drafter
     from training.evaluate import evaluate_speculation
-    from training.reference_target import default_cache_root
     from training.trainer import TrainDrafterConfig
 
-    target, timings = reference_target(args)
-    work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-storage-quality",
-                                     f"{os.path.basename(target.path)}-t{args.train_tokens}-regen{args.regenerate}")
-    os.makedirs(work, exist_ok=True)
-    corpus = os.path.join(work, "train.jsonl")
-    if not os.path.isfile(corpus):
-        write_corpus(target, corpus, args.train_tokens, args.prompt_len)
-    run = os.path.join(work, "run-model-dtype")  # bench_storage_quality's extraction: the same settings
-    t0 = time.perf_counter()
-    extract(target.path, corpus, run, None, args.threads, args.regenerate)
-    timings["extraction (offline)"] = time.perf_counter() - t0
+    target, work, corpus, run, timings = regenerated_run(args)  # bench_storage_quality's run: the same settings
 
     recipe = dict(kind="eagle3", model=target.path, epochs=args.epochs,
                   num_speculative_tokens=args.num_speculative_tokens, lr=args.drafter_lr,

@@ -36,28 +36,59 @@ FORMATS = {"bf16": ("bfloat16", ""), "fp8": ("float8_e4m3fn", ""), "fp8 + top-k 
 TARGET_WITHIN = 0.02
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def reference_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the benchmarks that train drafters on the reference target's regenerated corpus and decode
+    held-out prompts with them (this one, bench_online.py); each adds its own and fills defaults (with_defaults)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small target, few samples and steps: the plumbing")
     ap.add_argument("--target-steps", type=int, default=None, help="reference target training steps")
     ap.add_argument("--train-tokens", type=int, default=None, help="prompt tokens to regenerate from (default 30000)")
     ap.add_argument("--regenerate", type=int, default=64, help="greedy tokens stored after each prompt")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=None, help="EAGLE-3 steps (default 800; --quick 10)")
     ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 32; --quick 4)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 96; --quick 16)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    for name, full, small in (("train_tokens", 30_000, 4_000), ("steps", 800, 10), ("num_prompts", 32, 4),
-                              ("max_tokens", 96, 16), ("seeds", [0, 1], [0])):
+    return ap
+
+
+def with_defaults(args: argparse.Namespace, table) -> argparse.Namespace:
+    """`args` with each (name, full, quick) of `table` set where not given, to `quick` under --quick."""
+    for name, full, small in (("num_prompts", 32, 4), ("max_tokens", 96, 16), *table):
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else full)
+    return args
+
+
+def regenerated_run(args: argparse.Namespace):
+    """(reference target, work folder, corpus, its regenerated run in the model dtype, timings): made once under the
+    work folder and reused (this benchmark's and bench_online.py's)."""
+    from training.reference_target import default_cache_root
+
+    target, timings = reference_target(args)
+    work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-storage-quality",
+                                     f"{os.path.basename(target.path)}-t{args.train_tokens}-regen{args.regenerate}")
+    os.makedirs(work, exist_ok=True)
+    corpus = os.path.join(work, "train.jsonl")
+    if not os.path.isfile(corpus):
+        write_corpus(target, corpus, args.train_tokens, args.prompt_len)
+    run = os.path.join(work, "run-model-dtype")
+    t0 = time.perf_counter()
+    extract(target.path, corpus, run, None, args.threads, args.regenerate)
+    timings["extraction"] = time.perf_counter() - t0
+    return target, work, corpus, run, timings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = reference_parser(__doc__)
+    ap.add_argument("--steps", type=int, default=None, help="EAGLE-3 steps (default 800; --quick 10)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1)")
+    args = with_defaults(ap.parse_args(argv), (("train_tokens", 30_000, 4_000), ("steps", 800, 10),
+                                               ("seeds", [0, 1], [0])))
     args.lr_schedule, args.warmup_steps = "cosine", 50
     return args
 
@@ -100,20 +131,9 @@ def run_bytes(run: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from training.evaluate import evaluate_speculation
-    from training.reference_target import default_cache_root
     from training.trainer import TrainDrafterConfig, train_drafter
 
-    target, timings = reference_target(args)
-    work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-storage-quality",
-                                     f"{os.path.basename(target.path)}-t{args.train_tokens}-regen{args.regenerate}")
-    os.makedirs(work, exist_ok=True)
-    corpus = os.path.join(work, "train.jsonl")
-    if not os.path.isfile(corpus):
-        write_corpus(target, corpus, args.train_tokens, args.prompt_len)
-    source = os.path.join(work, "run-model-dtype")
-    t0 = time.perf_counter()
-    extract(target.path, corpus, source, None, args.threads, args.regenerate)
-    timings["extraction"] = time.perf_counter() - t0
+    target, work, corpus, source, timings = regenerated_run(args)
     runs = {}
     for name, (storage, tgt) in FORMATS.items():
         runs[name] = os.path.join(work, "run-" + name.replace(" ", "").replace("+", "-"))
