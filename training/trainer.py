@@ -58,7 +58,8 @@ class TrainDrafterConfig:
     """A drafter training (`hsx train-drafter`: field `batch_tokens` = flag `--batch-tokens`)."""
 
     run: str = ""
-    """The extraction run to train on: a local folder or URL (s3://, gs://) holding run.json, data/ and manifest/."""
+    """The extraction run to train on: a local folder or URL (s3://, gs://) holding run.json, data/ and manifest/
+    (--online trains from --corpus instead)."""
     model: str = ""
     """The target model's local folder (the model the run was extracted from): its final norm, lm_head, embeddings."""
     out: str = ""
@@ -82,7 +83,7 @@ class TrainDrafterConfig:
     max_grad_norm: float = 0.5
     """Clip the gradient norm to this (0 = no clipping)."""
     batch_tokens: int = 4096
-    """Tokens per packed batch (samples are truncated to it)."""
+    """Tokens per packed batch (samples are truncated to it); with --workers N, per replica."""
     seed: int = 0
     """Seed of the initialisation and the shuffle."""
     device: str = "auto"
