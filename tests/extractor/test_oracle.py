@@ -11,7 +11,7 @@ from connectors import load_hidden_states, read_hidden_states_info
 from extractor import LLM, SamplingParams
 from jobs.tiny_models import sample_text
 from tests.extractor.conftest import spec_config
-from tests.extractor.oracle import load_reference, reference_states
+from tests.extractor.oracle import ENGINE_DEVICE, load_reference, reference_states
 
 FAMILIES = ["llama", "qwen3", "mistral", "qwen3_moe", "gpt2"]
 LAYERS = [0, 1, 3, 4]  # embeddings, two middle layers, last (pre-norm); deliberately not sorted below
@@ -66,7 +66,8 @@ def test_rows_follow_the_user_order_and_the_metadata_says_so(tiny_llama, kv_conf
     torch.testing.assert_close(hs, reference_states(ref, out.prompt_token_ids, ORDERED), rtol=1e-5, atol=1e-5)
     # the last layer is stored pre-norm: it differs from HF's (post-norm) hidden_states[N]
     with torch.no_grad():
-        post = ref[0](torch.tensor([out.prompt_token_ids]), output_hidden_states=True).hidden_states[4][0]
+        post = ref[0](torch.tensor([out.prompt_token_ids], device=ref[0].device),
+                      output_hidden_states=True).hidden_states[4][0].cpu()
     assert not torch.allclose(hs[:, 0], post, atol=1e-3)
 
 
@@ -114,4 +115,6 @@ def test_a_long_prompt_spooled_in_bounded_memory_equals_a_plain_transformers_for
     obj = load_hidden_states(out.kv_transfer_params["hidden_states_path"], verify=True)
     assert obj["token_ids"].tolist() == ids
     expected = reference_states(load_reference(tiny_llama), ids, ORDERED)
-    torch.testing.assert_close(obj["hidden_states"], expected, rtol=1e-4, atol=1e-4)
+    # CUDA's kernels for 64-token chunks and for one 1000-token forward differ by up to 1.3e-4 (the first H200 run)
+    tol = 1e-4 if ENGINE_DEVICE == "cpu" else 5e-4
+    torch.testing.assert_close(obj["hidden_states"], expected, rtol=tol, atol=tol)
