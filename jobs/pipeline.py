@@ -54,6 +54,8 @@ BYTES_PER_TOKEN = 9  # a tokenized row: int64 token id + uint8 loss mask
 READ_TASK_CPUS = 0.25
 TOKENIZER_CPUS = 0.5
 MAX_FAILURES_SHOWN = 10
+ONLINE_MMAP_THRESHOLD = 128 * 1024
+"""Bytes from which an online extraction worker's allocations are mmapped (and returned to the system when freed)."""
 # Ray Data's start/finish notices and "progress bars disabled" would scroll our progress bar away
 _CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
 
@@ -211,10 +213,15 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
     ds = ds.map_batches(TokenizeStage, fn_constructor_args=(tokenize,), batch_size=None, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=c.tokenizer_workers),
                         num_cpus=TOKENIZER_CPUS)
+    extra = {}
+    if work.layout == "online":  # each sample's bytes pass through the worker's heap a few times: a fixed mmap
+        # threshold hands such buffers back to the system when freed (glibc's moving threshold keeps them: the
+        # worker's private memory doubled on the reference target, bench_online.py)
+        extra["runtime_env"] = {"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(ONLINE_MMAP_THRESHOLD)}}
     ds = ds.map_batches(ExtractionWorker, fn_constructor_args=(work,), batch_size=None, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(min_size=c.workers, max_size=c.max_workers or c.workers),
                         num_gpus=gpus_per_worker,
-                        num_cpus=cpus_per_worker)
+                        num_cpus=cpus_per_worker, **extra)
     return ds
 
 
