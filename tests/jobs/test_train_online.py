@@ -93,6 +93,43 @@ def test_online_training_writes_only_its_out_and_a_resume_skips_what_it_trained_
     assert report["tokens"] == sum(x["tokens"] for x in log)
 
 
+@pytest.mark.slow
+def test_an_online_training_killed_9_resumes_and_trains_on_the_rest_of_the_pass(tiny_llama, corpus, ray_cluster,
+                                                                             tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jobs.train import train_drafter
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "killed"
+    argv = ["train-drafter", "--online", "--model", tiny_llama, "--corpus", corpus[0], "--out", str(out), "--extract",
+            '{"layers": "1,2,4"}', "--epochs", "1", "--batch-tokens", "32", "--draft-vocab-size", "48", "--lr", "3e-3",
+            "--device", "cpu", "--no-progress", "--log-sample-ids", "--checkpoint-every", "2", "--address",
+            ray_cluster.address]
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *argv], cwd=repo, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while not (out / "checkpoint" / "step.json").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / "model.safetensors").exists()
+    stopped = torch.load(out / "checkpoint" / "state.pt", weights_only=False)["step"]
+    report = train_drafter(_config(tiny_llama, corpus, out, batch_tokens=32))
+    assert report["resumed_from_step"] == stopped and report["epochs"] == 1
+    log = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == list(range(1, report["steps"] + 1))
+    seen = Counter(i for line in log for i in line["ids"])
+    assert sorted(seen) == [f"p{i:02d}" for i in range(12)] and set(seen.values()) == {1}
+
+
 def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in_later_epochs(
         tiny_llama, corpus, ray_cluster, tmp_path):
     """--cache: the first pass is an `hsx run` into the cache (every sample once, checksums that verify), later
