@@ -54,11 +54,11 @@ from jobs.records import RECORD_SCHEMA
 from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec
 from training.trainer import (
-    CHECKPOINT_DIR,
     CheckedFeed,
     Checkpoints,
     TrainDrafterConfig,
     check_layers,
+    checkpoint_folder,
     finish,
     load_checkpoint,
     target_config,
@@ -551,7 +551,7 @@ class _OnlineTrainer:
         c = self.config
         device, dtype = torch_device(c.device), getattr(torch, c.dtype)
         with self.out.open():
-            state = load_checkpoint(os.path.join(c.out, CHECKPOINT_DIR), c, self.identity)
+            state = load_checkpoint(checkpoint_folder(c), c, self.identity)
             feed = CheckedFeed(None, skip=c.skip_bad_samples, spec=self.spec)
             collate = PackCollator(c.batch_tokens, pad_to_max=False, overlong="truncate")
             source = make_source(feed, collate, state.get("source") if state else None)

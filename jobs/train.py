@@ -23,7 +23,6 @@ training without restarts, with its message.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -34,16 +33,16 @@ from typing import Any
 from connectors.lease import LeaseLost
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
 from training.trainer import (
-    CHECKPOINT_DIR,
-    STATE_NAME,
     CheckedFeed,
     Checkpoints,
     TrainDrafterConfig,
     TrainingStopped,
+    checkpoint_folder,
     finish,
     load_checkpoint,
     open_dataset,
     prepare_training,
+    read_checkpoint,
     run_identity,
     train_loop,
 )
@@ -70,7 +69,6 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     if not config.distributed():
         return train_in_process(config)
     import ray
-    import torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -81,7 +79,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
         gpus = _gpus(config)
         _check_fits(config, gpus, local)
         with out.open():
-            state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+            state = load_checkpoint(checkpoint_folder(config), config, identity)
             if state is None:
                 drafter.prepare(CheckedFeed(ds, skip=config.skip_bad_samples))
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -111,8 +109,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
             finally:
                 done.set()
                 shutil.rmtree(storage, ignore_errors=True)
-            final = torch.load(os.path.join(config.out, CHECKPOINT_DIR, STATE_NAME), map_location="cpu",
-                               weights_only=False)
+            final = read_checkpoint(checkpoint_folder(config), config.storage_options)
             return finish(config, out, drafter, final, ds, identity, started,
                           resumed_from=state["step"] if state is not None else None, worker_restarts=restarts)
 
@@ -175,11 +172,8 @@ class _Keeper:
 
     def latest(self, rank: int) -> dict[str, Any] | None:
         """The last checkpoint written (None: the training starts afresh); rank 0's calls count the starts."""
-        import torch
-
         self.started += rank == 0
-        path = os.path.join(self.config.out, CHECKPOINT_DIR, STATE_NAME)
-        return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+        return read_checkpoint(checkpoint_folder(self.config), self.config.storage_options)
 
     def save(self, state: dict[str, Any], logged: list[dict[str, Any]]) -> None:
         self.checkpoints.save(state, logged)

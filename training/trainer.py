@@ -97,7 +97,10 @@ class TrainDrafterConfig:
     family_options: dict[str, Any] = field(default_factory=dict)
     """Further options of the family's config, as JSON (e.g. '{"num_layers": 2}' for EAGLE-3)."""
     checkpoint_every: int = 200
-    """Write OUT/checkpoint every this many steps (and at the end)."""
+    """Write a checkpoint every this many steps (and at the end)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go: a local folder or a URL (s3://, gs://; --storage-options apply); default OUT/checkpoint.
+    A training started again with the same --out and --checkpoint-dir continues from it."""
     resume: bool = True
     """Continue from OUT/checkpoint when it exists (--no-resume: refuse to overwrite it)."""
     num_workers: int = 0
@@ -436,19 +439,46 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(folder: str, state: dict[str, Any]) -> None:
-    """OUT/checkpoint/state.pt, atomically and durably under a unique temporary name (a kill mid-write leaves the
-    previous checkpoint); refused when the model's weights are not all finite."""
-    import fsspec
+def checkpoint_folder(config: TrainDrafterConfig) -> str:
+    """Where the training's checkpoints go: --checkpoint-dir, or OUT/checkpoint."""
+    return config.checkpoint_dir or os.path.join(config.out, CHECKPOINT_DIR)
+
+
+def save_checkpoint(folder: str, state: dict[str, Any], storage_options: dict[str, Any] | None = None) -> None:
+    """FOLDER/state.pt (a local folder or a URL: s3://, gs://), atomically and durably (a local disk: a unique
+    temporary name, fsynced, renamed; an object store: one put that appears whole), so a kill mid-write leaves the
+    previous checkpoint; refused when the model's weights are not all finite."""
+    import posixpath
+
     import torch
 
     from connectors import storage
 
     check_finite_weights(state["model"], f"the checkpoint of step {state['step']}")
-    fs = fsspec.filesystem("file")
-    os.makedirs(folder, exist_ok=True)
-    storage.put_atomic(fs, os.path.join(folder, STATE_NAME), lambda f: torch.save(state, f))
-    storage.put_atomic(fs, os.path.join(folder, "step.json"), json.dumps({"step": state["step"]}).encode())
+    fs, root = storage.open_url(folder, storage_options)
+    if storage.is_local(fs):
+        os.makedirs(root, exist_ok=True)
+    storage.put_atomic(fs, posixpath.join(root, STATE_NAME), lambda f: torch.save(state, f))
+    storage.put_atomic(fs, posixpath.join(root, "step.json"), json.dumps({"step": state["step"]}).encode())
+
+
+def read_checkpoint(folder: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The state saved in `folder` (local or a URL), or None when there is none; ValueError when it is damaged."""
+    import posixpath
+
+    import torch
+
+    from connectors import storage
+
+    fs, root = storage.open_url(folder, storage_options)
+    path = posixpath.join(root, STATE_NAME)
+    if not fs.isfile(path):
+        return None
+    try:
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:  # a damaged file: the user decides, nothing is overwritten
+        raise ValueError(f"{storage.full_url(fs, path)} cannot be read ({e}); delete it to start over") from e
 
 
 def check_finite_weights(weights: dict[str, torch.Tensor], what: str) -> None:
@@ -477,18 +507,13 @@ def run_identity(ds) -> dict[str, Any]:
 def load_checkpoint(folder: str, config: TrainDrafterConfig, identity: dict[str, Any] | None = None
                     ) -> dict[str, Any] | None:
     """The checkpoint in `folder` to resume, or None; ValueError when it belongs to another training or run."""
-    import torch
-
     path = os.path.join(folder, STATE_NAME)
-    if not os.path.isfile(path):
+    state = read_checkpoint(folder, config.storage_options)
+    if state is None:
         return None
     if not config.resume:
         raise ValueError(f"{path} exists (a training to resume); drop --no-resume to continue it, or pick another "
                          "--out")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a damaged file: the user decides, nothing is overwritten
-        raise ValueError(f"{path} cannot be read ({e}); delete it to start over") from e
     theirs, ours = state.get("resume_key", {}), config.resume_key()
     theirs = {"workers": 1, "online": False, **theirs}  # checkpoints from before --workers / --online
     diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
@@ -649,7 +674,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     out, ds, target, identity, drafter = prepare_training(config)
     device, dtype = torch_device(config.device), getattr(torch, config.dtype)
     with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
-        state = load_checkpoint(os.path.join(config.out, CHECKPOINT_DIR), config, identity)
+        state = load_checkpoint(checkpoint_folder(config), config, identity)
         feed = CheckedFeed(ds, skip=config.skip_bad_samples)
         if state is None:
             drafter.prepare(feed)
@@ -708,7 +733,7 @@ class Checkpoints:
     --log-sample-ids, OUT/samples.jsonl; `check_lease` is called first (LeaseLost: another writer took --out)."""
 
     def __init__(self, config: TrainDrafterConfig, check_lease, resumed: dict[str, Any] | None) -> None:
-        self.folder = os.path.join(config.out, CHECKPOINT_DIR)
+        self.folder, self.storage_options = checkpoint_folder(config), config.storage_options
         self.check_lease = check_lease
         self.log = SampleLog(config.out) if config.log_sample_ids else None
         if self.log is not None:
@@ -718,7 +743,7 @@ class Checkpoints:
         self.check_lease()
         if self.log is not None:
             state["sample_log_bytes"] = self.log.append(logged)
-        save_checkpoint(self.folder, state)
+        save_checkpoint(self.folder, state, self.storage_options)
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------

@@ -154,3 +154,14 @@ def oracle_factory():
         return cache[model_dir]
 
     return get
+
+
+def wait_for_file(path, proc=None, seconds: float = 240) -> None:
+    """Until `path` exists; fails with `proc`'s stderr if it exits first (a subprocess driver), or after `seconds`."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc is None or proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no {path} within {seconds} s"
+        time.sleep(0.05)

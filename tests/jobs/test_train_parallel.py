@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from jobs.train import train_drafter
+from tests.jobs.conftest import wait_for_file
 from training.trainer import TrainDrafterConfig
 
 pytestmark = [pytest.mark.ray]
@@ -92,14 +93,6 @@ def _replica_pids() -> list[int]:
             if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::RayTrainWorker")]
 
 
-def _wait_for(path, proc=None, seconds: float = 240) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc is None or proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"no {path} within {seconds} s"
-        time.sleep(0.1)
-
-
 def _step(out) -> int:
     try:
         return json.loads((out / "checkpoint" / "step.json").read_text())["step"]
@@ -120,7 +113,7 @@ def test_a_killed_replica_restarts_the_replicas_and_a_killed_driver_resumes_with
     proc = subprocess.Popen([sys.executable, "-m", "cli", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        _wait_for(out / "checkpoint" / "step.json", proc)
+        wait_for_file(out / "checkpoint" / "step.json", proc)
         pids = _replica_pids()
         assert len(pids) == 2
         os.kill(pids[1], signal.SIGKILL)

@@ -242,3 +242,24 @@ def test_a_run_on_s3_trains_with_its_storage_options(oracle_run, tiny_llama, s3_
     report = train_drafter(_config(oracle_run, tiny_llama, tmp_path, run=f"{url}/run", storage_options=options,
                                    steps=1))
     assert report["steps"] == 1 and report["samples"] == 3 and "storage_options" not in report["config"]
+
+
+@pytest.mark.s3
+def test_checkpoints_on_s3_are_written_atomically_and_resumed_from(oracle_run, tiny_llama, s3_bucket, tmp_path):
+    """--checkpoint-dir s3://...: the checkpoint goes to the store (one whole put; nothing under OUT/checkpoint), and
+    the same command again resumes from it and ends with the weights of an uninterrupted training."""
+    import fsspec
+
+    url, options = s3_bucket
+    ckpt = f"{url}/checkpoints/eagle3"
+    out = tmp_path / "out"
+    first = train_drafter(_config(oracle_run, tiny_llama, out, steps=2, checkpoint_dir=ckpt, storage_options=options))
+    assert first["steps"] == 2 and not (out / "checkpoint").exists()
+    fs = fsspec.filesystem("s3", **options)
+    assert json.loads(fs.cat(f"{ckpt}/step.json"))["step"] == 2 and fs.size(f"{ckpt}/state.pt") > 0
+    resumed = train_drafter(_config(oracle_run, tiny_llama, out, steps=4, checkpoint_dir=ckpt,
+                                    storage_options=options))
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 4
+    train_drafter(_config(oracle_run, tiny_llama, tmp_path / "straight", steps=4))
+    a, b = _weights(out), _weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a)
