@@ -38,6 +38,7 @@ from jobs.records import (
     CorpusFile,
     Record,
     invalid_unicode,
+    records_table,
     short_repr,
     storable_text,
 )
@@ -169,7 +170,4 @@ def read_stage(files: pa.Table, *, id_field: str, storage_options: dict, registr
             keep = [r if v is None else Record(r.sample_id, r.source, error=v)
                     for r, v in zip(records, verdicts) if v != SKIP]
             if keep:
-                yield pa.Table.from_pydict({"sample_id": [r.sample_id for r in keep],
-                                            "source": [r.source for r in keep],
-                                            "payload": [r.payload for r in keep],
-                                            "error": [r.error for r in keep]}, schema=RECORD_SCHEMA)
+                yield records_table(keep)

@@ -50,7 +50,7 @@ from jobs.pipeline import (
     tokenize_settings,
     tokens_per_unit,
 )
-from jobs.records import RECORD_SCHEMA
+from jobs.records import records_table
 from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec
 from training.trainer import (
@@ -116,7 +116,6 @@ class CorpusTokens:
         self.plan = plan
 
     def token_items(self) -> Iterator[dict[str, Any]]:
-        import pyarrow as pa
         import torch
 
         from jobs.tokenization import TokenizeStage
@@ -126,10 +125,7 @@ class CorpusTokens:
         every_token = c.include_output_tokens  # the loss goes to generated tokens: count the prompts' instead
         for file in self.plan.files:
             for records in read_records(file, c.id_field, c.corpus_storage_options):
-                table = pa.Table.from_pydict({"sample_id": [r.sample_id for r in records],
-                                              "source": [r.source for r in records],
-                                              "payload": [r.payload for r in records],
-                                              "error": [r.error for r in records]}, schema=RECORD_SCHEMA)
+                table = records_table(records)
                 for row in stage(table).to_pylist():
                     if row["error"] is None:
                         ids = torch.tensor(row["prompt_token_ids"], dtype=torch.long)

@@ -5,7 +5,7 @@
                                        one line or row: its record as JSON text, or why it cannot be used
     record_from_obj(obj, id_field, derived, source)
                                        a parsed record -> Record: its id (or the derived one), its JSON text
-    RECORD_SCHEMA                      the Arrow schema of record blocks
+    RECORD_SCHEMA                      the Arrow schema of record blocks; records_table(records) one such block
     invalid_unicode(text), storable_text(text), short_repr(v)     text rules of records and their error texts
 
 A record's sample id is its `id_field` value when present, else `<file stem>-<hash of the file URL>-<line>`. Ids that
@@ -37,6 +37,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 RECORD_SCHEMA = pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("payload", pa.string()),
                            ("error", pa.string())])
+
+
+def records_table(records) -> pa.Table:
+    """Records (each with sample_id, source, payload, error) as one RECORD_SCHEMA block."""
+    return pa.Table.from_pydict({name: [getattr(r, name) for r in records] for name in RECORD_SCHEMA.names},
+                                schema=RECORD_SCHEMA)
 
 
 @dataclass(frozen=True)
