@@ -45,6 +45,13 @@ def reference_states(ref, token_ids, layer_ids) -> torch.Tensor:
     return torch.stack(rows, dim=1).cpu()
 
 
+@torch.no_grad()
+def reference_log_probs(ref, token_ids) -> torch.Tensor:
+    """[T, V] next-token log-probabilities on the CPU for `token_ids`: one standalone forward on the model's device."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long)[None].to(ref[0].device)
+    return ref[0](ids).logits[0].float().log_softmax(-1).cpu()
+
+
 def stop_string_cut(tokenizer, token_ids, stop: str) -> int:
     """How many of `token_ids` a greedy request with stop string `stop` keeps, as vLLM decides it: the first n whose
     text holds `stop` once that text ends in whole characters (a text ending in U+FFFD has an incomplete UTF-8
