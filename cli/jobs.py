@@ -32,7 +32,16 @@ def register(sub) -> None:
                             "needs hsx installed (see infra/) and access to model, corpus and output paths. Prints "
                             "the job id.")
     add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
-                description="Counts by sample (ok, failed, skipped), tokens and bytes, failure and skip reasons.")
+                description="Counts by sample (ok, failed, skipped), tokens and bytes, failure and skip reasons; "
+                            "of an extraction run or of a corpus of hsx regenerate.")
+    from jobs.regenerate import REASONING, RegenerateConfig
+
+    add_command(sub, "regenerate", RegenerateConfig, _cmd_regenerate, choices={"reasoning": REASONING},
+                help="the target's own answers from OpenAI-compatible servers (vLLM, SGLang, hsx serve), as a corpus",
+                description="Regenerate every assistant turn (chats, turn by turn) or the answer (prompts) of a corpus "
+                            "through OpenAI-compatible servers, keeping the servers' own token ids; writes a new "
+                            "corpus to OUTPUT in committed parts with a manifest. `hsx run --corpus OUTPUT` extracts it "
+                            "prefill-only. Re-running the same command resumes: committed records are skipped.")
     add_command(sub, "compact", CompactConfig, _cmd_compact, help="merge a run's manifest parts into a few large ones",
                 description="Merge the manifest's part files (one per commit) into a few large parts sorted by "
                             "sample id, atomically: a reader sees the old parts or the new ones, never both or "
@@ -73,6 +82,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if result.failed and config.fail_on_error:
         print(f"hsx: {result.failed} samples failed (--fail-on-error)", file=sys.stderr)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    from connectors.lease import LeaseHeld
+    from jobs.regenerate import RegenerateConfig, execute_regeneration, prepare_regeneration
+
+    config: RegenerateConfig = config_from_args(args, RegenerateConfig)
+    try:
+        plan = prepare_regeneration(config)
+    except (ValueError, LeaseHeld) as e:
+        raise UsageError(str(e)) from e
+    try:
+        result = execute_regeneration(plan)
+    except Exception as e:  # noqa: BLE001 - storage gone, the lease lost: what was answered is committed
+        print(f"hsx regenerate: stopped: {type(e).__name__}: {e}; records committed before are kept — re-run the "
+              "same command to finish", file=sys.stderr)
+        return EXIT_FAILED
+    print("\n".join(result.lines()))
     return EXIT_OK
 
 
@@ -125,6 +153,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     config: StatusConfig = config_from_args(args, StatusConfig)
     output = RunDir(config.output, config.storage_options)
+    from jobs.regenerate import read_spec
+
+    try:
+        regenerated = read_spec(output)
+    except RunFormatError as e:
+        raise UsageError(str(e)) from e
+    if regenerated is not None:
+        return _regenerated_status(output, regenerated, config)
     try:
         spec = read_run_spec(output)
         if spec is None:
@@ -166,6 +202,35 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
         for sid, err in s.errors:
             print(f"  {sid}: {err}")
+    return EXIT_OK
+
+
+def _regenerated_status(output, doc: dict, config: StatusConfig) -> int:
+    """`hsx status` of a corpus of hsx regenerate: its settings and counts (ok + failed == records tried)."""
+    from jobs.manifest import summarize
+    from jobs.progress import human_bytes, human_count
+
+    s = summarize(output, max_errors=config.errors)
+    if config.json:
+        print(json.dumps({"output": output.url, "regenerated": doc, **dataclasses.asdict(s)}, indent=2, default=str))
+        return EXIT_OK
+    settings = doc.get("settings", {})
+    print(f"regenerated corpus: {output.url}")
+    print(f"model:    {settings.get('model')}  max_tokens {settings.get('max_tokens')}  temperature "
+          f"{settings.get('temperature')}  top_p {settings.get('top_p')}  seed {settings.get('seed')}  reasoning "
+          f"{settings.get('reasoning')}")
+    print(f"records:  {s.ok} ok, {s.failed} failed ({s.ok + s.failed} tried)"
+          + (f"; {s.failed_for_good} failed the same way every time: re-runs skip them (--retry-failed)"
+             if s.failed_for_good else ""))
+    print(f"data:     {human_count(s.tokens)} tokens, {human_bytes(s.bytes)}; manifest: {s.rows} rows in {s.parts} "
+          f"parts from {s.attempts} attempts")
+    if s.duplicate_ok_rows:
+        print(f"WARNING:  {s.duplicate_ok_rows} duplicate ok rows (exactly-once was broken)")
+    if s.error_kinds:
+        print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
+        for sid, err in s.errors:
+            print(f"  {sid}: {err}")
+    print(f"extract:  hsx run --corpus {output.url} --model MODEL --output RUN")
     return EXIT_OK
 
 

@@ -21,6 +21,7 @@ and every reader (dataset, exporters, `hsx status`, tests, benchmarks, examples)
     RESULT_SCHEMA, MANIFEST_SCHEMA, OK, FAILED, INVALID, SKIPPED, new_attempt_id()
     write_manifest_part(run, rows, attempt, seq)   one atomic part (the part writer; encode_manifest_part + put)
     read_manifest(run, columns)                    every committed row (of the live parts)
+    read_manifest_part(run, name, columns)         the rows of one part (readers following a growing manifest)
     referenced_paths(run, prefix)                  the distinct paths rows point at (shards), part by part
     live_manifest_parts(run)                       the parts read: all, less what a compaction superseded
     compact_manifest(run)                          merge the parts into a few large sorted ones, atomically
@@ -546,6 +547,15 @@ def referenced_paths(run: RunDir | str, prefix: str, *, storage_options: dict | 
         return found
 
     return _again_if_compacted(run, read)
+
+
+def read_manifest_part(run: RunDir | str, name: str, columns: Sequence[str] | None = None, *,
+                       storage_options: dict | None = None) -> pa.Table:
+    """The rows of one manifest part (a name from live_manifest_parts), its checksum checked: for readers that follow
+    a manifest part by part as it grows."""
+    run = as_run_dir(run, storage_options)
+    return _read_part(run, name, MANIFEST_SCHEMA if columns is None else
+                      pa.schema([MANIFEST_SCHEMA.field(c) for c in columns]))
 
 
 class _PartGone(RunFormatError):

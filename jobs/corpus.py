@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ import pyarrow as pa
 
 from jobs.corpus_jsonl import MAX_RECORD_BYTES, count_lines, read_jsonl
 from jobs.corpus_parquet import count_rows, read_parquet
+from jobs.corpus_regenerated import REGEN_JSON, count_committed, read_following, read_regenerated
 from jobs.records import (
     COMPRESSION_SUFFIXES,
     JSONL_SUFFIXES,
@@ -69,6 +71,10 @@ READERS = {
     "jsonl": Reader(read_jsonl, count_lines, 1, "line", ":"),
     "parquet": Reader(lambda file, id_field, storage_options, _max: read_parquet(file, id_field, storage_options),
                       count_rows, 0, "row", "#"),
+    # a folder of `hsx regenerate`: its committed records; "-follow" while it is being written (yields None when
+    # it has read all there is for now)
+    "regenerated": Reader(read_regenerated, count_committed, 0, "record", "#"),
+    "regenerated-follow": Reader(read_following, count_committed, 0, "record", "#"),
 }
 
 
@@ -97,7 +103,16 @@ def expand_corpus(patterns: tuple[str, ...] | list[str], storage_options: dict |
         if _GLOB_CHARS & set(path):
             candidates = sorted(p for p in fs.glob(path) if fs.isfile(p))
         elif fs.isdir(path):
-            candidates = sorted(p for p in fs.find(path) if file_format(p) is not None)
+            candidates = sorted(fs.find(path))
+            # folders of hsx regenerate (a regenerate.json): read through their manifests, their parts never listed
+            regenerated = [posixpath.dirname(p) for p in candidates if posixpath.basename(p) == REGEN_JSON]
+            for root in regenerated:
+                url = os.path.abspath(root) if local else fs.unstrip_protocol(root)
+                found.setdefault(url, CorpusFile(url, "regenerated"))
+            candidates = [p for p in candidates if file_format(p) is not None
+                          and not any(p.startswith(root + "/") for root in regenerated)]
+            if regenerated and not candidates:
+                continue
         elif fs.exists(path):
             candidates = [path]
         else:
@@ -136,6 +151,11 @@ def read_records(file: CorpusFile, id_field: str = "id", storage_options: dict |
     last = reader.first - 1  # position read last
     try:
         for position, record in reader.read(file, id_field, storage_options, max_record_bytes):
+            if record is None:  # a following reader has read all there is for now: hand the block on
+                if block:
+                    yield block
+                    block, size = [], 0
+                continue
             last = position
             block.append(record)
             size += len(record.payload or "")

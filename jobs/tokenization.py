@@ -100,7 +100,7 @@ class SampleTokenizer:
         present = [k for k in ("input_ids", "messages", "conversations", "prompt") if record.get(k) is not None]
         shape = present[0] if present else None
         if shape == "input_ids":
-            ids, mask = _pretokenized(record)
+            ids, mask = pretokenized(record)
         elif shape in ("messages", "conversations"):
             problem = _unicode_problem(record[shape], shape)
             if problem:
@@ -160,7 +160,7 @@ def _unicode_problem(value, where: str) -> str | None:
     return None
 
 
-def _pretokenized(record: dict) -> tuple[list[int], list[int]]:
+def pretokenized(record: dict) -> tuple[list[int], list[int]]:
     ids = record["input_ids"]
     if not isinstance(ids, list):
         raise SampleError(f"field 'input_ids' must be a list of token ids, got {type(ids).__name__}")

@@ -1,0 +1,992 @@
+"""`hsx regenerate`: the target's own answers, from the OpenAI-compatible servers users already run (vLLM, SGLang,
+`hsx serve`), written as a new corpus that `hsx run` extracts prefill-only.
+
+    RegenerateConfig(...)                 the command's settings (flags map one to one)
+    prepare_regeneration(config) -> RegenerationPlan
+                                          servers probed (each answers /v1/models and serves the model), OUTPUT's
+                                          regenerate.json written or checked, the writer lease taken, settled ids
+                                          loaded; ValueError for anything the user must fix (exit 2)
+    execute_regeneration(plan) -> RegenerateResult
+    regenerate(config)                    both
+
+What a record becomes (the corpus kinds `hsx run` reads; the shape is decided as `hsx run` decides it):
+    {"messages" | "conversations": [...]}  every assistant turn regenerated in order from the conversation so far
+                                           (system, user and tool turns kept; a conversation ending in another role
+                                           gets one answer appended) -> {"messages": regenerated, "input_ids": the
+                                           last request's prompt ids + its generated ids, "loss_mask": 1 on each
+                                           regenerated turn's generated ids}
+    {"prompt": text}                       one completion -> {"prompt", "completion", "input_ids": prompt + output}
+    {"input_ids": [...], "loss_mask"?}     one completion of those ids -> input_ids + output, mask + ones
+The token ids are the server's own (`return_token_ids`, which vLLM and `hsx serve` honour): the extraction sees
+exactly the tokens the target produced. Where a server returns no ids, or a later turn's prompt renders an earlier
+turn's ids differently, the record keeps its text only (chats: `messages`; prompts: prompt + completion as one
+prompt) and `hsx run` tokenizes it; the job says so once. `--reasoning keep` stores a reasoning model's
+`reasoning_content` (or vLLM's newer `reasoning`) beside each turn's content, `strip` drops it (the record then keeps
+text only: the ids hold the reasoning).
+
+OUTPUT (local or any fsspec URL) is a run of its own kind, exactly once like `hsx run`'s:
+    OUTPUT/regenerate.json                 what produced it (model, sampling, reasoning); a re-run checks it
+    OUTPUT/data/part-<attempt>-<seq>.jsonl the regenerated records of one commit, one JSON object a line
+    OUTPUT/manifest/part-*.parquet         connectors.run's manifest: per input record one row, "ok" (path = its
+                                           part, offset/bytes = its line, checksum = the line's xxh3) or "failed"
+                                           (the error; retry false when it fails the same way every time: the
+                                           server refused the request, the record is malformed)
+A part's lines are written (atomically) before the manifest part that commits them: a record counts only with its
+"ok" row, and a part without one (the driver died in between) is an orphan that readers never see and the next run
+removes. A re-run skips committed records and retries failed ones (not those failing for good, unless
+--retry-failed); after any kill every input ends with exactly one settled row. `hsx run --corpus OUTPUT` reads the
+committed records only (jobs/corpus_regenerated.py), `hsx status OUTPUT` counts them.
+
+Servers: each gets --concurrency requests at once; a request goes to the live server with the most free slots. A
+server that stops answering (connection refused or reset, 503, 429) is set aside with a growing back-off and its
+requests move to the others, or wait for it; a request fails (retried by the next run) only when no server answers
+for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 4xx answers (prompt too
+long, bad request) fail the record with the server's own message. A server that answers what is not an OpenAI API
+is refused before work, or set aside for good mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, new_attempt_id, referenced_paths
+from extractor.options import flag
+from jobs.corpus_regenerated import FINISHED, REGEN_JSON
+
+logger = logging.getLogger(__name__)
+
+REGEN_FORMAT = "hsx.regenerated"
+REGEN_VERSION = "1"
+DATA_PREFIX = "data/part-"
+API_KEY_ENVS = ("HSX_REGENERATE_API_KEY", "OPENAI_API_KEY")
+REASONING = ("keep", "strip")
+_CHAT_KEYS = ("messages", "conversations")
+_SPEC_KEYS = ("model", "max_tokens", "temperature", "top_p", "seed", "reasoning", "extra_body")
+"""What a re-run must ask for as the first run did (the servers may change)."""
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    """`hsx regenerate`: which servers, which model, which corpus, where the new corpus goes."""
+
+    server: tuple[str, ...] = field(default=(), metadata={"cli": {"append": True, "metavar": "URL"}})
+    """An OpenAI-compatible server (vLLM, SGLang, hsx serve): http://host:port, with or without /v1. Repeat the
+    flag for several; the load is spread over them."""
+    model: str | None = None
+    """The served model name sent as `model`; default the one model the servers serve."""
+    corpus: tuple[str, ...] = ()
+    """Corpus files: JSONL (.jsonl, .json, optionally compressed) or Parquet, local or fsspec URLs, globs allowed."""
+    output: str = ""
+    """Where the regenerated corpus goes: a local folder or fsspec URL (re-running the same command resumes)."""
+    api_key: str | None = field(default_factory=lambda: next(
+        (os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None))
+    """Bearer key for the servers (default $HSX_REGENERATE_API_KEY, else $OPENAI_API_KEY)."""
+    max_tokens: int = 1024
+    """Most tokens generated per turn."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    seed: int | None = None
+    """Sampling seed: each request gets one derived from it, the sample id and the turn (reproducible whatever the
+    server or the order)."""
+    reasoning: str = "keep"
+    """A reasoning model's reasoning_content: keep (stored with each turn) or strip (dropped)."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """JSON merged into every request body: a server's own fields, e.g. '{"chat_template_kwargs":
+    {"enable_thinking": false}}' (vLLM, SGLang) or '{"top_k": 20}'."""
+    concurrency: int = 32
+    """Requests in flight per server."""
+    request_timeout_s: float = 600.0
+    """Longest wait for one answer."""
+    retries: int = 5
+    """Attempts of a request that gets a 500 or no answer in time (backoff doubling up to 30 s)."""
+    server_wait_s: float = 300.0
+    """How long requests wait for a server to answer again when none does, before they fail (a re-run retries
+    them)."""
+    id_field: str = "id"
+    """Record field holding the sample id; records without it get a stable id from file and line/row."""
+    corpus_storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for reading the corpus, as JSON."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for OUTPUT, as JSON."""
+    flush_rows: int = 256
+    """Commit the regenerated records at least every this many."""
+    flush_seconds: float = 10.0
+    """Commit at least this often; a crash redoes at most this much work."""
+    retry_failed: bool = False
+    """Regenerate again the records that failed in a way that repeats (the server refused them, malformed)."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+    break_lease: bool = False
+    """Take over OUTPUT's writer lease even though its holder looks alive (only when that job is gone)."""
+
+    def __post_init__(self) -> None:
+        from connectors.storage import parse_storage_options
+
+        for name in ("server", "corpus"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(str(v) for v in value))
+        for name in ("corpus_storage_options", "storage_options"):
+            object.__setattr__(self, name, parse_storage_options(getattr(self, name), flag(name)))
+        object.__setattr__(self, "extra_body", _json_object(self.extra_body, "--extra-body"))
+        if self.reasoning not in REASONING:
+            raise ValueError(f"--reasoning {self.reasoning!r} is not a choice; use keep or strip")
+        for name in ("max_tokens", "concurrency", "retries", "flush_rows"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "server_wait_s", "flush_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty; pass --api-key KEY or unset $HSX_REGENERATE_API_KEY")
+        if not self.id_field:
+            raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
+        reserved = sorted(set(self.extra_body) & {"model", "messages", "prompt", "return_token_ids"})
+        if reserved:
+            raise ValueError(f"--extra-body sets {reserved}, which hsx regenerate sends itself; leave them out")
+
+    def check_required(self) -> None:
+        for name, what in (("server", "a server URL, e.g. --server http://127.0.0.1:8000"),
+                           ("corpus", "corpus files"), ("output", "where the new corpus goes")):
+            if not getattr(self, name):
+                raise ValueError(f"{flag(name)} is required: {what}")
+
+    def spec(self, model: str) -> dict[str, Any]:
+        """regenerate.json's settings: what a resume must ask for again."""
+        return {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed, "reasoning": self.reasoning, "extra_body": self.extra_body}
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return dict(value)
+
+
+# -- talking to servers -------------------------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """The server answered 4xx: this request fails the same way every time (its message is the record's error)."""
+
+
+class Transient(Exception):
+    """A 500, a timeout: the request is tried again (--retries)."""
+
+
+class ServerGone(Exception):
+    """The server did not answer (connection refused or reset) or is busy (503, 429): the request moves on, uncounted."""
+
+
+class NoServer(Exception):
+    """No server answered for --server-wait-s, or every server was set aside."""
+
+
+class NotAnAPI(Exception):
+    """An answer that is not an OpenAI API's."""
+
+
+def base_url(url: str) -> str:
+    """http://host:port[/prefix] -> http://host:port[/prefix]/v1."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--server {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def error_message(raw: bytes) -> str:
+    """The message of an error body: OpenAI's {"error": {"message"}}, vLLM's and SGLang's {"object": "error",
+    "message"}, FastAPI's {"detail"}; else the body's start."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"]
+        for key in ("message", "detail", "error"):
+            if isinstance(doc.get(key), str):
+                return doc[key]
+    text = raw.decode("utf-8", "replace").strip()
+    return text[:300] or "(empty body)"
+
+
+@dataclass
+class Server:
+    url: str
+    """Base URL ending in /v1."""
+    free: int
+    down_until: float = 0.0
+    misses: int = 0
+    """Consecutive times it did not answer: its back-off grows with them."""
+    broken: str | None = None
+    """Why it was set aside for good (answers that are not an API's)."""
+    answered: int = 0
+    seconds: float = 0.0
+
+
+class Pool:
+    """The servers, their free slots and health: `call(route, body)` POSTs to one and returns its JSON answer."""
+
+    def __init__(self, urls: list[str], config: RegenerateConfig) -> None:
+        self.config = config
+        self.servers = [Server(u, config.concurrency) for u in urls]
+        self.cond = asyncio.Condition()
+        self.none_since: float | None = None
+        """When the last live server went down (None while one answers)."""
+        self.session = None
+        self.no_ids: set[str] = set()
+
+    async def __aenter__(self) -> Pool:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        limit = self.config.concurrency * len(self.servers) + 8
+        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
+                                             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+
+    async def probe(self) -> dict[str, list[str]]:
+        """{url: served model ids} of every server; ValueError naming the server and the fix when one cannot be
+        used (does not answer, refuses the key, answers something that is not an OpenAI API)."""
+        import aiohttp
+
+        out = {}
+        for s in self.servers:
+            try:
+                async with self.session.get(s.url + "/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    raw = await r.read()
+                    status = r.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise ValueError(f"--server {s.url}: no answer ({type(e).__name__}: {e or 'timed out'}); start the "
+                                 "server first, or fix the URL") from None
+            if status in (401, 403):
+                raise ValueError(f"--server {s.url} refuses the API key ({status}: {error_message(raw)}); pass the "
+                                 "server's key with --api-key or $HSX_REGENERATE_API_KEY")
+            if status != 200:
+                raise ValueError(f"--server {s.url}: GET /v1/models answered {status} ({error_message(raw)}); is it an "
+                                 "OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
+            try:
+                doc = json.loads(raw)
+                ids = [m["id"] for m in doc["data"]]
+                if not all(isinstance(i, str) for i in ids):
+                    raise TypeError("model ids are not strings")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--server {s.url}: GET /v1/models did not answer an OpenAI model list ({e}; body "
+                                 f"starts {raw[:80]!r}); point --server at an OpenAI-compatible server") from None
+            out[s.url] = ids
+        return out
+
+    async def call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The JSON answer of one server to POST `route`. Raises Refused (4xx), Transient (--retries used up),
+        NoServer."""
+        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
+
+        retrying = AsyncRetrying(stop=stop_after_attempt(self.config.retries), reraise=True,
+                                 wait=wait_exponential(multiplier=0.5, max=30) + wait_random(0, 0.5),
+                                 retry=retry_if_exception_type(Transient))
+        async for attempt in retrying:
+            with attempt:
+                while True:
+                    server = await self._acquire()
+                    try:
+                        return await self._post(server, route, body)
+                    except ServerGone:
+                        continue  # set aside: the request waits for this server or another, uncounted
+                    finally:
+                        await self._release(server)
+        raise AssertionError("unreachable")
+
+    async def _acquire(self) -> Server:
+        loop = asyncio.get_running_loop()
+        async with self.cond:
+            while True:
+                now = loop.time()
+                usable = [s for s in self.servers if s.broken is None]
+                if not usable:
+                    raise NoServer("every server was set aside: " + "; ".join(
+                        f"{s.url}: {s.broken}" for s in self.servers))
+                live = [s for s in usable if s.down_until <= now]
+                ready = [s for s in live if s.free > 0]
+                if ready:
+                    server = max(ready, key=lambda s: s.free)
+                    server.free -= 1
+                    return server
+                if self.none_since is not None and now - self.none_since > self.config.server_wait_s:
+                    raise NoServer(f"no server answered for {self.config.server_wait_s:g} s (--server-wait-s): "
+                                   + ", ".join(s.url for s in usable))
+                wake = min([1.0, *(s.down_until - now for s in usable if s.down_until > now)])
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.cond.wait(), timeout=max(wake, 0.01))
+
+    async def _release(self, server: Server) -> None:
+        async with self.cond:
+            server.free += 1
+            self.cond.notify_all()
+
+    def _set_aside(self, server: Server, seconds: float | None = None, why: str = "") -> None:
+        loop = asyncio.get_running_loop()
+        server.misses += 1
+        back_off = min(30.0, 0.5 * 2 ** min(server.misses - 1, 6)) if seconds is None else seconds
+        server.down_until = loop.time() + back_off
+        if server.misses == 1 and why:
+            logger.warning("%s: %s; its requests move to the other servers (or wait for it)", server.url, why)
+        now = loop.time()
+        if self.none_since is None and all(s.broken or s.down_until > now for s in self.servers):
+            self.none_since = now
+
+    async def _post(self, server: Server, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            async with self.session.post(server.url + route, json=body) as r:
+                raw = await r.read()
+                status, retry_after = r.status, r.headers.get("Retry-After", "")
+        except asyncio.TimeoutError:
+            raise Transient(f"{server.url}: no answer within {self.config.request_timeout_s:g} s "
+                            "(--request-timeout-s)") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+            self._set_aside(server, why=f"no answer ({type(e).__name__}: {e})")
+            raise ServerGone(str(e)) from None
+        if status in (408, 429, 503):
+            wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
+            self._set_aside(server, wait, why=f"busy or unavailable ({status}: {error_message(raw)[:200]})")
+            raise ServerGone(f"{status}") from None
+        if status >= 500:
+            raise Transient(f"{server.url} answered {status}: {error_message(raw)}")
+        if status in (401, 403):
+            server.broken = f"refused the API key ({status}: {error_message(raw)[:200]})"
+            logger.error("%s %s; set aside", server.url, server.broken)
+            raise ServerGone(server.broken)
+        if status != 200:
+            raise Refused(f"{server.url} answered {status}: {error_message(raw)}")
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not doc["choices"]:
+                raise ValueError("no 'choices' list")
+        except ValueError as e:
+            server.broken = f"answered 200 with what is not an OpenAI completion ({e}; body starts {raw[:80]!r})"
+            logger.error("%s %s; set aside for good", server.url, server.broken)
+            raise ServerGone(server.broken) from None
+        server.misses, server.answered = 0, server.answered + 1
+        server.seconds += loop.time() - start
+        self.none_since = None
+        return doc
+
+
+# -- one record ---------------------------------------------------------------------------------------------------
+
+
+class BadRecord(ValueError):
+    """A record that cannot be regenerated (fails the same way every time)."""
+
+
+@dataclass
+class Turn:
+    text: str
+    prompt_ids: list[int] | None
+    ids: list[int] | None
+    finish_reason: str | None
+    reasoning: str | None = None
+    tool_calls: list | None = None
+
+
+@dataclass
+class Outcome:
+    sample_id: str
+    source: str
+    record: dict[str, Any] | None = None
+    error: str | None = None
+    retry: bool = True
+    prompt_tokens: int = 0
+    tokens: int = 0
+    exact: bool = False
+    text_only_reason: str | None = None
+
+
+def _ids(value: Any, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise NotAnAPI(f"{what} is not a list of token ids")
+    return value
+
+
+def parse_completion(doc: dict[str, Any]) -> Turn:
+    choice = doc["choices"][0]
+    if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
+        raise NotAnAPI("the completion's choices[0].text is not a string")
+    return Turn(choice["text"], _ids(choice.get("prompt_token_ids"), "prompt_token_ids"),
+                _ids(choice.get("token_ids"), "token_ids"), choice.get("finish_reason"))
+
+
+def parse_chat(doc: dict[str, Any]) -> Turn:
+    choice = doc["choices"][0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise NotAnAPI("the chat completion's choices[0].message is not an object")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise NotAnAPI("the chat completion's message content is not a string")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    return Turn(content or "", _ids(doc.get("prompt_token_ids"), "prompt_token_ids"),
+                _ids(choice.get("token_ids"), "token_ids"), choice.get("finish_reason"),
+                reasoning if isinstance(reasoning, str) and reasoning else None,
+                message.get("tool_calls") or None)
+
+
+def request_seed(seed: int | None, sample_id: str, turn: int) -> int | None:
+    """The seed of one request: the same for the same sample and turn, whatever server or order."""
+    if seed is None:
+        return None
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(f"{seed}\x00{sample_id}\x00{turn}".encode("utf-8", "surrogatepass")) >> 1
+
+
+class Regenerator:
+    """Turns one record into its regenerated record through a Pool."""
+
+    def __init__(self, pool: Pool, config: RegenerateConfig, model: str) -> None:
+        self.pool = pool
+        self.config = config
+        self.model = model
+
+    def _body(self, sample_id: str, turn: int, **what: Any) -> dict[str, Any]:
+        body = {"model": self.model, **what, "max_tokens": self.config.max_tokens,
+                "temperature": self.config.temperature, "top_p": self.config.top_p, "return_token_ids": True,
+                **self.config.extra_body}
+        seed = request_seed(self.config.seed, sample_id, turn)
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    async def run(self, sample_id: str, source: str, payload: str) -> Outcome:
+        out = Outcome(sample_id, source)
+        try:
+            record = json.loads(payload)
+            if not isinstance(record, dict):
+                raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
+            present = [k for k in ("input_ids", *_CHAT_KEYS, "prompt") if record.get(k) is not None]
+            shape = present[0] if present else None
+            if shape in _CHAT_KEYS:
+                await self._chat(record, shape, out)
+            elif shape in ("input_ids", "prompt"):
+                await self._completion(record, shape, out)
+            else:
+                raise BadRecord(f"record has none of the fields input_ids, messages, conversations, prompt (found "
+                                f"{sorted(record)[:10]})")
+        except (BadRecord, Refused) as e:
+            out.error, out.retry = f"{source}: {e}", False
+        except (Transient, NoServer) as e:
+            out.error = f"{source}: {e}"
+        except NotAnAPI as e:
+            out.error = f"{source}: the server's answer is not an OpenAI completion: {e}"
+        except ValueError as e:  # json
+            out.error, out.retry = f"{source}: the record is not JSON that can be read ({e})", False
+        return out
+
+    async def _completion(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
+        from jobs.tokenization import SampleError, pretokenized
+
+        if shape == "input_ids":
+            try:
+                ids, mask = pretokenized(record)
+            except SampleError as e:
+                raise BadRecord(str(e)) from None
+            prompt: Any = ids
+        else:
+            prompt = record["prompt"]
+            if not isinstance(prompt, str):
+                raise BadRecord(f"field 'prompt' must be a string, got {type(prompt).__name__}")
+        turn = parse_completion(await self.pool.call("/completions", self._body(out.sample_id, 0, prompt=prompt)))
+        new = dict(record)
+        new["completion"] = turn.text
+        new["finish_reason"] = turn.finish_reason
+        if turn.ids is not None and (shape == "input_ids" or turn.prompt_ids is not None):
+            prompt_ids = ids if shape == "input_ids" else turn.prompt_ids
+            new["input_ids"] = [*prompt_ids, *turn.ids]
+            if shape == "input_ids":
+                new["loss_mask"] = [*mask, *([1] * len(turn.ids))]
+            out.exact, out.prompt_tokens, out.tokens = True, len(prompt_ids), len(prompt_ids) + len(turn.ids)
+        elif shape == "input_ids":
+            raise Transient("the server returned no token ids (return_token_ids), which a token-id prompt needs: "
+                            "use a server that returns them (vLLM >= 0.10.2, hsx serve)")
+        else:  # text only: hsx run tokenizes prompt and answer as one text
+            new["prompt"] = prompt + turn.text
+            out.text_only_reason = "the server returned no token ids"
+        out.record = new
+
+    async def _chat(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
+        from jobs.chat import normalize_messages
+
+        try:
+            messages = normalize_messages({shape: record[shape]})
+        except ValueError as e:
+            raise BadRecord(str(e)) from None
+        todo = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+            todo.append(len(messages) - 1)
+        if todo[0] == 0:
+            raise BadRecord("the conversation starts with an assistant turn; there is nothing to answer")
+        turns: list[Turn] = []
+        for n, i in enumerate(todo):
+            asked = [_for_request(m) for m in messages[:i]]
+            turn = parse_chat(await self.pool.call("/chat/completions", self._body(out.sample_id, n, messages=asked)))
+            message = {k: v for k, v in messages[i].items() if k not in ("content", "reasoning_content", "tool_calls")}
+            message.update(role="assistant", content=turn.text)
+            if turn.reasoning is not None and self.config.reasoning == "keep":
+                message["reasoning_content"] = turn.reasoning
+            if turn.tool_calls:
+                message["tool_calls"] = turn.tool_calls
+            messages[i] = message
+            turns.append(turn)
+        new = {k: v for k, v in record.items() if k not in (*_CHAT_KEYS, "input_ids", "loss_mask")}
+        new["messages"] = messages
+        new["finish_reasons"] = [t.finish_reason for t in turns]
+        ids, mask, why = exact_tokens(turns, self.config.reasoning)
+        if ids is None:
+            out.text_only_reason = why
+        else:
+            new["input_ids"], new["loss_mask"] = ids, mask
+            out.exact, out.prompt_tokens, out.tokens = True, len(turns[-1].prompt_ids), len(ids)
+        out.record = new
+
+
+def _for_request(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a request carries it: OpenAI's keys (a stored reasoning_content goes back, as vLLM's and the
+    chat templates of reasoning models read it)."""
+    return {k: v for k, v in message.items() if k in ("role", "content", "name", "tool_calls", "tool_call_id",
+                                                      "reasoning_content")}
+
+
+def exact_tokens(turns: list[Turn], reasoning: str) -> tuple[list[int] | None, list[int] | None, str | None]:
+    """(ids, loss mask, None) of a regenerated conversation from the servers' own ids — the last request's prompt
+    ids and generated ids, 1 over every turn's generated ids where the last prompt holds them as generated — or
+    (None, None, why not)."""
+    if any(t.ids is None or t.prompt_ids is None for t in turns):
+        return None, None, "the server returned no token ids"
+    if reasoning == "strip" and any(t.reasoning for t in turns):
+        return None, None, "--reasoning strip (the generated ids hold the reasoning)"
+    last = turns[-1]
+    ids = [*last.prompt_ids, *last.ids]
+    mask = [0] * len(ids)
+    for t in turns:
+        start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.ids)
+        if ids[:start] != t.prompt_ids or ids[start:end] != t.ids:
+            return None, None, "the chat template renders an earlier turn's generated ids differently"
+        mask[start:end] = [1] * len(t.ids)
+    return ids, mask, None
+
+
+# -- the output ---------------------------------------------------------------------------------------------------
+
+
+def is_regenerated(run: RunDir) -> bool:
+    return run.exists(REGEN_JSON)
+
+
+def read_spec(run: RunDir) -> dict[str, Any] | None:
+    """regenerate.json, or None; RunFormatError when it is not one this hsx reads."""
+    from connectors.run import RunFormatError
+
+    if not run.exists(REGEN_JSON):
+        return None
+    try:
+        doc = json.loads(run.read_bytes(REGEN_JSON))
+    except ValueError as e:
+        raise RunFormatError(f"{run.url_of(REGEN_JSON)} is not JSON ({e}); the folder was damaged") from None
+    if not isinstance(doc, dict) or doc.get("format") != REGEN_FORMAT:
+        raise RunFormatError(f"{run.url_of(REGEN_JSON)} is not a regenerated corpus's (format "
+                             f"{doc.get('format') if isinstance(doc, dict) else None!r})")
+    if doc.get("version") != REGEN_VERSION:
+        raise RunFormatError(f"{run.url_of(REGEN_JSON)} has version {doc.get('version')!r}; this hsx reads "
+                             f"{REGEN_VERSION}: upgrade hsx")
+    return doc
+
+
+class PartWriter:
+    """Buffers outcomes; each flush puts one data part (the ok records' lines) and then the manifest part that
+    commits them."""
+
+    def __init__(self, run: RunDir, attempt: str, retry_s: float = 120.0) -> None:
+        from jobs.manifest import ManifestWriter
+
+        self.run = run
+        self.attempt = attempt
+        self.retry_s = retry_s
+        self.manifest = ManifestWriter(run, attempt, flush_rows=1 << 62, retry_s=retry_s)
+        self.lines: list[bytes] = []
+        self.rows: list[dict[str, Any]] = []
+        self.seq = 0
+        self.last = time.monotonic()
+        self._lock = threading.Lock()  # a flush cancelled while in its thread may still run: the next one waits
+
+    def add(self, o: Outcome) -> None:
+        if o.record is None:
+            self.rows.append({"sample_id": o.sample_id, "status": FAILED, "error": o.error, "source": o.source,
+                              "retry": o.retry})
+            return
+        from connectors.format import data_checksum
+
+        line = json.dumps(o.record, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n"
+        self.rows.append({"sample_id": o.sample_id, "status": OK, "source": o.source, "bytes": len(line),
+                          "num_tokens": o.tokens or None, "num_prompt_tokens": o.prompt_tokens or None,
+                          "checksum": data_checksum([line]), "truncated": False, "_line": len(self.lines)})
+        self.lines.append(line)
+
+    def due(self, rows: int, seconds: float) -> bool:
+        return len(self.rows) >= rows or (bool(self.rows) and time.monotonic() - self.last >= seconds)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        from connectors.storage import retrying
+
+        self.last = time.monotonic()
+        if not self.rows:
+            self.manifest.flush()  # a part whose put raised earlier
+            return
+        if self.lines:
+            name = f"{DATA_PREFIX}{self.attempt}-{self.seq:06d}.jsonl"
+            offsets = [0]
+            for line in self.lines:
+                offsets.append(offsets[-1] + len(line))
+            for row in self.rows:
+                if "_line" in row:
+                    row.update(path=name, offset=offsets[row.pop("_line")])
+            retrying("data part", self.run.url_of(name), 1, 0.2, self.retry_s)(self.run.put, name, b"".join(self.lines))
+        self.seq += 1
+        self.manifest.add(pa.Table.from_pylist(self.rows, schema=RESULT_SCHEMA))  # every row, whatever its keys
+        self.manifest.flush()
+        self.lines, self.rows = [], []
+
+
+def remove_orphans(run: RunDir) -> int:
+    """Data parts no manifest row points at (a driver died between a part and its commit): removed."""
+    names = [n for n in run.list("data") if n.startswith(DATA_PREFIX)]
+    if not names:
+        return 0
+    live = referenced_paths(run, DATA_PREFIX)
+    gone = 0
+    for name in names:
+        if name not in live:
+            with contextlib.suppress(FileNotFoundError):
+                run.fs.rm(run.path(name))
+                gone += 1
+    return gone
+
+
+# -- the job ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RegenerationPlan:
+    config: RegenerateConfig
+    output: RunDir
+    model: str
+    servers: list[str]
+    files: list
+    done: Any
+    attempt: str
+    lease: Any
+    new: bool
+
+
+@dataclass
+class RegenerateResult:
+    output: str
+    attempt: str
+    new: bool = True
+    records: int = 0
+    """Records read this run."""
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    """Records an earlier run settled."""
+    duplicates: int = 0
+    exact: int = 0
+    """Ok records that carry the servers' own token ids."""
+    text_only: Counter = field(default_factory=Counter)
+    """Why records keep text only: count."""
+    tokens: int = 0
+    requests: int = 0
+    seconds: float = 0.0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    per_server: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """url -> (answers, seconds spent waiting on them)."""
+    stopped: str | None = None
+    """Why the run stopped early (the lease was lost, a storage outage), or None."""
+
+    def lines(self) -> list[str]:
+        secs = max(self.seconds, 1e-9)
+        out = [f"hsx regenerate {'finished' if self.new else 'resumed and finished'} in {self.seconds:.1f}s: "
+               f"{self.ok} ok, {self.failed} failed, {self.skipped} skipped (already done) of {self.records} records"
+               + (f" ({self.duplicates} duplicate ids)" if self.duplicates else ""),
+               f"  {self.requests} requests ({self.requests / secs:.1f}/s), {self.tokens} tokens stored "
+               f"({self.tokens / secs:.0f}/s); {self.exact} of {self.ok} with the servers' own token ids"]
+        for why, n in self.text_only.items():
+            out.append(f"  text only ({n}): {why}; hsx run tokenizes their text (tokens may differ from those the "
+                       "target produced)")
+        for url, (n, s) in self.per_server.items():
+            out.append(f"  server {url}: {n} answers" + (f", {s / n:.2f} s each" if n else ""))
+        out.append(f"  output:   {self.output}  (hsx run --corpus {self.output}; hsx status {self.output})")
+        if self.failures:
+            out.append(f"  first failures ({len(self.failures)} of {self.failed}):")
+            out += [f"    {sid}: {err}" for sid, err in self.failures]
+        if self.stopped:
+            out.append(f"  STOPPED EARLY: {self.stopped}; re-run the same command to finish")
+        return out
+
+
+def prepare_regeneration(config: RegenerateConfig) -> RegenerationPlan:
+    """Everything checked before the first request (ValueError for what the user must fix)."""
+    from connectors.lease import WriterLease
+    from connectors.run import RUN_JSON, RunFormatError
+    from jobs.corpus import expand_corpus
+    from jobs.registry import DoneSet
+
+    config.check_required()
+    servers = [base_url(u) for u in config.server]
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"--server lists a server twice: {servers}")
+    output = RunDir(config.output, config.storage_options)
+    output.check_reachable()
+    if output.exists(RUN_JSON):
+        raise ValueError(f"{output.url} holds an extraction run (run.json); write the regenerated corpus elsewhere")
+    files = expand_corpus(config.corpus, config.corpus_storage_options)
+    served = asyncio.run(_probe(servers, config))
+    model = config.model
+    if model is None:
+        names = sorted({m for ids in served.values() for m in ids})
+        if len(names) != 1:
+            raise ValueError(f"the servers serve {names}; pass --model NAME")
+        model = names[0]
+    for url, ids in served.items():
+        if model not in ids:
+            raise ValueError(f"--server {url} does not serve model {model!r} (it serves {ids}); pass --model with "
+                             "one of those, or drop the server")
+    try:
+        spec = read_spec(output)
+    except RunFormatError as e:
+        raise ValueError(str(e)) from None
+    wanted = config.spec(model)
+    if spec is not None:
+        had = spec.get("settings", {})
+        diff = {k: (had.get(k), wanted[k]) for k in _SPEC_KEYS if had.get(k) != wanted[k]}
+        if diff:
+            raise ValueError(f"{output.url} was regenerated with other settings: " + ", ".join(
+                f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items()) + "; re-run with the same settings, or "
+                "write to another --output")
+    attempt = new_attempt_id()
+    lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease, command="hsx regenerate",
+                                harm="Two writers would regenerate records twice")
+    try:
+        if spec is None:
+            output.put(REGEN_JSON, json.dumps({"format": REGEN_FORMAT, "version": REGEN_VERSION, "settings": wanted,
+                                               "corpus": [f.url for f in files], "created_at": time.time()},
+                                              indent=2).encode())
+        with contextlib.suppress(FileNotFoundError):
+            output.fs.rm(output.path(FINISHED))
+        removed = remove_orphans(output)
+        if removed:
+            logger.info("removed %d uncommitted data part(s) of an attempt that died", removed)
+        done = DoneSet.load(output, retry_failed=config.retry_failed)
+    except BaseException:
+        lease.release()
+        raise
+    return RegenerationPlan(config, output, model, servers, files, done, attempt, lease, spec is None)
+
+
+async def _probe(servers: list[str], config: RegenerateConfig) -> dict[str, list[str]]:
+    async with Pool(servers, config) as pool:
+        return await pool.probe()
+
+
+def execute_regeneration(plan: RegenerationPlan) -> RegenerateResult:
+    """Regenerate every record not settled; commits as it goes; releases the lease; writes FINISHED."""
+    result = RegenerateResult(plan.output.url, plan.attempt, new=plan.new)
+    start = time.monotonic()
+    try:
+        with plan.lease.keep_alive() as lost:
+            asyncio.run(_run(plan, result, lost))
+    finally:
+        result.seconds = time.monotonic() - start
+        with contextlib.suppress(Exception):
+            plan.output.put(FINISHED, json.dumps({"attempt": plan.attempt, "ok": result.ok, "failed": result.failed,
+                                                  "stopped": result.stopped}).encode())
+        plan.lease.release()
+    return result
+
+
+def regenerate(config: RegenerateConfig) -> RegenerateResult:
+    return execute_regeneration(prepare_regeneration(config))
+
+
+async def _run(plan: RegenerationPlan, result: RegenerateResult, lost) -> None:
+    from jobs.corpus import count_records, read_records
+    from jobs.registry import id_keys
+
+    config = plan.config
+    writer = PartWriter(plan.output, plan.attempt)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * config.concurrency * len(plan.servers))
+    outcomes: asyncio.Queue = asyncio.Queue()
+    seen: set[int] = set()
+    warned: set[str] = set()
+    bar = _bar(config.progress)
+
+    async def read() -> None:
+        for file in plan.files:
+            blocks = read_records(file, config.id_field, config.corpus_storage_options)
+            while (block := await asyncio.to_thread(next, blocks, None)) is not None:
+                keys = id_keys([r.sample_id for r in block])
+                settled = plan.done.contains(keys)
+                for record, key, done in zip(block, keys.tolist(), settled):
+                    result.records += 1
+                    if done:
+                        result.skipped += 1
+                        bar.update(1)
+                        continue
+                    if key in seen:
+                        result.duplicates += 1
+                        await outcomes.put(Outcome(record.sample_id, record.source, retry=False, error=(
+                            f"{record.source}: duplicate sample id {record.sample_id!r} (another record has it); "
+                            "give each record its own id")))
+                        continue
+                    seen.add(key)
+                    if record.error is not None:
+                        await outcomes.put(Outcome(record.sample_id, record.source, error=record.error, retry=False))
+                        continue
+                    await queue.put(record)
+
+    async def work(regen: Regenerator) -> None:
+        while (record := await queue.get()) is not None:
+            await outcomes.put(await regen.run(record.sample_id, record.source, record.payload))
+
+    async def commit() -> None:
+        while True:
+            try:
+                o = await asyncio.wait_for(outcomes.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                o = None
+            if o is StopAsyncIteration:
+                break
+            if o is not None:
+                _count(result, o, warned)
+                writer.add(o)
+                bar.update(1)
+                bar.set_postfix_str(f"ok={result.ok} failed={result.failed}", refresh=False)
+            if lost.is_set():
+                raise RuntimeError("the writer lease was lost")
+            if writer.due(config.flush_rows, config.flush_seconds):
+                await asyncio.to_thread(writer.flush)
+        await asyncio.to_thread(writer.flush)
+
+    async with Pool(plan.servers, config) as pool:
+        regen = Regenerator(pool, config, plan.model)
+        committer = asyncio.create_task(commit())
+        total = asyncio.create_task(asyncio.to_thread(lambda: sum(count_records(f, config.corpus_storage_options)
+                                                                  for f in plan.files)))
+        total.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or _set_total(bar, t.result()))
+        workers = [asyncio.create_task(work(regen)) for _ in range(config.concurrency * len(plan.servers))]
+        reader = asyncio.create_task(read())
+        try:
+            await _first_error(reader, committer)
+            for _ in workers:
+                await queue.put(None)
+            await _first_error(asyncio.gather(*workers), committer)
+            await outcomes.put(StopAsyncIteration)
+            await committer
+        except BaseException as e:  # Ctrl-C, the lease lost, storage down, a bug: keep what was answered, stop
+            result.stopped = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            for task in (reader, *workers, committer):
+                task.cancel()
+            await asyncio.gather(reader, *workers, committer, return_exceptions=True)
+            if not lost.is_set():
+                while not outcomes.empty():
+                    o = outcomes.get_nowait()
+                    if isinstance(o, Outcome):
+                        _count(result, o, warned)
+                        writer.add(o)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(writer.flush)
+            raise
+        finally:
+            bar.close()
+            total.cancel()
+            result.requests = sum(s.answered for s in pool.servers)
+            result.per_server = {s.url: (s.answered, s.seconds) for s in pool.servers}
+
+
+async def _first_error(task, committer: asyncio.Task) -> None:
+    """Wait for `task`; the committer failing (storage, lease) stops the wait with its error."""
+    task = asyncio.ensure_future(task)
+    done, _ = await asyncio.wait({task, committer}, return_when=asyncio.FIRST_COMPLETED)
+    if committer in done and task not in done:
+        task.cancel()
+        committer.result()
+        raise RuntimeError("the commit loop ended early")
+    task.result()
+
+
+def _count(result: RegenerateResult, o: Outcome, warned: set[str]) -> None:
+    if o.record is None:
+        result.failed += 1
+        if len(result.failures) < 10:
+            result.failures.append((o.sample_id, o.error or ""))
+        return
+    result.ok += 1
+    result.tokens += o.tokens
+    if o.exact:
+        result.exact += 1
+    elif o.text_only_reason:
+        result.text_only[o.text_only_reason] += 1
+        if o.text_only_reason not in warned:
+            warned.add(o.text_only_reason)
+            logger.warning("records keep their text only: %s (first: %s); hsx run tokenizes them", o.text_only_reason,
+                           o.sample_id)
+
+
+def _bar(enabled: bool):
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    return tqdm(total=None, unit="record", desc="regenerating", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=interactive, mininterval=0.5 if interactive else 30)
+
+
+def _set_total(bar, total: int) -> None:
+    bar.total = max(total, bar.n)
+    bar.refresh()
