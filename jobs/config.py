@@ -45,6 +45,13 @@ class JobConfig(EngineOptions):
     """Sampling seed when --max-tokens > 0."""
     include_output_tokens: bool = False
     """Also store hidden states of generated tokens (needs --max-tokens > 0)."""
+    regenerate_with: tuple[str, ...] = field(default=(), metadata={"cli": {"append": True, "metavar": "URL"}})
+    """Regenerate the corpus's answers through this OpenAI-compatible server first (vLLM, SGLang, hsx serve; repeat
+    for several) and extract the regenerated corpus prefill-only, streaming: extraction starts with the first
+    committed records. Re-running the same command resumes both."""
+    regenerate: dict[str, Any] = field(default_factory=dict)
+    """--regenerate-with's settings as JSON, hsx regenerate's keys: max_tokens, temperature, top_p, seed, reasoning,
+    model, concurrency, extra_body, api_key, ...; output (default OUTPUT/regenerated)."""
 
     # -- corpus ----------------------------------------------------------------------------------------------------
     id_field: str = "id"
@@ -150,6 +157,14 @@ class JobConfig(EngineOptions):
             raise ValueError(f"--storage-retry-seconds must be > 0, got {self.storage_retry_seconds}")
         if self.manifest_flush_seconds <= 0:
             raise ValueError(f"--manifest-flush-seconds must be > 0, got {self.manifest_flush_seconds}")
+        if self.regenerate_with:
+            if self.max_tokens:
+                raise ValueError("--regenerate-with extracts the servers' answers prefill-only, so --max-tokens (the "
+                                 "engine's own generation) must stay 0; set the servers' with --regenerate "
+                                 "'{\"max_tokens\": N}'")
+            self.regenerate_config()
+        elif self.regenerate:
+            raise ValueError("--regenerate sets hsx regenerate's options; pass --regenerate-with URL as well")
         if self.include_output_tokens and self.max_tokens == 0:
             raise ValueError("--include-output-tokens needs generated tokens; pass --max-tokens K (K > 0) as well")
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
@@ -162,6 +177,34 @@ class JobConfig(EngineOptions):
 
     def connector_settings(self) -> dict[str, Any]:
         return {**super().connector_settings(), "write_retry_s": float(self.storage_retry_seconds)}
+
+    def regenerate_config(self):
+        """hsx regenerate's settings for --regenerate-with (jobs.regenerate.RegenerateConfig)."""
+        from jobs.regenerate import RegenerateConfig
+
+        opts = dict(self.regenerate) if isinstance(self.regenerate, dict) else self.regenerate
+        if isinstance(opts, str):
+            import json
+
+            try:
+                opts = json.loads(opts)
+            except ValueError as e:
+                raise ValueError(f"--regenerate is not JSON: {e}") from None
+        if not isinstance(opts, dict):
+            raise ValueError(f"--regenerate must be a JSON object of hsx regenerate settings, got {opts!r}")
+        fixed = {"server", "corpus", "corpus_storage_options", "id_field", "progress"}
+        known = {f.name for f in dataclasses.fields(RegenerateConfig)} - fixed
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ValueError(f"--regenerate: unknown settings {unknown}; hsx regenerate takes {sorted(known)}")
+        opts.setdefault("output", self.output.rstrip("/") + "/regenerated" if self.output else "")
+        opts.setdefault("storage_options", self.storage_options)
+        opts.setdefault("flush_seconds", 2.0)  # the extraction follows the commits: small ones, often
+        try:
+            return RegenerateConfig(server=self.regenerate_with, corpus=self.corpus, id_field=self.id_field,
+                                    corpus_storage_options=self.corpus_storage_options, progress=False, **opts)
+        except ValueError as e:
+            raise ValueError(f"--regenerate: {e}") from None
 
     def sampling_params(self):
         """The SamplingParams every sample runs with (each gets its own kv_transfer_params on top)."""

@@ -84,6 +84,8 @@ class JobPlan:
     """The output's writer lease, held from planning to the end of execute_job."""
     nothing_left: bool = False
     """Every record of the corpus is settled: the job finishes without starting Ray."""
+    regeneration: object = None
+    """--regenerate-with: the regeneration (jobs.regenerate.RegenerationPlan) whose corpus this job follows."""
 
 
 def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
@@ -115,7 +117,23 @@ def prepare_job(config: JobConfig) -> JobPlan:
     output = RunDir(config.output, config.storage_options)
     output.check_reachable()
     facts = ModelFacts.resolve(config)
-    files = expand_corpus(config.corpus, config.corpus_storage_options)
+    regeneration = None
+    if config.regenerate_with:  # the servers' answers, followed as they are committed
+        from jobs.regenerate import prepare_regeneration
+
+        regeneration = prepare_regeneration(config.regenerate_config())
+        files = [CorpusFile(regeneration.output.url, "regenerated-follow")]
+    else:
+        files = expand_corpus(config.corpus, config.corpus_storage_options)
+    try:
+        return _plan(config, output, facts, files, regeneration)
+    except BaseException:
+        if regeneration is not None:
+            regeneration.lease.release()
+        raise
+
+
+def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[CorpusFile], regeneration) -> JobPlan:
     override, template, template_source = load_chat_template(config, facts)
     attempt = new_attempt_id()
     lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
@@ -124,8 +142,9 @@ def prepare_job(config: JobConfig) -> JobPlan:
         spec = build_run_spec(config, facts, files, template, template_source, present=present)
         new_run = ensure_run_spec(output, spec, present)
         done = DoneSet() if new_run else DoneSet.load(output, retry_failed=config.retry_failed)
-        plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease)
-        plan.nothing_left = _nothing_left(plan)
+        plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease,
+                       regeneration=regeneration)
+        plan.nothing_left = regeneration is None and _nothing_left(plan)
     except BaseException:
         lease.release()
         raise
@@ -283,12 +302,47 @@ def execute_job(plan: JobPlan, on_batch=None) -> JobResult:
             plan.lease.release()
         return result
     keep_alive = plan.lease.keep_alive() if plan.lease is not None else contextlib.nullcontext(threading.Event())
+    regenerating = _Regenerating(plan.regeneration) if plan.regeneration is not None else None
     try:
         with keep_alive as lease_lost:
-            return _execute(plan, result, attempt, started, lease_lost, on_batch)
+            _execute(plan, result, attempt, started, lease_lost, on_batch)
     finally:
+        if regenerating is not None:
+            result.regeneration = regenerating.stop()
         if plan.lease is not None:
             plan.lease.release()
+    if regenerating is not None and regenerating.error is not None:
+        raise JobFailed(f"the regeneration stopped ({regenerating.error}); the extraction took every record it "
+                        "committed — re-run the same command to finish both")
+    return result
+
+
+class _Regenerating:
+    """hsx regenerate in a thread of the driver while the job's read stage follows its committed records."""
+
+    def __init__(self, plan) -> None:
+        self.stopping = threading.Event()
+        self.error: str | None = None
+        self.result = None
+        self.thread = threading.Thread(target=self._run, args=(plan,), name="hsx-regenerate", daemon=True)
+        self.thread.start()
+
+    def _run(self, plan) -> None:
+        from jobs.regenerate import execute_regeneration
+
+        try:
+            self.result = execute_regeneration(plan, stop=self.stopping)
+        except BaseException as e:  # noqa: BLE001 - reported by the job
+            logger.debug("regeneration failed", exc_info=True)
+            if not self.stopping.is_set():  # stopped because the job ended: the job's own error is the one to see
+                self.error = f"{type(e).__name__}: {e}"
+
+    def stop(self) -> list[str]:
+        """Its summary lines, once it has ended (at once when the job ended first: it commits what was answered)."""
+        if self.thread.is_alive():
+            self.stopping.set()
+        self.thread.join()
+        return self.result.lines() if self.result is not None else []
 
 
 def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lease_lost: threading.Event,

@@ -92,6 +92,8 @@ class JobResult:
     """(sample_id, error) of the first failures."""
     skips: list[tuple[str, str]] = field(default_factory=list)
     """(sample_id, reason) of the first samples skipped for bad states."""
+    regeneration: list[str] = field(default_factory=list)
+    """--regenerate-with: hsx regenerate's summary."""
     gpus_per_worker: float | None = None
     cpus_per_worker: float | None = None
     """What each extraction worker reserved (a CPU worker runs that many torch threads, at most its node's cores)."""
@@ -120,6 +122,7 @@ class JobResult:
         if self.failures:
             out.append(f"  first failures ({len(self.failures)} of {self.failed}):")
             out += [f"    {sid}: {err}" for sid, err in self.failures]
+        out += [f"  {line}" for line in self.regeneration]
         if self.skips:
             out.append(f"  first skipped for bad states ({len(self.skips)} of {self.skipped_bad}; final, not extracted "
                        "again):")

@@ -835,13 +835,14 @@ async def _probe(servers: list[str], config: RegenerateConfig) -> dict[str, list
         return await pool.probe()
 
 
-def execute_regeneration(plan: RegenerationPlan) -> RegenerateResult:
-    """Regenerate every record not settled; commits as it goes; releases the lease; writes FINISHED."""
+def execute_regeneration(plan: RegenerationPlan, stop: threading.Event | None = None) -> RegenerateResult:
+    """Regenerate every record not settled; commits as it goes; releases the lease; writes FINISHED. Setting `stop`
+    ends it early (what was answered is committed; RuntimeError)."""
     result = RegenerateResult(plan.output.url, plan.attempt, new=plan.new)
     start = time.monotonic()
     try:
         with plan.lease.keep_alive() as lost:
-            asyncio.run(_run(plan, result, lost))
+            asyncio.run(_run(plan, result, lost, stop or threading.Event()))
     finally:
         result.seconds = time.monotonic() - start
         with contextlib.suppress(Exception):
@@ -855,7 +856,7 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
     return execute_regeneration(prepare_regeneration(config))
 
 
-async def _run(plan: RegenerationPlan, result: RegenerateResult, lost) -> None:
+async def _run(plan: RegenerationPlan, result: RegenerateResult, lost, stop: threading.Event) -> None:
     from jobs.corpus import count_records, read_records
     from jobs.registry import id_keys
 
@@ -910,6 +911,8 @@ async def _run(plan: RegenerationPlan, result: RegenerateResult, lost) -> None:
                 bar.set_postfix_str(f"ok={result.ok} failed={result.failed}", refresh=False)
             if lost.is_set():
                 raise RuntimeError("the writer lease was lost")
+            if stop.is_set():
+                raise RuntimeError("stopped")
             if writer.due(config.flush_rows, config.flush_seconds):
                 await asyncio.to_thread(writer.flush)
         await asyncio.to_thread(writer.flush)

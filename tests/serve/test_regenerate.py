@@ -84,6 +84,20 @@ def test_greedy_regeneration_through_hsx_serve_extracts_as_the_one_engine_regene
     again = regenerate(regen_config(server, corpus, out))
     assert (again.ok, again.failed, again.skipped, again.requests) == (0, 0, 4, 0)
 
+    # both in one command: hsx run --regenerate-with follows the regeneration as it commits
+    c = run_hsx("run", "--corpus", corpus, "--output", str(tmp_path / "run-c"), "--regenerate-with", server.url,
+                "--regenerate", json.dumps({"max_tokens": MAX_TOKENS, "concurrency": 2, "flush_rows": 1}), *common)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert "hsx regenerate finished" in c.stdout and "4 ok, 0 failed" in c.stdout, c.stdout
+    rows_c = ok_rows(str(tmp_path / "run-c"))
+    assert rows_c["sample_id"].to_pylist() == rows_a["sample_id"].to_pylist()
+    for pa_, pc_ in zip(rows_a["path"].to_pylist(), rows_c["path"].to_pylist()):
+        fa = load_hidden_states(str(tmp_path / "run-a" / pa_))
+        fc = load_hidden_states(str(tmp_path / "run-c" / pc_))
+        assert fa["token_ids"].tolist() == fc["token_ids"].tolist()
+        torch.testing.assert_close(fa["hidden_states"], fc["hidden_states"], rtol=1e-4, atol=1e-4)
+    assert set(committed(tmp_path / "run-c" / "regenerated")) == {f"p{i}" for i in range(4)}
+
 
 def test_chats_regenerate_every_assistant_turn_in_order_as_the_turns_one_by_one(server, serve_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
