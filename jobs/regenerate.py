@@ -40,8 +40,9 @@ committed records only (jobs/corpus_regenerated.py), `hsx status OUTPUT` counts 
 Servers: each gets --concurrency requests at once; a request goes to the live server with the most free slots. A
 server that stops answering (connection refused or reset, 503, 429) is set aside with a growing back-off and its
 requests move to the others, or wait for it; a request fails (retried by the next run) only when no server answers
-for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 4xx answers (prompt too
-long, bad request) fail the record with the server's own message. A server that answers what is not an OpenAI API
+for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 400, 413 and 422 (prompt
+too long, bad request) fail the record with the server's own message; other 4xx (Ray Serve's 404 while an app
+redeploys) set the server aside like one that does not answer. A server that answers what is not an OpenAI API
 is refused before work, or set aside for good mid-run.
 """
 
@@ -70,6 +71,9 @@ logger = logging.getLogger(__name__)
 REGEN_FORMAT = "hsx.regenerated"
 REGEN_VERSION = "1"
 DATA_PREFIX = "data/part-"
+REFUSALS = (400, 413, 422)
+"""Answers that refuse the request itself (prompt too long, bad field): the record fails with the server's message,
+the same way every time."""
 API_KEY_ENVS = ("HSX_REGENERATE_API_KEY", "OPENAI_API_KEY")
 REASONING = ("keep", "strip")
 _CHAT_KEYS = ("messages", "conversations")
@@ -386,8 +390,12 @@ class Pool:
             server.broken = f"refused the API key ({status}: {error_message(raw)[:200]})"
             logger.error("%s %s; set aside", server.url, server.broken)
             raise ServerGone(server.broken)
-        if status != 200:
+        if status in REFUSALS:  # the request itself: prompt too long, a bad field
             raise Refused(f"{server.url} answered {status}: {error_message(raw)}")
+        if status != 200:  # 404 and the like: the server is not serving the route now (Ray Serve's proxy answers 404
+            # while its app (re)deploys): set aside like a server that does not answer
+            self._set_aside(server, why=f"answered {status} ({error_message(raw)[:200]})")
+            raise ServerGone(f"{status}")
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not doc["choices"]:
