@@ -206,6 +206,9 @@ def config_to_argv(config: JobConfig, exclude: tuple[str, ...] = ()) -> list[str
             argv.append(name if value else "--no-" + name[2:])
         elif f.name == "corpus":
             argv += [name, *value]
+        elif f.metadata.get("cli", {}).get("append"):  # a repeatable flag: once per value
+            for v in value:
+                argv += [name, str(v)]
         elif f.name == "layers":
             argv += [name, ",".join(str(i) for i in value)]
         elif isinstance(value, dict):

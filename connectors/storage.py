@@ -96,14 +96,15 @@ def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.Abst
         raise ImportError(f"cannot open {url!r}: {e}. Fix: {hint}") from e
 
 
-def parse_storage_options(value: object, flag: str = "--storage-options") -> dict:
-    """fsspec options given as a dict or as JSON text (a flag, a job file); ValueError naming `flag` otherwise."""
+def parse_storage_options(value: object, flag: str = "--storage-options",
+                          example: str = '{"client_kwargs": {"endpoint_url": "http://..."}}') -> dict:
+    """fsspec options (or any settings object) given as a dict or as JSON text (a flag, a job file); ValueError naming
+    `flag` (and showing `example`) otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError as e:
-            raise ValueError(f"{flag} is not valid JSON ({e}); pass an object such as "
-                             '\'{"client_kwargs": {"endpoint_url": "http://..."}}\'') from e
+            raise ValueError(f"{flag} is not valid JSON ({e}); pass an object such as '{example}'") from e
     if not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
     return dict(value)

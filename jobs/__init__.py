@@ -7,6 +7,7 @@ The only package that knows both the engine (extractor) and the storage side (co
     corpus.py        corpus files -> records (any fsspec URL, globs; a reader per format); bad lines -> failed records
     corpus_jsonl.py  the JSONL reader (compressed, JSON arrays, broken streams)
     corpus_parquet.py the Parquet reader (row batches, non-UTF-8 cells)
+    corpus_regenerated.py a folder of `hsx regenerate` read as records: committed ones only, through its manifest
     records.py       CorpusFile, Record, sample ids and the text rules every reader applies
     registry.py      SampleRegistry actor: skip committed ids, fail duplicate ids
     chat.py          chat records -> ids + assistant loss mask, for any chat template
@@ -22,6 +23,8 @@ The only package that knows both the engine (extractor) and the storage side (co
     submit.py        `hsx submit`: Ray's job submission API
     train.py         `hsx train-drafter --workers N`: the trainer's data-parallel replicas on Ray Train
     online.py        `hsx train-drafter --online`: a drafter trained from a live extraction, nothing stored
+    regenerate.py    `hsx regenerate` (and `hsx run --regenerate-with`): the target's answers from OpenAI-compatible
+                     servers as a new corpus, exactly once
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
 """

@@ -128,11 +128,13 @@ class JobConfig(EngineOptions):
         from connectors.storage import parse_storage_options
 
         super().__post_init__()
-        if isinstance(self.corpus, str):
-            object.__setattr__(self, "corpus", (self.corpus,))
-        object.__setattr__(self, "corpus", tuple(str(c) for c in self.corpus))
+        for name in ("corpus", "regenerate_with"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(str(c) for c in value))
         object.__setattr__(self, "corpus_storage_options",
                            parse_storage_options(self.corpus_storage_options, "--corpus-storage-options"))
+        object.__setattr__(self, "regenerate", parse_storage_options(self.regenerate, "--regenerate",
+                                                                     example='{"max_tokens": 2048}'))
         if self.overlength not in OVERLENGTH_POLICIES:
             raise ValueError(f"--overlength {self.overlength!r} is not a policy; use truncate or skip")
         if self.layout not in LAYOUTS:
@@ -182,16 +184,7 @@ class JobConfig(EngineOptions):
         """hsx regenerate's settings for --regenerate-with (jobs.regenerate.RegenerateConfig)."""
         from jobs.regenerate import RegenerateConfig
 
-        opts = dict(self.regenerate) if isinstance(self.regenerate, dict) else self.regenerate
-        if isinstance(opts, str):
-            import json
-
-            try:
-                opts = json.loads(opts)
-            except ValueError as e:
-                raise ValueError(f"--regenerate is not JSON: {e}") from None
-        if not isinstance(opts, dict):
-            raise ValueError(f"--regenerate must be a JSON object of hsx regenerate settings, got {opts!r}")
+        opts = dict(self.regenerate)
         fixed = {"server", "corpus", "corpus_storage_options", "id_field", "progress"}
         known = {f.name for f in dataclasses.fields(RegenerateConfig)} - fixed
         unknown = sorted(set(opts) - known)

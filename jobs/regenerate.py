@@ -145,7 +145,8 @@ class RegenerateConfig:
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(str(v) for v in value))
         for name in ("corpus_storage_options", "storage_options"):
             object.__setattr__(self, name, parse_storage_options(getattr(self, name), flag(name)))
-        object.__setattr__(self, "extra_body", _json_object(self.extra_body, "--extra-body"))
+        object.__setattr__(self, "extra_body", parse_storage_options(self.extra_body, "--extra-body",
+                                                                     example='{"top_k": 20}'))
         if self.reasoning not in REASONING:
             raise ValueError(f"--reasoning {self.reasoning!r} is not a choice; use keep or strip")
         for name in ("max_tokens", "concurrency", "retries", "flush_rows"):
@@ -176,17 +177,6 @@ class RegenerateConfig:
         """regenerate.json's settings: what a resume must ask for again."""
         return {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed, "reasoning": self.reasoning, "extra_body": self.extra_body}
-
-
-def _json_object(value: Any, name: str) -> dict[str, Any]:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else {}
-        except ValueError as e:
-            raise ValueError(f"{name} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
-    return dict(value)
 
 
 # -- talking to servers -------------------------------------------------------------------------------------------
@@ -561,12 +551,12 @@ class Regenerator:
             messages = normalize_messages({shape: record[shape]})
         except ValueError as e:
             raise BadRecord(str(e)) from None
-        todo = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if messages[-1]["role"] != "assistant":
+        if messages[-1]["role"] != "assistant":  # one answer to the last turn
             messages.append({"role": "assistant", "content": ""})
-            todo.append(len(messages) - 1)
-        if todo[0] == 0:
-            raise BadRecord("the conversation starts with an assistant turn; there is nothing to answer")
+        # an assistant turn that opens the conversation answers nothing: kept as it is (not in the loss mask)
+        todo = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+        if not todo:
+            raise BadRecord("the conversation is one assistant turn; there is nothing to answer")
         turns: list[Turn] = []
         for n, i in enumerate(todo):
             asked = [_for_request(m) for m in messages[:i]]

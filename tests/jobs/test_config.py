@@ -58,6 +58,10 @@ def test_config_round_trips_through_argv():
                     include_output_tokens=True, progress=False, storage_options={"k": {"v": 1}}, overlength="skip",
                     layout="sharded", shard_mb=0.5)
     assert _parse(*config_to_argv(cfg)) == cfg
+    regen = JobConfig(model="m", corpus=("a",), output="o", regenerate_with=("http://a:8000", "http://b:8000"),
+                      regenerate={"max_tokens": 64, "reasoning": "strip"})
+    assert _parse(*config_to_argv(regen)) == regen
+    assert regen.regenerate_config().server == ("http://a:8000", "http://b:8000")
 
 
 @pytest.mark.parametrize("argv, flag_named", [
@@ -108,6 +112,7 @@ def test_help_lists_every_command(capsys):
 
 def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
+    from jobs.regenerate import RegenerateConfig
     from jobs.verify import VerifyConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
@@ -116,7 +121,8 @@ def _commands():
 
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
             "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainDrafterConfig,
-            "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig}
+            "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig,
+            "regenerate": RegenerateConfig}
 
 
 def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():
