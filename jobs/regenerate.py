@@ -694,7 +694,7 @@ class PartWriter:
 
 def remove_orphans(run: RunDir) -> int:
     """Data parts no manifest row points at (a driver died between a part and its commit): removed."""
-    names = [n for n in run.list("data") if n.startswith(DATA_PREFIX)]
+    names = [f"data/{n}" for n in run.list("data") if f"data/{n}".startswith(DATA_PREFIX)]
     if not names:
         return 0
     live = referenced_paths(run, DATA_PREFIX)
