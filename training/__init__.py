@@ -9,6 +9,7 @@ for another trainer.
     trainer.py     TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` for any registered family
                    (checks before training, the checked feed, packed batches, resumable checkpoints, report.json);
                    train_loop: the steps of one process or of one data-parallel replica (jobs/train.py starts those)
+    curves.py      Curves: the training's TensorBoard curves (a resumed training continues them)
     replicas.py    OneProcess / TorchDistributed: a replica's share of each global batch and its collectives
     evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
                    tokens/s, losslessness against plain greedy decoding

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.pt"
 REPORT_NAME = "report.json"
+TENSORBOARD_DIR = "tensorboard"
 SAMPLE_LOG = "samples.jsonl"
 LR_SCHEDULES = ("constant", "cosine")
 RESUME_FIELDS = ("kind", "num_speculative_tokens", "lr", "lr_schedule", "weight_decay", "warmup_steps",
@@ -149,6 +150,9 @@ class TrainDrafterConfig:
     log_sample_ids: bool = False
     """Write OUT/samples.jsonl: per optimizer step its epoch, step and the ids of the samples trained on (a resumed
     training's log holds each checkpointed step once)."""
+    log_dir: str | None = None
+    """Where the TensorBoard curves go (loss, accuracy per position, simulated acceptance length, learning rate,
+    tokens/s per step; `tensorboard --logdir DIR`); default OUT/tensorboard. A resumed training continues them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.corpus, str):
@@ -830,6 +834,8 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
             "skipped_samples": dict(feed.skipped), "skipped_batches": skipped_batches,
             "batches_per_epoch": per_epoch, "source": source.state()}
         if replica.rank == 0:
+            if curves is not None:  # the steps a checkpoint holds are in the event files before it
+                curves.flush()
             save(current, logged)
         logged.clear()
         return current
@@ -844,6 +850,12 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
                               "diverged: lower --lr or --max-grad-norm, or train in --dtype float32 (or pass "
                               "--skip-bad-samples to skip such batches)")
 
+    curves = None
+    if replica.rank == 0:
+        from training.curves import Curves
+
+        curves = Curves(config.log_dir or os.path.join(config.out, TENSORBOARD_DIR), resumed_step=step)
+    step_started = time.monotonic()
     bar = None
     if progress:
         from tqdm import tqdm
@@ -918,6 +930,10 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
                 tokens += global_tokens
                 last_batch = batch if weight else last_batch
                 window.add(loss, result.correct, result.counted)
+                if curves is not None:
+                    now = time.monotonic()
+                    curves.add(step, loss, result, optimizer.param_groups[0]["lr"], global_tokens, now - step_started)
+                    step_started = now
                 if config.log_sample_ids:
                     logged.append({"epoch": epoch, "step": step, "loss": loss, "tokens": global_tokens,
                                    "time": time.time(), "ids": every})
@@ -937,10 +953,13 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
                 epoch, done_in_epoch = epoch + 1, 0
                 if total is None and epoch >= epochs:
                     break
+        final = checkpoint()
     finally:
         if bar is not None:
             bar.close()
-    return checkpoint()
+        if curves is not None:
+            curves.close()
+    return final
 
 
 def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, identity: dict[str, Any],

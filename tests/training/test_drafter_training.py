@@ -104,6 +104,22 @@ def test_a_killed_training_resumes_where_it_stopped_and_ends_with_the_uninterrup
     a, b = _weights(killed), _weights(tmp_path / "straight")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # TensorBoard's own reader: the killed and resumed training's curves are one series, each step once, with the
+    # uninterrupted training's values (what the killed process logged after its checkpoint is purged)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def curves(folder) -> dict[str, list[tuple[int, float]]]:
+        acc = EventAccumulator(str(folder / "tensorboard"), size_guidance={"scalars": 0})
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    resumed_curves, straight_curves = curves(killed), curves(tmp_path / "straight")
+    assert {"train/loss", "train/lr", "train/tokens_per_second", "train/simulated_acceptance_length",
+            "train/accuracy/pos_1", "train/accuracy/pos_3"} <= set(resumed_curves) == set(straight_curves)
+    for tag in ("train/loss", "train/lr", "train/simulated_acceptance_length", "train/accuracy/pos_1"):
+        assert [s for s, _ in resumed_curves[tag]] == list(range(1, end + 1)), tag
+        assert [v for _, v in resumed_curves[tag]] == pytest.approx([v for _, v in straight_curves[tag]]), tag
+
 
 
 def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_a_tenth(oracle_run, tiny_llama, tmp_path):
