@@ -92,3 +92,63 @@ def test_greedy_regeneration_through_hsx_serve_extracts_as_the_one_engine_regene
     # the same answers as the separate regeneration above (hsx run reads such a folder by --corpus too: the
     # benchmarks' bench_regenerate_drafters.py extracts one)
     assert committed(tmp_path / "run-c" / "regenerated") == records
+
+
+def test_a_server_without_token_ids_keeps_the_text_and_says_so_once(server, tmp_path, caplog):
+    """SGLang's OpenAI server answers without token ids: here hsx serve behind a relay that drops them."""
+    import http.server
+    import threading
+
+    import requests
+
+    class DropIds(http.server.BaseHTTPRequestHandler):
+        def _relay(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            r = requests.request(method, server.url + self.path, data=body or None, timeout=60,
+                                 headers={k: v for k, v in self.headers.items() if k.lower() in (
+                                     "authorization", "content-type")})
+            doc = r.json()
+            doc.pop("prompt_token_ids", None)
+            for choice in doc.get("choices", []) if isinstance(doc, dict) else []:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+            raw = json.dumps(doc).encode()
+            self.send_response(r.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):  # noqa: N802
+            self._relay("GET")
+
+        def do_POST(self):  # noqa: N802
+            self._relay("POST")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DropIds)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    corpus = write_jsonl(tmp_path / "c.jsonl", [
+        {"id": "a", "prompt": "The quick brown fox"}, {"id": "b", "prompt": "Once upon a time"},
+        {"id": "c", "messages": [{"role": "user", "content": "hello"}]},
+        {"id": "d", "input_ids": [5, 6, 7]}])  # token ids in, token ids needed out: fails, retried by a re-run
+    out = tmp_path / "regenerated"
+    relay = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with caplog.at_level("WARNING", logger="jobs.regenerate"):
+            result = regenerate(RegenerateConfig(server=(relay,), corpus=(corpus,), output=str(out), api_key=API_KEY,
+                                                 max_tokens=MAX_TOKENS, concurrency=2, progress=False))
+    finally:
+        httpd.shutdown()
+    assert (result.ok, result.failed, result.exact) == (3, 1, 0)
+    assert result.text_only == {"the server returned no token ids": 3}
+    assert sum("keep their text only" in r.message for r in caplog.records) == 1  # said once
+    records = committed(out)
+    for sid, prompt in (("a", "The quick brown fox"), ("b", "Once upon a time")):
+        assert "input_ids" not in records[sid] and records[sid]["prompt"] == prompt + records[sid]["completion"]
+    assert "input_ids" not in records["c"] and records["c"]["messages"][-1]["role"] == "assistant"
+    (failure,) = result.failures
+    assert failure[0] == "d" and "return_token_ids" in failure[1]
+    assert any("text only (3)" in line for line in result.lines())

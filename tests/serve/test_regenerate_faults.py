@@ -109,3 +109,36 @@ def test_killed_servers_and_a_killed_driver_leave_every_input_exactly_once(serve
     assert data == sorted(referenced_paths(RunDir(str(out)), "data/"))  # the killed driver's orphan part is gone
     status = subprocess.run([sys.executable, "-m", "cli", "status", str(out)], capture_output=True, text=True)
     assert f"{N} ok, 0 failed ({N} tried)" in status.stdout, status.stdout + status.stderr
+
+
+def test_run_regenerate_with_killed_then_rerun_ends_with_every_sample_once_in_both(server, serve_model, tmp_path):
+    """hsx run --regenerate-with killed -9 mid-run: the same command again finishes both the regeneration and the
+    extraction, each input once in each."""
+    n = 100
+    corpus = tmp_path / "prompts.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i:03d}", "prompt": f"record {i}: once upon a time"}) + "\n")
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "cli", "run", "--model", serve_model, "--corpus", str(corpus), "--output", str(out),
+            "--layers", "1,4", "--no-progress", "--no-compact", "--manifest-flush-rows", "4", "--tokens-per-task", "48",
+            "--manifest-flush-seconds", "1", "--regenerate-with", server.url,
+            "--regenerate", json.dumps({"max_tokens": 4, "concurrency": 1, "flush_rows": 4})]
+    env = {**os.environ, "HSX_REGENERATE_API_KEY": API_KEY}
+    log = open(tmp_path / "run.log", "w+")
+    first = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: parts(out) >= 1, 240, "the extraction's first commit")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    regenerated_first = committed_rows(read_manifest(str(out / "regenerated"))).num_rows
+    extracted_first = committed_rows(read_manifest(str(out))).num_rows
+    assert 0 < extracted_first <= regenerated_first and extracted_first < n
+    second = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for folder in (out / "regenerated", out):
+        table = read_manifest(str(folder))
+        ids = table.filter(pc.equal(table["status"], OK))["sample_id"].to_pylist()
+        assert sorted(ids) == [f"r{i:03d}" for i in range(n)], folder  # each once, all ok
+    assert f"skipped (already done) of {n} records" in second.stdout, second.stdout
