@@ -48,11 +48,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     return with_defaults(ap.parse_args(argv), (("train_tokens", 30_000, 3_000), ("epochs", 4, 1)))
 
 
+def compare_drafters(target, args: argparse.Namespace, outs: dict, reports: dict, hows, timings: dict
+                     ) -> tuple[dict[str, dict], bool]:
+    """The EAGLE-3 drafters `outs` ((how, seed) -> folder) decoding the held-out prompts on the reference target:
+    per way of training, AL and tokens per target step per seed and their means (with the trainings' steps and
+    tokens from `reports`), and whether every output was lossless."""
+    from training.evaluate import evaluate_speculation
+
+    prompts = list(target.prompts[:args.num_prompts])
+    methods = {f"{how} seed {seed}": {"method": "eagle3", "model": out,
+                                      "num_speculative_tokens": args.num_speculative_tokens}
+               for (how, seed), out in outs.items()}
+    t0 = time.perf_counter()
+    results = {r.method: r for r in evaluate_speculation(target.path, prompts, methods, args.max_tokens,
+                                                         threads=args.threads, strict=False, errors="record")}
+    timings["evaluation"] = time.perf_counter() - t0
+    rows = {}
+    for how in hows:
+        rs = [results[f"{how} seed {seed}"] for seed in args.seeds]
+        rows[how] = {"al": [r.mean_acceptance_length for r in rs], "tokens_per_step": [r.tokens_per_target_step
+                                                                                        for r in rs],
+                     "steps": reports[(how, args.seeds[0])]["steps"],
+                     "tokens": reports[(how, args.seeds[0])]["tokens"]}
+        rows[how]["al_mean"] = statistics.mean(rows[how]["al"])
+        rows[how]["tps_mean"] = statistics.mean(rows[how]["tokens_per_step"])
+    return rows, all(r.lossless for r in results.values())
+
+
+def rows_table(rows: dict[str, dict], first: str = "trained") -> list[str]:
+    """compare_drafters' rows as a markdown table."""
+    lines = [f"| {first} | steps | tokens | AL per seed | AL mean | tokens / target step per seed | mean |",
+             "|---|---:|---:|---|---:|---|---:|"]
+    for how, r in rows.items():
+        lines.append(f"| {how} | {r['steps']} | {r['tokens']:,} | {', '.join(f'{a:.3f}' for a in r['al'])} | "
+                     f"{r['al_mean']:.3f} | {', '.join(f'{t:.3f}' for t in r['tokens_per_step'])} | "
+                     f"{r['tps_mean']:.3f} |")
+    return lines
+
+
+def finish(args: argparse.Namespace, stem: str, figures: dict, lines: list[str], timings: dict) -> int:
+    """The timings line, the results written (or printed); 1 when any decoding was lossy."""
+    md = "\n".join([*lines, "", "timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]) + "\n"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        write_results(args.out, stem, figures, md)
+    else:
+        print(md)
+    if not figures["lossless"]:
+        print("NOT LOSSLESS", file=sys.stderr)
+        return 1
+    return 0
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from jobs.train import train_drafter
-    from training.evaluate import evaluate_speculation
     from training.trainer import TrainDrafterConfig
 
     target, work, corpus, run, timings = regenerated_run(args)  # bench_storage_quality's run: the same settings
@@ -96,22 +146,7 @@ def main(argv=None) -> int:
     driver_peak = peak_rss()
     shutil.rmtree(scratch, ignore_errors=True)
 
-    prompts = list(target.prompts[:args.num_prompts])
-    methods = {f"{how} seed {seed}": {"method": "eagle3", "model": out,
-                                      "num_speculative_tokens": args.num_speculative_tokens}
-               for (how, seed), out in outs.items()}
-    t0 = time.perf_counter()
-    results = {r.method: r for r in evaluate_speculation(target.path, prompts, methods, args.max_tokens,
-                                                         threads=args.threads, strict=False, errors="record")}
-    timings["evaluation"] = time.perf_counter() - t0
-    rows = {}
-    for how in ("offline", "online"):
-        rs = [results[f"{how} seed {seed}"] for seed in args.seeds]
-        rows[how] = {"al": [r.mean_acceptance_length for r in rs], "tokens_per_step": [r.tokens_per_target_step
-                                                                                        for r in rs],
-                     "steps": reports[(how, args.seeds[0])]["steps"], "tokens": reports[(how, args.seeds[0])]["tokens"]}
-        rows[how]["al_mean"] = statistics.mean(rows[how]["al"])
-        rows[how]["tps_mean"] = statistics.mean(rows[how]["tokens_per_step"])
+    rows, lossless = compare_drafters(target, args, outs, reports, ("offline", "online"), timings)
     figures = {
         **rows, "online_stream": online["online"],
         "al_ratio": rows["online"]["al_mean"] / rows["offline"]["al_mean"],
@@ -123,22 +158,16 @@ def main(argv=None) -> int:
         "peak_private_worker_hsx_run_mb": plain.peak_of(WORKER, private=True) / 2**20,
         "peak_rss_driver_hsx_run_mb": driver_peak / 2**20,
         "inflight_mb": args.inflight_mb, "shuffle_mb": args.shuffle_mb, "timings": timings,
-        "lossless": all(r.lossless for r in results.values()),
+        "lossless": lossless,
     }
     stream = online["online"]
     lines = ["# EAGLE-3 trained online vs offline", "",
              f"Reference target {os.path.basename(target.path)}; {args.train_tokens} prompt tokens in "
              f"{args.prompt_len}-token prompts, each with the target's {args.regenerate} greedy tokens; EAGLE-3, "
              f"{args.epochs} epochs of {args.batch_tokens}-token batches (lr {args.drafter_lr:g}, constant), seeds "
-             f"{args.seeds}; online with --shuffle-mb {args.shuffle_mb:g}; {len(prompts)} held-out prompts x "
+             f"{args.seeds}; online with --shuffle-mb {args.shuffle_mb:g}; {args.num_prompts} held-out prompts x "
              f"{args.max_tokens} tokens, greedy, k = {args.num_speculative_tokens}, every output equal to plain "
-             "greedy decoding.", "",
-             "| trained | steps | tokens | AL per seed | AL mean | tokens / target step per seed | mean |",
-             "|---|---:|---:|---|---:|---|---:|"]
-    for how, r in rows.items():
-        lines.append(f"| {how} | {r['steps']} | {r['tokens']:,} | {', '.join(f'{a:.3f}' for a in r['al'])} | "
-                     f"{r['al_mean']:.3f} | {', '.join(f'{t:.3f}' for t in r['tokens_per_step'])} | "
-                     f"{r['tps_mean']:.3f} |")
+             "greedy decoding.", "", *rows_table(rows)]
     lines += ["", f"Online / offline: AL {figures['al_ratio']:.3f}, tokens per target step {figures['tps_ratio']:.3f} "
                   f"(target: within 2%); largest spread of AL over seeds {figures['seed_spread']:.3f}.",
               f"Online (seed {args.seeds[0]}): {stream['extracted']} samples in {stream['passes']} passes (the target "
@@ -149,18 +178,8 @@ def main(argv=None) -> int:
               f"{figures['peak_rss_worker_mb']:.0f} MiB ({figures['peak_private_worker_mb']:.0f}); the same "
               f"extraction as a plain `hsx run` (files written): worker {figures['peak_rss_worker_hsx_run_mb']:.0f} "
               f"MiB ({figures['peak_private_worker_hsx_run_mb']:.0f}), driver "
-              f"{figures['peak_rss_driver_hsx_run_mb']:.0f} MiB.", "",
-              "timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
-    md = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_results(args.out, "online", figures, md)
-    else:
-        print(md)
-    if not figures["lossless"]:
-        print("NOT LOSSLESS", file=sys.stderr)
-        return 1
-    return 0
+              f"{figures['peak_rss_driver_hsx_run_mb']:.0f} MiB."]
+    return finish(args, "online", figures, lines, timings)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_drafters import extract  # noqa: E402
+from benchmarks.bench_online import compare_drafters, finish, rows_table  # noqa: E402
 from benchmarks.bench_storage_quality import reference_parser, regenerated_run, with_defaults  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +66,6 @@ def main(argv=None) -> int:
     from jobs.regenerate import RegenerateConfig, regenerate
     from jobs.train import train_drafter
     from tests.serve.conftest import API_KEY, ServeProcess
-    from training.evaluate import evaluate_speculation
     from training.trainer import TrainDrafterConfig
 
     target, work, corpus, engine_run, timings = regenerated_run(args)
@@ -105,53 +103,22 @@ def main(argv=None) -> int:
             reports[(how, seed)] = train_drafter(TrainDrafterConfig(run=run, out=outs[(how, seed)], seed=seed,
                                                                     **recipe))
             timings[f"train {how} seed {seed}"] = time.perf_counter() - t0
-    prompts = list(target.prompts[:args.num_prompts])
-    methods = {f"{how} seed {seed}": {"method": "eagle3", "model": out,
-                                      "num_speculative_tokens": args.num_speculative_tokens}
-               for (how, seed), out in outs.items()}
-    t0 = time.perf_counter()
-    results = {r.method: r for r in evaluate_speculation(target.path, prompts, methods, args.max_tokens,
-                                                         threads=args.threads, strict=False, errors="record")}
-    timings["evaluation"] = time.perf_counter() - t0
-    rows = {}
-    for how in ("one engine", "hsx regenerate"):
-        rs = [results[f"{how} seed {seed}"] for seed in args.seeds]
-        rows[how] = {"al": [r.mean_acceptance_length for r in rs],
-                     "tokens_per_step": [r.tokens_per_target_step for r in rs],
-                     "steps": reports[(how, args.seeds[0])]["steps"], "tokens": reports[(how, args.seeds[0])]["tokens"]}
-        rows[how]["al_mean"] = statistics.mean(rows[how]["al"])
-        rows[how]["tps_mean"] = statistics.mean(rows[how]["tokens_per_step"])
+    rows, lossless = compare_drafters(target, args, outs, reports, ("one engine", "hsx regenerate"), timings)
     figures = {**rows, "al_ratio": rows["hsx regenerate"]["al_mean"] / rows["one engine"]["al_mean"],
                "tps_ratio": rows["hsx regenerate"]["tps_mean"] / rows["one engine"]["tps_mean"],
                "same_tokens": same, "samples": samples, "regenerate": result.lines(), "timings": timings,
-               "lossless": all(r.lossless for r in results.values())}
+               "lossless": lossless}
     lines = ["# EAGLE-3 trained on an hsx regenerate run vs the one-engine regeneration", "",
              f"Reference target {os.path.basename(target.path)}; {args.train_tokens} prompt tokens in "
              f"{args.prompt_len}-token prompts, each with the target's {args.regenerate} greedy tokens: once by the "
              "engine (`hsx run --max-tokens --include-output-tokens`), once by `hsx serve` through `hsx regenerate` "
              f"then `hsx run` prefill-only. {same} of {samples} samples hold the same tokens both ways. EAGLE-3, "
              f"{args.epochs} epochs of {args.batch_tokens}-token batches (lr {args.drafter_lr:g}), seeds {args.seeds}; "
-             f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, k = {args.num_speculative_tokens}, "
-             "every output equal to plain greedy decoding.", "",
-             "| trained on | steps | tokens | AL per seed | AL mean | tokens / target step per seed | mean |",
-             "|---|---:|---:|---|---:|---|---:|"]
-    for how, r in rows.items():
-        lines.append(f"| {how} | {r['steps']} | {r['tokens']:,} | {', '.join(f'{a:.3f}' for a in r['al'])} | "
-                     f"{r['al_mean']:.3f} | {', '.join(f'{t:.3f}' for t in r['tokens_per_step'])} | "
-                     f"{r['tps_mean']:.3f} |")
+             f"{args.num_prompts} held-out prompts x {args.max_tokens} tokens, greedy, k = {args.num_speculative_tokens}, "
+             "every output equal to plain greedy decoding.", "", *rows_table(rows, "trained on")]
     lines += ["", f"hsx regenerate / one engine: AL {figures['al_ratio']:.3f}, tokens per target step "
-                  f"{figures['tps_ratio']:.3f} (target: within 2%).", "",
-              "timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
-    md = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        write_results(args.out, "regenerate-drafters", figures, md)
-    else:
-        print(md)
-    if not figures["lossless"]:
-        print("NOT LOSSLESS", file=sys.stderr)
-        return 1
-    return 0
+                  f"{figures['tps_ratio']:.3f} (target: within 2%)."]
+    return finish(args, "regenerate-drafters", figures, lines, timings)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from connectors.format import data_checksum
-from connectors.run import OK, RunDir, live_manifest_parts, read_manifest_part
+from connectors.run import OK, RunDir, live_manifest_parts, read_manifest_part, row_path_problem
 from jobs.records import CorpusFile, Record
 
 REGEN_JSON = "regenerate.json"
@@ -40,6 +40,11 @@ def _records(run: RunDir, url: str, part: str) -> Iterator[Record]:
         path, sid = row["path"], row["sample_id"]
         source = f"{url}/{path}#{row['offset']}"
         try:
+            problem = row_path_problem(path)
+            if problem is None and not path.startswith("data/part-"):
+                problem = f"the manifest row's path {path!r} is not a data part of a regenerated corpus (data/part-*)"
+            if problem:  # a damaged or planted manifest: never a file outside the corpus
+                raise ValueError(problem)
             if path not in cache:
                 cache.clear()  # one data part at a time: a commit's rows point into one
                 cache[path] = run.read_bytes(path)

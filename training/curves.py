@@ -16,29 +16,44 @@ import time
 
 class Curves:
     def __init__(self, log_dir: str, resumed_step: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        os.makedirs(log_dir, exist_ok=True)
-        _after_existing_files(log_dir)
-        self.writer = SummaryWriter(log_dir, purge_step=resumed_step + 1 if resumed_step else None, flush_secs=30)
+        self.log_dir, self.resumed_step = log_dir, resumed_step
+        self.writer = None
+        self._held: list[tuple[str, float, int]] = []
+        """Scalars before the first flush: nothing is written under OUT before the training's first checkpoint (a
+        training refused or stopped before it leaves no OUT behind)."""
 
     def add(self, step: int, loss: float, result, lr: float, tokens: int, seconds: float) -> None:
         """One optimizer step: its loss, its StepResult (per-position counts over the global batch), the learning
         rate it used, its loss tokens and how long it took."""
-        w = self.writer
-        w.add_scalar("train/loss", loss, step)
-        w.add_scalar("train/lr", lr, step)
+        scalars = [("train/loss", loss), ("train/lr", lr),
+                   ("train/simulated_acceptance_length", result.simulated_acceptance_length())]
         if seconds > 0:
-            w.add_scalar("train/tokens_per_second", tokens / seconds, step)
-        w.add_scalar("train/simulated_acceptance_length", result.simulated_acceptance_length(), step)
-        for i, accuracy in enumerate(result.accuracy(), start=1):
-            w.add_scalar(f"train/accuracy/pos_{i}", accuracy, step)
+            scalars.append(("train/tokens_per_second", tokens / seconds))
+        scalars += [(f"train/accuracy/pos_{i}", a) for i, a in enumerate(result.accuracy(), start=1)]
+        for tag, value in scalars:
+            if self.writer is None:
+                self._held.append((tag, float(value), step))
+            else:
+                self.writer.add_scalar(tag, value, step)
 
     def flush(self) -> None:
+        """Write what was logged (at each checkpoint: the steps a checkpoint holds are on disk before it)."""
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            _after_existing_files(self.log_dir)
+            self.writer = SummaryWriter(self.log_dir, purge_step=self.resumed_step + 1 if self.resumed_step else None,
+                                        flush_secs=30)
+            for tag, value, step in self._held:
+                self.writer.add_scalar(tag, value, step)
+            self._held.clear()
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        """Close the files; what was never flushed (no checkpoint was written) is dropped with the training."""
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _after_existing_files(log_dir: str) -> None:

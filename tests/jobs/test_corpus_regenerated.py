@@ -62,6 +62,15 @@ def test_only_committed_records_are_read_each_checked_against_its_row(tmp_path):
 
     assert remove_orphans(run) == 1 and not (folder / "data" / "part-orphan-000000.jsonl").exists()
 
+    # a planted manifest row pointing outside the corpus: that record fails, nothing outside is read
+    (tmp_path / "secret.jsonl").write_text('{"prompt": "outside"}\n')
+    from connectors.run import write_manifest_part
+
+    write_manifest_part(run, [{"sample_id": "evil", "status": "ok", "path": "../../secret.jsonl", "offset": 0,
+                               "bytes": 22}], "20261204T000001.000000Z-evil0001", 0)
+    evil = [r for r in read(str(folder)) if r.sample_id == "evil"]
+    assert len(evil) == 1 and evil[0].payload is None and "not a plain relative path" in evil[0].error
+
 
 def test_the_following_reader_reads_commits_as_they_come_and_stops_at_the_attempts_end(tmp_path):
     folder = tmp_path / "regen"

@@ -79,7 +79,7 @@ def test_online_training_writes_only_its_out_and_a_resume_skips_what_it_trained_
     assert [x["step"] for x in first] == [1, 2] and 0 < len(consumed) < 12
     # nothing stored but --out: no run, no staging folder, the corpus folder as it was
     assert sorted(os.listdir(out)) == [".hsx-output.json", "checkpoint", "config.json", "model.safetensors",
-                                       "report.json", "samples.jsonl"]
+                                       "report.json", "samples.jsonl", "tensorboard"]
     assert os.listdir(os.path.dirname(corpus[0])) == ["prompts.jsonl"]
     assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("hsx")}
 
