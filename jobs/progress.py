@@ -1,6 +1,7 @@
 """What the user watches: a live progress bar while a job runs, and the end summary.
 
     Progress(enabled)      update(results) per result batch; set_total(n) once the corpus is counted; close()
+    progress_bar(desc, unit, enabled), set_total(bar, n)    the bar itself (hsx regenerate's too)
     JobResult              the end-of-job numbers; .lines() renders the summary
 
 The bar counts samples finished in this run (ok + failed + skipped) and shows samples/s (tqdm's rate), tokens/s, bytes
@@ -33,21 +34,31 @@ def human_count(n: float) -> str:
     return f"{n:.1f}T"
 
 
+def progress_bar(desc: str, unit: str, enabled: bool = True, file=None):
+    """A tqdm bar on stderr (or `file`) with no total yet: redrawn every half second on a terminal, a line every 30 s
+    in a log (pod, CI)."""
+    from tqdm.auto import tqdm
+
+    file = file or sys.stderr
+    interactive = hasattr(file, "isatty") and file.isatty()
+    return tqdm(total=None, unit=unit, desc=desc, dynamic_ncols=interactive, smoothing=0.1, disable=not enabled,
+                file=file, mininterval=0.5 if interactive else 30)
+
+
+def set_total(bar, total: int) -> None:
+    """The bar's total, once counted (never below what it has shown)."""
+    bar.total = max(total, bar.n)
+    bar.refresh()
+
+
 class Progress:
     def __init__(self, enabled: bool = True, file=None) -> None:
-        from tqdm.auto import tqdm
-
         self.started = time.monotonic()
         self.ok = self.failed = self.skipped = self.tokens = self.bytes = 0
-        file = file or sys.stderr
-        interactive = hasattr(file, "isatty") and file.isatty()
-        # in a log (pod, CI) a line every 30 s instead of a redraw every half second
-        self._bar = tqdm(total=None, unit="sample", desc="extracting", dynamic_ncols=interactive, smoothing=0.1,
-                         disable=not enabled, file=file, mininterval=0.5 if interactive else 30)
+        self._bar = progress_bar("extracting", "sample", enabled, file)
 
     def set_total(self, total: int) -> None:
-        self._bar.total = max(total, self._bar.n)
-        self._bar.refresh()
+        set_total(self._bar, total)
 
     def update(self, results: pa.Table) -> None:
         status = results["status"]

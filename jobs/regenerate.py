@@ -53,7 +53,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -65,6 +64,7 @@ import pyarrow as pa
 from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, new_attempt_id, referenced_paths
 from extractor.options import flag
 from jobs.corpus_regenerated import FINISHED, REGEN_JSON
+from jobs.progress import progress_bar, set_total
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,6 @@ class Pool:
         self.none_since: float | None = None
         """When the last live server went down (None while one answers)."""
         self.session = None
-        self.no_ids: set[str] = set()
 
     async def __aenter__(self) -> Pool:
         import aiohttp
@@ -489,38 +488,28 @@ class Regenerator:
         return body
 
     async def run(self, sample_id: str, source: str, payload: str) -> Outcome:
+        from jobs.tokenization import SampleError, parse_record
+
         out = Outcome(sample_id, source)
         try:
-            record = json.loads(payload)
-            if not isinstance(record, dict):
-                raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
-            present = [k for k in ("input_ids", *_CHAT_KEYS, "prompt") if record.get(k) is not None]
-            shape = present[0] if present else None
+            record, shape = parse_record(payload)  # as hsx run reads it
             if shape in _CHAT_KEYS:
                 await self._chat(record, shape, out)
-            elif shape in ("input_ids", "prompt"):
-                await self._completion(record, shape, out)
             else:
-                raise BadRecord(f"record has none of the fields input_ids, messages, conversations, prompt (found "
-                                f"{sorted(record)[:10]})")
-        except (BadRecord, Refused) as e:
+                await self._completion(record, shape, out)
+        except (BadRecord, SampleError, Refused) as e:
             out.error, out.retry = f"{source}: {e}", False
         except (Transient, NoServer) as e:
             out.error = f"{source}: {e}"
         except NotAnAPI as e:
             out.error = f"{source}: the server's answer is not an OpenAI completion: {e}"
-        except ValueError as e:  # json
-            out.error, out.retry = f"{source}: the record is not JSON that can be read ({e})", False
         return out
 
     async def _completion(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
-        from jobs.tokenization import SampleError, pretokenized
+        from jobs.tokenization import pretokenized
 
         if shape == "input_ids":
-            try:
-                ids, mask = pretokenized(record)
-            except SampleError as e:
-                raise BadRecord(str(e)) from None
+            ids, mask = pretokenized(record)  # SampleError: the record fails for good
             prompt: Any = ids
         else:
             prompt = record["prompt"]
@@ -608,10 +597,6 @@ def exact_tokens(turns: list[Turn], reasoning: str) -> tuple[list[int] | None, l
 
 
 # -- the output ---------------------------------------------------------------------------------------------------
-
-
-def is_regenerated(run: RunDir) -> bool:
-    return run.exists(REGEN_JSON)
 
 
 def read_spec(run: RunDir) -> dict[str, Any] | None:
@@ -864,7 +849,7 @@ async def _run(plan: RegenerationPlan, result: RegenerateResult, lost, stop: thr
     outcomes: asyncio.Queue = asyncio.Queue()
     seen: set[int] = set()
     warned: set[str] = set()
-    bar = _bar(config.progress)
+    bar = progress_bar("regenerating", "record", config.progress)
 
     async def read() -> None:
         for file in plan.files:
@@ -920,7 +905,7 @@ async def _run(plan: RegenerationPlan, result: RegenerateResult, lost, stop: thr
         committer = asyncio.create_task(commit())
         total = asyncio.create_task(asyncio.to_thread(lambda: sum(count_records(f, config.corpus_storage_options)
                                                                   for f in plan.files)))
-        total.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or _set_total(bar, t.result()))
+        total.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or set_total(bar, t.result()))
         workers = [asyncio.create_task(work(regen)) for _ in range(config.concurrency * len(plan.servers))]
         reader = asyncio.create_task(read())
         try:
@@ -980,14 +965,3 @@ def _count(result: RegenerateResult, o: Outcome, warned: set[str]) -> None:
                            o.sample_id)
 
 
-def _bar(enabled: bool):
-    from tqdm.auto import tqdm
-
-    interactive = sys.stderr.isatty()
-    return tqdm(total=None, unit="record", desc="regenerating", disable=not enabled, file=sys.stderr,
-                dynamic_ncols=interactive, mininterval=0.5 if interactive else 30)
-
-
-def _set_total(bar, total: int) -> None:
-    bar.total = max(total, bar.n)
-    bar.refresh()

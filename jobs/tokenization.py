@@ -91,14 +91,7 @@ class SampleTokenizer:
                               "please report it with this record") from e
 
     def _tokenize(self, payload: str) -> Tokenized:
-        try:
-            record = json.loads(payload)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, json's limits, nesting
-            raise SampleError(f"the record is not JSON that can be read ({type(e).__name__}: {e})") from e
-        if not isinstance(record, dict):
-            raise SampleError(f"a record must be a JSON object, got {type(record).__name__}")
-        present = [k for k in ("input_ids", "messages", "conversations", "prompt") if record.get(k) is not None]
-        shape = present[0] if present else None
+        record, shape = parse_record(payload)
         if shape == "input_ids":
             ids, mask = pretokenized(record)
         elif shape in ("messages", "conversations"):
@@ -116,7 +109,7 @@ class SampleTokenizer:
                 raise SampleError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - a template or tokenizer failure fails this sample only
                 raise SampleError(f"chat template failed: {type(e).__name__}: {e}") from e
-        elif shape == "prompt":
+        else:  # "prompt"
             prompt = record["prompt"]
             if not isinstance(prompt, str):
                 raise SampleError(f"field 'prompt' must be a string, got {type(prompt).__name__}")
@@ -128,9 +121,6 @@ class SampleTokenizer:
             except Exception as e:  # noqa: BLE001
                 raise SampleError(f"tokenizer failed: {type(e).__name__}: {e}") from e
             mask = [1] * len(ids)
-        else:
-            raise SampleError(f"record has none of the fields input_ids, messages, conversations, prompt "
-                              f"(found {sorted(record)[:10]})")
         if not ids:
             raise SampleError("empty sample (0 tokens); nothing to extract")
         limit = self.settings.max_prompt_tokens
@@ -141,6 +131,26 @@ class SampleTokenizer:
                                   "--max-model-len")
             return Tokenized(ids[:limit], mask[:limit], truncated=True)
         return Tokenized(ids, mask)
+
+
+SHAPES = ("input_ids", "messages", "conversations", "prompt")
+"""The record fields that decide what a record is, first present wins."""
+
+
+def parse_record(payload: str) -> tuple[dict, str]:
+    """(record, shape): the record's JSON object and the first of SHAPES it holds (a null field counts as absent);
+    SampleError naming what is wrong otherwise. How `hsx run` and `hsx regenerate` both read a record."""
+    try:
+        record = json.loads(payload)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, json's limits, nesting
+        raise SampleError(f"the record is not JSON that can be read ({type(e).__name__}: {e})") from e
+    if not isinstance(record, dict):
+        raise SampleError(f"a record must be a JSON object, got {type(record).__name__}")
+    shape = next((k for k in SHAPES if record.get(k) is not None), None)
+    if shape is None:
+        raise SampleError(f"record has none of the fields input_ids, messages, conversations, prompt "
+                          f"(found {sorted(record)[:10]})")
+    return record, shape
 
 
 def _unicode_problem(value, where: str) -> str | None:
