@@ -1,4 +1,4 @@
-"""The extraction-job commands: run, submit, status, estimate, demo, verify (jobs/)."""
+"""The extraction-job commands: run, submit, status, estimate, demo, verify, report (jobs/)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ def register(sub) -> None:
                             "recompute --recompute K of them with a plain transformers forward, and mark failed "
                             "samples so that re-running the same `hsx run` re-extracts them. Writes a JSON report "
                             "to OUTPUT/verify/; exits 1 when anything fails.")
+    from jobs.report import ReportConfig
+
+    add_command(sub, "report", ReportConfig, _cmd_report,
+                help="one HTML page with plots of a run: lengths, loss masks, per-layer state magnitudes, failures",
+                description="Draw a run from its manifest and a random sample of its files into one self-contained "
+                            "HTML page (opens offline): length histograms per corpus file, loss-mask coverage, the "
+                            "RMS of each stored layer by token position, zero and NaN/Inf rows, bytes per token, "
+                            "failures by reason, verify status, throughput over time; and the checks those numbers "
+                            "fail (a dead layer, a normalized last layer labelled pre-norm, masks covering 0%).")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -202,6 +211,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("failures by kind: " + ", ".join(f"{k} ({n})" for k, n in s.error_kinds.items()))
         for sid, err in s.errors:
             print(f"  {sid}: {err}")
+    print(f"see it:   hsx report {output.url} --out report.html  (plots of lengths, loss masks, state magnitudes)")
+    return EXIT_OK
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from jobs.report import ReportConfig, write_report
+
+    config: ReportConfig = config_from_args(args, ReportConfig)
+    try:
+        path, data = write_report(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    s = data["states"]
+    print(f"report of {data['run']['url']}: {data['counts']['ok']} samples, {s['sampled']} files sampled -> {path}")
+    for f in data["flags"]:
+        print(f"  {f['severity']}: [{f['check']}] {f['message']}")
     return EXIT_OK
 
 

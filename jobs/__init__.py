@@ -16,6 +16,7 @@ The only package that knows both the engine (extractor) and the storage side (co
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
     verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
+    report.py        `hsx report`: one HTML page of plots from the manifest and sampled files, and the checks they fail
     cluster.py       the Ray session of a job or `hsx serve`: connect or start, probe, fit resources
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
