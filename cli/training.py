@@ -67,9 +67,10 @@ def register(sub) -> None:
     add_command(sub, "eval-drafter", EvalDrafterConfig, _cmd_eval_drafter,
                 help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
                 description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no "
-                            "speculation); print vLLM's spec_decode.py lines per method and a comparison table; fail "
-                            "(exit 1) when any speculative output differs from plain greedy decoding or a method "
-                            "could not be evaluated.")
+                            "speculation); print vLLM's spec_decode.py lines per method and a comparison table; "
+                            "--out DIR writes DIR/<method>/acceptance.csv (the layout drafter benchmarks publish), "
+                            "summary.csv and a plot; fail (exit 1) when any speculative output differs from plain "
+                            "greedy decoding or a method could not be evaluated.")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

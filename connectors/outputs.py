@@ -1,5 +1,5 @@
 """Output folders and files that cannot destroy inputs: what `hsx train-drafter --out`, `hsx export DEST`, `hsx verify
---report` and `hsx eval-drafter --json` write to is checked before any work, and a folder has one writer.
+--report` and `hsx eval-drafter --json / --out` write to is checked before any work, and a folder has one writer.
 
     OutputFolder(path, command=..., flag=..., inputs={flag: path})
         .check()            ValueError naming the problem and the fix; creates nothing (also run by open())

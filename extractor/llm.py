@@ -4,6 +4,7 @@
     outputs = llm.generate(prompts, sampling_params)    # one RequestOutput per prompt, in order
     outputs = llm.chat(messages, sampling_params)
     metrics = llm.get_metrics()                         # vLLM's counters (extractor.metrics.Counter / Vector)
+    outputs[i].spec_decode                              # that request's share of them (speculative engines)
 
 With speculative_config {"method": "ngram" | "draft_model" | a registered drafter family, ...} the engine decodes
 speculatively instead of extracting (extractor/speculative.py: each step a proposer drafts up to k tokens per row, one
@@ -76,6 +77,10 @@ class RequestOutput:
     failed), "aborted" (abort_request)."""
     write_seconds: float | None = None
     """Seconds its file took from the request's end to durable (hsx extension); None when nothing was written."""
+    spec_decode: SpecDecodingStats | None = None
+    """This request's share of get_metrics()'s counters (hsx extension): its drafts, draft tokens, accepted tokens
+    and accepted per position (and, when it succeeded, its prompt and generated tokens); summed over a call's outputs
+    they are what the engine's counters grew by. None for an engine that does not decode speculatively."""
     finished: bool = True
 
     @property
@@ -205,6 +210,9 @@ class LLM:
             if r.error is None:
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
                 self.stats.generation_tokens += len(r.output_ids)
+                if r.spec_decode is not None:
+                    r.spec_decode.prompt_tokens, r.spec_decode.generation_tokens = (len(r.prompt_token_ids),
+                                                                                    len(r.output_ids))
         return [self._output(r) for r in requests]
 
     def chat(self, messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
@@ -238,7 +246,8 @@ class LLM:
         return sampling_params
 
     def _make_request(self, index: int, rid: str, prompt: PromptType, params: SamplingParams) -> Request:
-        req = Request(index, rid, None, [], params)
+        req = Request(index, rid, None, [], params, spec_decode=None if self.proposer is None else
+                      SpecDecodingStats(self.stats.num_speculative_tokens))
         try:
             self._tokenize(req, prompt)
             self._check(req)
@@ -308,7 +317,7 @@ class LLM:
                                       r.stop_reason if ok else None)],
             kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error,
             error_kind=None if ok else r.error_kind or "invalid",
-            write_seconds=self.connector.write_seconds(r.request_id) if ok else None)
+            write_seconds=self.connector.write_seconds(r.request_id) if ok else None, spec_decode=r.spec_decode)
 
 
 def _progress(total: int, enabled: bool):

@@ -3,7 +3,9 @@
     Metric      name, labels
     Counter     .value  (int)
     Vector      .values (list[int])
-    SpecDecodingStats   the engine's running counts; .metrics() -> [Counter | Vector]
+    SpecDecodingStats   the engine's running counts; .metrics() -> [Counter | Vector]. Each request of a
+                        speculative engine keeps one too (RequestOutput.spec_decode): its share of the engine's
+                        counts, so the requests' counts sum to the engine's.
 
 Names are vLLM's: vllm:prompt_tokens, vllm:generation_tokens, vllm:spec_decode_num_drafts,
 vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens and
@@ -33,7 +35,8 @@ class Vector(Metric):
 
 @dataclass
 class SpecDecodingStats:
-    """Running counts since the engine started: one draft = one request's proposal verified in one step."""
+    """Running counts since the engine started (or of one request): one draft = one request's proposal verified in
+    one step."""
 
     num_speculative_tokens: int = 0
     prompt_tokens: int = 0

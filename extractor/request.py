@@ -4,7 +4,8 @@
                    (empty, too long, no room to generate, ids outside the vocabulary, a loss mask of another
                    length); RequestRejected names the parameter and a code (vLLM-style, for HTTP 400s)
     RequestRejected   a ValueError with `param` and `code`
-    Request        one request's state: prompt, sampling parameters, output so far, how it ended
+    Request        one request's state: prompt, sampling parameters, output so far, how it ended, its own
+                   speculative-decoding counts
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from extractor.metrics import SpecDecodingStats
 from extractor.sampling import SamplingParams
 
 
@@ -83,6 +85,7 @@ class Request:
     stop_hit: bool = False  # a stop string ended the output: _output cuts the text there
     text: str = ""  # the output text decoded so far, for the stop-string search (requests with stop strings only)
     detok: Any = None  # the incremental decoder behind `text` (tokenizers' DecodeStream), made at the first token
+    spec_decode: SpecDecodingStats | None = None  # this request's drafts and acceptance (speculative engines only)
 
     @property
     def include_output_tokens(self) -> bool:

@@ -5,7 +5,7 @@
         over last token + drafts verifies every row's drafts together (extractor.verification: greedy match or
         rejection sampling; rows keep different numbers), the rejected positions are rolled back in the target's
         cache, the proposer is told what was kept (and given the kept rows' states when it reads them), and the
-        acceptance counters grow (vLLM's spec_decode metrics).
+        acceptance counters grow (vLLM's spec_decode metrics), the engine's and each request's own.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
         n = len(d.token_ids)
         tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
         stats.observe_draft(n, a)
+        if r.spec_decode is not None:  # the same counts per request (RequestOutput.spec_decode)
+            r.spec_decode.observe_draft(n, a)
         state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
         accepted.append(a)
         if observe:  # the states of the last token and the a accepted drafts

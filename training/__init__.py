@@ -13,6 +13,8 @@ for another trainer.
     replicas.py    OneProcess / TorchDistributed: a replica's share of each global batch and its collectives
     evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
                    tokens/s, losslessness against plain greedy decoding
+    acceptance.py  what `hsx eval-drafter --out DIR` writes: acceptance.csv per method in the layout drafter
+                   benchmarks publish, summary.csv, the acceptance-per-position plot
     reference_target.py   a small Llama trained locally on the standard library's sources, for acceptance figures
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports

@@ -11,16 +11,21 @@
     spec_decode_lines(total_output_tokens, counts) -> [str]   the lines vLLM's offline spec_decode.py prints
     result_lines(result) -> [str]         a method's block: its config, those lines, tokens/s, a lossless warning
     comparison_table(results) -> [str]    method | AL | acceptance per position | tokens/s | speedup | lossless
-    spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics()
+    spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics() (or from one request's
+                                          RequestOutput.spec_decode.metrics())
     infer_method(drafter_dir)             eagle3 / medusa / mlp_speculator from a drafter checkpoint's config.json
+    load_prompts(path) -> [{"prompt", "category"?}]   a JSONL file of prompts, each with an optional category
 
-    EvalDrafterConfig / run_eval(config)  `hsx eval-drafter` (flags map one to one onto the config's fields)
+    EvalDrafterConfig / run_eval(config)  `hsx eval-drafter` (flags map one to one onto the config's fields); --out
+                                          DIR writes training/acceptance.py's files
 
 Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
 token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
 and after the timed calls, so the warm-up does not count. vLLM counts only the steps that had a draft, so beside AL:
 steps drafted = drafts / target steps and tokens per target step = decoded tokens / target forwards over every step
 (what speculation saves; equal to AL for a drafter that always drafts, lower for ngram when it finds no match).
+Prompts given as {"prompt": ..., "category": name} are also counted per category, from each request's own counts
+(RequestOutput.spec_decode) over the same timed calls: the rows of acceptance.csv.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NONE_METHOD = "none"
+UNCATEGORIZED = "uncategorized"
+"""The category of a prompt without one, when other prompts have one."""
+ALL_CATEGORIES = "all"
+"""Reserved: the name of the row over every prompt (training/acceptance.py)."""
 _COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -50,6 +59,13 @@ class SpecDecodeCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0)
+               + (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0) for i in range(n)]
+        return SpecDecodeCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                                self.num_accepted_tokens + other.num_accepted_tokens, pos)
 
     def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
         pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
@@ -136,6 +152,9 @@ class EvalResult:
     """Counters over the timed calls (warm-up excluded)."""
     timed_calls: int = 0
     """generate() calls the counters cover."""
+    category_counts: dict[str, SpecDecodeCounts] = field(default_factory=dict)
+    """The counters per prompt category over the same timed calls, from each request's own counts; in the order
+    the categories first appear; empty when no prompt has a category, or for plain decoding."""
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
     """Each prompt's output token ids."""
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -207,6 +226,11 @@ class EvalResult:
                 "timed_calls": self.timed_calls, "num_drafts": self.counts.num_drafts,
                 "num_draft_tokens": self.counts.num_draft_tokens,
                 "num_accepted_tokens": self.counts.num_accepted_tokens,
+                "categories": {name: {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
+                                      "num_accepted_tokens": c.num_accepted_tokens,
+                                      "mean_acceptance_length": c.mean_acceptance_length,
+                                      "acceptance_per_position": c.acceptance_per_position}
+                               for name, c in self.category_counts.items()},
                 "lossless": self.lossless, "mismatches": [str(m) for m in self.mismatches[:10]]}
 
 
@@ -218,6 +242,8 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                          progress: bool = False, max_num_seqs: int | None = None) -> list[EvalResult]:
     """Decode `prompts` with every method; figures per method, outputs checked against the reference.
 
+    A prompt is text or a dict for LLM.generate; a dict's "category" (a string) is taken out of it and counts the
+    prompt's drafts under that name too (EvalResult.category_counts; prompts without one: "uncategorized").
     The reference is `reference_token_ids` when given (e.g. transformers generate's), else the method whose config is
     None (a "none" method is added first when `methods` has none). Greedy only: `temperature` must be 0, where
     speculation is exactly lossless. The warm-up decodes warmup_prompts prompts x warmup_tokens tokens per method,
@@ -246,7 +272,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     methods = dict(methods)
     if not any(cfg is None for cfg in methods.values()):
         methods = {NONE_METHOD: None, **methods}
-    prompts = list(prompts)
+    prompts, categories = _split_categories(prompts)
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -295,6 +321,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                 if outs is not None:
                     times[name].append(time.perf_counter() - t0)
                     results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
+                    _count_categories(results[name].category_counts, outs, categories)
         for name, llm in engines.items():
             r = results[name]
             r.counts = spec_decode_counts(llm.get_metrics()) - before[name]
@@ -322,6 +349,37 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
         raise LossyOutputError(f"greedy outputs differ from the reference ({detail}); speculative decoding must be "
                                "lossless, so the engine or the proposer is wrong", out)
     return out
+
+
+def _split_categories(prompts: Sequence[str | Mapping[str, Any]]) -> tuple[list, list[str | None]]:
+    """(prompts without their "category" key, each prompt's category): None for all when none has one, else
+    UNCATEGORIZED for those without."""
+    bare, categories = [], []
+    for i, p in enumerate(prompts):
+        category = p.get("category") if isinstance(p, Mapping) else None
+        check_category(category, f"prompt {i}")
+        bare.append({k: v for k, v in p.items() if k != "category"} if isinstance(p, Mapping) else p)
+        categories.append(category)
+    if any(c is not None for c in categories):
+        categories = [UNCATEGORIZED if c is None else c for c in categories]
+    return bare, categories
+
+
+def check_category(category: Any, where: str) -> None:
+    """ValueError naming `where` unless `category` is None or a string other than the reserved "all"."""
+    if category is not None and not isinstance(category, str):
+        raise ValueError(f"{where}: 'category' is {json.dumps(category)} ({type(category).__name__}); give a string "
+                         "(the prompt's subset, e.g. \"math_reasoning\") or leave it out")
+    if category == ALL_CATEGORIES:
+        raise ValueError(f"{where}: category {ALL_CATEGORIES!r} is reserved for acceptance.csv's row over every "
+                         "prompt; rename it")
+
+
+def _count_categories(into: dict[str, SpecDecodeCounts], outputs, categories: Sequence[str | None]) -> None:
+    """Add each output's own speculative counts (RequestOutput.spec_decode) to its prompt's category."""
+    for out, category in zip(outputs, categories):
+        if category is not None and out.spec_decode is not None:
+            into[category] = into.get(category, SpecDecodeCounts()) + spec_decode_counts(out.spec_decode.metrics())
 
 
 # -- printing -------------------------------------------------------------------------------------------------------
@@ -393,8 +451,9 @@ def infer_method(drafter_dir: str) -> str:
                      f"it: --drafter METHOD:DIR with METHOD one of {', '.join(drafter_methods())}")
 
 
-def load_prompts(path: str, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file, one {"prompt": text} object a line."""
+def load_prompts(path: str, limit: int | None = None) -> list[dict[str, str]]:
+    """Prompts from a JSONL file, one {"prompt": text} object a line, optionally with "category": name (a string:
+    the prompt's subset, e.g. "math_reasoning"; acceptance is reported per category too). Other keys are ignored."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -406,7 +465,10 @@ def load_prompts(path: str, limit: int | None = None) -> list[str]:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{lineno}: expected an object with a string 'prompt'")
-            prompts.append(row["prompt"])
+            category = row.get("category")
+            check_category(category, f"{path}:{lineno}")
+            prompts.append({"prompt": row["prompt"]} if category is None else
+                           {"prompt": row["prompt"], "category": category})
             if limit is not None and len(prompts) == limit:
                 break
     if not prompts:
@@ -432,7 +494,8 @@ class EvalDrafterConfig:
     ngram: bool = True
     """Evaluate the ngram baseline too (--no-ngram leaves it out)."""
     prompts: str | None = field(default=None, metadata={"cli": {"metavar": "JSONL"}})
-    """Prompts, one {"prompt": ...} a line (default: the target folder's heldout_prompts.jsonl)."""
+    """Prompts, one {"prompt": ...} a line, optionally with "category": NAME (acceptance per category too); default
+    the target folder's heldout_prompts.jsonl."""
     num_prompts: int = 32
     """At most this many prompts."""
     max_tokens: int = 128
@@ -448,6 +511,10 @@ class EvalDrafterConfig:
     """Torch device (default: the engine's choice)."""
     json: str | None = field(default=None, metadata={"cli": {"metavar": "PATH"}})
     """Write the results as JSON to PATH."""
+    out: str | None = field(default=None, metadata={"cli": {"metavar": "DIR"}})
+    """Write DIR/<method>/acceptance.csv (the layout drafter benchmarks publish: a row per prompt category and
+    "all"), DIR/summary.csv (tokens per target step, tokens/s, ...), DIR/acceptance_per_position.png and
+    DIR/results.json; DIR is new, empty, or an earlier --out of eval-drafter."""
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter, str):
@@ -482,8 +549,9 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
 def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
-    from connectors.outputs import check_output_file, write_output_file
+    from connectors.outputs import OutputFolder, check_output_file, write_output_file
     from extractor.config import drafter_methods
+    from training.acceptance import results_json, write_eval_outputs
 
     drafters = []
     for spec in args.drafter:
@@ -504,9 +572,13 @@ def run_eval(args: EvalDrafterConfig) -> int:
     if not os.path.isfile(prompts_path):
         raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
     prompts = load_prompts(prompts_path, args.num_prompts)
+    inputs = {"--model": model, **{f"--drafter {name}": path for name, _, path in drafters}}
     if args.json:  # checked before any work: never over the model, a drafter or a run
-        check_output_file(args.json, flag="--json", inputs={"--model": model, **{
-            f"--drafter {name}": path for name, _, path in drafters}})
+        check_output_file(args.json, flag="--json", inputs=inputs)
+    out = None
+    if args.out:
+        out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs={**inputs, "--prompts": prompts_path})
+        out.check()
     widths = args.max_num_seqs or [None]
     methods = eval_methods(drafters, args.num_speculative_tokens, args.ngram)
     results = []
@@ -520,9 +592,16 @@ def run_eval(args: EvalDrafterConfig) -> int:
               + ("one request at a time" if width == 1 else f"max_num_seqs {width or 'default (256)'}"))
         print("\n".join(comparison_table(batch)))
         results += batch
+    written = []
+    if out is not None:
+        with out.open():
+            written += write_eval_outputs(out.path, results)
     if args.json:
-        write_output_file(check_output_file(args.json, flag="--json"),
-                          json.dumps([r.to_dict() for r in results], indent=2).encode())
+        path = check_output_file(args.json, flag="--json")
+        write_output_file(path, results_json(results))
+        written.append(path)
+    if written:
+        print("\nwrote " + "\n      ".join(written))
     failed = 0
     lossy = list(dict.fromkeys(r.method for r in results if not r.lossless))
     if lossy:

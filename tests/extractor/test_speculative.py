@@ -204,6 +204,55 @@ def test_metrics_have_vllm_reader_shapes(models):
             "vllm:spec_decode_num_accepted_tokens"} <= set(names)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_each_requests_own_counts_sum_to_the_engines_metrics(models, method, tmp_path):
+    """RequestOutput.spec_decode is each request's share of get_metrics(): over two generate() calls of requests
+    that end differently (EOS, stop tokens, max_tokens) plus one refused request, the shares sum to the engine's
+    counters; a plain engine's outputs carry none."""
+    llm = _spec_llm(models, method, 3)
+    prompts = [{"prompt_token_ids": p} for p in models["prompts"]]
+    params = _params(models)
+    outs = llm.generate(prompts, params) + llm.generate([*prompts[:5], {"prompt_token_ids": []}],
+                                                        [*params[:5], params[0]])
+    assert outs[-1].error and outs[-1].spec_decode.num_drafts == 0  # the empty prompt never ran
+    engine = {m.name: m.values if isinstance(m, Vector) else m.value for m in llm.get_metrics()}
+    summed: dict = {}
+    for out in outs:
+        for m in out.spec_decode.metrics():
+            if isinstance(m, Vector):
+                summed[m.name] = [a + b for a, b in zip(summed.get(m.name, [0] * len(m.values)), m.values)]
+            else:
+                summed[m.name] = summed.get(m.name, 0) + m.value
+    assert engine["vllm:spec_decode_num_drafts"] > 0  # something to add up (ngram drafts rarely here)
+    assert method == "ngram" or engine["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert summed == engine
+    for out in outs[:-1]:  # a request's accepted drafts and its drafted steps fit in the tokens it generated
+        c = out.spec_decode
+        assert c.generation_tokens == len(out.outputs[0].token_ids)
+        assert 1 + c.num_accepted_tokens + c.num_drafts <= c.generation_tokens + 1
+    from connectors import KVTransferConfig
+
+    extraction = LLM(model=models["target"], kv_transfer_config=KVTransferConfig(
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
+    assert extraction.generate(prompts[:1], params[0])[0].spec_decode is None
+    extraction.shutdown()
+
+
+def test_an_identical_drafts_per_request_counts_are_its_steps(models):
+    """An independent oracle per request: with the target as its own draft every token is accepted, so a request of
+    max_tokens = 1 + s (k + 1) drafts exactly s times, k tokens each, all accepted."""
+    k, prompts = 3, models["prompts"][:4]
+    same = LLM(model=models["target"], speculative_config={"method": "draft_model", "model": models["target"],
+                                                           "num_speculative_tokens": k})
+    steps = [1, 2, 3, 4]
+    outs = same.generate([{"prompt_token_ids": p} for p in prompts],
+                         [SamplingParams(max_tokens=1 + s * (k + 1), temperature=0, ignore_eos=True) for s in steps])
+    for out, s in zip(outs, steps):
+        c = out.spec_decode
+        assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.accepted_per_pos) == (s, s * k, s * k,
+                                                                                               [s] * k)
+
+
 def test_ngram_proposes_what_followed_the_longest_earlier_match():
     ngram = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=3)
     ctx = [1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 1, 2, 3]

@@ -259,3 +259,166 @@ def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_r
     rows = {r["method"]: r for r in json.loads((tmp_path / "r.json").read_text())}
     assert rows["none"]["lossless"] and rows["ngram k=2"]["error"] is None
     assert rows["mlp_speculator (mlp) k=2"]["error"]
+
+
+ACCEPTANCE_HEADER_K2 = ["subset", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length",
+                        "acceptance_at_pos_0", "acceptance_at_pos_1"]
+"""vllm-project/speculators' scripts/evaluate acceptance.csv columns for k = 2, written out by hand."""
+
+
+@pytest.fixture(scope="module")
+def repeater(tiny_llama, tmp_path_factory) -> str:
+    """tiny_llama with its final norm zeroed: every logit 0, so greedy decoding repeats token 0 and ngram drafts
+    (and the target accepts) from the third output token on."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path_factory.mktemp("repeater") / "model")
+    shutil.copytree(tiny_llama, out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    model.save_pretrained(out)
+    return out
+
+
+def _read_csv(path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_hsx_eval_drafter_out_writes_acceptance_per_category_in_the_published_layout(repeater, tmp_path, capsys):
+    """--out DIR: per speculative method and width, DIR/<method>/acceptance.csv with exactly the published columns,
+    a row per prompt category (in order of appearance) and "all" (the engine's counters, which the categories' own
+    per-request counts add up to); summary.csv with tokens per target step; a PNG; results.json as --json has it.
+    A re-run into the same DIR (its own output) replaces what is no longer evaluated."""
+    import matplotlib.image
+
+    from cli.main import main
+
+    categories = ["code", "chat", "code", "chat"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
+                               for p, c in zip([*PROMPTS, PROMPTS[0]], categories)))
+    out, js = tmp_path / "eval", tmp_path / "r.json"
+    assert main(["eval-drafter", "--model", repeater, "--prompts", str(prompts), "--max-tokens", "8", "-k", "2",
+                 "--threads", "1", "--max-num-seqs", "4", "1", "--out", str(out), "--json", str(js)]) == 0
+    printed = capsys.readouterr().out
+    folders = ["ngram_k-2_max_num_seqs-4", "ngram_k-2_max_num_seqs-1"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(folders)
+    results = {(r["method"], r["max_num_seqs"]): r for r in json.loads((out / "results.json").read_text())}
+    assert json.loads(js.read_text()) == json.loads((out / "results.json").read_text())
+    for folder, width in zip(folders, (4, 1)):
+        path = out / folder / "acceptance.csv"
+        assert str(path) in printed
+        assert path.read_text().splitlines()[0].split(",") == ACCEPTANCE_HEADER_K2
+        rows = _read_csv(path)
+        assert [r["subset"] for r in rows] == ["code", "chat", "all"]
+        for r in rows:
+            drafts, accepted = int(r["num_drafts"]), int(r["num_accepted_tokens"])
+            assert float(r["acceptance_length"]) == pytest.approx(1 + accepted / drafts)
+            assert float(r["acceptance_at_pos_0"]) >= float(r["acceptance_at_pos_1"])
+            assert int(r["num_draft_tokens"]) <= 2 * drafts
+        *cats, everything = rows
+        for column in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert int(everything[column]) == sum(int(r[column]) for r in cats)
+        drafts = int(everything["num_drafts"])
+        accepted_at = [round(float(everything[f"acceptance_at_pos_{i}"]) * drafts) for i in range(2)]
+        assert sum(accepted_at) == int(everything["num_accepted_tokens"])
+        reported = results[("ngram k=2", width)]
+        assert drafts == reported["num_drafts"] > 0 and all(int(r["num_accepted_tokens"]) > 0 for r in rows)
+        assert set(reported["categories"]) == {"code", "chat"}
+    summary = {r["method"]: r for r in _read_csv(out / "summary.csv")}
+    assert list(summary) == ["none max_num_seqs=4", "ngram k=2 max_num_seqs=4", "none max_num_seqs=1",
+                             "ngram k=2 max_num_seqs=1"]
+    ngram = summary["ngram k=2 max_num_seqs=1"]
+    assert ngram["folder"] == folders[1] and summary["none max_num_seqs=1"]["folder"] == ""
+    assert float(ngram["tokens_per_target_step"]) == pytest.approx(
+        results[("ngram k=2", 1)]["tokens_per_target_step"]) and float(ngram["tokens_per_target_step"]) > 1
+    assert float(summary["none max_num_seqs=4"]["tokens_per_target_step"]) == 1.0
+    png = out / "acceptance_per_position.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(str(png)).shape[0] > 100
+
+    assert main(["eval-drafter", "--model", repeater, "--prompts", str(prompts), "--max-tokens", "2", "--no-ngram",
+                 "--threads", "1", "--out", str(out)]) == 0
+    assert not [p for p in out.iterdir() if p.is_dir()] and not png.exists()
+    assert [r["method"] for r in _read_csv(out / "summary.csv")] == ["none"]
+
+
+def test_acceptance_rows_follow_vllms_formulas(tmp_path):
+    """Hand-made counts, hand-computed rows: AL = 1 + accepted / drafts, position i = accepted there / drafts; the
+    categories from their own counts, "all" from the method's."""
+    from training.acceptance import write_eval_outputs
+
+    r = EvalResult("eagle3 (h) k=3", {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}, num_prompts=3,
+                   num_output_tokens=30, timed_calls=1, seconds=1.0,
+                   counts=SpecDecodeCounts(4, 12, 6, [3, 2, 1]),
+                   category_counts={"qa": SpecDecodeCounts(3, 9, 5, [3, 1, 1]),
+                                    "math, proofs": SpecDecodeCounts(1, 3, 1, [0, 1, 0])})
+    written = write_eval_outputs(str(tmp_path), [EvalResult("none", None, num_prompts=3, num_output_tokens=30,
+                                                            timed_calls=1, seconds=2.0), r])
+    acceptance = tmp_path / "eagle3_h_k-3" / "acceptance.csv"
+    assert written[0] == str(acceptance)
+    assert acceptance.read_text().splitlines() == [
+        "subset,num_drafts,num_draft_tokens,num_accepted_tokens,acceptance_length,acceptance_at_pos_0,"
+        "acceptance_at_pos_1,acceptance_at_pos_2",
+        f"qa,3,9,5,{1 + 5 / 3},1.0,{1 / 3},{1 / 3}",
+        '"math, proofs",1,3,1,2.0,0.0,1.0,0.0',
+        "all,4,12,6,2.5,0.75,0.5,0.25"]
+    (none, eagle) = _read_csv(tmp_path / "summary.csv")
+    assert (none["tokens_per_target_step"], none["folder"], eagle["folder"]) == ("1.0", "", "eagle3_h_k-3")
+    assert float(eagle["tokens_per_target_step"]) == pytest.approx(27 / 21)  # 27 decoded, 6 of them accepted
+
+
+def test_method_folders_are_safe_and_unique_names():
+    from training.acceptance import method_slugs
+
+    results = [EvalResult(name, {"method": "ngram"}) for name in
+               ("eagle3 (run/a) k=3", "eagle3 (run\\a) k=3", "../.. k=3", "summary.csv", "EAGLE3 (RUN/A) K=3", "")]
+    slugs = method_slugs(results)
+    assert slugs[:2] == ["eagle3_run_a_k-3", "eagle3_run_a_k-3_2"]
+    assert len({s.lower() for s in slugs}) == len(slugs)
+    assert all(s and not s.startswith(".") and "/" not in s and "\\" not in s and ".." not in s for s in slugs)
+    assert slugs[3] != "summary.csv"
+
+
+def test_hsx_eval_drafter_refuses_a_bad_category_and_an_out_over_the_model_before_any_work(tiny_llama, tmp_path,
+                                                                                          capsys, monkeypatch):
+    from pathlib import Path
+
+    from cli.args import EXIT_USAGE
+    from cli.main import main
+    from training import evaluate
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("evaluated despite bad arguments")
+
+    monkeypatch.setattr(evaluate, "evaluate_speculation", no_work)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a b", "category": "code"}) + "\n"
+                       + json.dumps({"prompt": "c d", "category": 7}) + "\n")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "a b", "category": "code"}) + "\n")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in Path(tiny_llama).iterdir())
+    for argv, message in ((["--prompts", str(prompts)], f"{prompts}:2: 'category' is 7 (int); give a string"),
+                          (["--prompts", str(good), "--out", tiny_llama], "--out"),
+                          (["--prompts", str(good), "--out", f"{tiny_llama}/eval"], "lies inside"),
+                          (["--prompts", str(good), "--out", str(busy)], "already holds 1 entry")):
+        with pytest.raises(SystemExit) as e:
+            main(["eval-drafter", "--model", tiny_llama, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == EXIT_USAGE and message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in Path(tiny_llama).iterdir()) == before
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match=r"prompt 1: 'category' is \[7\] \(list\)"):  # the API checks it too
+        evaluate_speculation(tiny_llama, ["x", {"prompt": "y", "category": [7]}], {}, 1)
+    (tmp_path / "all.jsonl").write_text(json.dumps({"prompt": "x", "category": "all"}) + "\n")
+    with pytest.raises(ValueError, match="all.jsonl:1: category 'all' is reserved"):
+        evaluate.load_prompts(str(tmp_path / "all.jsonl"))
