@@ -113,6 +113,7 @@ def test_help_lists_every_command(capsys):
 def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
     from jobs.regenerate import RegenerateConfig
+    from jobs.report import ReportConfig
     from jobs.verify import VerifyConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
@@ -122,7 +123,7 @@ def _commands():
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
             "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainDrafterConfig,
             "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig,
-            "regenerate": RegenerateConfig}
+            "regenerate": RegenerateConfig, "report": ReportConfig}
 
 
 def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():
