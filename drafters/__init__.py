@@ -1,11 +1,14 @@
-"""Drafters trained on hsx runs (EAGLE-3, Medusa, MLPSpeculator): one module per family (model, checkpoint,
+"""Drafters trained on hsx runs (EAGLE, EAGLE-3, Medusa, MLPSpeculator): one module per family (model, checkpoint,
 proposer), the registry, and the checkpoint I/O they share.
 
     base.py            TargetHead, DrafterBatch, StepResult, Drafter (the interface every family implements:
                        for_run -> prepare -> training_step -> save_pretrained / from_pretrained)
     eagle3.py          Eagle3Config, Eagle3Drafter (fc over the aux layers, a Llama layer over [embedding ; fused
                        state], draft vocabulary, test-time-training unroll; speculators checkpoint)
-    eagle3_proposer.py Eagle3Proposer: EAGLE-3 decoding in the engine (its own KV cache, rolled back per row)
+    eagle3_proposer.py Eagle3Proposer: EAGLE-3 decoding in the engine (its own KV cache, rolled back per row);
+                       EagleProposer: the same loop for EAGLE
+    eagle.py           EagleConfig, EagleDrafter (EAGLE-1, vLLM's eagle: fc over [embedding ; post-norm feature],
+                       Llama layers, the target's lm_head; feature regression + token loss; vLLM's eagle layout)
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
     medusa.py          MedusaConfig, MedusaDrafter, MedusaProposer (heads on the last post-norm state)
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer (IBM's architecture)

@@ -1,9 +1,11 @@
-"""EAGLE-3 decoding: drafting with a trained head (drafters/eagle3.py) in hsx's engine.
+"""EAGLE-3 and EAGLE decoding: drafting with a trained head (drafters/eagle3.py, drafters/eagle.py) in hsx's engine.
 
     _RowCache         the drafter's own KV cache over a batch of rows, rolled back per row on rejection
     Eagle3Proposer    the extractor.proposers.Proposer of speculative_config method "eagle3": fuses the target's
                       aux-layer states of the verified tokens (captured by the engine), drafts k tokens per row in
                       the draft vocabulary and maps them to the target's ids
+    EagleProposer     method "eagle": the same loop over an EAGLE head, whose "fused" state is the target's last layer
+                      through its final norm (the engine captures layer N) and whose read-out is the target's lm_head
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 
 import torch
 
+from drafters.eagle import EagleDrafter
 from drafters.eagle3 import Eagle3Drafter
 from extractor.proposers import Draft, Proposer
 
@@ -90,16 +93,20 @@ class Eagle3Proposer(Proposer):
     Greedy rows take the argmax, sampled rows draw from the request's sampling distribution over the draft
     vocabulary (mapped to target ids with d2t) and return those probabilities."""
 
+    @classmethod
+    def load(cls, model_dir: str, runner) -> Eagle3Drafter:
+        return Eagle3Drafter.from_pretrained(model_dir)
+
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        drafter = Eagle3Drafter.from_pretrained(model_dir)
+        drafter = self.load(model_dir, runner)
         if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
-            raise ValueError(f"the eagle3 drafter {model_dir} was trained for a target of hidden size "
+            raise ValueError(f"the {drafter.kind} drafter {model_dir} was trained for a target of hidden size "
                              f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "
                              f"target {runner.config.model} has {runner.hidden_size} and {runner.vocab_size}: train "
                              "one on a run of this target")
         bad = [i for i in drafter.aux_layer_ids if not 0 <= i <= runner.num_hidden_layers]
         if bad:
-            raise ValueError(f"the eagle3 drafter {model_dir} fuses layers {list(drafter.aux_layer_ids)}, but the "
+            raise ValueError(f"the {drafter.kind} drafter {model_dir} reads layers {list(drafter.aux_layer_ids)}, but the "
                              f"target has layer ids 0..{runner.num_hidden_layers} only")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -239,3 +246,12 @@ class Eagle3Proposer(Proposer):
             q = sampling_probs(full, p)  # [V]
             out.append((int(torch.multinomial(q, 1, generator=gen)), q))
         return out
+
+
+class EagleProposer(Eagle3Proposer):
+    """speculative_config method "eagle": an EAGLE head drafts k tokens from the target's last-layer features (its
+    last layer through its final norm), read out with the target's own lm_head and embeddings, as vLLM shares them."""
+
+    @classmethod
+    def load(cls, model_dir: str, runner) -> EagleDrafter:
+        return EagleDrafter.from_pretrained(model_dir, target_dir=runner.config.model)

@@ -48,7 +48,7 @@ def speculation_methods() -> tuple[str, ...]:
     return ENGINE_METHODS + drafter_methods()
 # vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
 # otherwise the one value hsx can honour.
-_NOT_YET_METHODS = ("eagle", "mtp")
+_NOT_YET_METHODS = ("mtp",)
 """vLLM speculative methods whose drafters hsx does not have yet: refused with a message saying so."""
 _SPEC_IGNORED = {"enforce_eager": None, "disable_padded_drafter_batch": None, "max_model_len": None,
                  "parallel_drafting": False, "use_heterogeneous_vocab": False}

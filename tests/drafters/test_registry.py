@@ -73,8 +73,8 @@ def test_a_family_registered_from_the_tests_trains_evaluates_and_decodes(toy, or
 def test_an_unknown_kind_names_the_registered_families(tiny_llama, tmp_path):
     from training.trainer import TrainDrafterConfig
 
-    with pytest.raises(ValueError, match=r"--kind 'nope' is not a drafter family; choose one of \['eagle3', 'medusa', "
-                                         r"'mlp_speculator'\]"):
+    with pytest.raises(ValueError, match=r"--kind 'nope' is not a drafter family; choose one of \['eagle', 'eagle3', "
+                                         r"'medusa', 'mlp_speculator'\]"):
         TrainDrafterConfig(run=str(tmp_path), model=tiny_llama, out=str(tmp_path / "o"), kind="nope")
 
 

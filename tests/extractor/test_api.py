@@ -60,8 +60,10 @@ def test_the_vllm_offline_example_runs_with_only_imports_and_model_changed(tiny_
 def test_unsupported_speculative_configs_are_clear_errors(tiny_llama):
     with pytest.raises(ValueError, match="method 'eagle3' needs 'model'"):
         LLM(model=tiny_llama, speculative_config={"method": "eagle3", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError, match="'eagle' is not supported by hsx yet"):
+    with pytest.raises(ValueError, match="method 'eagle' needs 'model'"):
         LLM(model=tiny_llama, speculative_config={"method": "eagle", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="'mtp' is not supported by hsx yet"):
+        LLM(model=tiny_llama, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match=r"max_model_len=99999 is more than .*max_position_embeddings=4096"):
         LLM(model=tiny_llama, max_model_len=99999)
     with pytest.raises(ValueError, match="requires exactly 1"):

@@ -1,0 +1,270 @@
+"""EAGLE (EAGLE-1; vLLM's `method: "eagle"`, ModelOpt's EAGLE module with `eagle_num_layers`): a draft decoder that
+regresses the target's next feature — its post-norm last-layer state — from the current feature and the next
+token's embedding, and reads it out with the target's own lm_head.
+
+    EagleConfig      num_layers (ModelOpt's eagle_num_layers), unroll steps, loss weights
+    EagleDrafter     the model (Drafter kind "eagle"):
+        embed_tokens  [V, H]     the target's input embeddings, frozen (written to the checkpoint, as EAGLE's are)
+        fc            [H, 2H]    over [embedding of x_{t+1} ; feature of x_t], no bias
+        layers        Llama decoder layers; layer 0 has no input_layernorm (identity), as vLLM's llama_eagle.py
+        (no final norm) the output is the predicted feature of x_{t+1}
+        target_norm, target_lm_head   the target's final norm and lm_head, frozen and never written: the checkpoint
+                                      holds only the draft's weights; they are loaded from the target (the verifier)
+    EagleProposer    decoding in hsx's engine: Eagle3Proposer's row cache and loop, fed the target's last layer
+                     through its final norm (drafters/eagle3_proposer.py)
+    FAMILY           EAGLE in the drafter registry
+
+Feature of x_t = the target's last decoder layer output of x_t after its final norm (what lm_head reads; hsx stores
+layer N pre-norm, so the norm is applied here, exactly as the target does). Decoding: step 0 reads (feature of x_t,
+x_{t+1}) and gives f^_{t+1}; lm_head(f^_{t+1}) drafts x_{t+2}; step s feeds back its own f^ with the token it
+drafted. Training unrolls those steps (test-time training, the same attention layout as EAGLE-3's: drafters/eagle3.py)
+and, per step s, chains t whose x_{t+2+s} is trained and in t's document:
+    loss_s = regression_weight * SmoothL1(f^, f_{t+1+s}) + classification_weight * CE(lm_head f^, softmax(lm_head f_{t+1+s}))
+the EAGLE paper's feature regression plus its token loss (weights 1.0 and 0.1, as its trainer).
+
+Checkpoint: the layout vLLM's `eagle` method reads — a Llama config.json (architectures ["EagleLlamaForCausalLM"],
+num_hidden_layers = the draft's depth) and model.safetensors with `fc.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj`,
+`layers.{i}.mlp.{gate,up,down}_proj`, `layers.{i}.post_attention_layernorm`, `layers.{i>0}.input_layernorm`, and
+`embed_tokens.weight`; vLLM shares the target's lm_head. hsx's own options ride in config.json under "hsx_eagle",
+with the verifier's path (from which hsx loads the lm_head and final norm when the engine does not hand it its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.eagle3 import Eagle3Drafter as _Eagle3
+from drafters.eagle3 import _attention_ready, _llama_config_for, _shift_left, one_document_per_row
+from drafters.registry import Family
+
+ARCHITECTURE = "EagleLlamaForCausalLM"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """EAGLE's options (`hsx train-drafter --kind eagle`; --family-options '{"num_layers": 2}')."""
+
+    num_layers: int = 1
+    """Draft decoder layers (ModelOpt's eagle_num_layers; EAGLE uses 1)."""
+    ttt_steps: int = 3
+    """Unroll: each chain is trained on this many consecutive drafts fed its own features (1 = EAGLE's one-step
+    training; more makes later drafts better, as EAGLE-3 found)."""
+    regression_weight: float = 1.0
+    """Weight of the feature regression (SmoothL1) in each step's loss."""
+    classification_weight: float = 0.1
+    """Weight of the token loss (cross-entropy against the target's distribution)."""
+    intermediate_size: int | None = None
+    """MLP width of the draft layers; None = the target's."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1 (1 = no unroll), got {self.ttt_steps}")
+        if self.regression_weight < 0 or self.classification_weight < 0 or \
+                not self.regression_weight + self.classification_weight > 0:
+            raise ValueError("regression_weight and classification_weight must be >= 0, not both 0")
+
+
+class EagleDrafter(Drafter):
+    """The EAGLE draft model (see the module docstring)."""
+
+    kind = "eagle"
+
+    def __init__(self, config: EagleConfig, layer_config, target: TargetHead, num_speculative_tokens: int = 3,
+                 verifier: str = "") -> None:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.config = config
+        self.layer_config = _attention_ready(layer_config)
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.verifier = verifier
+        h, vocab = layer_config.hidden_size, layer_config.vocab_size
+        self.target_hidden_size = h
+        self.embed_tokens = nn.Embedding(vocab, h)  # [V, H] the target's, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * h, h, bias=False)  # [H, 2H] over [embedding ; feature]
+        self.layers = nn.ModuleList([LlamaDecoderLayer(layer_config, i) for i in range(config.num_layers)])
+        self.layers[0].input_layernorm = nn.Identity()  # as vLLM's llama_eagle.py: the fc output goes in as is
+        self.rotary_emb = LlamaRotaryEmbedding(layer_config)
+        self.target_norm = target.norm.to(torch.float32).module.requires_grad_(False)  # the target's, never saved
+        self.register_buffer("target_lm_head", target.lm_head.detach().to(torch.float32).clone(), persistent=False)
+
+    # -- the proposer's interface (drafters/eagle3_proposer.py) ------------------------------------------------
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target layer the engine captures: N, the last, pre-norm (fuse applies the final norm)."""
+        return (int(self.layer_config.num_target_layers),)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[V] the draft vocabulary is the target's."""
+        return torch.arange(self.layer_config.vocab_size, device=self.target_lm_head.device)
+
+    def fuse(self, last: torch.Tensor) -> torch.Tensor:
+        """last [..., 1, H] the target's last layer, pre-norm -> [..., H] its feature (post-norm)."""
+        return self.target_norm(last[..., 0, :].to(self.fc.weight.dtype))
+
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """input_ids [R, S] (x_{t+1}), hidden [R, S, H] (feature of x_t, or the previous step's output) -> [R, S, H]
+        the predicted feature of x_{t+1}; attention over the cache's keys as Eagle3Drafter.decode."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        rope = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                      position_embeddings=rope)
+        return x
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """[..., H] a feature -> [..., V] the target's lm_head over it."""
+        return feature @ self.target_lm_head.to(feature.dtype).T
+
+    # -- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:
+        return (num_hidden_layers,)
+
+    @classmethod
+    def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any) -> EagleDrafter:
+        config = EagleConfig(**family_options)
+        n = int(run_spec.num_hidden_layers)
+        if n not in tuple(run_spec.layer_ids):
+            raise ValueError(f"EAGLE reads the target's last layer (id {n}), but the run stores layers "
+                             f"{list(run_spec.layer_ids)}; re-extract with --layers ...,{n}")
+        if not target.model_dir:
+            raise ValueError("EAGLE sizes its layers from the target's config: build the TargetHead with "
+                             "TargetHead.from_model_dir(target_folder)")
+        layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
+        layer_config.num_target_layers = n
+        model = cls(config, layer_config, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir))
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(target.embed_tokens.to(torch.float32))
+        return model
+
+    # -- training -----------------------------------------------------------------------------------------------
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        batch = one_document_per_row(batch)
+        n = int(self.layer_config.num_target_layers)
+        with torch.no_grad():
+            features = self.target_norm(batch.layer(n).to(self.fc.weight.dtype))  # [R, S, H] f_t
+        steps = self.config.ttt_steps
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        hidden = features
+        loss = torch.zeros((), dtype=torch.float32, device=features.device)
+        correct = torch.zeros(steps, dtype=torch.long)
+        counted = torch.zeros(steps, dtype=torch.long)
+        for s in range(steps):
+            ids = _shift_left(batch.input_ids, 1 + s)  # x_{t+1+s}
+            hidden = self.decode(ids, hidden, batch.position_ids + s, _Eagle3.ttt_mask(batch.document_ids, s), cache)
+            valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # x_{t+2+s} trained
+            rows, cols = valid.nonzero(as_tuple=True)
+            counted[s] = rows.numel()
+            if not rows.numel():
+                continue
+            pred = hidden[rows, cols]  # [M, H] f^_{t+1+s}
+            want = features[rows, cols + 1 + s]  # [M, H] f_{t+1+s}
+            logits = self.logits(pred).float()
+            with torch.no_grad():
+                t_logits = self.logits(want).float()
+            step_loss = (self.config.regression_weight * F.smooth_l1_loss(pred.float(), want.float())
+                         + self.config.classification_weight * F.cross_entropy(logits, F.softmax(t_logits, -1)))
+            loss = loss + step_loss
+            with torch.no_grad():
+                correct[s] = int((logits.argmax(-1) == t_logits.argmax(-1)).sum())
+        return StepResult(loss, correct, counted)
+
+    # -- checkpoint (vLLM's eagle layout) -------------------------------------------------------------------------
+    def checkpoint_config(self) -> dict[str, Any]:
+        doc = self.layer_config.to_dict()
+        for key in ("_attn_implementation_autoset", "num_target_layers"):
+            doc.pop(key, None)
+        doc.update(architectures=[ARCHITECTURE], model_type="llama", torch_dtype=str(self.fc.weight.dtype)
+                   .removeprefix("torch."), num_hidden_layers=self.config.num_layers)
+        doc["hsx_eagle"] = {**asdict(self.config), "verifier": self.verifier,
+                            "target_num_hidden_layers": int(self.layer_config.num_target_layers),
+                            "num_speculative_tokens": self.num_speculative_tokens}
+        return doc
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("target_norm.")}
+
+    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
+        if verifier:
+            self.verifier = verifier
+        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> EagleDrafter:
+        """Reload a checkpoint; the lm_head and final norm come from `target_dir` (default: the verifier it
+        records)."""
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+
+        try:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this an EAGLE checkpoint?") from e
+        if not _is_eagle(doc):
+            raise ValueError(f"{model_dir}: config.json has architectures {doc.get('architectures')}, not "
+                             f"[{ARCHITECTURE!r}]: not an EAGLE checkpoint")
+        hsx = doc.get("hsx_eagle") or {}
+        target_dir = target_dir or hsx.get("verifier") or ""
+        if not target_dir or not os.path.isdir(target_dir):
+            raise ValueError(f"{model_dir}: EAGLE reads out with the target's lm_head and final norm, but its target "
+                             f"{target_dir!r} is not a local folder; pass the target folder")
+        target = TargetHead.from_model_dir(target_dir)
+        layer_doc = {k: v for k, v in doc.items() if k != "hsx_eagle"}
+        layer_config = LlamaConfig.from_dict(layer_doc)
+        from transformers import AutoConfig
+
+        layer_config.num_target_layers = int(hsx.get("target_num_hidden_layers") or AutoConfig.from_pretrained(
+            target_dir).get_text_config().num_hidden_layers)
+        known = {f.name for f in fields(EagleConfig)}
+        options = {k: v for k, v in hsx.items() if k in known}
+        options["num_layers"] = int(layer_config.num_hidden_layers)
+        if target.hidden_size != layer_config.hidden_size or target.vocab_size != layer_config.vocab_size:
+            raise ValueError(f"{model_dir}: the EAGLE head has hidden size {layer_config.hidden_size} and vocabulary "
+                             f"{layer_config.vocab_size}, its target {target_dir} has {target.hidden_size} and "
+                             f"{target.vocab_size}: it was trained for another model")
+        model = cls(EagleConfig(**options), layer_config, target, int(hsx.get("num_speculative_tokens") or 3),
+                    verifier=target_dir)
+        state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
+        if "embed_tokens.weight" not in state:  # vLLM shares the target's when absent
+            state["embed_tokens.weight"] = target.embed_tokens
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("target_norm.")]
+        if missing or unexpected:
+            raise ValueError(f"{model_dir}: weights do not match an EAGLE head of this config (missing "
+                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        return model.to(device).eval()
+
+
+def _is_eagle(config: dict) -> bool:
+    return ARCHITECTURE in (config.get("architectures") or [])
+
+
+def _speculative_tokens(config: dict) -> int | None:
+    return (config.get("hsx_eagle") or {}).get("num_speculative_tokens")
+
+
+FAMILY = Family(name="eagle", description="an EAGLE (EAGLE-1, vLLM's eagle method) checkpoint",
+                drafter="drafters.eagle:EagleDrafter", proposer_class="drafters.eagle3_proposer:EagleProposer",
+                config_matches=_is_eagle, config_k=_speculative_tokens, options=("ttt_steps",))
+"""EAGLE in the registry (pyproject.toml's hsx.drafters entry point `eagle`)."""

@@ -1,0 +1,157 @@
+"""EAGLE (vLLM's `eagle` method): features from the target's own forward, the training step, vLLM's checkpoint
+layout, bad runs refused, and lossless decoding in hsx's engine against transformers generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def eagle_setup(oracle_run, tiny_llama):
+    from drafters.base import TargetHead
+    from drafters.eagle import EagleDrafter
+    from training import HiddenStatesDataset
+
+    output, _, _ = oracle_run
+    ds = HiddenStatesDataset(output)
+    target = TargetHead.from_model_dir(tiny_llama)
+    torch.manual_seed(0)
+    return ds, target, EagleDrafter.for_run(ds.run_info, target, 3)
+
+
+def _batch(ds, indices, max_tokens=128):
+    from drafters.base import DrafterBatch
+    from training import PackCollator
+
+    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
+
+
+def test_features_are_the_targets_post_norm_last_layer(eagle_setup, oracle_model):
+    """fuse(stored layer N, pre-norm) = the state transformers' own forward hands its lm_head (hidden_states[-1])."""
+    from tests.training.runs import pre_norm_hidden_states
+
+    _, _, drafter = eagle_setup
+    model, tokenizer = oracle_model
+    ids = torch.tensor(tokenizer("the river carries the data downstream")["input_ids"])
+    with torch.no_grad():
+        post = model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    last = pre_norm_hidden_states(model, ids)[-1]
+    torch.testing.assert_close(drafter.fuse(last[:, None]), post)
+    assert drafter.aux_layer_ids == (4,)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.logits(post), model(ids[None]).logits[0])
+
+
+def test_eagle_overfits_a_tiny_run_and_keeps_the_targets_parts_frozen(eagle_setup):
+    from drafters.eagle import EagleDrafter
+
+    ds, target, _ = eagle_setup
+    torch.manual_seed(0)
+    drafter = EagleDrafter.for_run(ds.run_info, target, 3)
+    batch = _batch(ds, [0, 1])
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    assert not any(p is drafter.embed_tokens.weight for p in params)
+    assert not any(p is q for p in params for q in drafter.target_norm.parameters())
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    losses = []
+    for _ in range(10):
+        result = drafter.training_step(batch, target)
+        opt.zero_grad()
+        result.loss.backward()
+        opt.step()
+        losses.append(result.loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens)
+    assert torch.equal(drafter.target_lm_head, target.lm_head)
+    assert len(result.accuracy()) == 3 and all(n > 0 for n in result.counted)
+
+
+def test_checkpoint_is_vllms_eagle_layout_and_reloads_bit_exact(eagle_setup, tiny_llama, tmp_path):
+    from safetensors import safe_open
+
+    from drafters.eagle import EagleDrafter
+    from extractor.config import checkpoint_method
+
+    ds, target, drafter = eagle_setup
+    drafter.save_pretrained(str(tmp_path), verifier=tiny_llama)
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert doc["architectures"] == ["EagleLlamaForCausalLM"] and doc["model_type"] == "llama"
+    assert doc["num_hidden_layers"] == 1 and doc["hidden_size"] == 64 and doc["vocab_size"] == 512
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    # the names vLLM's llama_eagle.py loads (it prefixes "model."): no layer-0 input norm, no final norm, no lm_head
+    assert names == {"fc.weight", "embed_tokens.weight", "layers.0.post_attention_layernorm.weight",
+                     *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+                     *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+    assert checkpoint_method(str(tmp_path)) == "eagle"
+    back = EagleDrafter.from_pretrained(str(tmp_path))
+    ours, theirs = drafter.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with torch.no_grad():
+        a, b = drafter.eval().training_step(_batch(ds, [0, 1]), target), back.training_step(_batch(ds, [0, 1]), target)
+    assert torch.equal(a.loss, b.loss)
+
+
+def test_a_run_without_the_last_layer_is_refused_before_training(tiny_llama, oracle_run, tmp_path):
+    from connectors import HiddenStatesSpec
+    from connectors.run import RunSpec
+    from drafters.base import TargetHead
+    from drafters.eagle import EagleDrafter
+    from tests.training.runs import random_samples, write_run
+    from training.trainer import TrainDrafterConfig, train_drafter
+
+    target = TargetHead.from_model_dir(tiny_llama)
+    aux_only = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64,
+                                                       dtype="float32"))
+    with pytest.raises(ValueError, match=r"last layer \(id 4\)"):
+        EagleDrafter.for_run(aux_only, target, 3)
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    write_run(str(tmp_path / "run"), random_samples(3, spec), spec)
+    with pytest.raises(ValueError, match=r"--kind eagle needs layers \[4\]"):
+        train_drafter(TrainDrafterConfig(kind="eagle", run=str(tmp_path / "run"), model=tiny_llama,
+                                         out=str(tmp_path / "out"), steps=1, progress=False))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_llama, oracle_model, tmp_path):
+    """A head trained by `hsx train-drafter --kind eagle` on the target's own greedy continuations, served by
+    LLM(speculative_config={"method": "eagle", ...}) two rows at a time (the third joins as one finishes): the
+    output equals transformers generate token for token and the drafts are mostly accepted (only if the engine hands
+    the head the last layer's states of the right tokens)."""
+    from connectors import HiddenStatesSpec
+    from extractor import LLM, SamplingParams
+    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    from training.trainer import TrainDrafterConfig, train_drafter
+
+    model, tokenizer = oracle_model
+    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
+    samples, refs = [], []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
+        refs.append(full.tolist()[len(ids):])
+        states = pre_norm_hidden_states(model, full)
+        samples.append(Sample(f"g{i}", full, states[4][:, None].contiguous(), torch.ones(len(full), dtype=torch.uint8)))
+    spec = HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
+    write_run(str(tmp_path / "run"), samples, spec)
+    head = str(tmp_path / "head")
+    train_drafter(TrainDrafterConfig(kind="eagle", run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=40,
+                                     lr=1e-2, batch_tokens=128, max_grad_norm=1.0, device="cpu", progress=False))
+    for config in ({"method": "eagle", "model": head, "num_speculative_tokens": 3},
+                   {"model": head, "num_speculative_tokens": 3}):  # the method read from the checkpoint
+        llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2, speculative_config=config)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        assert [o.outputs[0].token_ids for o in outputs] == refs
+        metrics = {m.name: m for m in llm.get_metrics()}
+        drafts = metrics["vllm:spec_decode_num_drafts"].value
+        mean_al = 1 + metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts
+        assert drafts > 0 and mean_al >= 2.0, mean_al
+    # a sampled row next to a greedy one: the greedy row is unchanged
+    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
+                                       SamplingParams(temperature=0.0, max_tokens=12)])
+    assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
