@@ -3,6 +3,7 @@
     python examples/spec_decode.py --method ngram --num-spec-tokens 3
     python examples/spec_decode.py --method draft_model --model TARGET_DIR --draft-model DRAFT_DIR
     python examples/spec_decode.py --method eagle3 --model TARGET_DIR --draft-model HEAD_DIR   # hsx train-drafter
+    python examples/spec_decode.py --method eagle --model TARGET_DIR --draft-model HEAD_DIR    # --kind eagle
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
@@ -21,13 +22,15 @@ import tempfile
 import textwrap
 
 from extractor import LLM, SamplingParams
+from extractor.config import drafter_methods
 from extractor.metrics import Counter, Vector
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=["ngram", "draft_model", "eagle3", "medusa", "mlp_speculator"], default="ngram",
-                   help="eagle3 / medusa / mlp_speculator: a head trained with `hsx train-drafter` (--draft-model DIR)")
+    heads = drafter_methods()  # eagle, eagle3, medusa, mlp_speculator, ...: the registry's families
+    p.add_argument("--method", choices=["ngram", "draft_model", *heads], default="ngram",
+                   help=f"{' / '.join(heads)}: a head trained with `hsx train-drafter` (--draft-model DIR)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="k, tokens drafted per step")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="ngram: longest suffix n-gram tried")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix n-gram tried")
@@ -43,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-output", action="store_true", help="print each prompt's generated text")
     args = p.parse_args(argv)
     if args.draft_model and args.method == "ngram":
-        p.error("--draft-model needs --method draft_model, eagle3, medusa or mlp_speculator")
-    if args.method in ("eagle3", "medusa", "mlp_speculator") and not (args.model and args.draft_model):
+        p.error(f"--draft-model needs --method draft_model or one of {', '.join(heads)}")
+    if args.method in heads and not (args.model and args.draft_model):
         p.error(f"--method {args.method} needs --model TARGET_DIR and --draft-model HEAD_DIR (a head trained on a run "
                 "of that target: hsx train-drafter --kind ... --out HEAD_DIR)")
     if args.method == "draft_model" and args.model and not args.draft_model:

@@ -117,7 +117,7 @@ def test_a_run_without_the_last_layer_is_refused_before_training(tiny_llama, ora
 
 
 @pytest.mark.slow
-def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_llama, oracle_model, tmp_path):
+def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_llama, oracle_model, tmp_path, capsys):
     """A head trained by `hsx train-drafter --kind eagle` on the target's own greedy continuations, served by
     LLM(speculative_config={"method": "eagle", ...}) two rows at a time (the third joins as one finishes): the
     output equals transformers generate token for token and the drafts are mostly accepted (only if the engine hands
@@ -155,3 +155,17 @@ def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_l
     mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
                                        SamplingParams(temperature=0.0, max_tokens=12)])
     assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
+    # the seed's loop (examples/spec_decode.py) with --method eagle on this checkpoint prints vLLM's lines
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    try:
+        import spec_decode
+    finally:
+        sys.path.pop(0)
+    capsys.readouterr()
+    al = spec_decode.main(["--method", "eagle", "--model", tiny_llama, "--draft-model", head, "--num-prompts", "3",
+                           "--output-len", "8"])
+    printed = capsys.readouterr().out
+    assert al >= 1.0 and "mean acceptance length:" in printed and "acceptance at token 2:" in printed
