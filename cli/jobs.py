@@ -275,7 +275,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from jobs.demo import run_demo
 
     config: DemoConfig = config_from_args(args, DemoConfig)
-    return run_demo(config.dir, workers=config.workers, progress=config.progress)
+    return run_demo(config.dir, workers=config.workers, progress=config.progress, verbose=config.verbose)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

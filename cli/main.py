@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Start with `hsx demo ./hsx-demo` (no downloads). Exit codes: 0 ok, 1 job "
                                             "failed (or samples failed with --fail-on-error), 2 usage error.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest="verbosity",
+                        help="more logging (-vv for debug); hsx run and hsx demo also show Ray's own output "
+                             "(their --verbose)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(sub)
@@ -48,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    if args.verbosity and not hasattr(args, "verbose"):  # `hsx -v run`: as `hsx run --verbose` (a flag given wins)
+        args.verbose = True
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbosity, logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

@@ -1,8 +1,10 @@
 """The Ray session of an `hsx` command, for jobs and `hsx serve` alike.
 
-    ray_cluster(address)      context manager: the session's Ray if connected, `address` / $RAY_ADDRESS (probed
-                              first: an unreachable address fails in one line), else a private local Ray started
-                              here; yields True when it was started here (its resources are all there will be)
+    ray_cluster(address, quiet=)   context manager: the session's Ray if connected, `address` / $RAY_ADDRESS
+                              (probed first: an unreachable address fails in one line), else a private local Ray
+                              started here; yields True when it was started here (its resources are all there will
+                              be). quiet: Ray's own console output stays in its session logs
+    ray_logs_dir()            where those logs are on this machine, while connected
     gpus_default()            1 when the cluster has a GPU, else 0 (what a worker or replica takes by default)
     check_fits(problems, local=, fix=, waiting=)   resources a command needs and the cluster lacks: an error on a
                               private local Ray, a warning on a cluster that may autoscale
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -20,10 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def ray_cluster(address: str | None) -> Iterator[bool]:
+def ray_cluster(address: str | None, quiet: bool = False) -> Iterator[bool]:
     """Connect to Ray: the session's if already connected, `address` or $RAY_ADDRESS, else a private local one
     started here — also when a `ray start` cluster runs on this machine (or left its address file behind): that one
     is used only when asked for (--address auto). ValueError (exit 2) when the given address cannot be reached.
+
+    `quiet`: the console gets hsx's lines alone. Ray's own stay in its session logs (ray_logs_dir()): its workers'
+    output (not forwarded), its driver's notices and warnings (logged at ERROR only), its C++ core's error echo
+    (_core_echo_off). Errors still reach the driver as exceptions, and "(raylet)" messages (a worker killed, out of
+    memory) are printed as before. Off: Ray's console output as Ray prints it (`hsx run --verbose`).
 
     Yields True when the cluster was started here (its resources are all there will be).
     """
@@ -35,9 +43,12 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
     if ray.is_initialized():
         yield False
         return
+    console = {"logging_level": logging.ERROR, "log_to_driver": False} if quiet else \
+        {"logging_level": logging.WARNING}
     if address:
         try:
-            ray.init(address=address, logging_level=logging.WARNING)
+            with _core_echo_off() if quiet else contextlib.nullcontext():
+                ray.init(address=address, **console)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({first_line(e)}). "
                              f"{_ADDRESS_FIX}") from e
@@ -47,12 +58,59 @@ def ray_cluster(address: str | None) -> Iterator[bool]:
             logger.warning("a Ray cluster started with `ray start` is registered on this machine (%s); this job "
                            "starts a private local Ray instead. Pass --address auto to run on that cluster", existing)
         # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 logging_level=logging.WARNING)
+        with _core_echo_off() if quiet else contextlib.nullcontext():
+            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **console)
     try:
         yield not address
     finally:
         ray.shutdown()
+
+
+def ray_logs_dir() -> str | None:
+    """This machine's folder of Ray's session logs (workers' worker-*.out/.err, python-core-driver-*.log, ray-data/),
+    while connected; None when Ray does not say."""
+    import ray
+
+    try:
+        return ray._private.worker._global_node.get_logs_dir_path()  # no public API names it (Ray 2.60)
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def _core_echo_off() -> Iterator[None]:
+    """While ray.init starts the driver's C++ core, C's `stderr` stream is /dev/null: its logger picks the stream it
+    echoes ERROR lines to then, and writes every such line to the session's python-core-driver-*.log as well. Ray
+    has no setting for that echo (RAY_BACKEND_LOG_LEVEL=fatal would empty every C++ log file of the cluster, and
+    prints a line of its own), and Ray Data's actor pools always trip one false alarm there ("constructor arguments
+    in the object store and max_restarts > 0", ray-project/ray#57733). Python's sys.stderr (fd 2) is untouched.
+    glibc only (what Ray's Linux wheels need); elsewhere nothing changes."""
+    import ctypes
+    import platform
+
+    null = _devnull_stream() if platform.libc_ver()[0] == "glibc" else None
+    if not null:
+        yield
+        return
+    stream = ctypes.c_void_p.in_dll(ctypes.CDLL(None), "stderr")
+    saved = stream.value
+    stream.value = null
+    try:
+        yield
+    finally:
+        stream.value = saved
+
+
+@functools.cache
+def _devnull_stream() -> int | None:
+    """A C `FILE *` on /dev/null (None if it cannot be opened), opened once and never closed: Ray's logger keeps
+    writing to it for the process's life."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.fdopen.restype = ctypes.c_void_p
+    libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    return libc.fdopen(os.open(os.devnull, os.O_WRONLY), b"w")
 
 
 def _existing_local_cluster() -> str | None:

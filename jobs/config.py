@@ -120,6 +120,9 @@ class JobConfig(EngineOptions):
     faster; every row is kept."""
     progress: bool = True
     """Show a progress bar (samples/s, tokens/s, bytes, ETA) on stderr."""
+    verbose: bool = False
+    """Show Ray's own console output as well (its workers' output and logs, its notices and warnings); by default
+    the console shows hsx's lines alone and Ray's stay in its session logs (/tmp/ray/session_latest/logs)."""
     break_lease: bool = False
     """Take over the output's writer lease even though its holder looks alive (use only when that job is known to
     be gone; a lease whose process died, or that was not renewed for 5 minutes, is broken without this)."""
@@ -315,6 +318,8 @@ class DemoConfig:
     """Extraction workers."""
     progress: bool = True
     """Show a progress bar."""
+    verbose: bool = False
+    """Show Ray's own console output (and the model build's) as well, as `hsx run --verbose`."""
 
     def __post_init__(self) -> None:
         if not self.dir:

@@ -1,7 +1,8 @@
 """`hsx demo DIR`: the whole job on one machine with nothing downloaded.
 
     build_demo(dir) -> (model dir, corpus files)     a tiny random Llama + local tokenizer, a mixed-format corpus
-    run_demo(dir)   -> exit code                      a real `hsx run` (local Ray, local output) + where things are
+    run_demo(dir)   -> exit code                      a real `hsx run` (local Ray, local output) + where things are;
+                                                      verbose=True: Ray's and transformers' console output as well
 
 The corpus mixes every record shape the job reads — plain prompts and OpenAI chats (JSONL), ShareGPT chats
 (gzipped JSONL), pre-tokenized samples with a loss mask (Parquet) — plus two broken records, to show that bad input
@@ -10,21 +11,24 @@ becomes failed manifest rows instead of a failed job.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import random
+from collections.abc import Iterator
 
 DEMO_RECORDS = 48
 
 
-def build_demo(root: str) -> tuple[str, list[str]]:
+def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
     from jobs.tiny_models import build_tiny_model, sample_text
 
     root = os.path.abspath(root)
     model = os.path.join(root, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
-        build_tiny_model("llama", model)
+        with contextlib.nullcontext() if verbose else _no_transformers_bars():
+            build_tiny_model("llama", model)
     corpus = os.path.join(root, "corpus")
     os.makedirs(corpus, exist_ok=True)
     rng = random.Random(0)
@@ -63,16 +67,30 @@ def build_demo(root: str) -> tuple[str, list[str]]:
     return model, [prompts, sharegpt, tokens]
 
 
-def run_demo(root: str, workers: int = 1, progress: bool = True) -> int:
+@contextlib.contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """No "Writing model shards" bar from save_pretrained: the job's bar is the one to watch."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool = False) -> int:
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
 
     root = os.path.abspath(root)
     print(f"hsx demo: building a tiny model and a corpus in {root} (no downloads) ...", flush=True)
-    model, corpus = build_demo(root)
+    model, corpus = build_demo(root, verbose=verbose)
     output = os.path.join(root, "output")
     config = JobConfig(model=model, corpus=tuple(corpus), output=output, workers=workers, progress=progress,
-                       tokens_per_task=2048)
+                       tokens_per_task=2048, verbose=verbose)
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
     result = run_job(config)
     print("\n".join(result.lines()))

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
 from connectors.run import FAILED, SKIPPED, RunDir, RunSpec, new_attempt_id, read_run_spec
-from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
+from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter
@@ -356,7 +356,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     counter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-count")
     count = counter.submit(_count_corpus, plan.files, config.corpus_storage_options)
     try:
-        with ray_cluster(config.address) as local:
+        with ray_cluster(config.address, quiet=not config.verbose) as local:
             gpus, cpus = _resolve_resources(config, local)
             result.gpus_per_worker, result.cpus_per_worker = gpus, cpus
             registry = start_registry(plan.done, config.registry_shards)
@@ -385,7 +385,8 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
                                         "to resume") from e
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as e:
                         logger.debug("pipeline failure", exc_info=True)
-                        raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}") from e
+                        raise JobFailed(f"the extraction pipeline failed: {_root_cause(e)}"
+                                        + ("" if config.verbose else _logs_hint())) from e
                 stats = registry_stats(registry)
             finally:
                 for shard in registry:
@@ -464,6 +465,13 @@ def registry_stats(shards: list) -> dict[str, int]:
         logger.warning("the sample registry died (%s); skipped/duplicate counts are unknown", first_line(e))
         return {"skipped": 0, "duplicates": 0}
     return {k: sum(s[k] for s in each) for k in ("skipped", "duplicates", "claimed")}
+
+
+def _logs_hint() -> str:
+    """Where the workers' own output went when the console showed hsx's lines alone."""
+    where = ray_logs_dir()
+    return (f" (the workers' own output is in Ray's logs, {where}/worker-*.err on the node that ran them; "
+            "--verbose shows it here)") if where else " (--verbose shows the workers' own output here)"
 
 
 def _root_cause(error: BaseException) -> str:

@@ -56,8 +56,8 @@ def test_job_file_loads_the_same_config_and_flags_override_it(tmp_path):
 def test_config_round_trips_through_argv():
     cfg = JobConfig(model="m", corpus=("a", "b"), output="s3://b/run", layers=(2, 4), workers=2, max_workers=8, max_tokens=3,
                     include_output_tokens=True, progress=False, storage_options={"k": {"v": 1}}, overlength="skip",
-                    layout="sharded", shard_mb=0.5)
-    assert _parse(*config_to_argv(cfg)) == cfg
+                    layout="sharded", shard_mb=0.5, verbose=True)
+    assert _parse(*config_to_argv(cfg)) == cfg  # hsx submit's `hsx run` argv: --verbose included
     regen = JobConfig(model="m", corpus=("a",), output="o", regenerate_with=("http://a:8000", "http://b:8000"),
                       regenerate={"max_tokens": 64, "reasoning": "strip"})
     assert _parse(*config_to_argv(regen)) == regen
@@ -93,6 +93,20 @@ def test_missing_required_setting_and_unknown_job_file_key_exit_2(tmp_path, caps
         main(["run", "--config", str(job)])
     err = capsys.readouterr().err
     assert e.value.code == EXIT_USAGE and "workerz" in err and "workers" in err
+
+
+def test_verbose_is_a_run_and_demo_setting_that_hsx_v_implies(monkeypatch):
+    import cli.jobs
+    from jobs.config import DemoConfig
+
+    seen = []
+    monkeypatch.setattr(cli.jobs, "_cmd_run", lambda args: seen.append(config_from_args(args, JobConfig).verbose))
+    monkeypatch.setattr(cli.jobs, "_cmd_demo", lambda args: seen.append(config_from_args(args, DemoConfig).verbose))
+    job = ["--model", "m", "--corpus", "c.jsonl", "--output", "o"]
+    for argv in (["run", *job], ["run", *job, "--verbose"], ["-v", "run", *job], ["-v", "run", *job, "--no-verbose"],
+                 ["demo", "d"], ["demo", "d", "--verbose"], ["-v", "demo", "d"]):
+        assert main(argv) == 0
+    assert seen == [False, True, True, False, False, True, True]
 
 
 def test_unknown_flag_exits_2():

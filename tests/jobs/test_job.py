@@ -8,6 +8,10 @@ import glob
 import json
 import os
 import posixpath
+import re
+import subprocess
+import sys
+from typing import NamedTuple
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -24,6 +28,7 @@ from jobs.pipeline import run_job
 from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _manifest(output: str, storage_options: dict | None = None):
@@ -68,11 +73,41 @@ def assert_exactly_once(output: str, expected_ids: set[str], storage_options: di
 
 
 # -- the README command: hsx demo -----------------------------------------------------------------------------------
+class Demo(NamedTuple):
+    root: str
+    code: int
+    stdout: str
+    stderr: str
+
+
 @pytest.fixture(scope="module")
-def demo(ray_cluster, tmp_path_factory):
+def demo(ray_cluster, tmp_path_factory) -> Demo:
+    """`hsx demo ROOT` as a user runs it: a process of its own on a local Ray of its own, started with Ray's
+    defaults (token auth as Ray sets it up, in a HOME of its own), the progress bar on."""
     root = str(tmp_path_factory.mktemp("demo"))
-    code = main(["demo", root, "--no-progress"])
-    return root, code
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["HOME"] = str(tmp_path_factory.mktemp("home"))
+    proc = subprocess.run([sys.executable, "-m", "cli", "demo", root], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    return Demo(root, proc.returncode, proc.stdout, proc.stderr)
+
+
+RAY_LINE = re.compile(r"\w\.py:\d+ -- |\w\.cc:\d+:|\bpid=\d+|\(raylet\)|Started a local Ray|Token authentication|"
+                      r"[Dd]ashboard|Registered dataset logger|Executing DAG|Loading weights|Writing model shards")
+"""Ray's console lines: its log formats (Python's "LEVEL file.py:N --", its C++ core's "file.cc:N:"), its workers'
+output with their "(Actor pid=N)" prefix, its notices, and the bars of transformers in its workers."""
+
+
+def test_demo_console_shows_one_progress_bar_and_hsx_lines_alone(demo):
+    assert demo.code == EXIT_OK, demo.stderr[-3000:]
+    lines = [line for text in (demo.stdout, demo.stderr) for line in re.split(r"[\r\n]+", text) if line.strip()]
+    assert [line for line in lines if RAY_LINE.search(line)] == []
+    others = [line for line in re.split(r"[\r\n]+", demo.stderr) if line.strip()
+              and not line.startswith("extracting: ")  # the bar, redrawn
+              and not re.match(r"[\d-]+ [\d:,]+ \w+ (jobs|connectors|extractor|cli)\.", line)]  # hsx's logging
+    assert others == []
+    assert "hsx run finished in" in demo.stdout and ": 48 ok, 2 failed" in demo.stdout
+    assert "Where things are:" in demo.stdout
 
 
 def _demo_args(root: str) -> list[str]:
@@ -81,8 +116,8 @@ def _demo_args(root: str) -> list[str]:
 
 
 def test_demo_files_match_a_transformers_forward_and_the_records(demo, oracle_factory):
-    root, code = demo
-    assert code == EXIT_OK
+    root = demo.root
+    assert demo.code == EXIT_OK, demo.stderr[-3000:]
     output = os.path.join(root, "output")
     rows = assert_exactly_once(output, {f"{kind}-{i}" for kind in ("prompt", "openai", "sharegpt", "tokens")
                                         for i in range(12)})
@@ -127,7 +162,7 @@ def test_demo_files_match_a_transformers_forward_and_the_records(demo, oracle_fa
 
 
 def test_demo_reports_its_broken_records_as_failed_rows(demo):
-    root, _ = demo
+    root = demo.root
     table = _manifest(os.path.join(root, "output"))
     failed = {r["sample_id"]: r["error"] for r in table.filter(pc.equal(table["status"], "failed")).to_pylist()}
     assert len(failed) == 2
@@ -136,7 +171,7 @@ def test_demo_reports_its_broken_records_as_failed_rows(demo):
 
 
 def test_estimate_is_within_one_percent_of_the_written_bytes(demo):
-    root, _ = demo
+    root = demo.root
     corpus = tuple(sorted(glob.glob(os.path.join(root, "corpus", "*"))))
     est = estimate(JobConfig(model=os.path.join(root, "model"), corpus=corpus))
     rows = _ok_rows(os.path.join(root, "output"))
@@ -148,7 +183,7 @@ def test_estimate_is_within_one_percent_of_the_written_bytes(demo):
 
 
 def test_status_reports_counts_from_the_manifest(demo, capsys):
-    root, _ = demo
+    root = demo.root
     capsys.readouterr()
     assert main(["status", os.path.join(root, "output"), "--json"]) == EXIT_OK
     status = json.loads(capsys.readouterr().out)
@@ -157,7 +192,7 @@ def test_status_reports_counts_from_the_manifest(demo, capsys):
 
 
 def test_rerunning_the_same_command_skips_committed_samples(demo, capsys):
-    root, _ = demo
+    root = demo.root
     output = os.path.join(root, "output")
     before = _manifest(output).num_rows
     # the two broken records fail the same way every time: a re-run finds nothing to do (without starting Ray)
@@ -181,7 +216,7 @@ def test_rerunning_the_same_command_skips_committed_samples(demo, capsys):
 
 
 def test_resume_with_other_layers_or_dtype_is_refused(demo, capsys):
-    root, _ = demo
+    root = demo.root
     for extra, named in ((["--layers", "1,2"], "--layers"), (["--dtype", "bfloat16"], "--dtype")):
         with pytest.raises(SystemExit) as e:
             main(["run", *_demo_args(root), *extra])
