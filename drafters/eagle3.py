@@ -194,6 +194,9 @@ class Eagle3Drafter(Drafter):
 
     kind = "eagle3"
     reads_topk_target = True
+    speculators_model_type: str = SPECULATORS_MODEL_TYPE
+    """config.json's speculators_model_type (and the speculators_config algorithm) of this class's checkpoints."""
+    architecture: str = ARCHITECTURE
 
     def __init__(self, config: Eagle3Config, layer_config, aux_layer_ids: Sequence[int], target_hidden_size: int,
                  num_speculative_tokens: int = 3, verifier: str = "", verifier_architectures: Sequence[str] = ()
@@ -233,7 +236,7 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> Eagle3Drafter:
-        config = Eagle3Config(**family_options)
+        config = cls.config_class(**family_options)
         n = int(run_spec.num_hidden_layers)
         stored = tuple(run_spec.layer_ids)
         aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
@@ -348,6 +351,10 @@ class Eagle3Drafter(Drafter):
             out.append(hidden)
         return out
 
+    def trained_chains(self, valid: torch.Tensor, step: int) -> torch.Tensor:
+        """valid [R, S] bool: the chains whose draft `step` the loss counts (EAGLE-3: all of them)."""
+        return valid
+
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         batch = one_document_per_row(batch)  # the same result; attention costs G*L^2 instead of R*S^2
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
@@ -376,6 +383,7 @@ class Eagle3Drafter(Drafter):
         for s, hidden in enumerate(outputs):
             # chains t whose draft s (x_{t+2+s}) is trained and in t's document; only those reach the lm_head
             valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # [R, S]
+            valid = self.trained_chains(valid, s)
             rows, cols = valid.nonzero(as_tuple=True)  # [N]
             counted[s] = rows.numel()
             if not rows.numel():
@@ -394,8 +402,8 @@ class Eagle3Drafter(Drafter):
         layer = self.layer_config.to_dict()
         layer.pop("_attn_implementation_autoset", None)
         return {
-            "architectures": [ARCHITECTURE],
-            "speculators_model_type": SPECULATORS_MODEL_TYPE,
+            "architectures": [self.architecture],
+            "speculators_model_type": self.speculators_model_type,
             "transformer_layer_config": layer,
             "draft_vocab_size": int(self.lm_head.out_features),
             "norm_before_residual": bool(self.config.norm_before_residual),
@@ -403,7 +411,7 @@ class Eagle3Drafter(Drafter):
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
             "speculators_config": {
-                "algorithm": SPECULATORS_MODEL_TYPE,
+                "algorithm": self.speculators_model_type,
                 "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy",
                                       "speculative_tokens": self.num_speculative_tokens}],
@@ -423,6 +431,14 @@ class Eagle3Drafter(Drafter):
             self.verifier = verifier
         write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
 
+    config_class: type = Eagle3Config
+    """The options dataclass (a subclass's own, with more fields)."""
+
+    @classmethod
+    def _options_from_checkpoint(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """Options a subclass reads from its checkpoint's own config.json keys (none for EAGLE-3)."""
+        return {}
+
     @classmethod
     def from_pretrained(cls, model_dir: str, *, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> Eagle3Drafter:
@@ -435,12 +451,12 @@ class Eagle3Drafter(Drafter):
                 doc = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"{model_dir}: no readable config.json ({e}); is this an EAGLE-3 checkpoint?") from e
-        if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+        if doc.get("speculators_model_type") != cls.speculators_model_type:
             raise ValueError(f"{model_dir}: config.json has speculators_model_type "
-                             f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
+                             f"{doc.get('speculators_model_type')!r}, not {cls.speculators_model_type!r}")
         layer_doc = dict(doc["transformer_layer_config"])
         layer_config = LlamaConfig.from_dict(layer_doc)
-        known = {f.name for f in fields(Eagle3Config)}
+        known = {f.name for f in fields(cls.config_class)}
         options = {k: v for k, v in (doc.get("hsx_eagle3") or {}).items() if k in known}
         options.update(draft_vocab_size=int(doc["draft_vocab_size"]), num_layers=int(layer_config.num_hidden_layers),
                        norm_before_residual=bool(doc.get("norm_before_residual", False)),
@@ -450,7 +466,9 @@ class Eagle3Drafter(Drafter):
         spec = doc.get("speculators_config") or {}
         verifier = spec.get("verifier") or {}
         methods = spec.get("proposal_methods") or [{}]
-        model = cls(Eagle3Config(**options), layer_config, doc["eagle_aux_hidden_state_layer_ids"],
+        options.update(cls._options_from_checkpoint(doc))
+        model = cls(cls.config_class(**options), layer_config,
+                    doc["eagle_aux_hidden_state_layer_ids"],
                     int(doc.get("target_hidden_size") or layer_config.hidden_size),
                     int(methods[0].get("speculative_tokens", 3)), verifier=verifier.get("name_or_path", ""),
                     verifier_architectures=verifier.get("architectures", []))
@@ -469,7 +487,7 @@ class Eagle3Drafter(Drafter):
         model.to(model_dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{model_dir}: weights do not match an EAGLE-3 head of this config (missing "
+            raise ValueError(f"{model_dir}: weights do not match an {cls.kind} head of this config (missing "
                              f"{sorted(missing)}, unexpected {sorted(unexpected)})")
         return model.to(device).eval()
 

@@ -166,15 +166,10 @@ class Eagle3Proposer(Proposer):
         self._drafted = [0] * len(self._drafted)
         self._cache.state.maybe_compact()
 
-    # -- drafting ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self._seen):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        self._rollback()
+    def _verified_entries(self, contexts) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Per row, the verified entries not fed yet: (x_{p+1}, the fused target states of x_p) for p in
+        fed..seen-1, as (token ids, [n, H])."""
         drafter = self.drafter
-        # 1. the verified entries not fed yet: (target aux states of x_p, x_{p+1}) for p in fed..seen-1
         ids, hidden = [], []
         for b, ctx in enumerate(contexts):
             if self._states[b]:
@@ -189,15 +184,36 @@ class Eagle3Proposer(Proposer):
             else:
                 ids.append([])
                 hidden.append(None)
-        # the rows with entries share max_num_batched_tokens per forward (a joining prompt over it goes in chunks)
+        return ids, hidden
+
+    def _feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Feed every row's entries (the rows share max_num_batched_tokens per forward: a joining prompt over it
+        goes in chunks); per row its outputs [n_b, H] in order (None for a row with none)."""
         step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
+        outs: list[list[torch.Tensor]] = [[] for _ in ids]
         for c0 in range(0, max(map(len, ids), default=0), step):
             piece = [r[c0:c0 + step] for r in ids]
-            out = self._cache.feed(drafter, piece, [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])
-            for b, r in enumerate(piece):  # out: [B, W, H]
+            out = self._cache.feed(self.drafter, piece,
+                                   [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])  # [B, W, H]
+            for b, r in enumerate(piece):
                 if r:
-                    self._last[b] = out[b, -1]
-                    self._fed[b] += len(r)
+                    outs[b].append(out[b, out.shape[1] - len(r):])
+        return [torch.cat(o) if o else None for o in outs]
+
+    # -- drafting ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, contexts, ks, params, generators):
+        if len(contexts) != len(self._seen):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
+                               "must call start/join/select for every change of its rows")
+        self._rollback()
+        ids, hidden = self._verified_entries(contexts)
+        outs = self._feed_all(ids, hidden)
+        for b, r in enumerate(ids):
+            if r:
+                self._last[b] = outs[b][-1]
+                self._fed[b] += len(r)
+        drafter = self.drafter
         rows = [b for b, k in enumerate(ks) if k > 0 and self._last[b] is not None]
         drafts = [Draft([]) for _ in contexts]
         if not rows:

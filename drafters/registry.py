@@ -1,6 +1,6 @@
 """The drafter families: one registry (extractor.methods), read by the trainer, the evaluator and the engine.
 
-    Family(name, description, drafter=, proposer_class=, config_matches=, config_k=, options=)
+    Family(name, description, drafter=, proposer_class=, config_matches=, config_k=, options=, parallel_of=)
         one family: its Drafter (training/trainer.py trains it), its Proposer (the engine decodes with it), how to
         recognise its checkpoints; classes named "module:Class" and imported when used, so listing the families
         imports no model code
@@ -45,6 +45,9 @@ class Family:
     """The k a checkpoint's config.json says it was built for, or None."""
     options: tuple[str, ...] = ()
     """TrainDrafterConfig fields only this family takes (EAGLE-3: draft_vocab_size, ttt_steps)."""
+    parallel_of: str | None = None
+    """The method whose `parallel_drafting: true` this family's checkpoints serve (P-EAGLE: "eagle3", as vLLM runs
+    them); None: the family drafts one token per forward and parallel_drafting is refused for it."""
 
     def matches(self, checkpoint_config: dict[str, Any]) -> bool:
         return bool(self.config_matches(checkpoint_config))

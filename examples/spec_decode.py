@@ -4,6 +4,7 @@
     python examples/spec_decode.py --method draft_model --model TARGET_DIR --draft-model DRAFT_DIR
     python examples/spec_decode.py --method eagle3 --model TARGET_DIR --draft-model HEAD_DIR   # hsx train-drafter
     python examples/spec_decode.py --method eagle --model TARGET_DIR --draft-model HEAD_DIR    # --kind eagle
+    python examples/spec_decode.py --method eagle3 --parallel-drafting --model TARGET_DIR --draft-model HEAD_DIR  # peagle
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", choices=["ngram", "draft_model", *heads], default="ngram",
                    help=f"{' / '.join(heads)}: a head trained with `hsx train-drafter` (--draft-model DIR)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="k, tokens drafted per step")
+    p.add_argument("--parallel-drafting", action="store_true",
+                   help="all k drafts in one drafter forward (a head trained for it: hsx train-drafter --kind peagle)")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="ngram: longest suffix n-gram tried")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix n-gram tried")
     p.add_argument("--model", default=None, help="target model folder (default: a tiny Llama built locally)")
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> float:
                     "prompt_lookup_min": args.prompt_lookup_min}
         else:
             spec = {"method": args.method, "model": draft, "num_speculative_tokens": k}
+            if args.parallel_drafting:
+                spec["parallel_drafting"] = True
         llm = LLM(model=model, speculative_config=spec)
         prompts = load_prompts(args.dataset_path, args.num_prompts)
         outputs = llm.generate(prompts, SamplingParams(temperature=args.temp, max_tokens=args.output_len))

@@ -33,7 +33,7 @@ ENGINE_METHODS = ("ngram", "draft_model")
 from the drafter registry (extractor/methods.py). extract_hidden_states is not a speculative decoding method."""
 _SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
               "draft_model": ("method", "num_speculative_tokens", "model")}
-_DRAFTER_KEYS = ("method", "num_speculative_tokens", "model")
+_DRAFTER_KEYS = ("method", "num_speculative_tokens", "model", "parallel_drafting")
 
 
 def drafter_methods() -> tuple[str, ...]:
@@ -154,6 +154,10 @@ class SpeculativeConfig:
     model: str | None = None
     """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's); eagle3 /
     medusa / mlp_speculator: the trained head's checkpoint folder (`hsx train-drafter --out`)."""
+    parallel_drafting: bool = False
+    """vLLM's flag: all k drafts from one drafter forward. Only for a checkpoint trained for it (P-EAGLE: method
+    "peagle", or "eagle3" on a P-EAGLE checkpoint, which becomes "peagle"); a family that drafts in parallel sets
+    it itself."""
 
     def __post_init__(self) -> None:
         if self.method not in speculation_methods():
@@ -182,10 +186,31 @@ class SpeculativeConfig:
                 raise ValueError(f"draft model {self.model!r} does not exist or is not a folder; pass a local folder "
                                  f"holding {what} (config.json and weights; hub ids are not fetched for drafts)")
             found = checkpoint_method(str(self.model))
+            parallel_of = _parallel_of(found)
+            if self.parallel_drafting and found != self.method and parallel_of == self.method:
+                object.__setattr__(self, "method", found)  # vLLM's eagle3 + parallel_drafting on a P-EAGLE head
             if found != self.method:
+                hint = " or add parallel_drafting: true" if parallel_of == self.method else ""
                 raise ValueError(f"speculative method {self.method!r} but {self.model} holds "
-                                 f"{_describe_checkpoint(found)}; use method {found!r} for it, or point 'model' at "
-                                 f"{what}")
+                                 f"{_describe_checkpoint(found)}; use method {found!r} for it{hint}, or point "
+                                 f"'model' at {what}")
+            if self.parallel_drafting and parallel_of is None:
+                raise ValueError(f"parallel_drafting: {self.model} holds {_describe_checkpoint(found)}, which drafts "
+                                 "one token per forward (it was not trained to draft in parallel: no mask state); "
+                                 "train one with `hsx train-drafter --kind peagle`, or drop parallel_drafting")
+            if parallel_of is not None:
+                object.__setattr__(self, "parallel_drafting", True)
+        elif self.parallel_drafting:
+            raise ValueError(f"parallel_drafting applies to a head trained for it (method peagle, or eagle3 on a "
+                             f"P-EAGLE checkpoint), not to method {self.method!r}; drop it")
+
+
+def _parallel_of(method: str | None) -> str | None:
+    """The method a family's parallel-drafting checkpoints serve with parallel_drafting (None: not a parallel one)."""
+    from extractor.methods import families
+
+    found = families().get(method) if method else None
+    return getattr(found, "parallel_of", None)
 
 
 def _read_checkpoint_config(model_dir: str) -> dict:

@@ -1,0 +1,177 @@
+"""P-EAGLE (speculators' `peagle`): EAGLE-3's head, drafting all k tokens in one forward.
+
+    PEagleConfig      EAGLE-3's options + mask_token_id, the depth sampling (COD) ratios; ttt_steps = the depths
+    PEagleDrafter     Eagle3Drafter + `mask_hidden` [1, 1, A*H] (a learned stand-in for the aux states of a position
+                      not verified yet); kind "peagle"; the speculators peagle checkpoint
+    PEagleProposer    decoding in hsx's engine: per step ONE drafter forward over the newly verified entries and
+                      k-1 mask entries; the last verified entry's output drafts token 1, mask entry d drafts token d+1
+    FAMILY            P-EAGLE in the drafter registry
+
+Depth 0 of chain t is EAGLE-3's step 0: (fc(aux of x_t), embedding of x_{t+1}) at position t, predicting x_{t+2}.
+Depth d >= 1: (fc(mask_hidden), embedding of mask_token_id) at position t+d, predicting x_{t+2+d} — it reads nothing
+the drafter produced, so every depth is computed in one forward at decoding. Its attention sees depth 0 of positions
+<= t of the same document and its own chain's earlier depths (EAGLE-3's test-time-training mask, drafters/eagle3.py).
+
+Training (speculators' COD sampling): every chain trains depth 0; depth d counts a nested random subset of chains, a
+fraction max(0.7^d, 0.2) (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
+at every earlier depth). Here the forward still computes every chain at every depth (a one-layer head; the sampled
+forward that saves memory at 8B scale is not done), so the sampling shapes the loss, not the cost.
+
+Checkpoint (what speculators' PEagleDraftModel.from_pretrained loads, and vLLM's eagle3 method with
+parallel_drafting): EAGLE-3's config.json with speculators_model_type "peagle", architectures ["PEagleSpeculator"],
+mask_token_id, norm_before_fc / fc_norm / norm_output false, embed_requires_grad false (hsx keeps the target's
+embeddings frozen); EAGLE-3's weights plus `mask_hidden` (always written: a checkpoint without it loads in
+speculators with uninitialised memory there and no warning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, _shift_left
+from drafters.eagle3_proposer import Eagle3Proposer
+from drafters.registry import Family
+from extractor.proposers import Draft
+
+SPECULATORS_MODEL_TYPE = "peagle"
+ARCHITECTURE = "PEagleSpeculator"
+
+
+@dataclass(frozen=True)
+class PEagleConfig(Eagle3Config):
+    """P-EAGLE's options: EAGLE-3's, with ttt_steps = the depths trained (the most tokens drafted per step)."""
+
+    ttt_steps: int = 8
+    """Depths trained (speculators' num_depths): the head drafts up to this many tokens in one forward."""
+    mask_token_id: int | None = None
+    """The token depths >= 1 read (None: the target's pad token, else its last vocabulary id)."""
+    down_sample_ratio: float = 0.7
+    """COD: depth d keeps a fraction max(ratio**d, down_sample_ratio_min) of the chains in the loss."""
+    down_sample_ratio_min: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.down_sample_ratio <= 1 or not 0 < self.down_sample_ratio_min <= 1:
+            raise ValueError("down_sample_ratio and down_sample_ratio_min must be in (0, 1]")
+
+
+class PEagleDrafter(Eagle3Drafter):
+    """EAGLE-3 with a mask state: every depth in one parallel forward (see the module docstring)."""
+
+    kind = "peagle"
+    speculators_model_type = SPECULATORS_MODEL_TYPE
+    architecture = ARCHITECTURE
+    config_class = PEagleConfig
+
+    def __init__(self, config: PEagleConfig, layer_config, aux_layer_ids, target_hidden_size: int,
+                 num_speculative_tokens: int = 3, verifier: str = "", verifier_architectures=()) -> None:
+        super().__init__(config, layer_config, aux_layer_ids, target_hidden_size, num_speculative_tokens, verifier,
+                         verifier_architectures)
+        mask = config.mask_token_id
+        if mask is None:
+            pad = getattr(layer_config, "pad_token_id", None)
+            mask = int(pad) if isinstance(pad, int) and 0 <= pad < layer_config.vocab_size else \
+                layer_config.vocab_size - 1
+        if not 0 <= int(mask) < layer_config.vocab_size:
+            raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {layer_config.vocab_size}")
+        self.mask_token_id = int(mask)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(self.aux_layer_ids) * self.target_hidden_size))
+
+    @classmethod
+    def _options_from_checkpoint(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        return {"mask_token_id": doc.get("mask_token_id")}
+
+    def mask_state(self) -> torch.Tensor:
+        """[H] the fused stand-in state of a depth >= 1 entry: fc(mask_hidden)."""
+        return self.fc(self.mask_hidden.to(self.fc.weight.dtype)).reshape(-1)
+
+    def unroll(self, aux, input_ids, position_ids, document_ids, steps: int) -> list[torch.Tensor]:
+        """Depth 0 as EAGLE-3; depth d >= 1 reads (mask token, fc(mask_hidden)) at position t+d."""
+        from transformers import DynamicCache
+
+        fused = self.fuse(aux.to(self.fc.weight.dtype))  # [R, S, H]
+        cache = DynamicCache()
+        mask_ids = torch.full_like(input_ids, self.mask_token_id)
+        mask_hidden = self.mask_state().expand_as(fused)
+        out = [self.decode(_shift_left(input_ids, 1), fused, position_ids, self.ttt_mask(document_ids, 0), cache)]
+        for s in range(1, steps):
+            out.append(self.decode(mask_ids, mask_hidden, position_ids + s, self.ttt_mask(document_ids, s), cache))
+        return out
+
+    def trained_chains(self, valid: torch.Tensor, step: int) -> torch.Tensor:
+        """COD: depth `step` keeps chains whose uniform draw (one per chain and batch) is below its ratio."""
+        if step == 0:
+            self._draw = torch.rand(valid.shape, device=valid.device)
+            return valid
+        ratio = max(self.config.down_sample_ratio ** step, self.config.down_sample_ratio_min)
+        return valid & (self._draw < ratio)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        doc = super().checkpoint_config()
+        doc.update(mask_token_id=self.mask_token_id, norm_before_fc=False, fc_norm=False, norm_output=False,
+                   embed_requires_grad=False)
+        return doc
+
+
+class PEagleProposer(Eagle3Proposer):
+    """speculative_config method "peagle" (or "eagle3" with parallel_drafting on a P-EAGLE checkpoint): k drafts
+    from one drafter forward per step."""
+
+    @classmethod
+    def load(cls, model_dir: str, runner) -> PEagleDrafter:
+        return PEagleDrafter.from_pretrained(model_dir)
+
+    @torch.inference_mode()
+    def propose(self, contexts, ks, params, generators):
+        if len(contexts) != len(self._seen):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
+                               "must call start/join/select for every change of its rows")
+        self._rollback()
+        ids, hidden = self._verified_entries(contexts)
+        rows = [b for b, k in enumerate(ks) if k > 0 and (ids[b] or self._last[b] is not None)]
+        k_max = min(max((ks[b] for b in rows), default=1), self.k)
+        masks = k_max - 1
+        verified = [len(r) for r in ids]
+        if masks and rows:  # k-1 mask entries after each drafting row's verified ones, in the same forward
+            mask_state = self.drafter.mask_state()[None]  # [1, H]
+            for b in rows:
+                ids[b] = ids[b] + [self.drafter.mask_token_id] * masks
+                extra = mask_state.expand(masks, -1)
+                hidden[b] = extra if hidden[b] is None else torch.cat([hidden[b], extra])
+        outs = self._feed_all(ids, hidden)
+        for b, n in enumerate(verified):
+            if n:
+                self._last[b] = outs[b][n - 1]
+                self._fed[b] += n
+        drafts = [Draft([]) for _ in contexts]
+        if not rows:
+            return drafts
+        for b in rows:
+            self._drafted[b] = masks  # rolled back when the target answers
+        # [B', k_max, H]: the last verified entry's output, then the mask entries' outputs
+        h = torch.stack([torch.cat([self._last[b][None], outs[b][verified[b]:]]) for b in rows])
+        logits = self.drafter.logits(h).float()  # [B', k_max, D]
+        picks = [self._pick(logits[:, j], [params[b] for b in rows], [generators[b] for b in rows])
+                 for j in range(k_max)]
+        for i, b in enumerate(rows):
+            k = min(ks[b], k_max)
+            tokens = [picks[j][i][0] for j in range(k)]
+            probs = [picks[j][i][1] for j in range(k) if picks[j][i][1] is not None]
+            drafts[b] = Draft(tokens, torch.stack(probs) if probs else None)
+        return drafts
+
+
+def _speculative_tokens(config: dict) -> int | None:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
+
+
+FAMILY = Family(name="peagle", description="a P-EAGLE (speculators peagle) checkpoint",
+                drafter="drafters.peagle:PEagleDrafter", proposer_class="drafters.peagle:PEagleProposer",
+                config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
+                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"), parallel_of="eagle3")
+"""P-EAGLE in the registry (pyproject.toml's hsx.drafters entry point `peagle`)."""
