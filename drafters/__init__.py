@@ -1,4 +1,4 @@
-"""Drafters trained on hsx runs (EAGLE, EAGLE-3, Medusa, MLPSpeculator): one module per family (model, checkpoint,
+"""Drafters trained on hsx runs (EAGLE, EAGLE-3, P-EAGLE, DFlash, Medusa, MLPSpeculator): one module per family (model, checkpoint,
 proposer), the registry, and the checkpoint I/O they share.
 
     base.py            TargetHead, DrafterBatch, StepResult, Drafter (the interface every family implements:
@@ -9,6 +9,10 @@ proposer), the registry, and the checkpoint I/O they share.
                        EagleProposer: the same loop for EAGLE
     eagle.py           EagleConfig, EagleDrafter (EAGLE-1, vLLM's eagle: fc over [embedding ; post-norm feature],
                        Llama layers, the target's lm_head; feature regression + token loss; vLLM's eagle layout)
+    peagle.py          PEagleConfig, PEagleDrafter, PEagleProposer (P-EAGLE: EAGLE-3 + mask_hidden, all k drafts in
+                       one forward; COD depth sampling; speculators peagle checkpoint; parallel_drafting)
+    dflash.py          DFlashConfig, DFlashDrafter, DFlashProposer (DFlash block drafter: a block of block_size slots,
+                       bidirectional inside, over the fused aux-layer context; speculators dflash checkpoint)
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
     medusa.py          MedusaConfig, MedusaDrafter, MedusaProposer (heads on the last post-norm state)
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer (IBM's architecture)

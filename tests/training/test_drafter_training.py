@@ -199,7 +199,7 @@ def test_bad_settings_are_refused(oracle_run, tiny_llama, tmp_path):
         train_drafter(_config(oracle_run, tiny_llama, tmp_path, run=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="--steps or --epochs, not both"):
         _config(oracle_run, tiny_llama, tmp_path, epochs=1.0)
-    with pytest.raises(ValueError, match="applies to --kind eagle3 only"):
+    with pytest.raises(ValueError, match="applies to --kind eagle3 / peagle only"):
         _config(oracle_run, tiny_llama, tmp_path, kind="medusa")
     with pytest.raises(ValueError, match="not a drafter family"):
         _config(oracle_run, tiny_llama, tmp_path, kind="eagle9")
@@ -242,7 +242,7 @@ def test_cli_usage_errors_exit_2(oracle_run, tiny_llama, tmp_path, capsys):
 
     base = ["train-drafter", "--run", oracle_run[0], "--model", tiny_llama, "--out", str(tmp_path)]
     for extra, message in ((["--steps", "2", "--epochs", "1"], "--steps or --epochs, not both"),
-                           (["--kind", "medusa", "--draft-vocab-size", "9"], "applies to --kind eagle3 only"),
+                           (["--kind", "medusa", "--draft-vocab-size", "9"], "applies to --kind eagle3 / peagle only"),
                            (["--family-options", "{nope"], "--family-options is not valid JSON")):
         with pytest.raises(SystemExit) as e:
             main([*base, *extra])

@@ -1,0 +1,510 @@
+"""DFlash (speculators' `dflash`): a block drafter. One forward drafts a whole block of tokens from the fused aux-layer
+context, the block's slots attending to each other both ways.
+
+    DFlashConfig     block_size, depth, anchors per row, slot weighting, mask token
+    DFlashDrafter    the model (Drafter kind "dflash"):
+        fc            [H, A*H]   fuses the aux layers' states of each context token, then hidden_norm: the context
+        layers        Qwen3-style decoder layers (q_norm / k_norm); each projects the CONTEXT with its own k/v and
+                      attends over [context before the anchor ; the block] (the block bidirectional inside)
+        norm          final RMSNorm; read out with the target's lm_head and embeddings (frozen, never written)
+    DFlashProposer   decoding in hsx's engine: per step one forward over the block [x_T, mask x (block_size-1)] at
+                     positions T..T+block_size-1 against the cached context keys of x_0..x_{T-1}; slot j drafts x_{T+j}
+    FAMILY           DFlash in the drafter registry
+
+Alignment (base.py's): the context entry of position p is the fused aux states of x_p (what the target computed after
+reading x_p). A block anchored at a holds x_a in slot 0 and the mask token in slots 1..B-1, at positions a..a+B-1; it
+sees the context of positions < a of its document (what decoding has: the target has not computed x_a's state when
+x_a is the newest token). Slot j >= 1 predicts x_{a+j} (speculators' sample_from_anchor=false): num_speculative_tokens
+= block_size - 1 by default.
+
+Training (speculators' recipe): per packed row up to `max_anchors` anchors drawn at random among positions whose next
+token is trained and in the same document; every slot j >= 1 whose token x_{a+j} is trained and in a's document is
+trained against the target's distribution of x_{a+j} (TargetHead on layer N at a+j-1; or the stored top-K), weight
+exp(-(j-1)/gamma) (gamma 4), cross-entropy.
+
+Checkpoint (what speculators' DFlashDraftModel.from_pretrained loads): config.json with speculators_model_type
+"dflash", architectures ["DFlashSpeculator"], transformer_layer_config (a Qwen3 config dict: num_hidden_layers = the
+draft's depth, vocab_size = the target's), draft_vocab_size (= the target's vocabulary: hsx drafts in the whole
+vocabulary, so no lm_head, d2t or t2d is written, as speculators omits them then), block_size,
+aux_hidden_state_layer_ids, mask_token_id, sliding_window_non_causal false, sample_from_anchor false, target_hidden_size,
+speculators_config (algorithm "dflash", greedy proposal of block_size-1 tokens, the verifier); weights fc,
+hidden_norm, layers.N.self_attn.{q,k,v,o}_proj, .{q,k}_norm, layers.N.mlp.*, layers.N.{input,post_attention}_layernorm,
+norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import (
+    WEIGHTS_NAME,
+    Drafter,
+    DrafterBatch,
+    StepResult,
+    TargetHead,
+    topk_distribution,
+    write_checkpoint,
+)
+from drafters.eagle3 import _llama_config_for
+from drafters.registry import Family
+from extractor.proposers import Draft, Proposer
+
+SPECULATORS_MODEL_TYPE = "dflash"
+ARCHITECTURE = "DFlashSpeculator"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash's options (`hsx train-drafter --kind dflash --family-options '{"block_size": 8}'`)."""
+
+    block_size: int = 8
+    """Slots per block: the anchor and block_size - 1 mask slots, each drafting one token."""
+    num_layers: int = 1
+    """Draft decoder layers."""
+    max_anchors: int = 64
+    """Blocks per packed row per step (speculators: 512 on a GPU)."""
+    gamma: float = 4.0
+    """Slot j's loss weight is exp(-(j-1)/gamma)."""
+    mask_token_id: int | None = None
+    """The token of the mask slots (None: the target's pad token, else its last vocabulary id)."""
+    aux_layer_ids: tuple[int, ...] | None = None
+    """vLLM ids of the fused layers; None = every stored layer of the run but N."""
+    intermediate_size: int | None = None
+    """MLP width of the draft layers; None = the target's."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor and at least one drafted slot), got {self.block_size}")
+        if self.num_layers < 1 or self.max_anchors < 1 or not self.gamma > 0:
+            raise ValueError("num_layers and max_anchors must be >= 1 and gamma > 0")
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: x [R, heads, N, d], cos/sin [R, N, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block], each projected by this layer (Qwen3 q/k norms)."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        super().__init__()
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R, N, H] -> k, v [R, kv_heads, N, d] (k normed and rotated at its positions)."""
+        r, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(r, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv, mask: torch.Tensor
+                ) -> torch.Tensor:
+        """x [R, Q, H] the (normed) block slots at rope's positions; context_kv (k, v) [R, kv_heads, C, d];
+        mask [R, 1, Q, C + Q] bool -> [R, Q, H]."""
+        r, q_len, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).view(r, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = _rotate(q, cos, sin)
+        k_blk, v_blk = self.keys_values(x, cos, sin)
+        k = torch.cat([context_kv[0], k_blk], dim=2)
+        v = torch.cat([context_kv[1], v_blk], dim=2)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(r, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, rope, context_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), rope, context_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _qwen3_config(target_dir: str, hidden_size: int, vocab_size: int, config: DFlashConfig):
+    """The draft layers' Qwen3Config, sized like the target's layers (heads, head_dim, eps, RoPE)."""
+    from transformers import Qwen3Config
+
+    llama = _llama_config_for(target_dir, hidden_size, vocab_size, config).to_dict()
+    keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_hidden_layers", "hidden_act",
+            "attention_bias", "tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id", "rope_parameters")
+    return Qwen3Config(**{k: llama[k] for k in keep if k in llama})
+
+
+class DFlashDrafter(Drafter):
+    """The DFlash block drafter (see the module docstring)."""
+
+    kind = "dflash"
+    reads_topk_target = True
+
+    def __init__(self, config: DFlashConfig, layer_config, aux_layer_ids, target: TargetHead,
+                 num_speculative_tokens: int | None = None, verifier: str = "",
+                 verifier_architectures=()) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        super().__init__()
+        self.config = config
+        self.layer_config = layer_config
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+        h, vocab = layer_config.hidden_size, layer_config.vocab_size
+        self.target_hidden_size = h
+        self.num_speculative_tokens = int(num_speculative_tokens or config.block_size - 1)
+        self.verifier, self.verifier_architectures = verifier, list(verifier_architectures)
+        mask = config.mask_token_id
+        if mask is None:
+            pad = getattr(layer_config, "pad_token_id", None)
+            mask = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+        if not 0 <= int(mask) < vocab:
+            raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {vocab}")
+        self.mask_token_id = int(mask)
+        self.fc = nn.Linear(len(self.aux_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(layer_config) for _ in range(config.num_layers)])
+        self.norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
+        self.embed_tokens = nn.Embedding(vocab, h)  # the target's, frozen, never written (speculators reloads it)
+        self.embed_tokens.weight.requires_grad_(False)
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.embed_tokens.to(torch.float32))
+        self.register_buffer("target_lm_head", target.lm_head.detach().to(torch.float32).clone(), persistent=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # -- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def required_layer_ids(cls, num_hidden_layers: int, config: DFlashConfig | None = None) -> tuple[int, ...]:
+        aux = config.aux_layer_ids if config is not None and config.aux_layer_ids else ()
+        return tuple(dict.fromkeys((*aux, num_hidden_layers)))
+
+    @classmethod
+    def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
+                ) -> DFlashDrafter:
+        config = DFlashConfig(**family_options)
+        n = int(run_spec.num_hidden_layers)
+        stored = tuple(run_spec.layer_ids)
+        aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
+        suggestion = ",".join(str(i) for i in sorted({1, n // 2, n - 1, n}) if 0 < i <= n)
+        if not aux:
+            raise ValueError(f"DFlash builds its context from aux layers, but the run stores only layers "
+                             f"{list(stored)}; re-extract with aux layers, e.g. --layers {suggestion}")
+        have = (*stored, n) if run_spec.target_top_k is not None else stored
+        missing = [i for i in (*aux, n) if i not in have]
+        if missing:
+            raise ValueError(f"DFlash needs layers {list(dict.fromkeys((*aux, n)))} but the run stores {list(stored)} "
+                             f"(missing {missing}); re-extract with --layers {suggestion} or pass aux_layer_ids the "
+                             "run holds")
+        if num_speculative_tokens > config.block_size - 1:
+            raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a block of {config.block_size} drafts "
+                             f"at most {config.block_size - 1}; raise block_size (--family-options)")
+        layer_config = _qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
+        from transformers import AutoConfig
+
+        archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
+        return cls(config, layer_config, aux, target, config.block_size - 1, verifier=os.path.abspath(target.model_dir),
+                   verifier_architectures=archs)
+
+    # -- the model ----------------------------------------------------------------------------------------------
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., A, H] -> [..., H] the context entry: hidden_norm(fc(aux))."""
+        return self.hidden_norm(self.fc(aux.flatten(-2).to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the context's keys and values: context [R, C, H] at positions [R, C]."""
+        cos, sin = self.rotary_emb(context, positions)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+
+    def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor) -> torch.Tensor:
+        """tokens / positions [R, Q] the block slots, kv from context_kv, mask [R, 1, Q, C + Q] -> [R, Q, H]."""
+        x = self.embed_tokens(tokens).to(self.fc.weight.dtype)
+        rope = self.rotary_emb(x, positions)
+        for layer, layer_kv in zip(self.layers, kv):
+            x = layer(x, rope, layer_kv, mask)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] the target's lm_head over the normed output."""
+        x = self.norm(h)
+        return x @ self.target_lm_head.to(x.dtype).T
+
+    # -- training -----------------------------------------------------------------------------------------------
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        b_size, gamma = self.block_size, self.config.gamma
+        r, s = batch.input_ids.shape
+        dev = batch.input_ids.device
+        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
+        # anchors: a whose x_{a+1} is trained and in a's document; up to max_anchors per row, drawn at random
+        ok = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
+        n = min(self.config.max_anchors, max(1, int(ok.sum(-1).max())))
+        score = torch.rand((r, s), device=dev).masked_fill(~ok, 2.0)
+        anchors = score.topk(n, dim=-1, largest=False).indices.sort(-1).values  # [R, n]
+        anchor_ok = ok.gather(1, anchors)  # [R, n]
+        offsets = torch.arange(b_size, device=dev)
+        slots = (anchors[:, :, None] + offsets).clamp(max=s - 1)  # [R, n, B] row index of each slot's position
+        doc = batch.document_ids
+        a_doc = doc.gather(1, anchors)  # [R, n]
+        in_doc = (slots < s) & (doc.gather(1, slots.flatten(1)).view(r, n, b_size) == a_doc[:, :, None])
+        in_doc &= (anchors[:, :, None] + offsets) < s
+        trained = in_doc & batch.loss_mask.gather(1, slots.flatten(1)).view(r, n, b_size) & anchor_ok[:, :, None]
+        trained[:, :, 0] = False  # slot 0 is the anchor, known
+        tokens = torch.full((r, n, b_size), self.mask_token_id, dtype=torch.long, device=dev)
+        tokens[:, :, 0] = batch.input_ids.gather(1, anchors)
+        positions = batch.position_ids.gather(1, anchors)[:, :, None] + offsets  # [R, n, B]
+        # attention: slot of block i sees context j < anchor_i of its document, and its own block
+        ctx_ok = (torch.arange(s, device=dev)[None, None] < anchors[:, :, None]) & (doc[:, None, :] == a_doc[:, :, None])
+        q = n * b_size
+        mask = torch.zeros((r, q, s + q), dtype=torch.bool, device=dev)
+        mask[:, :, :s] = ctx_ok.repeat_interleave(b_size, dim=1)
+        block_id = torch.arange(q, device=dev) // b_size
+        mask[:, :, s:] = (block_id[:, None] == block_id[None, :])[None]
+        context = self.context(aux)
+        kv = self.context_kv(context, batch.position_ids)
+        out = self.blocks(tokens.view(r, q), positions.view(r, q), kv, mask[:, None])  # [R, Q, H]
+        with torch.no_grad():  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
+            rows, blk, slot = trained.nonzero(as_tuple=True)
+            at = slots[rows, blk, slot] - 1
+            if batch.target_topk is not None:
+                ids, logprobs = (t[rows, at] for t in batch.target_topk)
+                greedy = ids[:, 0]
+                index = torch.arange(self.layer_config.vocab_size, device=dev)
+                teacher = topk_distribution(ids, logprobs, index, self.layer_config.vocab_size)
+            else:
+                n_layer = max(batch.layer_ids)
+                t_logits = target.logits(batch.layer(n_layer)[rows, at]).float()
+                greedy = t_logits.argmax(-1)
+                teacher = F.softmax(t_logits, -1)
+        steps = b_size - 1
+        correct = torch.zeros(steps, dtype=torch.long)
+        counted = torch.zeros(steps, dtype=torch.long)
+        if not rows.numel():
+            return StepResult(out.sum() * 0.0, correct, counted)
+        logits = self.logits(out.view(r, n, b_size, -1)[rows, blk, slot]).float()  # [M, V]
+        weight = torch.exp(-(slot.float() - 1) / gamma)
+        per = F.cross_entropy(logits, teacher, reduction="none")
+        loss = (per * weight).sum() / weight.sum()
+        with torch.no_grad():
+            hit = logits.argmax(-1) == greedy
+            for j in range(1, b_size):
+                sel = slot == j
+                counted[j - 1] = int(sel.sum())
+                correct[j - 1] = int((hit & sel).sum())
+        return StepResult(loss, correct, counted)
+
+    # -- checkpoint (speculators' dflash layout) ------------------------------------------------------------------
+    def checkpoint_config(self) -> dict[str, Any]:
+        layer = self.layer_config.to_dict()
+        layer.pop("_attn_implementation_autoset", None)
+        return {
+            "architectures": [ARCHITECTURE], "speculators_model_type": SPECULATORS_MODEL_TYPE,
+            "transformer_layer_config": layer, "draft_vocab_size": int(self.layer_config.vocab_size),
+            "block_size": self.block_size, "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "mask_token_id": self.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,
+            "target_hidden_size": self.target_hidden_size,
+            "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+            "speculators_config": {
+                "algorithm": SPECULATORS_MODEL_TYPE, "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.num_speculative_tokens}],
+                "verifier": {"name_or_path": self.verifier, "architectures": self.verifier_architectures},
+            },
+            "hsx_dflash": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.config).items()},
+        }
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
+        if verifier:
+            self.verifier = verifier
+        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Reload a checkpoint; embeddings and lm_head come from `target_dir` (default: the verifier it names)."""
+        from safetensors.torch import load_file
+        from transformers import Qwen3Config
+
+        try:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this a DFlash checkpoint?") from e
+        if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+            raise ValueError(f"{model_dir}: config.json has speculators_model_type "
+                             f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
+        if doc.get("sample_from_anchor"):
+            raise ValueError(f"{model_dir}: sample_from_anchor=true (DSpark-style slots) is not supported by hsx's "
+                             "DFlash; slot j must predict x_{a+j}")
+        layer_config = Qwen3Config.from_dict(doc["transformer_layer_config"])
+        if int(doc.get("draft_vocab_size") or layer_config.vocab_size) != layer_config.vocab_size:
+            raise ValueError(f"{model_dir}: a draft vocabulary of {doc['draft_vocab_size']} (of "
+                             f"{layer_config.vocab_size}) — hsx's DFlash drafts in the whole vocabulary")
+        spec = doc.get("speculators_config") or {}
+        verifier = spec.get("verifier") or {}
+        target_dir = target_dir or verifier.get("name_or_path") or ""
+        if not target_dir or not os.path.isdir(target_dir):
+            raise ValueError(f"{model_dir}: DFlash reads the target's embeddings and lm_head, but its verifier "
+                             f"{target_dir!r} is not a local folder; pass the target folder")
+        target = TargetHead.from_model_dir(target_dir)
+        if target.hidden_size != layer_config.hidden_size or target.vocab_size != layer_config.vocab_size:
+            raise ValueError(f"{model_dir}: the DFlash head has hidden size {layer_config.hidden_size} and vocabulary "
+                             f"{layer_config.vocab_size}, its target {target_dir} has {target.hidden_size} and "
+                             f"{target.vocab_size}: it was trained for another model")
+        known = {f.name for f in fields(DFlashConfig)}
+        options = {k: v for k, v in (doc.get("hsx_dflash") or {}).items() if k in known}
+        options.update(block_size=int(doc["block_size"]), num_layers=int(layer_config.num_hidden_layers),
+                       mask_token_id=doc.get("mask_token_id"))
+        methods = spec.get("proposal_methods") or [{}]
+        model = cls(DFlashConfig(**options), layer_config, doc["aux_hidden_state_layer_ids"], target,
+                    int(methods[0].get("speculative_tokens") or options["block_size"] - 1), verifier=target_dir,
+                    verifier_architectures=verifier.get("architectures", []))
+        model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
+        state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("embed_tokens.")]
+        if missing or unexpected:
+            raise ValueError(f"{model_dir}: weights do not match a DFlash head of this config (missing "
+                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        return model.to(device).eval()
+
+
+class DFlashProposer(Proposer):
+    """speculative_config method "dflash": per step one forward over each row's block [x_T, mask...] against the
+    cached context keys of x_0..x_{T-1} (every observed state, fused once: nothing is rolled back, the block's own
+    keys are never kept)."""
+
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
+        drafter = DFlashDrafter.from_pretrained(model_dir, target_dir=runner.config.model)
+        if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
+            raise ValueError(f"the dflash drafter {model_dir} was trained for a target of hidden size "
+                             f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "
+                             f"target {runner.config.model} has {runner.hidden_size} and {runner.vocab_size}")
+        bad = [i for i in drafter.aux_layer_ids if not 0 <= i <= runner.num_hidden_layers]
+        if bad:
+            raise ValueError(f"the dflash drafter {model_dir} reads layers {list(drafter.aux_layer_ids)}, but the "
+                             f"target has layer ids 0..{runner.num_hidden_layers} only")
+        if not 1 <= num_speculative_tokens <= drafter.block_size - 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the dflash drafter {model_dir} has "
+                             f"blocks of {drafter.block_size}: it drafts 1 to {drafter.block_size - 1} tokens per step")
+        self.device = torch.device(runner.device)
+        self.drafter = drafter.to(self.device, runner.dtype).eval().requires_grad_(False)
+        self.capture_layer_ids = tuple(drafter.aux_layer_ids)
+        self.k = int(num_speculative_tokens)
+        self.start([])
+
+    def start(self, contexts) -> None:
+        self._kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per row, per layer (k, v) [kvh, C, d]
+        self._len: list[int] = []
+        self.join(contexts)
+
+    def join(self, contexts) -> None:
+        self._kv += [[] for _ in contexts]
+        self._len += [0] * len(contexts)
+
+    def select(self, keep) -> None:
+        self._kv = [self._kv[i] for i in keep]
+        self._len = [self._len[i] for i in keep]
+
+    @torch.inference_mode()
+    def observe(self, states) -> None:
+        if len(states) != len(self._len):
+            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self._len)}")
+        d = self.drafter
+        for b, s in enumerate(states):  # s [n, A, H]: the states of positions len..len+n-1
+            n = int(s.shape[0])
+            if not n:
+                continue
+            ctx = d.context(s.to(self.device))[None]  # [1, n, H]
+            pos = torch.arange(self._len[b], self._len[b] + n, device=self.device)[None]
+            new = [(k[0], v[0]) for k, v in d.context_kv(ctx, pos)]
+            self._kv[b] = new if not self._kv[b] else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
+                                                       for (k0, v0), (k1, v1) in zip(self._kv[b], new)]
+            self._len[b] += n
+
+    @torch.inference_mode()
+    def propose(self, contexts, ks, params, generators):
+        if len(contexts) != len(self._len):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._len)}: the engine "
+                               "must call start/join/select for every change of its rows")
+        d = self.drafter
+        rows = [b for b, k in enumerate(ks) if k > 0 and self._len[b] > 0]
+        drafts = [Draft([]) for _ in contexts]
+        if not rows:
+            return drafts
+        bs = d.block_size
+        width = max(self._len[b] for b in rows)
+        layers = len(d.layers)
+        kv = []
+        for li in range(layers):  # right-pad each row's context to `width`, masked
+            ks_, vs_ = [], []
+            for b in rows:
+                k, v = self._kv[b][li]
+                pad = width - k.shape[1]
+                ks_.append(F.pad(k, (0, 0, 0, pad)))
+                vs_.append(F.pad(v, (0, 0, 0, pad)))
+            kv.append((torch.stack(ks_), torch.stack(vs_)))
+        lengths = torch.tensor([self._len[b] for b in rows], device=self.device)
+        tokens = torch.full((len(rows), bs), d.mask_token_id, dtype=torch.long, device=self.device)
+        tokens[:, 0] = torch.tensor([contexts[b][-1] for b in rows], device=self.device)
+        positions = lengths[:, None] + torch.arange(bs, device=self.device)  # x_T sits at position T = len
+        mask = torch.ones((len(rows), bs, width + bs), dtype=torch.bool, device=self.device)
+        mask[:, :, :width] = torch.arange(width, device=self.device)[None, None] < lengths[:, None, None]
+        out = d.blocks(tokens, positions, kv, mask[:, None])  # [B', bs, H]
+        k_max = min(max(ks[b] for b in rows), self.k)
+        logits = d.logits(out[:, 1:1 + k_max]).float()  # [B', k_max, V]
+        from extractor.sampling import sampling_probs
+
+        for i, b in enumerate(rows):
+            k = min(ks[b], k_max)
+            if params[b].greedy:
+                drafts[b] = Draft(logits[i, :k].argmax(-1).tolist())
+                continue
+            probs = torch.stack([sampling_probs(logits[i, j], params[b]) for j in range(k)])
+            toks = [int(torch.multinomial(probs[j], 1, generator=generators[b])) for j in range(k)]
+            drafts[b] = Draft(toks, probs)
+        return drafts
+
+
+def _speculative_tokens(config: dict) -> int | None:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
+
+
+FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",
+                drafter="drafters.dflash:DFlashDrafter", proposer_class="drafters.dflash:DFlashProposer",
+                config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
+                config_k=_speculative_tokens)
+"""DFlash in the registry (pyproject.toml's hsx.drafters entry point `dflash`)."""
