@@ -63,6 +63,25 @@ def test_every_kind_trains_through_the_same_trainer(kind, oracle_run, tiny_llama
     back = drafter_class(kind).from_pretrained(str(tmp_path))
     assert back.kind == kind
 
+@pytest.mark.parametrize("kind, options", [("eagle", {}), ("peagle", {"draft_vocab_size": 48, "ttt_steps": 3}),
+                                           ("dflash", {"family_options": {"block_size": 4}})])
+def test_the_new_families_train_resume_and_reload(kind, options, oracle_run, tiny_llama, tmp_path):
+    """EAGLE, P-EAGLE, DFlash through the one trainer: a training stopped at its step-2 checkpoint and resumed to
+    step 4 ends with the weights of an uninterrupted one (their random anchor / depth draws included), and the
+    serving checkpoint reloads."""
+    from drafters.registry import drafter_class
+
+    settings = {"kind": kind, "draft_vocab_size": None, "num_speculative_tokens": 3, **options}
+    train_drafter(_config(oracle_run, tiny_llama, tmp_path / "resumed", steps=2, **settings))
+    resumed = train_drafter(_config(oracle_run, tiny_llama, tmp_path / "resumed", steps=4, **settings))
+    straight = train_drafter(_config(oracle_run, tiny_llama, tmp_path / "straight", steps=4, **settings))
+    assert resumed["resumed_from_step"] == 2 and resumed["kind"] == kind and len(resumed["accuracy_per_position"]) == 3
+    a, b = _weights(tmp_path / "resumed"), _weights(tmp_path / "straight")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["final_loss"] == resumed["final_loss"]
+    assert drafter_class(kind).from_pretrained(str(tmp_path / "resumed")).kind == kind
+
+
 def test_a_checkpoint_of_another_training_is_not_resumed(oracle_run, tiny_llama, tmp_path):
     train_drafter(_config(oracle_run, tiny_llama, tmp_path, steps=2))
     with pytest.raises(ValueError, match=r"another training \(lr: 0.003 in the checkpoint vs 0.01 now"):
