@@ -45,6 +45,11 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafter_seconds: float = field(default=0.0, compare=False)
+    """Wall time the proposer spent (propose, accepted, observe; hsx extension: hsx:spec_decode_drafter_seconds); the
+    engine's only, not a request's."""
+    drafter_steps: int = field(default=0, compare=False)
+    """Speculative steps (one proposal for the whole batch each; hsx:spec_decode_steps); the engine's only."""
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
@@ -67,5 +72,7 @@ class SpecDecodingStats:
             out += [Counter("vllm:spec_decode_num_drafts", {}, self.num_drafts),
                     Counter("vllm:spec_decode_num_draft_tokens", {}, self.num_draft_tokens),
                     Counter("vllm:spec_decode_num_accepted_tokens", {}, self.num_accepted_tokens),
-                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, list(self.accepted_per_pos))]
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, list(self.accepted_per_pos)),
+                    Counter("hsx:spec_decode_drafter_seconds", {}, self.drafter_seconds),
+                    Counter("hsx:spec_decode_steps", {}, self.drafter_steps)]
         return out

@@ -40,7 +40,8 @@ ALL_ROW = "all"
 """The subset name of acceptance.csv's row over every prompt."""
 SUMMARY_COLUMNS = ("method", "folder", "max_num_seqs", "num_prompts", "num_output_tokens", "timed_calls",
                    "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length",
-                   "tokens_per_target_step", "drafted_fraction", "tokens_per_s", "speedup", "lossless", "error")
+                   "tokens_per_target_step", "drafted_fraction", "drafter_ms_per_step", "tokens_per_s", "speedup",
+                   "lossless", "error")
 ACCEPTANCE_CSV, SUMMARY_CSV, PLOT_PNG, RESULTS_JSON = ("acceptance.csv", "summary.csv", "acceptance_per_position.png",
                                                        "results.json")
 _RESERVED = {SUMMARY_CSV, PLOT_PNG, RESULTS_JSON, ".hsx-output.json", "writer.lease"}
@@ -105,7 +106,7 @@ def summary_rows(results: Sequence[EvalResult]) -> list[list]:
                      *([r.counts.num_drafts, r.counts.num_draft_tokens, r.counts.num_accepted_tokens]
                        if has_acceptance(r) else ["", "", ""]),
                      _fmt(r.mean_acceptance_length), _fmt(per_step), _fmt(r.drafted_fraction),
-                     r.tokens_per_s if ran else "", _fmt(r.speedup), r.lossless if ran else "", _fmt(r.error)])
+                     _fmt(r.drafter_ms_per_step), r.tokens_per_s if ran else "", _fmt(r.speedup), r.lossless if ran else "", _fmt(r.error)])
     return rows
 
 

@@ -49,6 +49,7 @@ ALL_CATEGORIES = "all"
 _COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_DRAFTER = {"hsx:spec_decode_drafter_seconds": "drafter_seconds", "hsx:spec_decode_steps": "drafter_steps"}
 
 
 @dataclass
@@ -59,19 +60,29 @@ class SpecDecodeCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafter_seconds: float = field(default=0.0, compare=False)
+    """hsx's: the proposer's wall time (propose + its bookkeeping) over the speculative steps (a time: not compared)."""
+    drafter_steps: int = 0
 
     def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0)
                + (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0) for i in range(n)]
         return SpecDecodeCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                                self.num_accepted_tokens + other.num_accepted_tokens, pos)
+                                self.num_accepted_tokens + other.num_accepted_tokens, pos,
+                                self.drafter_seconds + other.drafter_seconds, self.drafter_steps + other.drafter_steps)
 
     def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
         pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
                for i, a in enumerate(self.accepted_per_pos)]
         return SpecDecodeCounts(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                                self.num_accepted_tokens - other.num_accepted_tokens, pos)
+                                self.num_accepted_tokens - other.num_accepted_tokens, pos,
+                                self.drafter_seconds - other.drafter_seconds, self.drafter_steps - other.drafter_steps)
+
+    @property
+    def drafter_ms_per_step(self) -> float | None:
+        """Milliseconds the drafter took per speculative step (one step drafts for every running row)."""
+        return 1000 * self.drafter_seconds / self.drafter_steps if self.drafter_steps else None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -88,6 +99,8 @@ def spec_decode_counts(metrics) -> SpecDecodeCounts:
     for m in metrics:
         if m.name in _COUNTERS:
             setattr(out, _COUNTERS[m.name], getattr(out, _COUNTERS[m.name]) + int(m.value))
+        elif m.name in _DRAFTER:
+            setattr(out, _DRAFTER[m.name], getattr(out, _DRAFTER[m.name]) + m.value)
         elif m.name == _PER_POS:
             values = list(m.values)
             if len(out.accepted_per_pos) < len(values):
@@ -206,6 +219,11 @@ class EvalResult:
         return self._decode_tokens / steps if steps else None
 
     @property
+    def drafter_ms_per_step(self) -> float | None:
+        """Milliseconds the drafter took per speculative step (hsx's engine times propose, accepted and observe)."""
+        return self.counts.drafter_ms_per_step if self.speculative and not self.error else None
+
+    @property
     def drafted_fraction(self) -> float | None:
         """Share of target steps that verified a draft."""
         steps = self._speculative_steps
@@ -223,6 +241,7 @@ class EvalResult:
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "acceptance_per_position": self.acceptance_per_position,
                 "tokens_per_target_step": self.tokens_per_target_step, "drafted_fraction": self.drafted_fraction,
+                "drafter_ms_per_step": self.drafter_ms_per_step,
                 "timed_calls": self.timed_calls, "num_drafts": self.counts.num_drafts,
                 "num_draft_tokens": self.counts.num_draft_tokens,
                 "num_accepted_tokens": self.counts.num_accepted_tokens,
@@ -414,13 +433,13 @@ def result_lines(result: EvalResult) -> list[str]:
 
 def comparison_table(results: Sequence[EvalResult]) -> list[str]:
     """A Markdown table: method | mean acceptance length | acceptance per position | steps drafted | tokens per target
-    step | tokens/s | speedup | lossless."""
+    step | drafter ms per step | tokens/s | speedup | lossless."""
     lines = ["| method | mean acceptance length | acceptance per position | steps drafted | tokens per target step "
-             "| tokens/s | speedup vs none | lossless |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| drafter ms / step | tokens/s | speedup vs none | lossless |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.error:
-            lines.append(f"| {r.method} | skipped: {r.error.splitlines()[0][:80]} | | | | | | |")
+            lines.append(f"| {r.method} | skipped: {r.error.splitlines()[0][:80]} | | | | | | | |")
             continue
         al = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
         pos = " / ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-"
@@ -428,8 +447,9 @@ def comparison_table(results: Sequence[EvalResult]) -> list[str]:
         lossless = "yes" if r.lossless else f"**NO** ({len(r.mismatches)} prompts differ)"
         drafted = f"{r.drafted_fraction:.0%}" if r.drafted_fraction is not None else "-"
         per_step = f"{r.tokens_per_target_step:.2f}" if r.tokens_per_target_step is not None else "1.00"
-        lines.append(f"| {r.method} | {al} | {pos} | {drafted} | {per_step} | {r.tokens_per_s:.1f} | {speedup} "
-                     f"| {lossless} |")
+        ms = r.drafter_ms_per_step
+        lines.append(f"| {r.method} | {al} | {pos} | {drafted} | {per_step} | {f'{ms:.2f}' if ms is not None else '-'} "
+                     f"| {r.tokens_per_s:.1f} | {speedup} | {lossless} |")
     return lines
 
 

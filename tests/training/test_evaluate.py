@@ -232,7 +232,13 @@ def test_tokens_per_target_step_counts_the_targets_own_forwards(tiny_llama):
         assert r.tokens_per_target_step == pytest.approx(decode / r.target_steps)
         assert 0 < r.drafted_fraction <= 1 and r.counts.num_drafts <= r.target_steps
     assert none.tokens_per_target_step is None and none.drafted_fraction is None
-    assert "| steps drafted | tokens per target step |" in "\n".join(comparison_table([none, ngram, draft]))
+    assert "| steps drafted | tokens per target step | drafter ms / step |" in "\n".join(
+        comparison_table([none, ngram, draft]))
+    # the drafter's time per step: one proposal per target step here (one request at a time); the draft model (the
+    # target itself, k forwards a step) costs far more than prompt lookup; plain decoding has no drafter
+    for r in (ngram, draft):
+        assert r.counts.drafter_steps == r.target_steps and r.drafter_ms_per_step > 0
+    assert draft.drafter_ms_per_step > 3 * ngram.drafter_ms_per_step and none.drafter_ms_per_step is None
 
 
 def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_run, tiny_llama, tmp_path, capsys):
