@@ -8,7 +8,9 @@
 2. An hsx run (jobs.pipeline, the `hsx run` job) over its train texts, as pre-tokenized records of at most the
    target's context length; default layers = EAGLE-3's [2, N//2, N-3] + N.
 3. Each drafter kind whose trainer exists (training.trainer; a kind whose module is missing is skipped and
-   said so) trained on that run.
+   said so) trained on that run: EAGLE (vLLM's eagle), EAGLE-3, P-EAGLE (all k drafts in one forward), DFlash (a block
+   of 8 slots in one forward), Medusa, MLPSpeculator; P-EAGLE and DFlash are also decoded at their natural block
+   (k = 7, NATURAL_K) beside the shared k.
 4. The teeth: the same EAGLE-3 recipe on deliberately wrong data, the bugs users hit:
    - "post-norm as pre-norm": the good run's last layer put through the target's final norm but still labelled
      pre-norm (hsx's job always stores id N pre-norm, so this run is made by rewriting the good run's files through
@@ -38,7 +40,10 @@ import os
 import sys
 import time
 
-KINDS = ("eagle3", "medusa", "mlp_speculator")
+KINDS = ("eagle", "eagle3", "peagle", "dflash", "medusa", "mlp_speculator")
+NATURAL_K = {"peagle": 7, "dflash": 7}
+"""Drafts per step a family is built for besides the shared --num-speculative-tokens: P-EAGLE's parallel depths and
+DFlash's block of 8 (anchor + 7 slots), each drafted in one forward."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,8 +232,9 @@ def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None,
         drafter_class(kind)
     except (ImportError, ValueError) as e:
         return None, f"{type(e).__name__}: {e}"
+    k = max([*args.num_speculative_tokens, NATURAL_K.get(kind, 0)])
     config = TrainDrafterConfig(kind=kind, run=run, model=model, out=out, steps=args.steps,
-                                num_speculative_tokens=max(args.num_speculative_tokens), lr=args.drafter_lr,
+                                num_speculative_tokens=k, lr=args.drafter_lr,
                                 lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                 batch_tokens=args.batch_tokens, device=args.device or "auto",
                                 progress=sys.stderr.isatty())
@@ -319,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = args.num_speculative_tokens
     methods = eval_methods([(name, kind, out) for name, kind, out, teeth in drafters if not teeth], ks)
+    for name, kind, out, teeth in drafters:  # the families' natural blocks, drafted in one forward
+        if not teeth and kind in NATURAL_K and NATURAL_K[kind] not in ks:
+            methods[f"{name} k={NATURAL_K[kind]}"] = {"method": kind, "model": out,
+                                                      "num_speculative_tokens": NATURAL_K[kind]}
     good_dirs = {out for _, _, out, teeth in drafters if not teeth}
     for name, kind, out, teeth in drafters:
         if teeth:

@@ -66,8 +66,9 @@ class DFlashConfig:
 
     block_size: int = 8
     """Slots per block: the anchor and block_size - 1 mask slots, each drafting one token."""
-    num_layers: int = 1
-    """Draft decoder layers."""
+    num_layers: int = 2
+    """Draft decoder layers (the mask slots differ only by position: one layer leaves them little to work with; the
+    tiny-target tests reach AL >= 2 with two, not with one)."""
     max_anchors: int = 64
     """Blocks per packed row per step (speculators: 512 on a GPU)."""
     gamma: float = 4.0

@@ -174,7 +174,7 @@ def test_engine_decoding_with_a_dflash_head_is_lossless_with_rows_joining(tiny_l
     head = str(tmp_path / "head")
     train_drafter(TrainDrafterConfig(kind="dflash", run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=60,
                                      lr=1e-2, batch_tokens=128, max_grad_norm=1.0, device="cpu", progress=False,
-                                     family_options={"block_size": 4, "num_layers": 2}))
+                                     family_options={"block_size": 4}))
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2, speculative_config={"model": head})
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     assert [o.outputs[0].token_ids for o in outputs] == refs
