@@ -239,9 +239,18 @@ class Drafter(nn.Module, ABC):
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         """Loss over loss-masked positions of `batch`, and per-draft-position agreement with the target."""
 
-    @abstractmethod
     def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
-        """config.json + model.safetensors in the layout serving engines load (verifier = the target's path)."""
+        """config.json + model.safetensors in the layout serving engines load (verifier = the target's path):
+        checkpoint_config() and checkpoint_state(), which a family defines (or it overrides this)."""
+        if verifier:
+            self.verifier = verifier
+        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} defines neither save_pretrained nor checkpoint_config")
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} defines neither save_pretrained nor checkpoint_state")
 
     @classmethod
     @abstractmethod
@@ -270,3 +279,40 @@ def write_checkpoint(out_dir: str, config: Mapping[str, Any], tensors: Mapping[s
     storage.put_atomic(fs, os.path.join(out_dir, "config.json"),
                        (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
+
+
+def read_checkpoint_json(model_dir: str, what: str) -> dict[str, Any]:
+    """A drafter checkpoint's config.json; ValueError naming the folder and the family (`what`) otherwise."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{model_dir}: no readable config.json ({e}); is this {what} checkpoint?") from e
+    if not isinstance(doc, dict):
+        raise ValueError(f"{model_dir}: config.json is not a JSON object; is this {what} checkpoint?")
+    return doc
+
+
+def verifier_head(model_dir: str, target_dir: str | None, hidden_size: int, vocab_size: int, kind: str) -> TargetHead:
+    """The frozen head of the target a checkpoint reads out with (its lm_head, embeddings, final norm): `target_dir`,
+    else the verifier the checkpoint names; ValueError when it is no local folder or its sizes differ."""
+    if not target_dir or not os.path.isdir(target_dir):
+        raise ValueError(f"{model_dir}: {kind} reads the target's own weights, but its target {target_dir!r} is not a "
+                         "local folder; pass the target folder")
+    target = TargetHead.from_model_dir(target_dir)
+    if target.hidden_size != hidden_size or target.vocab_size != vocab_size:
+        raise ValueError(f"{model_dir}: the {kind} head has hidden size {hidden_size} and vocabulary {vocab_size}, its "
+                         f"target {target_dir} has {target.hidden_size} and {target.vocab_size}: it was trained for "
+                         "another model")
+    return target
+
+
+def load_weights(model: nn.Module, model_dir: str, state: Mapping[str, torch.Tensor], *, not_written: tuple[str, ...],
+                 kind: str) -> None:
+    """`state` (the checkpoint's tensors) into `model`; every parameter but those under the `not_written` prefixes
+    (the target's own parts) must be there, and nothing else; ValueError naming what differs."""
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in missing if not k.startswith(not_written)]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match a {kind} head of this config (missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)})")

@@ -34,7 +34,6 @@ norm.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -49,8 +48,10 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
+    load_weights,
+    read_checkpoint_json,
     topk_distribution,
-    write_checkpoint,
+    verifier_head,
 )
 from drafters.eagle3 import _llama_config_for
 from drafters.registry import Family
@@ -346,11 +347,6 @@ class DFlashDrafter(Drafter):
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
-    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
-        if verifier:
-            self.verifier = verifier
-        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
-
     @classmethod
     def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> DFlashDrafter:
@@ -358,11 +354,7 @@ class DFlashDrafter(Drafter):
         from safetensors.torch import load_file
         from transformers import Qwen3Config
 
-        try:
-            with open(os.path.join(model_dir, "config.json")) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this a DFlash checkpoint?") from e
+        doc = read_checkpoint_json(model_dir, "a DFlash")
         if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
             raise ValueError(f"{model_dir}: config.json has speculators_model_type "
                              f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
@@ -376,14 +368,7 @@ class DFlashDrafter(Drafter):
         spec = doc.get("speculators_config") or {}
         verifier = spec.get("verifier") or {}
         target_dir = target_dir or verifier.get("name_or_path") or ""
-        if not target_dir or not os.path.isdir(target_dir):
-            raise ValueError(f"{model_dir}: DFlash reads the target's embeddings and lm_head, but its verifier "
-                             f"{target_dir!r} is not a local folder; pass the target folder")
-        target = TargetHead.from_model_dir(target_dir)
-        if target.hidden_size != layer_config.hidden_size or target.vocab_size != layer_config.vocab_size:
-            raise ValueError(f"{model_dir}: the DFlash head has hidden size {layer_config.hidden_size} and vocabulary "
-                             f"{layer_config.vocab_size}, its target {target_dir} has {target.hidden_size} and "
-                             f"{target.vocab_size}: it was trained for another model")
+        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "DFlash")
         known = {f.name for f in fields(DFlashConfig)}
         options = {k: v for k, v in (doc.get("hsx_dflash") or {}).items() if k in known}
         options.update(block_size=int(doc["block_size"]), num_layers=int(layer_config.num_hidden_layers),
@@ -393,12 +378,8 @@ class DFlashDrafter(Drafter):
                     int(methods[0].get("speculative_tokens") or options["block_size"] - 1), verifier=target_dir,
                     verifier_architectures=verifier.get("architectures", []))
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
-        state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("embed_tokens.")]
-        if missing or unexpected:
-            raise ValueError(f"{model_dir}: weights do not match a DFlash head of this config (missing "
-                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        load_weights(model, model_dir, load_file(os.path.join(model_dir, WEIGHTS_NAME)), not_written=("embed_tokens.",),
+                     kind="DFlash")
         return model.to(device).eval()
 
 

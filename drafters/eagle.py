@@ -31,7 +31,6 @@ with the verifier's path (from which hsx loads the lm_head and final norm when t
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -40,7 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.base import (
+    WEIGHTS_NAME,
+    Drafter,
+    DrafterBatch,
+    StepResult,
+    TargetHead,
+    load_weights,
+    read_checkpoint_json,
+    verifier_head,
+)
 from drafters.eagle3 import Eagle3Drafter as _Eagle3
 from drafters.eagle3 import _attention_ready, _llama_config_for, _shift_left, one_document_per_row
 from drafters.registry import Family
@@ -201,11 +209,6 @@ class EagleDrafter(Drafter):
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("target_norm.")}
 
-    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
-        if verifier:
-            self.verifier = verifier
-        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
-
     @classmethod
     def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> EagleDrafter:
@@ -214,22 +217,14 @@ class EagleDrafter(Drafter):
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
-        try:
-            with open(os.path.join(model_dir, "config.json")) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this an EAGLE checkpoint?") from e
+        doc = read_checkpoint_json(model_dir, "an EAGLE")
         if not _is_eagle(doc):
             raise ValueError(f"{model_dir}: config.json has architectures {doc.get('architectures')}, not "
                              f"[{ARCHITECTURE!r}]: not an EAGLE checkpoint")
         hsx = doc.get("hsx_eagle") or {}
         target_dir = target_dir or hsx.get("verifier") or ""
-        if not target_dir or not os.path.isdir(target_dir):
-            raise ValueError(f"{model_dir}: EAGLE reads out with the target's lm_head and final norm, but its target "
-                             f"{target_dir!r} is not a local folder; pass the target folder")
-        target = TargetHead.from_model_dir(target_dir)
-        layer_doc = {k: v for k, v in doc.items() if k != "hsx_eagle"}
-        layer_config = LlamaConfig.from_dict(layer_doc)
+        layer_config = LlamaConfig.from_dict({k: v for k, v in doc.items() if k != "hsx_eagle"})
+        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "EAGLE")
         from transformers import AutoConfig
 
         layer_config.num_target_layers = int(hsx.get("target_num_hidden_layers") or AutoConfig.from_pretrained(
@@ -237,10 +232,6 @@ class EagleDrafter(Drafter):
         known = {f.name for f in fields(EagleConfig)}
         options = {k: v for k, v in hsx.items() if k in known}
         options["num_layers"] = int(layer_config.num_hidden_layers)
-        if target.hidden_size != layer_config.hidden_size or target.vocab_size != layer_config.vocab_size:
-            raise ValueError(f"{model_dir}: the EAGLE head has hidden size {layer_config.hidden_size} and vocabulary "
-                             f"{layer_config.vocab_size}, its target {target_dir} has {target.hidden_size} and "
-                             f"{target.vocab_size}: it was trained for another model")
         model = cls(EagleConfig(**options), layer_config, target, int(hsx.get("num_speculative_tokens") or 3),
                     verifier=target_dir)
         state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
@@ -248,11 +239,7 @@ class EagleDrafter(Drafter):
             state["embed_tokens.weight"] = target.embed_tokens
         state = {k.removeprefix("model."): v for k, v in state.items()}
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("target_norm.")]
-        if missing or unexpected:
-            raise ValueError(f"{model_dir}: weights do not match an EAGLE head of this config (missing "
-                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        load_weights(model, model_dir, state, not_written=("target_norm.",), kind="EAGLE")
         return model.to(device).eval()
 
 

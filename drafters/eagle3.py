@@ -27,7 +27,6 @@ only chains whose predicted token has loss_mask 1 and lies in chain t's document
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -44,8 +43,9 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
+    load_weights,
+    read_checkpoint_json,
     topk_distribution,
-    write_checkpoint,
 )
 from drafters.registry import Family
 from drafters.vocab import DraftVocab, build_draft_vocab
@@ -426,11 +426,6 @@ class Eagle3Drafter(Drafter):
             state.pop("d2t"), state.pop("t2d")  # the whole vocabulary: speculators omits the maps
         return state
 
-    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
-        if verifier:
-            self.verifier = verifier
-        write_checkpoint(out_dir, self.checkpoint_config(), self.checkpoint_state())
-
     config_class: type = Eagle3Config
     """The options dataclass (a subclass's own, with more fields)."""
 
@@ -445,12 +440,7 @@ class Eagle3Drafter(Drafter):
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
-        path = os.path.join(model_dir, "config.json")
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{model_dir}: no readable config.json ({e}); is this an EAGLE-3 checkpoint?") from e
+        doc = read_checkpoint_json(model_dir, "an EAGLE-3")
         if doc.get("speculators_model_type") != cls.speculators_model_type:
             raise ValueError(f"{model_dir}: config.json has speculators_model_type "
                              f"{doc.get('speculators_model_type')!r}, not {cls.speculators_model_type!r}")
@@ -485,10 +475,7 @@ class Eagle3Drafter(Drafter):
             DraftVocab.from_maps(state["d2t"], state["t2d"])  # checked
         model_dtype = dtype or getattr(torch, doc.get("torch_dtype") or "float32")
         model.to(model_dtype)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{model_dir}: weights do not match an {cls.kind} head of this config (missing "
-                             f"{sorted(missing)}, unexpected {sorted(unexpected)})")
+        load_weights(model, model_dir, state, not_written=(), kind=cls.kind)
         return model.to(device).eval()
 
 

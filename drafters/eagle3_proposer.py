@@ -167,8 +167,12 @@ class Eagle3Proposer(Proposer):
         self._cache.state.maybe_compact()
 
     def _verified_entries(self, contexts) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Per row, the verified entries not fed yet: (x_{p+1}, the fused target states of x_p) for p in
-        fed..seen-1, as (token ids, [n, H])."""
+        """A proposal's start: the last draft's entries rolled back, then per row the verified entries not fed yet:
+        (x_{p+1}, the fused target states of x_p) for p in fed..seen-1, as (token ids, [n, H])."""
+        if len(contexts) != len(self._seen):
+            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
+                               "must call start/join/select for every change of its rows")
+        self._rollback()
         drafter = self.drafter
         ids, hidden = [], []
         for b, ctx in enumerate(contexts):
@@ -203,10 +207,6 @@ class Eagle3Proposer(Proposer):
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self._seen):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        self._rollback()
         ids, hidden = self._verified_entries(contexts)
         outs = self._feed_all(ids, hidden)
         for b, r in enumerate(ids):

@@ -127,10 +127,6 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self._seen):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._seen)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        self._rollback()
         ids, hidden = self._verified_entries(contexts)
         rows = [b for b, k in enumerate(ks) if k > 0 and (ids[b] or self._last[b] is not None)]
         k_max = min(max((ks[b] for b in rows), default=1), self.k)

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.drafters.helpers import packed_batch as _batch
+
 LAYERS = (1, 2, 4)
 
 
@@ -25,11 +27,6 @@ def dflash_setup(oracle_run, tiny_llama):
     return ds, target, DFlashDrafter.for_run(ds.run_info, target, 3, block_size=4)
 
 
-def _batch(ds, indices, max_tokens=128):
-    from drafters.base import DrafterBatch
-    from training import PackCollator
-
-    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
 
 
 @pytest.fixture(scope="module")
@@ -153,35 +150,16 @@ def test_bad_runs_are_refused_naming_the_layers(tiny_llama):
 
 @pytest.mark.slow
 def test_engine_decoding_with_a_dflash_head_is_lossless_with_rows_joining(tiny_llama, oracle_model, tmp_path):
-    from connectors import HiddenStatesSpec
-    from extractor import LLM, SamplingParams
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    """A head trained by `hsx train-drafter --kind dflash` (blocks of 4) on the target's own greedy continuations,
+    its method and k read from the checkpoint, two rows at a time (the third joins): output equals transformers
+    generate token for token, its drafts accepted, k = block_size - 1."""
+    from tests.drafters.helpers import decode_like_generate, greedy_run
     from training.trainer import TrainDrafterConfig, train_drafter
 
-    model, tokenizer = oracle_model
-    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
-    samples, refs = [], []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
-        refs.append(full.tolist()[len(ids):])
-        states = pre_norm_hidden_states(model, full)
-        samples.append(Sample(f"g{i}", full, torch.stack([states[k] for k in LAYERS], 1).contiguous(),
-                              torch.ones(len(full), dtype=torch.uint8)))
-    spec = HiddenStatesSpec(layer_ids=LAYERS, num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
-    write_run(str(tmp_path / "run"), samples, spec)
+    refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), LAYERS)
     head = str(tmp_path / "head")
     train_drafter(TrainDrafterConfig(kind="dflash", run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=60,
                                      lr=1e-2, batch_tokens=128, max_grad_norm=1.0, device="cpu", progress=False,
                                      family_options={"block_size": 4}))
-    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2, speculative_config={"model": head})
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    assert [o.outputs[0].token_ids for o in outputs] == refs
-    metrics = {m.name: m for m in llm.get_metrics()}
-    drafts = metrics["vllm:spec_decode_num_drafts"].value
-    assert drafts > 0 and metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts >= 1.0
+    metrics = decode_like_generate(tiny_llama, {"model": head}, refs, min_accepted_per_draft=1.0)
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == 3  # k = block_size - 1
-    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
-                                       SamplingParams(temperature=0.0, max_tokens=12)])
-    assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]

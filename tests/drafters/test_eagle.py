@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from tests.drafters.helpers import packed_batch as _batch
+
 
 @pytest.fixture(scope="module")
 def eagle_setup(oracle_run, tiny_llama):
@@ -22,11 +24,6 @@ def eagle_setup(oracle_run, tiny_llama):
     return ds, target, EagleDrafter.for_run(ds.run_info, target, 3)
 
 
-def _batch(ds, indices, max_tokens=128):
-    from drafters.base import DrafterBatch
-    from training import PackCollator
-
-    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
 
 
 def test_features_are_the_targets_post_norm_last_layer(eagle_setup, oracle_model):
@@ -121,51 +118,20 @@ def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_l
     """A head trained by `hsx train-drafter --kind eagle` on the target's own greedy continuations, served by
     LLM(speculative_config={"method": "eagle", ...}) two rows at a time (the third joins as one finishes): the
     output equals transformers generate token for token and the drafts are mostly accepted (only if the engine hands
-    the head the last layer's states of the right tokens)."""
-    from connectors import HiddenStatesSpec
-    from extractor import LLM, SamplingParams
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    the head the last layer's states of the right tokens); the method is also read from the checkpoint; the seed's
+    loop (examples/spec_decode.py --method eagle) prints vLLM's lines on it."""
+    from tests.drafters.helpers import decode_like_generate, greedy_run, spec_decode_example
     from training.trainer import TrainDrafterConfig, train_drafter
 
-    model, tokenizer = oracle_model
-    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
-    samples, refs = [], []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
-        refs.append(full.tolist()[len(ids):])
-        states = pre_norm_hidden_states(model, full)
-        samples.append(Sample(f"g{i}", full, states[4][:, None].contiguous(), torch.ones(len(full), dtype=torch.uint8)))
-    spec = HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
-    write_run(str(tmp_path / "run"), samples, spec)
+    refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), (4,))
     head = str(tmp_path / "head")
     train_drafter(TrainDrafterConfig(kind="eagle", run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=40,
                                      lr=1e-2, batch_tokens=128, max_grad_norm=1.0, device="cpu", progress=False))
     for config in ({"method": "eagle", "model": head, "num_speculative_tokens": 3},
                    {"model": head, "num_speculative_tokens": 3}):  # the method read from the checkpoint
-        llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2, speculative_config=config)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-        assert [o.outputs[0].token_ids for o in outputs] == refs
-        metrics = {m.name: m for m in llm.get_metrics()}
-        drafts = metrics["vllm:spec_decode_num_drafts"].value
-        mean_al = 1 + metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts
-        assert drafts > 0 and mean_al >= 2.0, mean_al
-    # a sampled row next to a greedy one: the greedy row is unchanged
-    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
-                                       SamplingParams(temperature=0.0, max_tokens=12)])
-    assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
-    # the seed's loop (examples/spec_decode.py) with --method eagle on this checkpoint prints vLLM's lines
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    try:
-        import spec_decode
-    finally:
-        sys.path.pop(0)
+        decode_like_generate(tiny_llama, config, refs, min_accepted_per_draft=1.0)
     capsys.readouterr()
-    al = spec_decode.main(["--method", "eagle", "--model", tiny_llama, "--draft-model", head, "--num-prompts", "3",
-                           "--output-len", "8"])
+    al = spec_decode_example().main(["--method", "eagle", "--model", tiny_llama, "--draft-model", head,
+                                     "--num-prompts", "3", "--output-len", "8"])
     printed = capsys.readouterr().out
     assert al >= 1.0 and "mean acceptance length:" in printed and "acceptance at token 2:" in printed

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.drafters.helpers import packed_batch as _batch
+
 LAYERS = (1, 2, 4)
 
 
@@ -27,11 +29,6 @@ def peagle_setup(oracle_run, tiny_llama):
     return ds, target, drafter
 
 
-def _batch(ds, indices, max_tokens=128):
-    from drafters.base import DrafterBatch
-    from training import PackCollator
-
-    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
 
 
 @pytest.fixture(scope="module")
@@ -162,52 +159,20 @@ def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_p
 @pytest.mark.slow
 def test_engine_decoding_with_a_peagle_head_is_lossless_with_rows_joining(tiny_llama, oracle_model, tmp_path, capsys):
     """A head trained by `hsx train-drafter --kind peagle` on the target's own greedy continuations, served with
-    parallel_drafting two rows at a time (the third joins): output equals transformers generate token for token, its
-    drafts are accepted, and examples/spec_decode.py --parallel-drafting prints vLLM's lines on it."""
-    import os
-    import sys
-
-    from connectors import HiddenStatesSpec
-    from extractor import LLM, SamplingParams
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    vLLM's eagle3 + parallel_drafting two rows at a time (the third joins): output equals transformers generate token
+    for token, its drafts are accepted, and examples/spec_decode.py --parallel-drafting prints vLLM's lines on it."""
+    from tests.drafters.helpers import decode_like_generate, greedy_run, spec_decode_example
     from training.trainer import TrainDrafterConfig, train_drafter
 
-    model, tokenizer = oracle_model
-    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
-    samples, refs = [], []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
-        refs.append(full.tolist()[len(ids):])
-        states = pre_norm_hidden_states(model, full)
-        samples.append(Sample(f"g{i}", full, torch.stack([states[k] for k in LAYERS], 1).contiguous(),
-                              torch.ones(len(full), dtype=torch.uint8)))
-    spec = HiddenStatesSpec(layer_ids=LAYERS, num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
-    write_run(str(tmp_path / "run"), samples, spec)
+    refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), LAYERS)
     head = str(tmp_path / "head")
     train_drafter(TrainDrafterConfig(kind="peagle", run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=60,
                                      lr=1e-2, batch_tokens=128, draft_vocab_size=64, ttt_steps=4, max_grad_norm=1.0,
                                      device="cpu", progress=False))
-    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_num_seqs=2,
-              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3,
-                                  "parallel_drafting": True})
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    assert [o.outputs[0].token_ids for o in outputs] == refs
-    metrics = {m.name: m for m in llm.get_metrics()}
-    drafts = metrics["vllm:spec_decode_num_drafts"].value
-    assert drafts > 0 and metrics["vllm:spec_decode_num_accepted_tokens"].value / drafts >= 1.0
-    mixed = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=3),
-                                       SamplingParams(temperature=0.0, max_tokens=12)])
-    assert 0 < len(mixed[0].outputs[0].token_ids) <= 12 and mixed[1].outputs[0].token_ids == refs[1]
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    try:
-        import spec_decode
-    finally:
-        sys.path.pop(0)
+    decode_like_generate(tiny_llama, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                      "parallel_drafting": True}, refs, min_accepted_per_draft=1.0)
     capsys.readouterr()
-    spec_decode.main(["--method", "eagle3", "--parallel-drafting", "--model", tiny_llama, "--draft-model", head,
-                      "--num-prompts", "3", "--output-len", "8"])
+    spec_decode_example().main(["--method", "eagle3", "--parallel-drafting", "--model", tiny_llama, "--draft-model",
+                                head, "--num-prompts", "3", "--output-len", "8"])
     printed = capsys.readouterr().out
     assert "mean acceptance length:" in printed and "acceptance at token 2:" in printed
