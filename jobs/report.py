@@ -32,7 +32,8 @@ Checks (each a {"check", "severity", "message"} in data["flags"]):
                     vLLM store layer N before the norm; an EAGLE-3 trainer then applies the norm twice); or the
                     opposite: labelled post-norm, yet it varies like the other layers
   loss_mask         every sampled mask covers 0% of tokens (nothing to learn) or 100% (chat templates not masking)
-  lengths_cut       a fifth or more of the samples have the same, longest, length: a cut at one value
+  lengths_cut       a fifth or more of the generated answers stopped at --max-tokens, or of the samples have the
+                    same, longest, length: a cut at one value
   failures / verify / not_verified   failed samples, a verify report with failures, a run never verified
 """
 
@@ -165,6 +166,9 @@ def _lengths(rows: list[dict]) -> dict[str, Any]:
     out["longest"] = longest
     out["at_longest"] = sum(1 for t in total if t == longest)
     out["samples"] = len(total)
+    longest_output = max(output) if output else 0
+    out["longest_output"] = longest_output
+    out["outputs_at_longest"] = sum(1 for o in output if o == longest_output) if longest_output else 0
     return out
 
 
@@ -304,11 +308,18 @@ def _flags(data: dict[str, Any]) -> list[dict[str, str]]:
     elif cov and min(cov) == 1 and len(cov) >= 2:
         flag("loss_mask", "warning", f"every sampled loss mask covers 100% of its tokens ({len(cov)} samples): "
              "fine for plain text; for chats, the mask is not separating assistant turns")
-    lengths = data["lengths"]
-    if lengths["samples"] >= 5 and lengths["at_longest"] >= max(2, lengths["samples"] / 5):
-        flag("lengths_cut", "warning", f"{lengths['at_longest']} of {lengths['samples']} samples "
-             f"({lengths['at_longest'] / lengths['samples']:.0%}) have exactly the longest length, "
-             f"{lengths['longest']} tokens: lengths cut at one value (--max-model-len / overlength truncate?)")
+    lengths, n = data["lengths"], data["lengths"]["samples"]
+    max_tokens = run["max_tokens"]
+    # a sample stores its prompt and the generated tokens but the last (whose state the target never computed)
+    if n >= 5 and max_tokens and lengths["longest_output"] in (max_tokens, max_tokens - 1) and \
+            lengths["outputs_at_longest"] >= max(2, n / 5):
+        flag("lengths_cut", "warning", f"{lengths['outputs_at_longest']} of {n} generated answers "
+             f"({lengths['outputs_at_longest'] / n:.0%}) stopped at --max-tokens {max_tokens}: cut, not finished "
+             "(fine when the run wants fixed-length continuations; otherwise raise --max-tokens)")
+    elif n >= 5 and lengths["at_longest"] >= max(2, n / 5):
+        flag("lengths_cut", "warning", f"{lengths['at_longest']} of {n} samples ({lengths['at_longest'] / n:.0%}) "
+             f"have exactly the longest length, {lengths['longest']} tokens: lengths cut at one value "
+             f"({data['counts']['truncated']} truncated by --max-model-len / --overlength truncate)")
     if data["counts"]["failed"]:
         flag("failures", "warning", f"{data['counts']['failed']} samples failed (see failures by reason); re-run "
              "the job to retry them, or fix the records")

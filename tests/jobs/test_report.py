@@ -186,3 +186,27 @@ def test_report_renders_in_a_headless_browser(planted, tmp_path):
         assert not errors, errors
     finally:
         browser.quit()
+
+
+def test_lengths_cut_names_the_limit_that_cut_them():
+    """Answers all stopped at --max-tokens (stored: the prompt and all generated tokens but the last) are named as
+    such; equal lengths without a generation limit are a cut at one value; varied lengths raise nothing."""
+    from jobs.report import _flags, _lengths
+
+    def flags(rows, max_tokens):
+        states = {"layer_ids": [], "token_rms_cv": [], "zero_row_fraction": [], "nonfinite_row_fraction": [],
+                  "mean_rms": [], "loss_mask_coverage": [], "unread": []}
+        data = {"lengths": _lengths(rows), "states": states, "counts": {"failed": 0, "truncated": 0},
+                "run": {"num_hidden_layers": 4, "last_layer_normalized": False, "max_tokens": max_tokens},
+                "verify": {"failures": 0}}
+        return [f["message"] for f in _flags(data) if f["check"] == "lengths_cut"]
+
+    def row(prompt, total):
+        return {"num_prompt_tokens": prompt, "num_tokens": total, "source": "c.jsonl:1"}
+
+    generated = [row(10 + i, 10 + i + 63) for i in range(10)]
+    (message,) = flags(generated, 64)
+    assert "10 of 10 generated answers (100%) stopped at --max-tokens 64" in message
+    (message,) = flags([row(128, 128)] * 8 + [row(40, 40)] * 2, 0)
+    assert "8 of 10 samples (80%) have exactly the longest length, 128 tokens" in message
+    assert flags([row(10 + i, 20 + 2 * i) for i in range(10)], 64) == []
