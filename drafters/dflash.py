@@ -232,11 +232,14 @@ class DFlashDrafter(Drafter):
         if num_speculative_tokens > config.block_size - 1:
             raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a block of {config.block_size} drafts "
                              f"at most {config.block_size - 1}; raise block_size (--family-options)")
+        if not target.model_dir:
+            raise ValueError("DFlash sizes its layers from the target's config: build the TargetHead with "
+                             "TargetHead.from_model_dir(target_folder)")
         layer_config = _qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
         from transformers import AutoConfig
 
         archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
-        return cls(config, layer_config, aux, target, config.block_size - 1, verifier=os.path.abspath(target.model_dir),
+        return cls(config, layer_config, aux, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir),
                    verifier_architectures=archs)
 
     # -- the model ----------------------------------------------------------------------------------------------
@@ -488,5 +491,5 @@ def _speculative_tokens(config: dict) -> int | None:
 FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",
                 drafter="drafters.dflash:DFlashDrafter", proposer_class="drafters.dflash:DFlashProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
-                config_k=_speculative_tokens)
+                config_k=_speculative_tokens, parallel=True)
 """DFlash in the registry (pyproject.toml's hsx.drafters entry point `dflash`)."""

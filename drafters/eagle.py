@@ -147,6 +147,10 @@ class EagleDrafter(Drafter):
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any) -> EagleDrafter:
         config = EagleConfig(**family_options)
         n = int(run_spec.num_hidden_layers)
+        if run_spec.target_top_k is not None:
+            raise ValueError(f"EAGLE reads the state of the target's last layer (id {n}); this run stores a top-k "
+                             "target in its place (--target top_k): re-extract without --target top_k, with layer "
+                             f"{n} in --layers")
         if n not in tuple(run_spec.layer_ids):
             raise ValueError(f"EAGLE reads the target's last layer (id {n}), but the run stores layers "
                              f"{list(run_spec.layer_ids)}; re-extract with --layers ...,{n}")
@@ -234,10 +238,9 @@ class EagleDrafter(Drafter):
         options["num_layers"] = int(layer_config.num_hidden_layers)
         model = cls(EagleConfig(**options), layer_config, target, int(hsx.get("num_speculative_tokens") or 3),
                     verifier=target_dir)
-        state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
+        state = {k.removeprefix("model."): v for k, v in load_file(os.path.join(model_dir, WEIGHTS_NAME)).items()}
         if "embed_tokens.weight" not in state:  # vLLM shares the target's when absent
             state["embed_tokens.weight"] = target.embed_tokens
-        state = {k.removeprefix("model."): v for k, v in state.items()}
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
         load_weights(model, model_dir, state, not_written=("target_norm.",), kind="EAGLE")
         return model.to(device).eval()

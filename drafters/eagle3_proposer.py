@@ -190,19 +190,24 @@ class Eagle3Proposer(Proposer):
                 hidden.append(None)
         return ids, hidden
 
-    def _feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None
+                  ) -> list[torch.Tensor | None]:
         """Feed every row's entries (the rows share max_num_batched_tokens per forward: a joining prompt over it
-        goes in chunks); per row its outputs [n_b, H] in order (None for a row with none)."""
+        goes in chunks); per row the outputs [n, H] of its last keep[b] entries (default 1), in order (None for a
+        row with none). Only those are kept: a long prompt's other outputs are dropped chunk by chunk."""
         step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
-        outs: list[list[torch.Tensor]] = [[] for _ in ids]
+        keep = keep or [1] * len(ids)
+        outs: list[torch.Tensor | None] = [None] * len(ids)
         for c0 in range(0, max(map(len, ids), default=0), step):
             piece = [r[c0:c0 + step] for r in ids]
             out = self._cache.feed(self.drafter, piece,
                                    [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])  # [B, W, H]
             for b, r in enumerate(piece):
                 if r:
-                    outs[b].append(out[b, out.shape[1] - len(r):])
-        return [torch.cat(o) if o else None for o in outs]
+                    new = out[b, out.shape[1] - len(r):]
+                    tail = new if outs[b] is None else torch.cat([outs[b], new])
+                    outs[b] = tail[-keep[b]:].clone()
+        return outs
 
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -125,6 +125,14 @@ class PEagleProposer(Eagle3Proposer):
     def load(cls, model_dir: str, runner) -> PEagleDrafter:
         return PEagleDrafter.from_pretrained(model_dir)
 
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
+        super().__init__(model_dir, runner, num_speculative_tokens)
+        depths = self.drafter.config.ttt_steps
+        if num_speculative_tokens > depths:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the peagle drafter {model_dir} was "
+                             f"trained for {depths} depths (drafts per step); lower num_speculative_tokens or train "
+                             f"with --ttt-steps {num_speculative_tokens}")
+
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
         ids, hidden = self._verified_entries(contexts)
@@ -136,12 +144,13 @@ class PEagleProposer(Eagle3Proposer):
             mask_state = self.drafter.mask_state()[None]  # [1, H]
             for b in rows:
                 ids[b] = ids[b] + [self.drafter.mask_token_id] * masks
-                extra = mask_state.expand(masks, -1)
-                hidden[b] = extra if hidden[b] is None else torch.cat([hidden[b], extra])
-        outs = self._feed_all(ids, hidden)
+                pad = mask_state.expand(masks, -1)
+                hidden[b] = pad if hidden[b] is None else torch.cat([hidden[b], pad])
+        extra = [masks if b in rows else 0 for b in range(len(ids))]
+        outs = self._feed_all(ids, hidden, keep=[1 + m for m in extra])  # the last verified entry and the masks
         for b, n in enumerate(verified):
             if n:
-                self._last[b] = outs[b][n - 1]
+                self._last[b] = outs[b][-1 - extra[b]]
                 self._fed[b] += n
         drafts = [Draft([]) for _ in contexts]
         if not rows:
@@ -149,7 +158,7 @@ class PEagleProposer(Eagle3Proposer):
         for b in rows:
             self._drafted[b] = masks  # rolled back when the target answers
         # [B', k_max, H]: the last verified entry's output, then the mask entries' outputs
-        h = torch.stack([torch.cat([self._last[b][None], outs[b][verified[b]:]]) for b in rows])
+        h = torch.stack([torch.cat([self._last[b][None], outs[b][outs[b].shape[0] - masks:]]) for b in rows])
         logits = self.drafter.logits(h).float()  # [B', k_max, D]
         picks = [self._pick(logits[:, j], [params[b] for b in rows], [generators[b] for b in rows])
                  for j in range(k_max)]
@@ -169,5 +178,6 @@ def _speculative_tokens(config: dict) -> int | None:
 FAMILY = Family(name="peagle", description="a P-EAGLE (speculators peagle) checkpoint",
                 drafter="drafters.peagle:PEagleDrafter", proposer_class="drafters.peagle:PEagleProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
-                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"), parallel_of="eagle3")
+                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"), parallel_of="eagle3",
+                parallel=True)
 """P-EAGLE in the registry (pyproject.toml's hsx.drafters entry point `peagle`)."""

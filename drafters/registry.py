@@ -47,7 +47,10 @@ class Family:
     """TrainDrafterConfig fields only this family takes (EAGLE-3: draft_vocab_size, ttt_steps)."""
     parallel_of: str | None = None
     """The method whose `parallel_drafting: true` this family's checkpoints serve (P-EAGLE: "eagle3", as vLLM runs
-    them); None: the family drafts one token per forward and parallel_drafting is refused for it."""
+    them)."""
+    parallel: bool = False
+    """Whether it drafts all k tokens in one forward (P-EAGLE, DFlash): parallel_drafting is accepted (and implied)
+    for it, refused for the others."""
 
     def matches(self, checkpoint_config: dict[str, Any]) -> bool:
         return bool(self.config_matches(checkpoint_config))

@@ -185,8 +185,10 @@ class SpeculativeConfig:
             if not os.path.isdir(str(self.model)):
                 raise ValueError(f"draft model {self.model!r} does not exist or is not a folder; pass a local folder "
                                  f"holding {what} (config.json and weights; hub ids are not fetched for drafts)")
+            if not isinstance(self.parallel_drafting, bool):
+                raise ValueError(f"parallel_drafting must be true or false, got {self.parallel_drafting!r}")
             found = checkpoint_method(str(self.model))
-            parallel_of = _parallel_of(found)
+            parallel_of, parallel = _parallel_of(found)
             if self.parallel_drafting and found != self.method and parallel_of == self.method:
                 object.__setattr__(self, "method", found)  # vLLM's eagle3 + parallel_drafting on a P-EAGLE head
             if found != self.method:
@@ -194,23 +196,24 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative method {self.method!r} but {self.model} holds "
                                  f"{_describe_checkpoint(found)}; use method {found!r} for it{hint}, or point "
                                  f"'model' at {what}")
-            if self.parallel_drafting and parallel_of is None:
+            if self.parallel_drafting and not parallel:
                 raise ValueError(f"parallel_drafting: {self.model} holds {_describe_checkpoint(found)}, which drafts "
                                  "one token per forward (it was not trained to draft in parallel: no mask state); "
-                                 "train one with `hsx train-drafter --kind peagle`, or drop parallel_drafting")
-            if parallel_of is not None:
-                object.__setattr__(self, "parallel_drafting", True)
+                                 "train one with `hsx train-drafter --kind peagle` (or dflash), or drop "
+                                 "parallel_drafting")
+            object.__setattr__(self, "parallel_drafting", parallel)
         elif self.parallel_drafting:
             raise ValueError(f"parallel_drafting applies to a head trained for it (method peagle, or eagle3 on a "
                              f"P-EAGLE checkpoint), not to method {self.method!r}; drop it")
 
 
-def _parallel_of(method: str | None) -> str | None:
-    """The method a family's parallel-drafting checkpoints serve with parallel_drafting (None: not a parallel one)."""
+def _parallel_of(method: str | None) -> tuple[str | None, bool]:
+    """(the method whose parallel_drafting a family's checkpoints serve, whether it drafts all k tokens in one
+    forward) of the family `method`."""
     from extractor.methods import families
 
     found = families().get(method) if method else None
-    return getattr(found, "parallel_of", None)
+    return getattr(found, "parallel_of", None), bool(getattr(found, "parallel", False))
 
 
 def _read_checkpoint_config(model_dir: str) -> dict:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from extractor.metrics import SpecDecodingStats
 from extractor.proposers import Proposer
 from extractor.request import Request
@@ -29,9 +31,9 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
     contexts = [r.prompt_token_ids + r.output_ids for r in active]
     # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
     ks = [min(k, stopping.room(r) - 1) for r in active]
-    t0 = time.perf_counter()
+    t0 = _clock(runner)
     drafts = proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
-    stats.drafter_seconds += time.perf_counter() - t0
+    stats.drafter_seconds += _clock(runner) - t0
     stats.drafter_steps += 1
     if len(drafts) != len(active) or any(len(d.token_ids) > kb for d, kb in zip(drafts, ks)):
         raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
@@ -53,8 +55,17 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
         if observe:  # the states of the last token and the a accepted drafts
             kept_states.append(target_states[b, width - 1 - n:width - n + a])
         emit(r, tokens)
-    t0 = time.perf_counter()
+    t0 = _clock(runner)
     proposer.accepted(accepted)
     if observe:
         proposer.observe(kept_states)
-    stats.drafter_seconds += time.perf_counter() - t0  # the drafter's bookkeeping (its cache, its context) counts too
+    stats.drafter_seconds += _clock(runner) - t0  # the drafter's bookkeeping (its cache, its context) counts too
+
+
+def _clock(runner: ModelRunner) -> float:
+    """perf_counter once the device's queued work is done (on CUDA, kernels run after the call that queued them:
+    without the sync, a proposer's work would be charged to whatever waits for it next)."""
+    device = torch.device(runner.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

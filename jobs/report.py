@@ -27,7 +27,7 @@ Checks (each a {"check", "severity", "message"} in data["flags"]):
   dead_layer        a stored layer is all zeros (RMS 0) or most of its rows are: the capture hook sits on the wrong
                     module, or a hybrid model's layer has no residual stream there
   nonfinite_rows    rows holding NaN or Inf
-  last_layer_norm   the last layer's per-token RMS is flat (coefficient of variation below 0.03 and under a quarter of
+  last_layer_norm   the last layer's per-token RMS is flat (coefficient of variation below 0.08 and under a third of
                     the other layers'): it went through the model's final norm, while run.json says pre-norm (hsx and
                     vLLM store layer N before the norm; an EAGLE-3 trainer then applies the norm twice); or the
                     opposite: labelled post-norm, yet it varies like the other layers
@@ -54,8 +54,10 @@ from typing import Any
 import numpy as np
 
 DATA_ELEMENT_ID = "hsx-report-data"
-FLAT_CV = 0.03
-"""Below this coefficient of variation of the per-token RMS, a layer's magnitude is flat (normalized)."""
+FLAT_CV = 0.08
+"""A layer whose per-token RMS varies less than this (coefficient of variation) and under a third of the other
+stored layers' is flat: normalized. Measured: RMSNorm with weight 1 (a fresh model) gives 0; the 2.1M reference
+target's trained final norm (weights 1.39 +- 0.14) 0.029, its pre-norm last layer 0.145 and an aux layer 0.113."""
 
 
 @dataclass(frozen=True)
@@ -233,10 +235,14 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
         try:
             _, t = read_rows(fs, run.path(rel), None, verify=False, names=(HIDDEN_STATES, LOSS_MASK),
                              dtype=torch.float32, byte_range=sample_range(r["offset"], r["bytes"]))
-        except Exception as e:  # noqa: BLE001 - a damaged or missing file is reported, the rest still drawn
+            hs = t.get(HIDDEN_STATES)
+            if hs is None or hs.dim() != 3 or hs.shape[1] != layers:
+                raise ValueError(f"its hidden_states are {None if hs is None else list(hs.shape)}, not [T, {layers}, "
+                                 "H] as run.json's layer ids say (a file from another run?)")
+        except Exception as e:  # noqa: BLE001 - a damaged, missing or foreign file is reported, the rest still drawn
             unread.append({"sample_id": r["sample_id"], "error": f"{type(e).__name__}: {e}"})
             continue
-        hs = t[HIDDEN_STATES].to(torch.float32)  # [T, L, H]
+        hs = hs.to(torch.float32)  # [T, L, H]
         finite = torch.isfinite(hs).all(dim=-1)  # [T, L]
         nonfinite += (~finite).sum(dim=0).numpy()
         zero += (hs == 0).all(dim=-1).sum(dim=0).numpy()
@@ -291,14 +297,14 @@ def _flags(data: dict[str, Any]) -> list[dict[str, str]]:
     if n in cvs and cvs[n] is not None:
         others = [c for lid, c in cvs.items() if lid != n and c is not None and c > 0]
         ref = float(np.median(others)) if others else None
-        flat = cvs[n] < FLAT_CV and (ref is None or cvs[n] < ref / 4)
+        flat = cvs[n] < FLAT_CV and (ref is None or cvs[n] < ref / 3)
         if flat and not normalized:
             versus = f" (the other layers' by {ref:.0%})" if ref is not None else ""
             flag("last_layer_norm", "error", f"layer {n} (the last) has a flat magnitude: its per-token RMS varies "
                  f"by {cvs[n]:.2%}{versus} — it looks normalized (after the model's final norm), while run.json "
                  "says pre-norm. hsx and vLLM store layer N before the final norm and trainers apply the norm "
                  "themselves (twice, here): re-extract with the pre-norm state, or record last_layer_normalized")
-        elif normalized and ref is not None and cvs[n] >= max(FLAT_CV * 2, ref / 2):
+        elif normalized and ref is not None and cvs[n] >= max(FLAT_CV * 1.5, ref / 2):
             flag("last_layer_norm", "warning", f"layer {n} is labelled post-norm, yet its per-token RMS varies by "
                  f"{cvs[n]:.0%} like the other layers' ({ref:.0%}): it looks pre-norm")
     cov = [c for c in s["loss_mask_coverage"] if c is not None]

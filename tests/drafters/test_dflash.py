@@ -105,6 +105,12 @@ def test_checkpoint_is_speculators_dflash_layout(trained_head, tiny_llama):
             "layers.0.input_layernorm.weight"} <= names
     assert not any(n.startswith(("lm_head", "embed_tokens", "d2t", "t2d")) for n in names)  # whole vocabulary
     assert checkpoint_method(folder) == "dflash" and checkpoint_num_speculative_tokens(folder) == 3
+    from extractor.config import SpeculativeConfig
+
+    # a block drafter drafts in parallel by nature: vLLM's parallel_drafting flag is accepted, and implied
+    assert SpeculativeConfig(method="dflash", model=folder, num_speculative_tokens=3, parallel_drafting=True
+                             ).parallel_drafting
+    assert SpeculativeConfig(method="dflash", model=folder, num_speculative_tokens=2).parallel_drafting
     back = DFlashDrafter.from_pretrained(folder)
     ours, theirs = drafter.state_dict(), back.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

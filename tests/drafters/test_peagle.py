@@ -154,6 +154,12 @@ def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_p
                                       "parallel_drafting": True})
     with pytest.raises(ValueError, match="parallel_drafting=True is not supported"):
         speculative_config_from_dict({"method": "ngram", "num_speculative_tokens": 3, "parallel_drafting": True})
+    with pytest.raises(ValueError, match="parallel_drafting must be true or false, got 'false'"):
+        SpeculativeConfig(method="eagle3", model=folder, num_speculative_tokens=3, parallel_drafting="false")
+    from drafters.peagle import PEagleProposer
+
+    with pytest.raises(ValueError, match="trained for 4 depths.*--ttt-steps 5"):
+        PEagleProposer(folder, _runner(tiny_llama), 5)
 
 
 @pytest.mark.slow
