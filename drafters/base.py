@@ -230,6 +230,11 @@ class Drafter(nn.Module, ABC):
         (e.g. medusa_num_layers=1), unknown names raise TypeError. The trainer has already checked that the run
         holds required_layer_ids."""
 
+    @classmethod
+    def default_num_speculative_tokens(cls, family_options: dict[str, Any]) -> int:
+        """k when `hsx train-drafter` is given no --num-speculative-tokens (3; a block drafter: its block - 1)."""
+        return 3
+
     def prepare(self, dataset: Any) -> None:
         """Optional hook, called once by the trainer before the first step with the training dataset
         (a training.HiddenStatesDataset, raw layout): e.g. EAGLE-3 builds its draft vocabulary from the run's

@@ -242,6 +242,11 @@ class DFlashDrafter(Drafter):
         return cls(config, layer_config, aux, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir),
                    verifier_architectures=archs)
 
+    @classmethod
+    def default_num_speculative_tokens(cls, family_options: dict[str, Any]) -> int:
+        """A block's drafts: block_size - 1."""
+        return DFlashConfig(**family_options).block_size - 1
+
     # -- the model ----------------------------------------------------------------------------------------------
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., A, H] -> [..., H] the context entry: hidden_norm(fc(aux))."""

@@ -531,8 +531,8 @@ class _OnlineTrainer:
         self.target = TargetHead.from_model_dir(config.model)
         torch.manual_seed(config.seed)
         try:
-            self.drafter = drafter_class(config.kind).for_run(self.spec, self.target, config.num_speculative_tokens,
-                                                              **config.drafter_options())
+            cls = drafter_class(config.kind)
+            self.drafter = cls.for_run(self.spec, self.target, config.drafts_per_step(cls), **config.drafter_options())
         except TypeError as e:
             raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its "
                              "fields") from e

@@ -71,8 +71,9 @@ class TrainDrafterConfig:
     """Optimizer steps to train (one packed batch each); default: --epochs."""
     epochs: float | None = None
     """Passes over the run (fractions allowed); used when --steps is not given (default 1)."""
-    num_speculative_tokens: int = 3
-    """k, the tokens drafted per step when decoding (Medusa heads, MLPSpeculator stages; EAGLE-3's default k)."""
+    num_speculative_tokens: int | None = None
+    """k, the tokens drafted per step when decoding (Medusa heads, MLPSpeculator stages; EAGLE-3's default k); default
+    the family's: 3, DFlash's block_size - 1."""
     lr: float = 1e-4
     """AdamW learning rate (constant after warmup)."""
     lr_schedule: str = "constant"
@@ -210,7 +211,7 @@ class TrainDrafterConfig:
         if self.epochs is not None and not self.epochs > 0:
             raise ValueError(f"--epochs must be > 0, got {self.epochs}")
         for name in ("num_speculative_tokens", "batch_tokens", "checkpoint_every"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
@@ -229,6 +230,16 @@ class TrainDrafterConfig:
     def distributed(self) -> bool:
         """Whether this training runs on Ray (jobs.train): --workers > 1 or an --address."""
         return self.workers > 1 or bool(self.address)
+
+    def drafts_per_step(self, cls: type | None = None) -> int:
+        """k: --num-speculative-tokens, else the family's default (Drafter.default_num_speculative_tokens)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        if cls is None:
+            from drafters.registry import drafter_class
+
+            cls = drafter_class(self.kind)
+        return int(cls.default_num_speculative_tokens(self.drafter_options()))
 
     def drafter_options(self) -> dict[str, Any]:
         """Keyword options for the family's for_run (its config's fields)."""
@@ -704,7 +715,7 @@ def prepare_training(config: TrainDrafterConfig):
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     try:
-        drafter = cls.for_run(ds.run_info, target, config.num_speculative_tokens, **config.drafter_options())
+        drafter = cls.for_run(ds.run_info, target, config.drafts_per_step(cls), **config.drafter_options())
     except TypeError as e:  # an option the family's config does not have
         raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
                          ) from e
@@ -984,7 +995,7 @@ def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, 
         if final["batches_per_epoch"] else final["epoch"],
         "tokens": final["tokens"], "resumed_from_step": resumed_from, "final_loss": fig["loss"],
         "accuracy_per_position": fig["accuracy"], "simulated_acceptance_length": fig["simulated_acceptance_length"],
-        "num_speculative_tokens": config.num_speculative_tokens, "layer_ids": list(ds.run_info.layer_ids),
+        "num_speculative_tokens": config.drafts_per_step(), "layer_ids": list(ds.run_info.layer_ids),
         "samples": len(ds), "skipped_samples": len(skipped), "skipped_batches": final.get("skipped_batches", 0),
         "skipped": dict(list(sorted(skipped.items()))[:100]), "run_identity": identity, "workers": config.workers,
         **extra, "wall_seconds": round(time.monotonic() - started, 3),

@@ -168,4 +168,5 @@ def test_engine_decoding_with_a_dflash_head_is_lossless_with_rows_joining(tiny_l
                                      lr=1e-2, batch_tokens=128, max_grad_norm=1.0, device="cpu", progress=False,
                                      family_options={"block_size": 4}))
     metrics = decode_like_generate(tiny_llama, {"model": head}, refs, min_accepted_per_draft=1.0)
-    assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == 3  # k = block_size - 1
+    # no --num-speculative-tokens: the checkpoint says k = block_size - 1, which the engine takes
+    assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == 3
