@@ -70,8 +70,9 @@ class DFlashConfig:
     num_layers: int = 2
     """Draft decoder layers (the mask slots differ only by position: one layer leaves them little to work with; the
     tiny-target tests reach AL >= 2 with two, not with one)."""
-    max_anchors: int = 64
-    """Blocks per packed row per step (speculators: 512 on a GPU)."""
+    max_anchors: int = 512
+    """Blocks per packed row per step, at most (speculators' default; fewer where a row has fewer trained
+    positions)."""
     gamma: float = 4.0
     """Slot j's loss weight is exp(-(j-1)/gamma)."""
     mask_token_id: int | None = None

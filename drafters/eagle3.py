@@ -376,7 +376,7 @@ class Eagle3Drafter(Drafter):
                 teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
                 del t_logits
         steps = self.config.ttt_steps
-        loss = torch.zeros((), dtype=torch.float32, device=aux.device)
+        terms: list[tuple[int, torch.Tensor, int]] = []  # (step, mean cross-entropy, chains) per trained step
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
         outputs = self.unroll(aux, batch.input_ids, batch.position_ids, batch.document_ids, steps)
@@ -390,11 +390,17 @@ class Eagle3Drafter(Drafter):
                 continue
             logits = self.logits(hidden[rows, cols]).float()  # [N, D]
             p = teacher[rows, cols + 1 + s]  # [N, D] the target's distribution of x_{t+2+s}
-            loss = loss + self.config.step_loss_decay ** s * F.cross_entropy(logits, p)
+            terms.append((s, F.cross_entropy(logits, p), int(rows.numel())))
             with torch.no_grad():
                 guess = self.draft_ids[logits.argmax(-1)]  # [N] target ids
                 correct[s] = int((guess == greedy[rows, cols + 1 + s]).sum())
+        loss = self.combine_step_losses(terms) if terms else torch.zeros((), device=aux.device)
         return StepResult(loss, correct, counted)
+
+    def combine_step_losses(self, terms: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
+        """The loss from each trained step's (step, mean cross-entropy, chains): EAGLE-3 sums the steps' means,
+        step s weighted step_loss_decay**s."""
+        return sum(self.config.step_loss_decay ** s * ce for s, ce, _ in terms)
 
     # -- checkpoint (speculators layout) ------------------------------------------------------------------------
     def checkpoint_config(self) -> dict[str, Any]:

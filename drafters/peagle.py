@@ -13,7 +13,7 @@ the drafter produced, so every depth is computed in one forward at decoding. Its
 <= t of the same document and its own chain's earlier depths (EAGLE-3's test-time-training mask, drafters/eagle3.py).
 
 Training (speculators' COD sampling): every chain trains depth 0; depth d counts a nested random subset of chains, a
-fraction max(0.7^d, 0.2) (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
+fraction max(0.7^d, 0.2); the loss is the mean over every sampled (chain, depth), so depth 0 weighs most (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
 at every earlier depth). Here the forward still computes every chain at every depth (a one-layer head; the sampled
 forward that saves memory at 8B scale is not done), so the sampling shapes the loss, not the cost.
 
@@ -109,6 +109,12 @@ class PEagleDrafter(Eagle3Drafter):
             return valid
         ratio = max(self.config.down_sample_ratio ** step, self.config.down_sample_ratio_min)
         return valid & (self._draw < ratio)
+
+    def combine_step_losses(self, terms) -> torch.Tensor:
+        """The mean over every sampled (chain, depth), as speculators' loss over its sampled positions: depth 0 (all
+        chains) weighs most, a depth in proportion to the chains COD kept there."""
+        total = sum(n for _, _, n in terms)
+        return sum(ce * n for _, ce, n in terms) / total
 
     def checkpoint_config(self) -> dict[str, Any]:
         doc = super().checkpoint_config()
