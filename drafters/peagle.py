@@ -164,7 +164,8 @@ class PEagleProposer(Eagle3Proposer):
         for b in rows:
             self._drafted[b] = masks  # rolled back when the target answers
         # [B', k_max, H]: the last verified entry's output, then the mask entries' outputs
-        h = torch.stack([torch.cat([self._last[b][None], outs[b][outs[b].shape[0] - masks:]]) for b in rows])
+        h = torch.stack([torch.cat([self._last[b][None], outs[b][outs[b].shape[0] - masks:]]) if masks
+                         else self._last[b][None] for b in rows])
         logits = self.drafter.logits(h).float()  # [B', k_max, D]
         picks = [self._pick(logits[:, j], [params[b] for b in rows], [generators[b] for b in rows])
                  for j in range(k_max)]
