@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -321,3 +321,56 @@ def load_weights(model: nn.Module, model_dir: str, state: Mapping[str, torch.Ten
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match a {kind} head of this config (missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)})")
+
+
+def speculators_num_speculative_tokens(config: Mapping[str, Any]) -> int | None:
+    """The k a speculators-format config.json proposes (speculators_config.proposal_methods[0]), or None."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
+
+
+def resolve_mask_token_id(mask_token_id: int | None, layer_config) -> int:
+    """The token mask slots read: the one given, else the target's pad token, else its last vocabulary id;
+    ValueError when outside the vocabulary (P-EAGLE's depths >= 1, DFlash's block slots)."""
+    vocab = layer_config.vocab_size
+    mask = mask_token_id
+    if mask is None:
+        pad = getattr(layer_config, "pad_token_id", None)
+        mask = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+    if not 0 <= int(mask) < vocab:
+        raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {vocab}")
+    return int(mask)
+
+
+def aux_and_last_layer_ids(num_hidden_layers: int, aux_layer_ids: Sequence[int] | None) -> tuple[int, ...]:
+    """The layers a family fusing aux layers needs: the configured aux ids, then N (required_layer_ids)."""
+    return tuple(dict.fromkeys((*(aux_layer_ids or ()), num_hidden_layers)))
+
+
+def aux_layers_for_run(run_spec: Any, aux_layer_ids: Sequence[int] | None, *, kind: str, uses: str,
+                       suggest: Sequence[int]) -> tuple[int, ...]:
+    """The aux layers a family fusing them trains on (aux_layer_ids, else every stored layer but N), checked against
+    the run: it must hold them and N (a top-k target stands in for N); ValueError naming the re-extraction otherwise.
+    `uses`: what the family does with them, for the message; `suggest`: the layers to propose (those in 1..N)."""
+    n = int(run_spec.num_hidden_layers)
+    stored = tuple(run_spec.layer_ids)
+    aux = tuple(aux_layer_ids or ()) or tuple(i for i in stored if i != n)
+    suggestion = ",".join(str(i) for i in sorted(set(suggest)) if 0 < i <= n)
+    if not aux:
+        raise ValueError(f"{kind} {uses}, but the run stores only layers {list(stored)}; re-extract with aux layers, "
+                         f"e.g. --layers {suggestion}")
+    have = (*stored, n) if run_spec.target_top_k is not None else stored
+    missing = [i for i in (*aux, n) if i not in have]
+    if missing:
+        raise ValueError(f"{kind} needs layers {list(aux_and_last_layer_ids(n, aux))} but the run stores "
+                         f"{list(stored)} (missing {missing}); re-extract with --layers {suggestion} or pass "
+                         "aux_layer_ids the run holds")
+    return aux
+
+
+def target_folder(target: TargetHead, kind: str) -> str:
+    """The target's local folder a family sizes its layers from; ValueError for a head built without one."""
+    if not target.model_dir:
+        raise ValueError(f"{kind} sizes its layers from the target's config: build the TargetHead with "
+                         "TargetHead.from_model_dir(target_folder)")
+    return target.model_dir

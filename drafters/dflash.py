@@ -48,8 +48,13 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
+    aux_and_last_layer_ids,
+    aux_layers_for_run,
     load_weights,
     read_checkpoint_json,
+    resolve_mask_token_id,
+    speculators_num_speculative_tokens,
+    target_folder,
     topk_distribution,
     verifier_head,
 )
@@ -185,13 +190,7 @@ class DFlashDrafter(Drafter):
         self.target_hidden_size = h
         self.num_speculative_tokens = int(num_speculative_tokens or config.block_size - 1)
         self.verifier, self.verifier_architectures = verifier, list(verifier_architectures)
-        mask = config.mask_token_id
-        if mask is None:
-            pad = getattr(layer_config, "pad_token_id", None)
-            mask = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
-        if not 0 <= int(mask) < vocab:
-            raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {vocab}")
-        self.mask_token_id = int(mask)
+        self.mask_token_id = resolve_mask_token_id(config.mask_token_id, layer_config)
         self.fc = nn.Linear(len(self.aux_layer_ids) * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(layer_config) for _ in range(config.num_layers)])
@@ -210,32 +209,19 @@ class DFlashDrafter(Drafter):
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
     def required_layer_ids(cls, num_hidden_layers: int, config: DFlashConfig | None = None) -> tuple[int, ...]:
-        aux = config.aux_layer_ids if config is not None and config.aux_layer_ids else ()
-        return tuple(dict.fromkeys((*aux, num_hidden_layers)))
+        return aux_and_last_layer_ids(num_hidden_layers, config.aux_layer_ids if config is not None else None)
 
     @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> DFlashDrafter:
         config = DFlashConfig(**family_options)
         n = int(run_spec.num_hidden_layers)
-        stored = tuple(run_spec.layer_ids)
-        aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
-        suggestion = ",".join(str(i) for i in sorted({1, n // 2, n - 1, n}) if 0 < i <= n)
-        if not aux:
-            raise ValueError(f"DFlash builds its context from aux layers, but the run stores only layers "
-                             f"{list(stored)}; re-extract with aux layers, e.g. --layers {suggestion}")
-        have = (*stored, n) if run_spec.target_top_k is not None else stored
-        missing = [i for i in (*aux, n) if i not in have]
-        if missing:
-            raise ValueError(f"DFlash needs layers {list(dict.fromkeys((*aux, n)))} but the run stores {list(stored)} "
-                             f"(missing {missing}); re-extract with --layers {suggestion} or pass aux_layer_ids the "
-                             "run holds")
+        aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind="DFlash", uses="builds its context from aux layers",
+                                 suggest=(1, n // 2, n - 1, n))
         if num_speculative_tokens > config.block_size - 1:
             raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a block of {config.block_size} drafts "
                              f"at most {config.block_size - 1}; raise block_size (--family-options)")
-        if not target.model_dir:
-            raise ValueError("DFlash sizes its layers from the target's config: build the TargetHead with "
-                             "TargetHead.from_model_dir(target_folder)")
+        target_folder(target, "DFlash")
         layer_config = _qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
         from transformers import AutoConfig
 
@@ -489,13 +475,8 @@ class DFlashProposer(Proposer):
         return drafts
 
 
-def _speculative_tokens(config: dict) -> int | None:
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
-    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
-
-
 FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",
                 drafter="drafters.dflash:DFlashDrafter", proposer_class="drafters.dflash:DFlashProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
-                config_k=_speculative_tokens, parallel=True)
+                config_k=speculators_num_speculative_tokens, parallel=True)
 """DFlash in the registry (pyproject.toml's hsx.drafters entry point `dflash`)."""

@@ -47,6 +47,7 @@ from drafters.base import (
     TargetHead,
     load_weights,
     read_checkpoint_json,
+    target_folder,
     verifier_head,
 )
 from drafters.eagle3 import Eagle3Drafter as _Eagle3
@@ -154,9 +155,7 @@ class EagleDrafter(Drafter):
         if n not in tuple(run_spec.layer_ids):
             raise ValueError(f"EAGLE reads the target's last layer (id {n}), but the run stores layers "
                              f"{list(run_spec.layer_ids)}; re-extract with --layers ...,{n}")
-        if not target.model_dir:
-            raise ValueError("EAGLE sizes its layers from the target's config: build the TargetHead with "
-                             "TargetHead.from_model_dir(target_folder)")
+        target_folder(target, "EAGLE")
         layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
         layer_config.num_target_layers = n
         model = cls(config, layer_config, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir))

@@ -43,8 +43,12 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
+    aux_and_last_layer_ids,
+    aux_layers_for_run,
     load_weights,
     read_checkpoint_json,
+    speculators_num_speculative_tokens,
+    target_folder,
     topk_distribution,
 )
 from drafters.registry import Family
@@ -230,29 +234,16 @@ class Eagle3Drafter(Drafter):
     def required_layer_ids(cls, num_hidden_layers: int, config: Eagle3Config | None = None) -> tuple[int, ...]:
         """N plus the configured aux layers (with aux_layer_ids None, every other stored layer is fused; for_run
         refuses a run that stores no layer but N)."""
-        aux = config.aux_layer_ids if config is not None and config.aux_layer_ids else ()
-        return tuple(dict.fromkeys((*aux, num_hidden_layers)))
+        return aux_and_last_layer_ids(num_hidden_layers, config.aux_layer_ids if config is not None else None)
 
     @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> Eagle3Drafter:
         config = cls.config_class(**family_options)
         n = int(run_spec.num_hidden_layers)
-        stored = tuple(run_spec.layer_ids)
-        aux = config.aux_layer_ids or tuple(i for i in stored if i != n)
-        suggestion = ",".join(str(i) for i in sorted({2, n // 2, n - 3, n}) if 0 < i <= n)
-        if not aux:
-            raise ValueError(f"EAGLE-3 fuses the states of aux layers, but the run stores only layers {list(stored)}; "
-                             f"re-extract with aux layers, e.g. --layers {suggestion}")
-        have = (*stored, n) if run_spec.target_top_k is not None else stored  # a top-k target stands in for N
-        missing = [i for i in (*aux, n) if i not in have]
-        if missing:
-            raise ValueError(f"EAGLE-3 needs layers {list(dict.fromkeys((*aux, n)))} but the run stores "
-                             f"{list(stored)} (missing {missing}); re-extract with --layers {suggestion} or pass "
-                             "aux_layer_ids the run holds")
-        if not target.model_dir:
-            raise ValueError("EAGLE-3 sizes its layer from the target's config: build the TargetHead with "
-                             "TargetHead.from_model_dir(target_folder)")
+        aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind="EAGLE-3", uses="fuses the states of aux layers",
+                                 suggest=(2, n // 2, n - 3, n))
+        target_folder(target, "EAGLE-3")
         layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
         from transformers import AutoConfig
 
@@ -485,13 +476,8 @@ class Eagle3Drafter(Drafter):
         return model.to(device).eval()
 
 
-def _speculative_tokens(config: dict) -> int | None:
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
-    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
-
-
 FAMILY = Family(name="eagle3", description="an EAGLE-3 (speculators) checkpoint",
                 drafter="drafters.eagle3:Eagle3Drafter", proposer_class="drafters.eagle3_proposer:Eagle3Proposer",
                 config_matches=lambda config: config.get("speculators_model_type") == "eagle3",
-                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"))
+                config_k=speculators_num_speculative_tokens, options=("draft_vocab_size", "ttt_steps"))
 """EAGLE-3 in the registry (pyproject.toml's hsx.drafters entry point `eagle3`)."""

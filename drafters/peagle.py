@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafters.base import resolve_mask_token_id, speculators_num_speculative_tokens
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, _shift_left
 from drafters.eagle3_proposer import Eagle3Proposer
 from drafters.registry import Family
@@ -71,14 +72,7 @@ class PEagleDrafter(Eagle3Drafter):
                  num_speculative_tokens: int = 3, verifier: str = "", verifier_architectures=()) -> None:
         super().__init__(config, layer_config, aux_layer_ids, target_hidden_size, num_speculative_tokens, verifier,
                          verifier_architectures)
-        mask = config.mask_token_id
-        if mask is None:
-            pad = getattr(layer_config, "pad_token_id", None)
-            mask = int(pad) if isinstance(pad, int) and 0 <= pad < layer_config.vocab_size else \
-                layer_config.vocab_size - 1
-        if not 0 <= int(mask) < layer_config.vocab_size:
-            raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {layer_config.vocab_size}")
-        self.mask_token_id = int(mask)
+        self.mask_token_id = resolve_mask_token_id(config.mask_token_id, layer_config)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(self.aux_layer_ids) * self.target_hidden_size))
 
     @classmethod
@@ -177,14 +171,9 @@ class PEagleProposer(Eagle3Proposer):
         return drafts
 
 
-def _speculative_tokens(config: dict) -> int | None:
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
-    return methods[0].get("speculative_tokens") if methods and isinstance(methods[0], dict) else None
-
-
 FAMILY = Family(name="peagle", description="a P-EAGLE (speculators peagle) checkpoint",
                 drafter="drafters.peagle:PEagleDrafter", proposer_class="drafters.peagle:PEagleProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
-                config_k=_speculative_tokens, options=("draft_vocab_size", "ttt_steps"), parallel_of="eagle3",
-                parallel=True)
+                config_k=speculators_num_speculative_tokens, options=("draft_vocab_size", "ttt_steps"),
+                parallel_of="eagle3", parallel=True)
 """P-EAGLE in the registry (pyproject.toml's hsx.drafters entry point `peagle`)."""
