@@ -1,7 +1,7 @@
 """The job's side of the manifest (its format — schema, part files, readers — is `connectors.run`'s).
 
     ManifestWriter(run, attempt)   add(rows) / maybe_flush() / flush(): each flush commits one part file
-    summarize(run) -> Summary      counts by sample for `hsx status`
+    summarize(run, table=) -> Summary   counts by sample for `hsx status` and `hsx report`
     error_kind(error) -> str       a short category for grouping failure reasons
 
 A sample's state is its last decisive row (connectors.run): "ok" (committed), "invalid" (hsx verify found its file
@@ -119,8 +119,9 @@ class Summary:
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
-def summarize(run: RunDir, max_errors: int = 10) -> Summary:
-    table = read_manifest(run)
+def summarize(run: RunDir, max_errors: int = 10, table: pa.Table | None = None) -> Summary:
+    """Counts by sample; `table`: the manifest when the caller has read it already (read here otherwise)."""
+    table = read_manifest(run) if table is None else table
     s = Summary(rows=table.num_rows, parts=len(live_manifest_parts(run)))
     if not table.num_rows:
         return s

@@ -47,7 +47,6 @@ import math
 import posixpath
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +91,9 @@ class ReportConfig:
 
 def collect(config: ReportConfig) -> dict[str, Any]:
     """The numbers behind the page; ValueError when OUTPUT holds no readable run."""
-    import pyarrow.compute as pc
 
     from connectors.run import RunDir, RunFormatError, committed_rows, read_manifest, read_run_spec
-    from jobs.manifest import error_kind, summarize
+    from jobs.manifest import summarize
     from jobs.verify import latest_report
 
     run = RunDir(config.output, config.storage_options)
@@ -104,7 +102,7 @@ def collect(config: ReportConfig) -> dict[str, Any]:
         if spec is None:
             raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
         table = read_manifest(run)
-        summary = summarize(run)
+        summary = summarize(run, table=table)
     except RunFormatError as e:
         raise ValueError(str(e)) from e
     ok = committed_rows(table) if table.num_rows else table
@@ -124,9 +122,7 @@ def collect(config: ReportConfig) -> dict[str, Any]:
     data["lengths"] = _lengths(rows)
     data["bytes_per_token"] = _histogram([r["bytes"] / r["num_tokens"] for r in rows
                                           if r["bytes"] and r["num_tokens"]])
-    failed = table.filter(pc.equal(table["status"], "failed")) if table.num_rows else table
-    data["failures"] = dict(Counter(error_kind(e or "unknown") for e in
-                                    (failed["error"].to_pylist() if failed.num_rows else [])).most_common())
+    data["failures"] = summary.error_kinds  # failed samples by reason, as `hsx status` counts them
     data["verify"] = _verify_summary(latest_report(run))
     data["throughput"] = _throughput(rows)
     picked = random.Random(config.seed).sample(rows, min(config.sample, len(rows)))
@@ -442,6 +438,8 @@ table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-
 
 def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
     """The page: the checks, the plots (embedded PNGs), the run's facts, and `data` as embedded JSON."""
+    from jobs.progress import human_bytes, human_count
+
     images = plots(data) if images is None else images
     e = html.escape
     run, c = data["run"], data["counts"]
@@ -452,7 +450,7 @@ def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
              ("dtype", run["dtype"] + (f", stored as {run['storage_dtype']}" if run["storage_dtype"] else "")),
              ("samples", f"{c['ok']} ok, {c['failed']} failed, {c['skipped']} skipped, {c['invalid']} invalid, "
                          f"{c['truncated']} truncated"),
-             ("data", f"{c['tokens']} tokens, {c['bytes']} bytes"),
+             ("data", f"{human_count(c['tokens'])} tokens, {human_bytes(c['bytes'])}"),
              ("sampled files", f"{data['states']['sampled']} ({data['states']['rows']} rows)")]
     v = data["verify"]
     verify = ("never verified (hsx verify OUTPUT)" if v is None else

@@ -210,3 +210,28 @@ def test_lengths_cut_names_the_limit_that_cut_them():
     (message,) = flags([row(128, 128)] * 8 + [row(40, 40)] * 2, 0)
     assert "8 of 10 samples (80%) have exactly the longest length, 128 tokens" in message
     assert flags([row(10 + i, 20 + 2 * i) for i in range(10)], 64) == []
+
+
+def test_failures_by_reason_count_failed_samples_as_hsx_status_does(tmp_path, capsys):
+    """A committed sample with a failed row is no failure; one failing twice counts once; the page and `hsx
+    status` agree."""
+    import json
+
+    from connectors import HiddenStatesSpec
+    from tests.training.runs import random_samples
+
+    spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=2, hidden_size=8, dtype="float32")
+    samples = random_samples(4, spec, seed=1)
+
+    def failed(sid, error):
+        return {"sample_id": sid, "path": "", "num_tokens": 0, "num_prompt_tokens": 0, "status": "failed",
+                "error": error, "bytes": 0}
+
+    out = str(tmp_path / "run")
+    write_run(out, samples, spec, extra_rows=[failed("bad-1", "tokenizer error: x"), failed("bad-1", "tokenizer error: y"),
+                                              failed("bad-2", "tokenizer error: z"),
+                                              failed(samples[0].sample_id, "engine: out of memory")])
+    _, data = _report(out, tmp_path)
+    assert data["failures"] == {"tokenizer error": 2} and data["counts"]["failed"] == 2
+    assert main(["status", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["error_kinds"] == data["failures"]
