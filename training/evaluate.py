@@ -65,19 +65,20 @@ class SpecDecodeCounts:
     drafter_steps: int = 0
 
     def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0)
-               + (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0) for i in range(n)]
-        return SpecDecodeCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                                self.num_accepted_tokens + other.num_accepted_tokens, pos,
-                                self.drafter_seconds + other.drafter_seconds, self.drafter_steps + other.drafter_steps)
+        return self._combine(other, 1)
 
     def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
-               for i, a in enumerate(self.accepted_per_pos)]
-        return SpecDecodeCounts(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                                self.num_accepted_tokens - other.num_accepted_tokens, pos,
-                                self.drafter_seconds - other.drafter_seconds, self.drafter_steps - other.drafter_steps)
+        return self._combine(other, -1)
+
+    def _combine(self, other: SpecDecodeCounts, sign: int) -> SpecDecodeCounts:
+        """self + sign * other, field by field (positions past either vector's end count 0)."""
+        a, b = self.accepted_per_pos, other.accepted_per_pos
+        pos = [(a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
+        return SpecDecodeCounts(self.num_drafts + sign * other.num_drafts,
+                                self.num_draft_tokens + sign * other.num_draft_tokens,
+                                self.num_accepted_tokens + sign * other.num_accepted_tokens, pos,
+                                self.drafter_seconds + sign * other.drafter_seconds,
+                                self.drafter_steps + sign * other.drafter_steps)
 
     @property
     def drafter_ms_per_step(self) -> float | None:
