@@ -1,4 +1,4 @@
-"""What the drafter families' tests share: packed batches of a run, and the end-to-end check every family passes —
+"""What the drafter families' tests share: packed batches of a run, a few training steps, and the end-to-end check every family passes —
 a head trained by `hsx train-drafter` on the target's own greedy continuations, decoded by hsx's engine two rows at
 a time (the third joining), equal to transformers generate token for token, its drafts accepted."""
 
@@ -18,6 +18,20 @@ def packed_batch(ds, indices, max_tokens: int = 128):
     from training import PackCollator
 
     return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
+
+
+def train_steps(drafter, target, batch, steps: int, lr: float = 3e-3):
+    """`steps` AdamW steps of drafter.training_step on one batch (its trainable parameters only); (losses, the last
+    StepResult)."""
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        result = drafter.training_step(batch, target)
+        opt.zero_grad()
+        result.loss.backward()
+        opt.step()
+        losses.append(result.loss.item())
+    return losses, result
 
 
 def greedy_run(oracle_model, tiny_llama: str, out: str, layers, new_tokens: int = 12) -> list[list[int]]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.drafters.helpers import packed_batch as _batch
+from tests.drafters.helpers import train_steps
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,7 @@ def test_eagle_overfits_a_tiny_run_and_keeps_the_targets_parts_frozen(eagle_setu
     params = [p for p in drafter.parameters() if p.requires_grad]
     assert not any(p is drafter.embed_tokens.weight for p in params)
     assert not any(p is q for p in params for q in drafter.target_norm.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-3)
-    losses = []
-    for _ in range(10):
-        result = drafter.training_step(batch, target)
-        opt.zero_grad()
-        result.loss.backward()
-        opt.step()
-        losses.append(result.loss.item())
+    losses, result = train_steps(drafter, target, batch, 10)
     assert losses[-1] < 0.7 * losses[0], losses
     assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens)
     assert torch.equal(drafter.target_lm_head, target.lm_head)

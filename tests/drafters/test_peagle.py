@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.drafters.helpers import packed_batch as _batch
+from tests.drafters.helpers import train_steps
 
 LAYERS = (1, 2, 4)
 
@@ -35,14 +36,7 @@ def peagle_setup(oracle_run, tiny_llama):
 def trained_head(peagle_setup, tiny_llama, tmp_path_factory):
     ds, target, drafter = peagle_setup
     batch = _batch(ds, [0, 1, 2], max_tokens=256)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(6):
-        result = drafter.training_step(batch, target)
-        opt.zero_grad()
-        result.loss.backward()
-        opt.step()
-        losses.append(result.loss.item())
+    losses, result = train_steps(drafter, target, batch, 6)
     folder = str(tmp_path_factory.mktemp("peagle-head"))
     drafter.eval().save_pretrained(folder, verifier=tiny_llama)
     return folder, drafter, losses
