@@ -2,6 +2,7 @@
 
     TargetHead.from_model_dir(dir)   the target's frozen final norm + lm_head: teacher logits from the stored last
                                      layer (pre-norm, vLLM id N), exactly what the target's own forward computes
+    TargetHead.of_model(model)       the same parts of a loaded target (no copies): what a proposer reads out with
     DrafterBatch.from_packed(batch, layer_ids)   a PackCollator batch of a raw-layout HiddenStatesDataset
     StepResult                       one training step's loss and per-position top-1 agreement counts
     Drafter                          the interface of eagle3.py, medusa.py, mlp_speculator.py (nn.Module subclasses)
@@ -76,6 +77,8 @@ class TargetHead:
     model_dir: str = ""
     """The target's local folder (from_model_dir sets it): families that size their layers from the target's
     config (EAGLE-3's decoder layer) read it from here."""
+    num_hidden_layers: int | None = None
+    """The target's decoder layers (N: its last layer's vLLM id), from its config."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> TargetHead:
@@ -87,7 +90,16 @@ class TargetHead:
             head = embed
         else:
             head = read_target_tensor(model_dir, LM_HEAD_KEYS)
-        return cls(FinalNorm.from_model_dir(model_dir), head, embed, model_dir)
+        return cls(FinalNorm.from_model_dir(model_dir), head, embed, model_dir, int(config.num_hidden_layers))
+
+    @classmethod
+    def of_model(cls, model: nn.Module, model_dir: str = "") -> TargetHead:
+        """The final norm, lm_head and input embeddings of a loaded transformers target, shared (not copied): an
+        engine's proposer reads out with the very tensors the target computes with, on its device and dtype, and
+        nothing is read from the target's folder again."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(FinalNorm.of_model(model), model.get_output_embeddings().weight,
+                   model.get_input_embeddings().weight, model_dir, int(config.num_hidden_layers))
 
     @property
     def vocab_size(self) -> int:
@@ -100,7 +112,8 @@ class TargetHead:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> TargetHead:
         norm = self.norm.to(dtype)
         norm.module.to(device)
-        return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype), self.model_dir)
+        return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype), self.model_dir,
+                          self.num_hidden_layers)
 
     def post_norm(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., H]: the state lm_head reads (call .to() first to match device and dtype)."""
@@ -298,16 +311,24 @@ def read_checkpoint_json(model_dir: str, what: str) -> dict[str, Any]:
     return doc
 
 
-def verifier_head(model_dir: str, target_dir: str | None, hidden_size: int, vocab_size: int, kind: str) -> TargetHead:
-    """The frozen head of the target a checkpoint reads out with (its lm_head, embeddings, final norm): `target_dir`,
-    else the verifier the checkpoint names; ValueError when it is no local folder or its sizes differ."""
-    if not target_dir or not os.path.isdir(target_dir):
-        raise ValueError(f"{model_dir}: {kind} reads the target's own weights, but its target {target_dir!r} is not a "
-                         "local folder; pass the target folder")
-    target = TargetHead.from_model_dir(target_dir)
+def runner_target(runner) -> TargetHead:
+    """The target an engine's runner holds, as a TargetHead sharing its tensors (TargetHead.of_model)."""
+    return TargetHead.of_model(runner.model, runner.config.model)
+
+
+def verifier_head(model_dir: str, target_dir: str | None, hidden_size: int, vocab_size: int, kind: str,
+                  target: TargetHead | None = None) -> TargetHead:
+    """The frozen head of the target a checkpoint reads out with (its lm_head, embeddings, final norm): `target` (a
+    loaded target's, TargetHead.of_model), else read from `target_dir` (the verifier the checkpoint names, unless
+    given); ValueError when that is no local folder or the sizes differ."""
+    if target is None:
+        if not target_dir or not os.path.isdir(target_dir):
+            raise ValueError(f"{model_dir}: {kind} reads the target's own weights, but its target {target_dir!r} is "
+                             "not a local folder; pass the target folder")
+        target = TargetHead.from_model_dir(target_dir)
     if target.hidden_size != hidden_size or target.vocab_size != vocab_size:
         raise ValueError(f"{model_dir}: the {kind} head has hidden size {hidden_size} and vocabulary {vocab_size}, its "
-                         f"target {target_dir} has {target.hidden_size} and {target.vocab_size}: it was trained for "
+                         f"target {target.model_dir or target_dir} has {target.hidden_size} and {target.vocab_size}: it was trained for "
                          "another model")
     return target
 

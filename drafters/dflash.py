@@ -53,6 +53,7 @@ from drafters.base import (
     load_weights,
     read_checkpoint_json,
     resolve_mask_token_id,
+    runner_target,
     speculators_num_speculative_tokens,
     target_folder,
     topk_distribution,
@@ -186,7 +187,7 @@ class DFlashDrafter(Drafter):
         self.config = config
         self.layer_config = layer_config
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
-        h, vocab = layer_config.hidden_size, layer_config.vocab_size
+        h = layer_config.hidden_size
         self.target_hidden_size = h
         self.num_speculative_tokens = int(num_speculative_tokens or config.block_size - 1)
         self.verifier, self.verifier_architectures = verifier, list(verifier_architectures)
@@ -196,11 +197,9 @@ class DFlashDrafter(Drafter):
         self.layers = nn.ModuleList([DFlashLayer(layer_config) for _ in range(config.num_layers)])
         self.norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
-        self.embed_tokens = nn.Embedding(vocab, h)  # the target's, frozen, never written (speculators reloads it)
-        self.embed_tokens.weight.requires_grad_(False)
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.embed_tokens.to(torch.float32))
-        self.register_buffer("target_lm_head", target.lm_head.detach().to(torch.float32).clone(), persistent=False)
+        # the target's embeddings and lm_head, frozen, shared (not copied), never written (speculators reloads them)
+        self.embed_tokens = nn.Embedding.from_pretrained(target.embed_tokens.detach(), freeze=True)
+        self.register_buffer("target_lm_head", target.lm_head.detach(), persistent=False)
 
     @property
     def block_size(self) -> int:
@@ -227,7 +226,7 @@ class DFlashDrafter(Drafter):
 
         archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
         return cls(config, layer_config, aux, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir),
-                   verifier_architectures=archs)
+                   verifier_architectures=archs).to(torch.float32)  # trained in float32, the target's parts too
 
     @classmethod
     def default_num_speculative_tokens(cls, family_options: dict[str, Any]) -> int:
@@ -343,9 +342,10 @@ class DFlashDrafter(Drafter):
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> DFlashDrafter:
-        """Reload a checkpoint; embeddings and lm_head come from `target_dir` (default: the verifier it names)."""
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
+                        device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Reload a checkpoint; embeddings and lm_head are `target`'s (a loaded target's, shared: pass `dtype` and
+        `device` as the target's), else read from `target_dir` (default: the verifier it names)."""
         from safetensors.torch import load_file
         from transformers import Qwen3Config
 
@@ -363,7 +363,8 @@ class DFlashDrafter(Drafter):
         spec = doc.get("speculators_config") or {}
         verifier = spec.get("verifier") or {}
         target_dir = target_dir or verifier.get("name_or_path") or ""
-        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "DFlash")
+        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "DFlash",
+                               target)
         known = {f.name for f in fields(DFlashConfig)}
         options = {k: v for k, v in (doc.get("hsx_dflash") or {}).items() if k in known}
         options.update(block_size=int(doc["block_size"]), num_layers=int(layer_config.num_hidden_layers),
@@ -384,7 +385,9 @@ class DFlashProposer(Proposer):
     keys are never kept)."""
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        drafter = DFlashDrafter.from_pretrained(model_dir, target_dir=runner.config.model)
+        # the runner's own embeddings and lm_head, shared: built in its dtype and on its device, nothing is copied
+        drafter = DFlashDrafter.from_pretrained(model_dir, target=runner_target(runner), device=runner.device,
+                                                dtype=runner.dtype)
         if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
             raise ValueError(f"the dflash drafter {model_dir} was trained for a target of hidden size "
                              f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "

@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
         self.layers[0].input_layernorm = nn.Identity()  # as vLLM's llama_eagle.py: the fc output goes in as is
         self.rotary_emb = LlamaRotaryEmbedding(layer_config)
         self.target_norm = target.norm.to(torch.float32).module.requires_grad_(False)  # the target's, never saved
-        self.register_buffer("target_lm_head", target.lm_head.detach().to(torch.float32).clone(), persistent=False)
+        self.register_buffer("target_lm_head", target.lm_head.detach(), persistent=False)  # shared, not copied
 
     # -- the proposer's interface (drafters/eagle3_proposer.py) ------------------------------------------------
     @property
@@ -161,7 +161,7 @@ class EagleDrafter(Drafter):
         model = cls(config, layer_config, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir))
         with torch.no_grad():
             model.embed_tokens.weight.copy_(target.embed_tokens.to(torch.float32))
-        return model
+        return model.to(torch.float32)  # trained in float32, the target's lm_head too
 
     # -- training -----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
@@ -213,10 +213,10 @@ class EagleDrafter(Drafter):
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("target_norm.")}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> EagleDrafter:
-        """Reload a checkpoint; the lm_head and final norm come from `target_dir` (default: the verifier it
-        records)."""
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
+                        device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> EagleDrafter:
+        """Reload a checkpoint; the lm_head and final norm are `target`'s (a loaded target's, shared: pass `dtype`
+        and `device` as the target's), else read from `target_dir` (default: the verifier it records)."""
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
@@ -227,11 +227,9 @@ class EagleDrafter(Drafter):
         hsx = doc.get("hsx_eagle") or {}
         target_dir = target_dir or hsx.get("verifier") or ""
         layer_config = LlamaConfig.from_dict({k: v for k, v in doc.items() if k != "hsx_eagle"})
-        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "EAGLE")
-        from transformers import AutoConfig
-
-        layer_config.num_target_layers = int(hsx.get("target_num_hidden_layers") or AutoConfig.from_pretrained(
-            target_dir).get_text_config().num_hidden_layers)
+        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "EAGLE",
+                               target)
+        layer_config.num_target_layers = int(hsx.get("target_num_hidden_layers") or target.num_hidden_layers)
         known = {f.name for f in fields(EagleConfig)}
         options = {k: v for k, v in hsx.items() if k in known}
         options["num_layers"] = int(layer_config.num_hidden_layers)

@@ -50,6 +50,7 @@ from drafters.base import (
     speculators_num_speculative_tokens,
     target_folder,
     topk_distribution,
+    verifier_head,
 )
 from drafters.registry import Family
 from drafters.vocab import DraftVocab, build_draft_vocab
@@ -432,8 +433,10 @@ class Eagle3Drafter(Drafter):
         return {}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, device: torch.device | str = "cpu",
+    def from_pretrained(cls, model_dir: str, *, target: TargetHead | None = None, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> Eagle3Drafter:
+        """Reload a checkpoint; a checkpoint without embeddings (speculators may leave them out) takes `target`'s (a
+        loaded target's), else its verifier folder's."""
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
@@ -461,10 +464,8 @@ class Eagle3Drafter(Drafter):
                     verifier_architectures=verifier.get("architectures", []))
         state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
         if "embed_tokens.weight" not in state:  # speculators may leave it out: the verifier's embeddings
-            if not model.verifier or not os.path.isdir(model.verifier):
-                raise ValueError(f"{model_dir} holds no embed_tokens.weight and its verifier "
-                                 f"{model.verifier!r} is not a local folder to take them from")
-            state["embed_tokens.weight"] = TargetHead.from_model_dir(model.verifier).embed_tokens
+            state["embed_tokens.weight"] = verifier_head(model_dir, model.verifier, layer_config.hidden_size,
+                                                         layer_config.vocab_size, cls.kind, target).embed_tokens
         if "d2t" not in state:
             identity = DraftVocab.identity(layer_config.vocab_size)
             state["d2t"], state["t2d"] = identity.d2t, identity.t2d

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from drafters.base import runner_target
 from drafters.eagle import EagleDrafter
 from drafters.eagle3 import Eagle3Drafter
 from extractor.proposers import Draft, Proposer
@@ -95,7 +96,7 @@ class Eagle3Proposer(Proposer):
 
     @classmethod
     def load(cls, model_dir: str, runner) -> Eagle3Drafter:
-        return Eagle3Drafter.from_pretrained(model_dir)
+        return Eagle3Drafter.from_pretrained(model_dir, target=runner_target(runner))
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
         drafter = self.load(model_dir, runner)
@@ -275,4 +276,6 @@ class EagleProposer(Eagle3Proposer):
 
     @classmethod
     def load(cls, model_dir: str, runner) -> EagleDrafter:
-        return EagleDrafter.from_pretrained(model_dir, target_dir=runner.config.model)
+        # the runner's own lm_head and final norm, shared: built in its dtype and on its device, nothing is copied
+        return EagleDrafter.from_pretrained(model_dir, target=runner_target(runner), device=runner.device,
+                                            dtype=runner.dtype)

@@ -323,8 +323,7 @@ def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the {cls.kind} drafter {model_dir} "
                          f"drafts 1 to {drafter.max_drafts} tokens; lower num_speculative_tokens or train a drafter "
                          "with more heads / stages")
-    norm = FinalNorm.from_model_dir(runner.config.model).to(runner.dtype)
-    norm.module.to(runner.device)
+    norm = FinalNorm.of_model(runner.model)  # the target's own, in its dtype on its device: nothing read or copied
     return drafter.to(runner.device, runner.dtype).eval().requires_grad_(False), norm
 
 

@@ -4,6 +4,8 @@
                                     (model.safetensors or an index.json + shards), loaded into transformers' own
                                     norm module of that model type (LlamaRMSNorm, Qwen3RMSNorm, ..., torch's
                                     LayerNorm for GPT-2)
+    FinalNorm.of_model(model)       the loaded model's own final norm module (no copy): what an engine that holds the
+                                    target hands a drafter, so nothing is read from its folder again
     norm(x)                         [..., H] -> [..., H], exactly what the model's own `model.norm` computes
     norm.to(dtype)                  the same norm with its weights in `dtype` (as an engine running in it has them)
 
@@ -61,6 +63,24 @@ class FinalNorm:
     def to(self, dtype: torch.dtype) -> FinalNorm:
         """The same norm with its weights cast to `dtype`."""
         return FinalNorm(self.model_type, copy.deepcopy(self.module).to(dtype))
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module) -> FinalNorm:
+        """The final norm module of a loaded transformers model (shared, not copied); ValueError for a model type
+        whose norm hsx has not checked, or a model whose norm is not where its type keeps it."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        model_type = getattr(config, "model_type", "")
+        kind = SUPPORTED_MODEL_TYPES.get(model_type)
+        if kind is None:
+            raise ValueError(f"the final norm of model_type {model_type!r} is not supported (supported: "
+                             f"{sorted(SUPPORTED_MODEL_TYPES)}); extract with the last layer normalised, or apply the "
+                             "norm in your trainer")
+        names = {name for name, _ in model.named_modules()}
+        candidates = [key.removesuffix(".weight") for key in NORM_KEYS[kind]]
+        found = next((name for name in candidates if name in names), None)
+        if found is None:
+            raise ValueError(f"cannot find the final norm of this {model_type} model (looked for {candidates})")
+        return cls(model_type, model.get_submodule(found))
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> FinalNorm:

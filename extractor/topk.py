@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from connectors.format import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
-from extractor.norm import NORM_KEYS, SUPPORTED_MODEL_TYPES
+from extractor.norm import FinalNorm
 
 LOGITS_BUDGET_BYTES = 256 << 20
 """Largest float32 logits block computed at once."""
@@ -32,20 +32,12 @@ class TopK:
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, k: int) -> TopK:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        model_type = getattr(config, "model_type", "")
-        kind = SUPPORTED_MODEL_TYPES.get(model_type)
-        if kind is None:
-            raise ValueError(f"a top_k target applies the model's final norm, which hsx knows for model types "
-                             f"{sorted(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; store the states (--target states) "
-                             "and keep layer N instead")
-        names = {name for name, _ in model.named_modules()}
-        found = next((key.removesuffix(".weight") for key in NORM_KEYS[kind] if key.removesuffix(".weight") in names),
-                     None)
-        if found is None:
-            raise ValueError(f"cannot find the final norm of this {model_type} model (looked for "
-                             f"{[key.removesuffix('.weight') for key in NORM_KEYS[kind]]}); store the states instead")
-        return cls(model.get_submodule(found), model.get_output_embeddings(), int(k))
+        try:
+            norm = FinalNorm.of_model(model)
+        except ValueError as e:
+            raise ValueError(f"a top_k target applies the model's final norm: {e}; store the states (--target "
+                             "states) and keep layer N instead") from None
+        return cls(norm.module, model.get_output_embeddings(), int(k))
 
     @torch.inference_mode()
     def __call__(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,6 +80,27 @@ def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head
     assert drafter.logits(out[0, 1:]).argmax(-1).tolist() == drafts
 
 
+def test_the_proposer_shares_the_runners_embeddings_and_lm_head(trained_head, tiny_llama, tmp_path):
+    """The engine's DFlash proposer reads out with the loaded target's own embeddings and lm_head (the very tensors,
+    in its dtype: no second copy on the device) and reads nothing from the target's folder, gone by then."""
+    import shutil
+
+    from drafters.dflash import DFlashProposer
+    from extractor.config import EngineConfig
+    from extractor.runner import ModelRunner
+
+    head, drafter, _, _ = trained_head
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_llama, folder)
+    runner = ModelRunner(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu"))
+    shutil.rmtree(folder)
+    proposer = DFlashProposer(head, runner, 3)
+    assert proposer.drafter.target_lm_head.data_ptr() == runner.model.get_output_embeddings().weight.data_ptr()
+    assert proposer.drafter.embed_tokens.weight.data_ptr() == runner.model.get_input_embeddings().weight.data_ptr()
+    assert proposer.drafter.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(proposer.drafter.fc.weight, drafter.fc.weight.to(torch.bfloat16))
+
+
 def test_checkpoint_is_speculators_dflash_layout(trained_head, tiny_llama):
     from safetensors import safe_open
 

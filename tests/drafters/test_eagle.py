@@ -86,6 +86,30 @@ def test_checkpoint_is_vllms_eagle_layout_and_reloads_bit_exact(eagle_setup, tin
     assert torch.equal(a.loss, b.loss)
 
 
+def test_the_proposer_reads_out_with_the_runners_own_lm_head(eagle_setup, tiny_llama, tmp_path):
+    """The engine's EAGLE proposer takes the loaded target's lm_head (the very tensor, in its dtype: no second copy)
+    and final norm: nothing is read from the target's folder, which is gone by the time the proposer loads."""
+    import shutil
+
+    from drafters.eagle3_proposer import EagleProposer
+    from extractor.config import EngineConfig
+    from extractor.runner import ModelRunner
+
+    _, target, drafter = eagle_setup
+    head = str(tmp_path / "head")
+    drafter.save_pretrained(head, verifier=tiny_llama)
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_llama, folder)
+    runner = ModelRunner(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu"))
+    shutil.rmtree(folder)
+    proposer = EagleProposer(head, runner, 3)
+    lm_head = runner.model.get_output_embeddings().weight
+    assert proposer.drafter.target_lm_head.data_ptr() == lm_head.data_ptr()
+    assert proposer.drafter.target_lm_head.dtype == torch.bfloat16
+    torch.testing.assert_close(proposer.drafter.target_norm.weight, runner.model.model.norm.weight)
+    torch.testing.assert_close(proposer.drafter.fc.weight, drafter.fc.weight.to(torch.bfloat16))
+
+
 def test_a_run_without_the_last_layer_is_refused_before_training(tiny_llama, oracle_run, tmp_path):
     from connectors import HiddenStatesSpec
     from connectors.run import RunSpec
