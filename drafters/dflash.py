@@ -261,13 +261,59 @@ class DFlashDrafter(Drafter):
         b_size, gamma = self.block_size, self.config.gamma
         r, s = batch.input_ids.shape
         dev = batch.input_ids.device
-        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         # anchors: a whose x_{a+1} is trained and in a's document; up to max_anchors per row, drawn at random
-        ok = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
+        ok = self._anchor_ok(batch)
         n = min(self.config.max_anchors, max(1, int(ok.sum(-1).max())))
         score = torch.rand((r, s), device=dev).masked_fill(~ok, 2.0)
         anchors = score.topk(n, dim=-1, largest=False).indices.sort(-1).values  # [R, n]
-        anchor_ok = ok.gather(1, anchors)  # [R, n]
+        out, slots, trained = self.anchored_blocks(batch, anchors)
+        with torch.no_grad():  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
+            rows, blk, slot = trained.nonzero(as_tuple=True)
+            at = slots[rows, blk, slot] - 1
+            if batch.target_topk is not None:
+                ids, logprobs = (t[rows, at] for t in batch.target_topk)
+                greedy = ids[:, 0]
+                index = torch.arange(self.layer_config.vocab_size, device=dev)
+                teacher = topk_distribution(ids, logprobs, index, self.layer_config.vocab_size)
+            else:
+                n_layer = max(batch.layer_ids)
+                t_logits = target.logits(batch.layer(n_layer)[rows, at]).float()
+                greedy = t_logits.argmax(-1)
+                teacher = F.softmax(t_logits, -1)
+        steps = b_size - 1
+        correct = torch.zeros(steps, dtype=torch.long)
+        counted = torch.zeros(steps, dtype=torch.long)
+        if not rows.numel():
+            return StepResult(out.sum() * 0.0, correct, counted)
+        logits = self.logits(out[rows, blk, slot]).float()  # [M, V]
+        weight = torch.exp(-(slot.float() - 1) / gamma)
+        per = F.cross_entropy(logits, teacher, reduction="none")
+        loss = (per * weight).sum() / weight.sum()
+        with torch.no_grad():
+            hit = logits.argmax(-1) == greedy
+            for j in range(1, b_size):
+                sel = slot == j
+                counted[j - 1] = int(sel.sum())
+                correct[j - 1] = int((hit & sel).sum())
+        return StepResult(loss, correct, counted)
+
+    @staticmethod
+    def _anchor_ok(batch: DrafterBatch) -> torch.Tensor:
+        """[R, S] bool: positions a whose x_{a+1} is trained and in a's document (the anchors that teach)."""
+        return batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)
+
+    def anchored_blocks(self, batch: DrafterBatch, anchors: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training forward of the blocks at `anchors` [R, n] (row positions): each block [x_a, mask, ...] at
+        positions a..a+B-1 sees its document's context before a and itself both ways. Returns the slot outputs
+        [R, n, B, H], each slot's row position [R, n, B] (clamped to the row), and which slots train [R, n, B] (in
+        the anchor's document, loss-masked, past slot 0, at an anchor that teaches)."""
+        b_size = self.block_size
+        r, s = batch.input_ids.shape
+        n = anchors.shape[1]
+        dev = batch.input_ids.device
+        aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
+        anchor_ok = self._anchor_ok(batch).gather(1, anchors)  # [R, n]
         offsets = torch.arange(b_size, device=dev)
         slots = (anchors[:, :, None] + offsets).clamp(max=s - 1)  # [R, n, B] row index of each slot's position
         doc = batch.document_ids
@@ -289,35 +335,7 @@ class DFlashDrafter(Drafter):
         context = self.context(aux)
         kv = self.context_kv(context, batch.position_ids)
         out = self.blocks(tokens.view(r, q), positions.view(r, q), kv, mask[:, None])  # [R, Q, H]
-        with torch.no_grad():  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
-            rows, blk, slot = trained.nonzero(as_tuple=True)
-            at = slots[rows, blk, slot] - 1
-            if batch.target_topk is not None:
-                ids, logprobs = (t[rows, at] for t in batch.target_topk)
-                greedy = ids[:, 0]
-                index = torch.arange(self.layer_config.vocab_size, device=dev)
-                teacher = topk_distribution(ids, logprobs, index, self.layer_config.vocab_size)
-            else:
-                n_layer = max(batch.layer_ids)
-                t_logits = target.logits(batch.layer(n_layer)[rows, at]).float()
-                greedy = t_logits.argmax(-1)
-                teacher = F.softmax(t_logits, -1)
-        steps = b_size - 1
-        correct = torch.zeros(steps, dtype=torch.long)
-        counted = torch.zeros(steps, dtype=torch.long)
-        if not rows.numel():
-            return StepResult(out.sum() * 0.0, correct, counted)
-        logits = self.logits(out.view(r, n, b_size, -1)[rows, blk, slot]).float()  # [M, V]
-        weight = torch.exp(-(slot.float() - 1) / gamma)
-        per = F.cross_entropy(logits, teacher, reduction="none")
-        loss = (per * weight).sum() / weight.sum()
-        with torch.no_grad():
-            hit = logits.argmax(-1) == greedy
-            for j in range(1, b_size):
-                sel = slot == j
-                counted[j - 1] = int(sel.sum())
-                correct[j - 1] = int((hit & sel).sum())
-        return StepResult(loss, correct, counted)
+        return out.view(r, n, b_size, -1), slots, trained
 
     # -- checkpoint (speculators' dflash layout) ------------------------------------------------------------------
     def checkpoint_config(self) -> dict[str, Any]:

@@ -50,10 +50,11 @@ def test_training_lowers_the_loss_over_every_slot(trained_head):
 def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head, tiny_llama, oracle_model):
     """The proposer (cached context keys, one forward per step) drafts what the training forward's block at anchor T
     predicts: the same attention (context before the anchor, the block both ways), the same positions."""
+    from drafters.base import DrafterBatch
     from drafters.dflash import DFlashProposer
     from extractor.config import EngineConfig
     from extractor.runner import ModelRunner
-    from extractor.sampling import SamplingParams
+    from extractor.sampling import SamplingParams, sampling_probs
     from tests.training.runs import pre_norm_hidden_states
 
     folder, drafter, _, _ = trained_head
@@ -71,13 +72,27 @@ def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head
     drafts = proposer.propose([ctx], [3], [SamplingParams(temperature=0.0, max_tokens=8)], [None])[0].token_ids
     assert len(drafts) == 3 and calls == [(1, 4)]
 
+    # the oracle: training's own block forward (its anchors, positions and mask) at anchor T over x_0..x_T
     t = len(ctx) - 1
+    stored = torch.stack([states[i] for i in drafter.aux_layer_ids], dim=1)  # [T, A, H]
+    hidden = torch.cat([stored, torch.zeros(1, *stored.shape[1:])])[None]  # x_T's own states are never read
+    batch = DrafterBatch(torch.tensor([ctx]), hidden, torch.ones(1, t + 1, dtype=torch.bool),
+                         torch.arange(t + 1)[None], torch.zeros(1, t + 1, dtype=torch.long),
+                         tuple(drafter.aux_layer_ids))
     with torch.no_grad():
-        context = drafter.context(aux[None])
-        kv = drafter.context_kv(context, torch.arange(t)[None])
-        tokens = torch.tensor([[ctx[-1]] + [drafter.mask_token_id] * 3])
-        out = drafter.blocks(tokens, torch.arange(t, t + 4)[None], kv, torch.ones(1, 1, 4, t + 4, dtype=torch.bool))
-    assert drafter.logits(out[0, 1:]).argmax(-1).tolist() == drafts
+        out, _, _ = drafter.anchored_blocks(batch, torch.tensor([[t]]))
+        logits = drafter.logits(out[0, 0, 1:])  # [3, V] slots 1..3
+    assert logits.argmax(-1).tolist() == drafts
+
+    # a sampled row: each slot's q is the request's distribution over that slot's logits (one forward: the slots do
+    # not depend on each other's draws), and every draft is a token q gives mass to
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=8)
+    proposer.start([ctx])
+    proposer.observe([aux])
+    draft = proposer.propose([ctx], [3], [params], [torch.Generator().manual_seed(0)])[0]
+    want = torch.stack([sampling_probs(row, params) for row in logits])
+    torch.testing.assert_close(draft.probs, want)
+    assert all(float(want[j, tok]) > 0 for j, tok in enumerate(draft.token_ids))
 
 
 def test_the_proposer_shares_the_runners_embeddings_and_lm_head(trained_head, tiny_llama, tmp_path):

@@ -69,7 +69,7 @@ def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, tiny
     """The proposer calls the drafter once per step (the verified entries and k-1 mask entries together), and its
     drafts are the unroll's: depth d of chain t = len(ctx) - 2."""
     from drafters.peagle import PEagleProposer
-    from extractor.sampling import SamplingParams
+    from extractor.sampling import SamplingParams, sampling_probs
     from tests.training.runs import pre_norm_hidden_states
 
     folder, drafter, _ = trained_head
@@ -92,6 +92,21 @@ def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, tiny
         outputs = drafter.unroll(aux, seq, torch.arange(seq.shape[1])[None], torch.zeros_like(seq), 4)
     chain = len(ctx) - 2
     assert [int(drafter.draft_ids[drafter.logits(outputs[d][0, chain]).argmax()]) for d in range(4)] == drafts
+
+    # a sampled row: each depth's q is the request's distribution over that depth's logits in the whole vocabulary
+    # (none outside the draft vocabulary; one forward, so no depth depends on another's draw), every draft has mass
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)
+    proposer.start([ctx])
+    proposer.observe([aux_ctx])
+    draft = proposer.propose([ctx], [4], [params], [torch.Generator().manual_seed(0)])[0]
+    want = []
+    with torch.no_grad():
+        for d in range(4):
+            full = torch.full((512,), float("-inf"))
+            full[drafter.draft_ids] = drafter.logits(outputs[d][0, chain])
+            want.append(sampling_probs(full, params))
+    torch.testing.assert_close(draft.probs, torch.stack(want))
+    assert all(float(want[d][tok]) > 0 for d, tok in enumerate(draft.token_ids))
 
 
 def test_checkpoint_is_speculators_peagle_layout(trained_head, tiny_llama, peagle_setup):
