@@ -361,10 +361,14 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
-                        device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
-        """Reload a checkpoint; embeddings and lm_head are `target`'s (a loaded target's, shared: pass `dtype` and
-        `device` as the target's), else read from `target_dir` (default: the verifier it names)."""
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """Reload a checkpoint; embeddings and lm_head are `target`'s (a loaded target's, shared: the head is built
+        in its dtype and on its device unless `dtype` / `device` say otherwise), else read from `target_dir` (default:
+        the verifier it names)."""
         from safetensors.torch import load_file
+
+        if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
+            dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
         from transformers import Qwen3Config
 
         doc = read_checkpoint_json(model_dir, "a DFlash")
@@ -392,9 +396,11 @@ class DFlashDrafter(Drafter):
                     int(methods[0].get("speculative_tokens") or options["block_size"] - 1), verifier=target_dir,
                     verifier_architectures=verifier.get("architectures", []))
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
-        load_weights(model, model_dir, load_file(os.path.join(model_dir, WEIGHTS_NAME)), not_written=("embed_tokens.",),
-                     kind="DFlash")
-        return model.to(device).eval()
+        # the target's embeddings are the head's (shared with a loaded target): a checkpoint's own never overwrite them
+        state = {k: v for k, v in load_file(os.path.join(model_dir, WEIGHTS_NAME)).items()
+                 if not k.startswith("embed_tokens.")}
+        load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind="DFlash")
+        return model.to(device or "cpu").eval()
 
 
 class DFlashProposer(Proposer):
@@ -404,8 +410,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
         # the runner's own embeddings and lm_head, shared: built in its dtype and on its device, nothing is copied
-        drafter = DFlashDrafter.from_pretrained(model_dir, target=runner_target(runner), device=runner.device,
-                                                dtype=runner.dtype)
+        drafter = DFlashDrafter.from_pretrained(model_dir, target=runner_target(runner))
         if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
             raise ValueError(f"the dflash drafter {model_dir} was trained for a target of hidden size "
                              f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "

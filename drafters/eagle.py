@@ -214,10 +214,14 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
-                        device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> EagleDrafter:
-        """Reload a checkpoint; the lm_head and final norm are `target`'s (a loaded target's, shared: pass `dtype`
-        and `device` as the target's), else read from `target_dir` (default: the verifier it records)."""
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EagleDrafter:
+        """Reload a checkpoint; the lm_head and final norm are `target`'s (a loaded target's, shared: the head is
+        built in its dtype and on its device unless `dtype` / `device` say otherwise), else read from `target_dir`
+        (default: the verifier it records)."""
         from safetensors.torch import load_file
+
+        if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
+            dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
         from transformers import LlamaConfig
 
         doc = read_checkpoint_json(model_dir, "an EAGLE")
@@ -240,7 +244,7 @@ class EagleDrafter(Drafter):
             state["embed_tokens.weight"] = target.embed_tokens
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
         load_weights(model, model_dir, state, not_written=("target_norm.",), kind="EAGLE")
-        return model.to(device).eval()
+        return model.to(device or "cpu").eval()
 
 
 def _is_eagle(config: dict) -> bool:

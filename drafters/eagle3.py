@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import (
+    EMBED_KEYS,
     WEIGHTS_NAME,
     Drafter,
     DrafterBatch,
@@ -47,10 +48,10 @@ from drafters.base import (
     aux_layers_for_run,
     load_weights,
     read_checkpoint_json,
+    read_target_tensor,
     speculators_num_speculative_tokens,
     target_folder,
     topk_distribution,
-    verifier_head,
 )
 from drafters.registry import Family
 from drafters.vocab import DraftVocab, build_draft_vocab
@@ -433,10 +434,10 @@ class Eagle3Drafter(Drafter):
         return {}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, target: TargetHead | None = None, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> Eagle3Drafter:
-        """Reload a checkpoint; a checkpoint without embeddings (speculators may leave them out) takes `target`'s (a
-        loaded target's), else its verifier folder's."""
+    def from_pretrained(cls, model_dir: str, *, embed_tokens: torch.Tensor | None = None,
+                        device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Eagle3Drafter:
+        """Reload a checkpoint; one without embeddings (speculators may leave them out) takes `embed_tokens` (a
+        loaded target's input embeddings [V, H]: what the engine hands it), else its verifier folder's."""
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
@@ -464,8 +465,7 @@ class Eagle3Drafter(Drafter):
                     verifier_architectures=verifier.get("architectures", []))
         state = load_file(os.path.join(model_dir, WEIGHTS_NAME))
         if "embed_tokens.weight" not in state:  # speculators may leave it out: the verifier's embeddings
-            state["embed_tokens.weight"] = verifier_head(model_dir, model.verifier, layer_config.hidden_size,
-                                                         layer_config.vocab_size, cls.kind, target).embed_tokens
+            state["embed_tokens.weight"] = _verifier_embeddings(model_dir, model.verifier, layer_config, embed_tokens)
         if "d2t" not in state:
             identity = DraftVocab.identity(layer_config.vocab_size)
             state["d2t"], state["t2d"] = identity.d2t, identity.t2d
@@ -475,6 +475,23 @@ class Eagle3Drafter(Drafter):
         model.to(model_dtype)
         load_weights(model, model_dir, state, not_written=(), kind=cls.kind)
         return model.to(device).eval()
+
+
+def _verifier_embeddings(model_dir: str, verifier: str, layer_config, given: torch.Tensor | None) -> torch.Tensor:
+    """The target's input embeddings for a checkpoint that holds none: `given` (a loaded target's), else read from
+    its verifier folder; ValueError when neither is there or their shape is not the head's [V, H]."""
+    if given is None:
+        if not verifier or not os.path.isdir(verifier):
+            raise ValueError(f"{model_dir} holds no embed_tokens.weight and its verifier {verifier!r} is not a local "
+                             "folder to take them from: decode it in hsx's engine (it hands the head the target's), "
+                             "or add the embeddings to the checkpoint")
+        given = read_target_tensor(verifier, EMBED_KEYS)
+    want = (int(layer_config.vocab_size), int(layer_config.hidden_size))
+    if tuple(given.shape) != want:
+        raise ValueError(f"{model_dir} holds no embed_tokens.weight, and the target's embeddings are "
+                         f"{tuple(given.shape)} while the head takes {want} (vocabulary, hidden size): add the head's "
+                         "own embeddings to the checkpoint")
+    return given
 
 
 FAMILY = Family(name="eagle3", description="an EAGLE-3 (speculators) checkpoint",

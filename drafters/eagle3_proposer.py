@@ -96,7 +96,7 @@ class Eagle3Proposer(Proposer):
 
     @classmethod
     def load(cls, model_dir: str, runner) -> Eagle3Drafter:
-        return Eagle3Drafter.from_pretrained(model_dir, target=runner_target(runner))
+        return Eagle3Drafter.from_pretrained(model_dir, embed_tokens=runner.model.get_input_embeddings().weight)
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
         drafter = self.load(model_dir, runner)
@@ -276,6 +276,5 @@ class EagleProposer(Eagle3Proposer):
 
     @classmethod
     def load(cls, model_dir: str, runner) -> EagleDrafter:
-        # the runner's own lm_head and final norm, shared: built in its dtype and on its device, nothing is copied
-        return EagleDrafter.from_pretrained(model_dir, target=runner_target(runner), device=runner.device,
-                                            dtype=runner.dtype)
+        # the runner's own lm_head, shared (built in its dtype, on its device: no second copy); a copy of its norm
+        return EagleDrafter.from_pretrained(model_dir, target=runner_target(runner))

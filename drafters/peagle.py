@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafters.base import resolve_mask_token_id, runner_target, speculators_num_speculative_tokens
+from drafters.base import resolve_mask_token_id, speculators_num_speculative_tokens
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, _shift_left
 from drafters.eagle3_proposer import Eagle3Proposer
 from drafters.registry import Family
@@ -123,7 +123,7 @@ class PEagleProposer(Eagle3Proposer):
 
     @classmethod
     def load(cls, model_dir: str, runner) -> PEagleDrafter:
-        return PEagleDrafter.from_pretrained(model_dir, target=runner_target(runner))
+        return PEagleDrafter.from_pretrained(model_dir, embed_tokens=runner.model.get_input_embeddings().weight)
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
         super().__init__(model_dir, runner, num_speculative_tokens)

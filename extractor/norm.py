@@ -72,9 +72,8 @@ class FinalNorm:
         model_type = getattr(config, "model_type", "")
         kind = SUPPORTED_MODEL_TYPES.get(model_type)
         if kind is None:
-            raise ValueError(f"the final norm of model_type {model_type!r} is not supported (supported: "
-                             f"{sorted(SUPPORTED_MODEL_TYPES)}); extract with the last layer normalised, or apply the "
-                             "norm in your trainer")
+            raise ValueError(f"hsx knows the final norm of model types {sorted(SUPPORTED_MODEL_TYPES)}, not "
+                             f"{model_type!r}")
         names = {name for name, _ in model.named_modules()}
         candidates = [key.removesuffix(".weight") for key in NORM_KEYS[kind]]
         found = next((name for name in candidates if name in names), None)

@@ -35,7 +35,7 @@ class TopK:
         try:
             norm = FinalNorm.of_model(model)
         except ValueError as e:
-            raise ValueError(f"a top_k target applies the model's final norm: {e}; store the states (--target "
+            raise ValueError(f"a top_k target applies the model's final norm, and {e}; store the states (--target "
                              "states) and keep layer N instead") from None
         return cls(norm.module, model.get_output_embeddings(), int(k))
 

@@ -100,16 +100,26 @@ def test_the_proposer_shares_the_runners_embeddings_and_lm_head(trained_head, ti
     in its dtype: no second copy on the device) and reads nothing from the target's folder, gone by then."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     from drafters.dflash import DFlashProposer
     from extractor.config import EngineConfig
     from extractor.runner import ModelRunner
 
-    head, drafter, _, _ = trained_head
+    _, drafter, _, _ = trained_head
     folder = tmp_path / "target"
     shutil.copytree(tiny_llama, folder)
+    head = tmp_path / "head"
+    drafter.save_pretrained(str(head), verifier=str(folder))  # the verifier it records is gone too
+    # a checkpoint from another tool that carries embeddings of its own: they never overwrite the target's
+    state = load_file(head / "model.safetensors")
+    state["embed_tokens.weight"] = torch.full((512, 64), 7.0)
+    save_file(state, head / "model.safetensors")
     runner = ModelRunner(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu"))
     shutil.rmtree(folder)
-    proposer = DFlashProposer(head, runner, 3)
+    embeddings = runner.model.get_input_embeddings().weight.clone()
+    proposer = DFlashProposer(str(head), runner, 3)
+    assert torch.equal(runner.model.get_input_embeddings().weight, embeddings)
     assert proposer.drafter.target_lm_head.data_ptr() == runner.model.get_output_embeddings().weight.data_ptr()
     assert proposer.drafter.embed_tokens.weight.data_ptr() == runner.model.get_input_embeddings().weight.data_ptr()
     assert proposer.drafter.embed_tokens.weight.dtype == torch.bfloat16

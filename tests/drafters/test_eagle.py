@@ -96,10 +96,10 @@ def test_the_proposer_reads_out_with_the_runners_own_lm_head(eagle_setup, tiny_l
     from extractor.runner import ModelRunner
 
     _, target, drafter = eagle_setup
-    head = str(tmp_path / "head")
-    drafter.save_pretrained(head, verifier=tiny_llama)
     folder = tmp_path / "target"
     shutil.copytree(tiny_llama, folder)
+    head = str(tmp_path / "head")
+    drafter.save_pretrained(head, verifier=str(folder))  # the verifier it records is gone too
     runner = ModelRunner(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu"))
     shutil.rmtree(folder)
     proposer = EagleProposer(head, runner, 3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 
 import pytest
@@ -394,6 +396,54 @@ def test_sampled_rows_get_draft_vocabulary_probabilities(trained_head, runner, o
     outside[drafter.draft_ids] = False
     assert float(draft.probs[:, outside].abs().max()) == 0.0
     assert all(bool(drafter.t2d[t]) for t in draft.token_ids)
+
+
+def test_a_head_without_embeddings_decodes_on_a_target_whose_norm_hsx_does_not_know(trained_head, tiny_llama,
+                                                                                     tmp_path):
+    """An EAGLE-3 head reads nothing of the target but its input embeddings, and those only when its checkpoint
+    leaves them out (speculators may): the engine hands it the loaded target's, so a head for a model type whose
+    final norm hsx has not checked (Gemma here) still decodes, and its verifier folder need not exist."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from drafters.eagle3 import Eagle3Drafter
+    from drafters.eagle3_proposer import Eagle3Proposer
+    from extractor.config import EngineConfig
+    from extractor.runner import ModelRunner
+    from extractor.sampling import SamplingParams
+
+    folder, drafter = trained_head
+    gemma = tmp_path / "gemma"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GemmaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0)).save_pretrained(gemma)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src := os.path.join(tiny_llama, name)) and os.path.exists(src):
+            shutil.copy(src, gemma / name)
+    runner = ModelRunner(EngineConfig(model=str(gemma), dtype="float32", device="cpu"))
+    head = tmp_path / "head"
+    shutil.copytree(folder, head)
+    state = load_file(head / "model.safetensors")
+    del state["embed_tokens.weight"]
+    save_file(state, head / "model.safetensors")
+    doc = json.loads((head / "config.json").read_text())
+    doc["speculators_config"]["verifier"]["name_or_path"] = str(tmp_path / "gone")
+    (head / "config.json").write_text(json.dumps(doc))
+
+    proposer = Eagle3Proposer(str(head), runner, 3)
+    assert torch.equal(proposer.drafter.embed_tokens.weight, runner.model.get_input_embeddings().weight)
+    ctx = [5, 9, 14, 3, 8]
+    with torch.no_grad():
+        states = runner.model(torch.tensor([ctx[:-1]]), output_hidden_states=True).hidden_states
+    proposer.start([ctx])
+    proposer.observe([torch.stack([states[i][0] for i in drafter.aux_layer_ids], dim=1)])
+    assert len(proposer.propose([ctx], [3], [SamplingParams(temperature=0.0, max_tokens=8)], [None])[0].token_ids) == 3
+    # outside the engine, with no embeddings at hand and no verifier folder: the error names both ways out
+    with pytest.raises(ValueError, match="holds no embed_tokens.weight and its verifier .* is not a local folder"):
+        Eagle3Drafter.from_pretrained(str(head))
 
 
 # -- end to end: hsx's engine decodes with a trained head -----------------------------------------------------------
