@@ -366,10 +366,10 @@ class DFlashDrafter(Drafter):
         in its dtype and on its device unless `dtype` / `device` say otherwise), else read from `target_dir` (default:
         the verifier it names)."""
         from safetensors.torch import load_file
+        from transformers import Qwen3Config
 
         if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
             dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
-        from transformers import Qwen3Config
 
         doc = read_checkpoint_json(model_dir, "a DFlash")
         if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:

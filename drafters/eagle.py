@@ -219,10 +219,10 @@ class EagleDrafter(Drafter):
         built in its dtype and on its device unless `dtype` / `device` say otherwise), else read from `target_dir`
         (default: the verifier it records)."""
         from safetensors.torch import load_file
+        from transformers import LlamaConfig
 
         if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
             dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
-        from transformers import LlamaConfig
 
         doc = read_checkpoint_json(model_dir, "an EAGLE")
         if not _is_eagle(doc):
