@@ -20,6 +20,21 @@ def packed_batch(ds, indices, max_tokens: int = 128):
     return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
 
 
+def family_setup(oracle_run, tiny_llama: str, drafter_class, **options):
+    """(dataset of the oracle run, the tiny Llama's TargetHead, a fresh drafter of `drafter_class` built for the run
+    with k = 3 and `options` from seed 0, prepared on the dataset): what each family's tests start from."""
+    from drafters.base import TargetHead
+    from training import HiddenStatesDataset
+
+    output, _, _ = oracle_run
+    ds = HiddenStatesDataset(output)
+    target = TargetHead.from_model_dir(tiny_llama)
+    torch.manual_seed(0)
+    drafter = drafter_class.for_run(ds.run_info, target, 3, **options)
+    drafter.prepare(ds)
+    return ds, target, drafter
+
+
 def train_steps(drafter, target, batch, steps: int, lr: float = 3e-3):
     """`steps` AdamW steps of drafter.training_step on one batch (its trainable parameters only); (losses, the last
     StepResult)."""

@@ -9,23 +9,17 @@ import json
 import pytest
 import torch
 
+from tests.drafters.helpers import family_setup, train_steps
 from tests.drafters.helpers import packed_batch as _batch
-from tests.drafters.helpers import train_steps
 
 LAYERS = (1, 2, 4)
 
 
 @pytest.fixture(scope="module")
 def dflash_setup(oracle_run, tiny_llama):
-    from drafters.base import TargetHead
     from drafters.dflash import DFlashDrafter
-    from training import HiddenStatesDataset
 
-    output, _, _ = oracle_run
-    ds = HiddenStatesDataset(output)
-    target = TargetHead.from_model_dir(tiny_llama)
-    torch.manual_seed(0)
-    return ds, target, DFlashDrafter.for_run(ds.run_info, target, 3, block_size=4)
+    return family_setup(oracle_run, tiny_llama, DFlashDrafter, block_size=4)
 
 
 

@@ -8,21 +8,15 @@ import json
 import pytest
 import torch
 
+from tests.drafters.helpers import family_setup, train_steps
 from tests.drafters.helpers import packed_batch as _batch
-from tests.drafters.helpers import train_steps
 
 
 @pytest.fixture(scope="module")
 def eagle_setup(oracle_run, tiny_llama):
-    from drafters.base import TargetHead
     from drafters.eagle import EagleDrafter
-    from training import HiddenStatesDataset
 
-    output, _, _ = oracle_run
-    ds = HiddenStatesDataset(output)
-    target = TargetHead.from_model_dir(tiny_llama)
-    torch.manual_seed(0)
-    return ds, target, EagleDrafter.for_run(ds.run_info, target, 3)
+    return family_setup(oracle_run, tiny_llama, EagleDrafter)
 
 
 

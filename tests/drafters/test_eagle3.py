@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from drafters.vocab import DraftVocab, build_draft_vocab, count_tokens
+from tests.drafters.helpers import family_setup, train_steps
+from tests.drafters.helpers import packed_batch as _batch
 
 # -- draft vocabulary -----------------------------------------------------------------------------------------------
 
@@ -59,24 +61,9 @@ def test_inconsistent_maps_are_refused():
 @pytest.fixture(scope="module")
 def eagle3_setup(oracle_run, tiny_llama):
     """(dataset, target head, a fresh drafter with a 48-token draft vocabulary built from the run)."""
-    from drafters.base import TargetHead
     from drafters.eagle3 import Eagle3Drafter
-    from training import HiddenStatesDataset
 
-    output, _, _ = oracle_run
-    ds = HiddenStatesDataset(output)
-    target = TargetHead.from_model_dir(tiny_llama)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter.for_run(ds.run_info, target, 3, draft_vocab_size=48)
-    drafter.prepare(ds)
-    return ds, target, drafter
-
-
-def _batch(ds, indices, max_tokens=128):
-    from drafters.base import DrafterBatch
-    from training import PackCollator
-
-    return DrafterBatch.from_packed(PackCollator(max_tokens)([ds[i] for i in indices]), ds.run_info.layer_ids)
+    return family_setup(oracle_run, tiny_llama, Eagle3Drafter, draft_vocab_size=48)
 
 
 def _fresh(setup, **options):
@@ -272,13 +259,7 @@ def trained_head(eagle3_setup, tiny_llama, tmp_path_factory):
     """(checkpoint folder, drafter): a few training steps on the run, saved in the speculators layout."""
     ds, target, _ = eagle3_setup
     drafter = _fresh(eagle3_setup)
-    batch = _batch(ds, [0, 1, 2], max_tokens=256)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(2):
-        result = drafter.training_step(batch, target)
-        opt.zero_grad()
-        result.loss.backward()
-        opt.step()
+    train_steps(drafter, target, _batch(ds, [0, 1, 2], max_tokens=256), 2)
     folder = str(tmp_path_factory.mktemp("eagle3-head"))
     drafter.eval().save_pretrained(folder, verifier=tiny_llama)
     return folder, drafter
