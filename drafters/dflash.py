@@ -266,7 +266,7 @@ class DFlashDrafter(Drafter):
         n = min(self.config.max_anchors, max(1, int(ok.sum(-1).max())))
         score = torch.rand((r, s), device=dev).masked_fill(~ok, 2.0)
         anchors = score.topk(n, dim=-1, largest=False).indices.sort(-1).values  # [R, n]
-        out, slots, trained = self.anchored_blocks(batch, anchors)
+        out, slots, trained = self.anchored_blocks(batch, anchors, ok)
         with torch.no_grad():  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
             rows, blk, slot = trained.nonzero(as_tuple=True)
             at = slots[rows, blk, slot] - 1
@@ -302,18 +302,19 @@ class DFlashDrafter(Drafter):
         """[R, S] bool: positions a whose x_{a+1} is trained and in a's document (the anchors that teach)."""
         return batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)
 
-    def anchored_blocks(self, batch: DrafterBatch, anchors: torch.Tensor
+    def anchored_blocks(self, batch: DrafterBatch, anchors: torch.Tensor, ok: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The training forward of the blocks at `anchors` [R, n] (row positions): each block [x_a, mask, ...] at
         positions a..a+B-1 sees its document's context before a and itself both ways. Returns the slot outputs
         [R, n, B, H], each slot's row position [R, n, B] (clamped to the row), and which slots train [R, n, B] (in
-        the anchor's document, loss-masked, past slot 0, at an anchor that teaches)."""
+        the anchor's document, loss-masked, past slot 0, at an anchor that teaches; `ok`: _anchor_ok(batch) when
+        the caller has it)."""
         b_size = self.block_size
         r, s = batch.input_ids.shape
         n = anchors.shape[1]
         dev = batch.input_ids.device
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
-        anchor_ok = self._anchor_ok(batch).gather(1, anchors)  # [R, n]
+        anchor_ok = (self._anchor_ok(batch) if ok is None else ok).gather(1, anchors)  # [R, n]
         offsets = torch.arange(b_size, device=dev)
         slots = (anchors[:, :, None] + offsets).clamp(max=s - 1)  # [R, n, B] row index of each slot's position
         doc = batch.document_ids
