@@ -5,6 +5,7 @@ runs, given back when it ends.
     lease.renew()             re-writes the lease with a fresh time; LeaseLost if another writer took it over
     lease.keep_alive()        context manager: renews every RENEW_EVERY_S on a background thread
     lease.release()
+    live_writer(run) -> str | None   a reader's question: who writes this output now (None: nobody, or a stale lease)
 
 The lease is a small JSON object ({"attempt", "host", "pid", "started", "renewed"}) created with an exclusive create
 (`storage.create_exclusive`: a hard link on local disks, If-None-Match on S3, ifGenerationMatch=0 on GCS), so of two
@@ -176,6 +177,21 @@ class WriterLease:
         except Exception as e:  # noqa: BLE001 - see docstring
             logger.warning("could not give back the writer lease on %s (%s); it goes stale in %.0f s",
                            self.run.url, e, STALE_AFTER_S)
+
+
+def live_writer(run: RunDir) -> str | None:
+    """The holder of a live writer lease on `run`, described for a message, or None when no writer is live (no lease,
+    or one whose holder is gone or stale by the same rules acquire() breaks it by). Readers that would take a
+    snapshot of a run being written (export, train-drafter, report) ask this first."""
+    try:
+        raw = run.read_bytes(LEASE_FILE)
+    except FileNotFoundError:
+        return None
+    now = time.time()
+    holder = _Holder.parse(raw)
+    if holder is None or holder.gone(now) is not None:
+        return None
+    return holder.describe(now)
 
 
 def _body(attempt: str, started: float, now: float) -> bytes:
