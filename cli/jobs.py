@@ -132,14 +132,18 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from connectors.lease import WriterLease
+    from connectors.lease import LeaseHeld, WriterLease
     from connectors.run import RUN_JSON, RunDir, RunFormatError, compact_manifest, new_attempt_id
 
     config: CompactConfig = config_from_args(args, CompactConfig)
     output = RunDir(config.output, config.storage_options)
     if not output.exists(RUN_JSON):
         raise UsageError(f"{output.url} holds no hsx run (no {RUN_JSON}); check the path")
-    lease = WriterLease.acquire(output, new_attempt_id(), break_lease=config.break_lease)
+    try:  # a job writing the run commits parts meanwhile: compact once it has ended (jobs compact at their end)
+        lease = WriterLease.acquire(output, new_attempt_id(), break_lease=config.break_lease, command="hsx run or "
+                                    "hsx compact", harm="Compacting while it commits could lose its newest rows")
+    except LeaseHeld as e:
+        raise UsageError(str(e)) from e
     try:
         done = compact_manifest(output, rows_per_part=config.rows_per_part)
     except RunFormatError as e:

@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UsageError as e:
         parser.exit(EXIT_USAGE, f"hsx {args.command}: error: {e}\n")
+    except BrokenPipeError:  # `hsx status OUT | head`: the reader left; say nothing more, and no traceback at exit
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:
         print("hsx: interrupted; committed samples are kept, re-run the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -343,6 +343,12 @@ class RunSpec:
         if missing:
             raise RunFormatError(f"{where} lacks {missing}; it is damaged or was edited by hand — restore it, or "
                                  "re-extract into a new --output")
+        bad = _bad_run_fields(doc)
+        if bad:
+            raise RunFormatError(f"{where} holds {len(bad)} bad field{'s' if len(bad) > 1 else ''}: "
+                                 + "; ".join(bad) + ". It was damaged or edited by hand: put the values back (every "
+                                 "data file's header records the run's own in its __metadata__), then run the "
+                                 "command again; nothing was read or marked")
         values = {f.name: doc[f.name] for f in dataclasses.fields(cls) if f.name in doc and f.name not in _JSON_SKIPPED}
         corpus = doc.get("corpus") or {}
         if isinstance(corpus, Mapping):
@@ -356,6 +362,76 @@ class RunSpec:
             return cls(files=files, **values, format_version=version)
         except (TypeError, ValueError) as e:
             raise RunFormatError(f"{where} holds an unreadable value: {e}") from e
+
+
+def _is_torch_dtype(name: str) -> bool:
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str_map(v: Any) -> bool:
+    return isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
+def _is_sampling(v: Any) -> bool:
+    if v is None:
+        return True
+    if not isinstance(v, Mapping) or set(v) - {f.name for f in dataclasses.fields(Sampling)}:
+        return False
+    return (all(isinstance(v.get(n, 0.0), (int, float)) and not isinstance(v.get(n), bool)
+                for n in ("temperature", "top_p")) and _is_int(v.get("top_k", 0))
+            and (v.get("seed") is None or _is_int(v.get("seed"))))
+
+
+def _is_corpus(v: Any) -> bool:
+    return isinstance(v, Mapping) and isinstance(v.get("files", []), list) \
+        and all(isinstance(f, str) for f in v.get("files", [])) and isinstance(v.get("fingerprint", ""), str)
+
+
+_RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "layer_ids": (lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) and x >= 0 for x in v),
+                  "a non-empty list of layer ids (integers >= 0)"),
+    "num_hidden_layers": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "hidden_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "dtype": (lambda v: isinstance(v, str) and _is_torch_dtype(v), "a torch dtype name such as \"bfloat16\""),
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "model_revision": (lambda v: isinstance(v, str), "a string"),
+    "architecture": (lambda v: isinstance(v, str), "a string"),
+    "last_layer_normalized": (lambda v: isinstance(v, bool), "true or false"),
+    "storage_dtype": (lambda v: isinstance(v, str), "a string (\"\" = the model's dtype)"),
+    "target": (lambda v: isinstance(v, str), "a string (\"\" or \"top_k:K\")"),
+    "layer_id_convention": (lambda v: isinstance(v, str), "a string"),
+    "model_fingerprint": (lambda v: isinstance(v, str), "a string"),
+    "chat_template_source": (lambda v: isinstance(v, str), "a string"),
+    "chat_template_sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "max_model_len": (lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null"),
+    "overlength": (lambda v: isinstance(v, str), "a string"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "include_output_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "sampling": (_is_sampling, "null or {temperature, top_p, top_k, seed} with numbers"),
+    "id_field": (lambda v: isinstance(v, str), "a string"),
+    "corpus": (_is_corpus, "{\"files\": [paths], \"fingerprint\": string}"),
+    "data_layout": (lambda v: isinstance(v, str), "a string"),
+    "storage_layout": (lambda v: isinstance(v, str), "a string"),
+    "versions": (_is_str_map, "an object of package name -> version string"),
+    "created_at": (lambda v: isinstance(v, str), "a string"),
+}
+"""What each run.json field must hold; from_json checks every field present and names each bad one."""
+
+
+def _bad_run_fields(doc: Mapping[str, Any]) -> list[str]:
+    """One line per run.json field whose value is of the wrong kind: the field, what it holds, what it must be."""
+    bad = []
+    for name, (ok, expected) in _RUN_JSON_FIELDS.items():
+        if name in doc and not ok(doc[name]):
+            shown = json.dumps(doc[name], ensure_ascii=False, default=str)
+            bad.append(f"{name!r} is {shown[:80] + ('...' if len(shown) > 80 else '')}, expected {expected}")
+    return bad
 
 
 def read_run_spec(run: RunDir | str, storage_options: dict | None = None) -> RunSpec | None:
@@ -592,7 +668,9 @@ def _read_part(run: RunDir, name: str, schema: pa.Schema) -> pa.Table:
         if missing:
             raise RunFormatError(f"manifest at {run.url_of(MANIFEST_DIR)} lacks columns {missing} (it has "
                                  f"{names}); it was not written by an hsx extraction job")
-        table = part.read(columns=[c for c in schema.names if c in names])
+        # use_threads=False: parts are read concurrently by our own pool; Arrow's CPU pool left alive at exit aborts
+        # the process now and then ("terminate called without an active exception", apache/arrow#34314)
+        table = part.read(columns=[c for c in schema.names if c in names], use_threads=False)
         return pa.Table.from_arrays(
             [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
              for f in schema], schema=schema)

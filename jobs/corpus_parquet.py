@@ -29,7 +29,8 @@ def read_parquet(file: CorpusFile, id_field: str, storage_options: dict | None) 
                                                            f"({type(e).__name__}: {e}); re-write it")
             return
         row = -1
-        for batch in parquet.iter_batches(batch_size=1024):
+        # Python file object + Arrow's CPU pool: a hang or abort at exit (apache/arrow#50482); one row group at a time
+        for batch in parquet.iter_batches(batch_size=1024, use_threads=False):
             try:
                 objs = batch.to_pylist()
             except UnicodeDecodeError:  # a string column holds bytes that are not UTF-8: find them row by row

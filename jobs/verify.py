@@ -39,6 +39,7 @@ import pyarrow as pa
 from connectors.outputs import check_output_file, write_output_file
 from connectors.run import (
     INVALID,
+    RUN_JSON,
     RunDir,
     RunFormatError,
     RunSpec,
@@ -171,6 +172,13 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
         else:
             _fail(report, row, problem)
     report.checked = len(chosen)
+    spec_problems = {f["problem"] for f in report.failures if f["kind"] == "spec"}
+    if chosen and not passed and len(spec_problems) == 1 and len(report.failures) == len(chosen):
+        # every file agrees with every other and none with run.json: run.json is what changed, not the data
+        raise ValueError(f"every one of the {len(chosen)} checked files disagrees with {run.url_of(RUN_JSON)} in "
+                         f"the same way ({next(iter(spec_problems)).split(': ', 1)[-1]}); run.json was edited or "
+                         "damaged, not the data: put its values back as the files' headers record them, then verify "
+                         "again (nothing was marked)")
     if config.recompute and passed:
         report.tolerance = config.tolerance or _default_tolerance(spec)
         _recompute(run, spec, config, rng.sample(passed, min(config.recompute, len(passed))), report)
