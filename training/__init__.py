@@ -15,6 +15,8 @@ for another trainer.
                    tokens/s, losslessness against plain greedy decoding
     acceptance.py  what `hsx eval-drafter --out DIR` writes: acceptance.csv per method in the layout drafter
                    benchmarks publish, summary.csv, the acceptance-per-position plot
+    plot_text.py   text from data drawn as it is in hsx's plots (no mathtext, no TeX, "_" labels kept): here
+                   and in `hsx report` (jobs/report.py)
     reference_target.py   a small Llama trained locally on the standard library's sources, for acceptance figures
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports

@@ -1,15 +1,18 @@
 """The files `hsx eval-drafter --out DIR` writes: acceptance in the layout drafter benchmarks publish, hsx's own
 figures beside it, and a plot.
 
-    write_eval_outputs(folder, results) -> [paths]   everything below, into a checked output folder:
+    write_eval_outputs(folder, results) -> [paths]   the tables, into a checked output folder:
         DIR/<method>/acceptance.csv      one per speculative method that ran (not "none", not a skipped one)
         DIR/summary.csv                  one row per method: hsx's figures (tokens per target step, tokens/s, ...)
-        DIR/acceptance_per_position.png  acceptance per position, one line per speculative method
         DIR/results.json                 what --json writes
+    write_eval_plot(folder, results) -> path | None   then the picture (raises when drawing fails; the caller
+                                            warns: the tables above are written first and stay)
+        DIR/acceptance_per_position.png  acceptance per position, one line per speculative method
     acceptance_rows(result) -> [[...]]      a method's acceptance.csv rows: one per prompt category, then "all"
     summary_rows(results) -> [[...]]        summary.csv's rows
     results_json(results) -> bytes          results.json (and --json): EvalResult.to_dict() per method
-    plot_acceptance(results) -> bytes       the PNG (matplotlib's Agg canvas: no display, no global backend)
+    plot_acceptance(results) -> bytes       the PNG (matplotlib's Agg canvas: no display, no global backend; every
+                                            label literal: training/plot_text.py); acceptance_figure: its Figure
     method_labels(results) / method_slugs(results)   a name per result (with max_num_seqs when several widths were
                                             evaluated), and a filesystem-safe, unique folder name from it
 
@@ -17,13 +20,12 @@ acceptance.csv is the layout of vllm-project/speculators' scripts/evaluate (run 
 columns ACCEPTANCE_COLUMNS then acceptance_at_pos_0 .. acceptance_at_pos_{k-1}, a row per prompt subset, with
 acceptance_length = 1 + accepted / drafts and acceptance_at_pos_i = drafts whose i-th token was accepted / drafts
 (vLLM's spec_decode counters). hsx adds the row "all" (every prompt; the engine's counters). The layout has no
-method column, hence one file per method folder; summary.csv carries the method.
+method column, hence one file per method folder; summary.csv carries the method. Both CSVs are safe to open in a
+spreadsheet (connectors/csvfile.py: a category `=HYPERLINK(...)` is written `'=HYPERLINK(...)`).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import re
@@ -115,45 +117,50 @@ def results_json(results: Sequence[EvalResult]) -> bytes:
     return json.dumps([r.to_dict() for r in results], indent=2).encode()
 
 
-def _csv(header: Sequence[str], rows: Sequence[Sequence]) -> bytes:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
-    return buf.getvalue().encode("utf-8")
-
-
-def plot_acceptance(results: Sequence[EvalResult]) -> bytes | None:
-    """A PNG of acceptance per position (x: position 0..k-1, y: drafts whose token there was accepted / drafts), one
-    line per speculative method that ran; None when there is none."""
+def acceptance_figure(results: Sequence[EvalResult]):
+    """The figure of plot_acceptance (a matplotlib Figure on Agg's canvas), or None when no speculative method ran.
+    Labels (a drafter's folder name among them) are drawn as they are: `x$_$` is no math, `_hidden` is not left out
+    of the legend (training/plot_text.py)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
+
+    from training.plot_text import legend_label, literal_text
 
     lines = [(label, r.acceptance_per_position) for r, label in zip(results, method_labels(results))
              if has_acceptance(r)]
     if not lines:
         return None
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for label, rates in lines:
-        ax.plot(range(len(rates)), rates, marker="o", label=label)
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
-           title="Acceptance per position (greedy; drafts whose token there was accepted / drafts)")
-    ax.title.set_fontsize(10)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return buf.getvalue()
+    with literal_text():
+        fig = Figure(figsize=(7, 4.5), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for label, rates in lines:
+            ax.plot(range(len(rates)), rates, marker="o", label=legend_label(label))
+        ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
+               title="Acceptance per position (greedy; drafts whose token there was accepted / drafts)")
+        ax.title.set_fontsize(10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_acceptance(results: Sequence[EvalResult]) -> bytes | None:
+    """A PNG of acceptance per position (x: position 0..k-1, y: drafts whose token there was accepted / drafts), one
+    line per speculative method that ran; None when there is none."""
+    from training.plot_text import png
+
+    fig = acceptance_figure(results)
+    return None if fig is None else png(fig, dpi=120)
 
 
 def write_eval_outputs(folder: str, results: Sequence[EvalResult]) -> list[str]:
-    """Write the files of the module docstring into `folder` (checked and taken by the caller: connectors.outputs);
-    method folders an earlier run of this command left that this one does not write are removed. Returns the paths
-    written, acceptance files first."""
+    """Write the tables of the module docstring (acceptance.csv per method, summary.csv, results.json) into `folder`
+    (checked and taken by the caller: connectors.outputs); method folders an earlier run of this command left that
+    this one does not write are removed. Returns the paths written, acceptance files first. The plot is
+    write_eval_plot's, called after: a figure that cannot be drawn never costs the numbers."""
+    from connectors.csvfile import csv_bytes
     from connectors.outputs import write_output_file
 
     written = []
@@ -162,7 +169,7 @@ def write_eval_outputs(folder: str, results: Sequence[EvalResult]) -> list[str]:
         if has_acceptance(r):
             rows = acceptance_rows(r)
             path = os.path.join(folder, slug, ACCEPTANCE_CSV)
-            write_output_file(path, _csv(acceptance_header(len(rows[0]) - len(ACCEPTANCE_COLUMNS)), rows))
+            write_output_file(path, csv_bytes(acceptance_header(len(rows[0]) - len(ACCEPTANCE_COLUMNS)), rows))
             written.append(path)
     keep = {s for r, s in zip(results, slugs) if has_acceptance(r)}
     for name in sorted(os.listdir(folder)):  # stale: a folder holding only an earlier acceptance.csv
@@ -170,16 +177,24 @@ def write_eval_outputs(folder: str, results: Sequence[EvalResult]) -> list[str]:
         if name not in keep and os.path.isdir(inner) and os.listdir(inner) == [ACCEPTANCE_CSV]:
             shutil.rmtree(inner)
     path = os.path.join(folder, SUMMARY_CSV)
-    write_output_file(path, _csv(SUMMARY_COLUMNS, summary_rows(results)))
+    write_output_file(path, csv_bytes(SUMMARY_COLUMNS, summary_rows(results)))
     written.append(path)
-    png = plot_acceptance(results)
-    path = os.path.join(folder, PLOT_PNG)
-    if png is not None:
-        write_output_file(path, png)
-        written.append(path)
-    elif os.path.isfile(path):  # an earlier run's plot of methods this one did not run
-        os.remove(path)
     path = os.path.join(folder, RESULTS_JSON)
     write_output_file(path, results_json(results))
     written.append(path)
     return written
+
+
+def write_eval_plot(folder: str, results: Sequence[EvalResult]) -> str | None:
+    """DIR/acceptance_per_position.png: its path, or None when no speculative method ran. An earlier run's plot is
+    removed first, so a plot that cannot be drawn (this raises then) never leaves another evaluation's picture."""
+    from connectors.outputs import write_output_file
+
+    path = os.path.join(folder, PLOT_PNG)
+    if os.path.isfile(path):
+        os.remove(path)
+    png = plot_acceptance(results)
+    if png is None:
+        return None
+    write_output_file(path, png)
+    return path

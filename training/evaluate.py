@@ -17,7 +17,8 @@
     load_prompts(path) -> [{"prompt", "category"?}]   a JSONL file of prompts, each with an optional category
 
     EvalDrafterConfig / run_eval(config)  `hsx eval-drafter` (flags map one to one onto the config's fields); --out
-                                          DIR writes training/acceptance.py's files
+                                          DIR writes training/acceptance.py's files: the numbers (and --json)
+                                          first, the plot last (a plot that fails is a warning)
 
 Figures as vLLM computes them from get_metrics(): mean acceptance length AL = 1 + accepted / drafts (the bonus
 token included), acceptance at position i = drafts whose i-th token was accepted / drafts. Counters are read before
@@ -30,6 +31,7 @@ Prompts given as {"prompt": ..., "category": name} are also counted per category
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -531,7 +533,8 @@ class EvalDrafterConfig:
     device: str | None = None
     """Torch device (default: the engine's choice)."""
     json: str | None = field(default=None, metadata={"cli": {"metavar": "PATH"}})
-    """Write the results as JSON to PATH."""
+    """Write the results as JSON to PATH (checked before any work like --out: never the --prompts file, the
+    --model, a --drafter or a run, nor inside one)."""
     out: str | None = field(default=None, metadata={"cli": {"metavar": "DIR"}})
     """Write DIR/<method>/acceptance.csv (the layout drafter benchmarks publish: a row per prompt category and
     "all"), DIR/summary.csv (tokens per target step, tokens/s, ...), DIR/acceptance_per_position.png and
@@ -572,7 +575,7 @@ def run_eval(args: EvalDrafterConfig) -> int:
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
     from connectors.outputs import OutputFolder, check_output_file, write_output_file
     from extractor.config import drafter_methods
-    from training.acceptance import results_json, write_eval_outputs
+    from training.acceptance import results_json, write_eval_outputs, write_eval_plot
 
     drafters = []
     for spec in args.drafter:
@@ -593,12 +596,14 @@ def run_eval(args: EvalDrafterConfig) -> int:
     if not os.path.isfile(prompts_path):
         raise ValueError(f"no prompts: {prompts_path!r} does not exist; pass --prompts FILE.jsonl")
     prompts = load_prompts(prompts_path, args.num_prompts)
-    inputs = {"--model": model, **{f"--drafter {name}": path for name, _, path in drafters}}
-    if args.json:  # checked before any work: never over the model, a drafter or a run
+    # every file the evaluation reads: no output may be, hold or lie inside one of them
+    inputs = {"--model": model, "--prompts": prompts_path,
+              **{f"--drafter {name}": path for name, _, path in drafters}}
+    if args.json:  # checked before any work: never over the prompts, the model, a drafter or a run
         check_output_file(args.json, flag="--json", inputs=inputs)
     out = None
     if args.out:
-        out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs={**inputs, "--prompts": prompts_path})
+        out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs=inputs)
         out.check()
     widths = args.max_num_seqs or [None]
     methods = eval_methods(drafters, args.num_speculative_tokens, args.ngram)
@@ -613,16 +618,29 @@ def run_eval(args: EvalDrafterConfig) -> int:
               + ("one request at a time" if width == 1 else f"max_num_seqs {width or 'default (256)'}"))
         print("\n".join(comparison_table(batch)))
         results += batch
-    written = []
-    if out is not None:
-        with out.open():
+    # the numbers first (results.json, summary.csv, acceptance.csv, --json), the picture last: a plot that cannot be
+    # drawn is a warning, never a lost evaluation
+    written, plot_error = [], None
+    with out.open() if out is not None else contextlib.nullcontext():
+        if out is not None:
             written += write_eval_outputs(out.path, results)
-    if args.json:
-        path = check_output_file(args.json, flag="--json")
-        write_output_file(path, results_json(results))
-        written.append(path)
+        if args.json:
+            path = check_output_file(args.json, flag="--json", inputs=inputs)
+            write_output_file(path, results_json(results))
+            written.append(path)
+        if out is not None:
+            try:
+                if (png := write_eval_plot(out.path, results)) is not None:
+                    written.append(png)
+            except Exception as e:  # noqa: BLE001 - the figures are written; the picture is a warning
+                plot_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                logger.warning("the acceptance plot was not drawn (%s); the numbers are written", plot_error)
+                logger.debug("the plot's failure", exc_info=True)
     if written:
         print("\nwrote " + "\n      ".join(written))
+    if plot_error is not None:
+        print(f"hsx eval-drafter: WARNING: acceptance_per_position.png was not drawn ({plot_error}); the numbers are "
+              "in results.json, summary.csv and acceptance.csv")
     failed = 0
     lossy = list(dict.fromkeys(r.method for r in results if not r.lossless))
     if lossy:
