@@ -69,7 +69,9 @@ def register(sub) -> None:
                             "HTML page (opens offline): length histograms per corpus file, loss-mask coverage, the "
                             "RMS of each stored layer by token position, zero and NaN/Inf rows, bytes per token, "
                             "failures by reason, verify status, throughput over time; and the checks those numbers "
-                            "fail (a dead layer, a normalized last layer labelled pre-norm, masks covering 0%).")
+                            "fail (a dead layer, a normalized last layer labelled pre-norm, masks covering 0%). A run "
+                            "a live `hsx run` writes is refused unless --snapshot; an existing --out is replaced "
+                            "only when it is an earlier page of hsx report.")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -229,6 +231,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     s = data["states"]
     print(f"report of {data['run']['url']}: {data['counts']['ok']} samples, {s['sampled']} files sampled -> {path}")
+    if data["snapshot"]:
+        print(f"  snapshot: the run is being written by {data['snapshot']['writer']}; the page shows the rows "
+              f"committed at {data['snapshot']['taken_at']} (--snapshot)")
+    for name, why in data["figures_not_drawn"].items():
+        print(f"  warning: figure {name} not drawn ({why}); the page has its numbers and a note in its place")
     for f in data["flags"]:
         print(f"  {f['severity']}: [{f['check']}] {f['message']}")
     return EXIT_OK

@@ -3,8 +3,11 @@ hours of training rather than after.
 
     ReportConfig(output, out="report.html", sample=64, ...)   the CLI's flags map onto it one to one
     collect(config) -> dict        the numbers behind every plot, and the checks ("flags") they raise
+    plots(data) -> (images, not drawn)   every figure as PNG; one that fails is a note, never a lost page
     render(data) -> str            the page: matplotlib plots as embedded PNGs, the numbers as embedded JSON
+    check_page_path(path, corpus)  where a page may go: not a corpus file, an existing file only an earlier page
     write_report(config) -> (path, data)
+    read_report_data(page) -> dict the numbers embedded in a page
 
 What it reads: run.json, the manifest (every row: lengths, bytes, failures, commit times), the newest `hsx verify`
 report, and the files of `sample` committed samples drawn at random (seeded) — nothing else, so a report of a 10 TB
@@ -20,8 +23,15 @@ The page (opens offline: no script, font or image is fetched from anywhere):
   bytes per token    per committed sample (manifest bytes / tokens)
   failures           by reason; verify: the newest `hsx verify` report
   throughput         tokens committed per second over the run's time (commit times of the manifest rows)
-The numbers are in the page as JSON (<script type="application/json" id="hsx-report-data">): tests and scripts read
-them without parsing pictures.
+The numbers are in the page as JSON (<script type="application/json" id="hsx-report-data">; "<", ">" and "&" are
+JSON escapes such as \\u003c, so no text from the data can end the script element): tests and scripts read them
+without parsing pictures. Text from the data in a figure (corpus file names, failure reasons) is drawn as it is
+(training/plot_text.py: `$` is no math, a label starting with "_" still shows).
+
+What it trusts: the page goes to a local file that is not the run, its model or a corpus file run.json lists; an
+existing file is replaced only when it is an earlier page (it begins with PAGE_START). A run that a live `hsx run`
+writes (connectors.lease.live_writer) is refused unless --snapshot, which draws the rows committed at that moment
+and says so on the page (a banner, data["snapshot"]).
 
 Checks (each a {"check", "severity", "message"} in data["flags"]):
   dead_layer        a stored layer is all zeros (RMS 0) or most of its rows are: the capture hook sits on the wrong
@@ -41,16 +51,20 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
+import logging
 import math
+import os
 import posixpath
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 DATA_ELEMENT_ID = "hsx-report-data"
 FLAT_CV = 0.08
@@ -75,6 +89,9 @@ class ReportConfig:
     """Token positions charted per sample (the first ones)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for OUTPUT, as JSON (e.g. '{"anon": true}')."""
+    snapshot: bool = False
+    """Draw a run that an `hsx run` is writing now (a live writer.lease): the rows committed at this moment, said so
+    on the page. Without it such a run is refused."""
 
     def __post_init__(self) -> None:
         from connectors.storage import parse_storage_options
@@ -90,13 +107,22 @@ class ReportConfig:
 
 
 def collect(config: ReportConfig) -> dict[str, Any]:
-    """The numbers behind the page; ValueError when OUTPUT holds no readable run."""
+    """The numbers behind the page; ValueError when OUTPUT holds no readable run, or a run a live writer holds
+    without config.snapshot."""
+    import time
 
+    from connectors.lease import live_writer
     from connectors.run import RunDir, RunFormatError, committed_rows, read_manifest, read_run_spec
     from jobs.manifest import summarize
     from jobs.verify import latest_report
 
     run = RunDir(config.output, config.storage_options)
+    writer = live_writer(run)
+    if writer is not None and not config.snapshot:
+        raise ValueError(f"{run.url} is being written now by {writer} (its writer.lease); a report would show a "
+                         "moment of it — wait for that job to end, or pass --snapshot to draw the rows committed so "
+                         "far")
+    taken_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
         spec = read_run_spec(run)
         if spec is None:
@@ -116,6 +142,7 @@ def collect(config: ReportConfig) -> dict[str, Any]:
         "counts": {"ok": summary.ok, "failed": summary.failed, "skipped": summary.skipped,
                    "invalid": summary.invalid, "truncated": summary.truncated, "tokens": summary.tokens,
                    "bytes": summary.bytes, "manifest_rows": summary.rows, "attempts": summary.attempts},
+        "snapshot": None if writer is None else {"writer": writer, "taken_at": taken_at},
     }
     rows = ok.select(["sample_id", "path", "num_tokens", "num_prompt_tokens", "bytes", "source", "offset",
                       "committed_at", "checksum"]).to_pylist() if ok.num_rows else []
@@ -342,53 +369,64 @@ def _flags(data: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def _png(fig) -> str:
-    import matplotlib.pyplot as plt
+    from training.plot_text import png
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(png(fig, dpi=90, bbox_inches="tight")).decode()
+
+
+def _figure(width: float, height: float):
+    """A figure of two axes side by side on Agg's canvas (no pyplot: no global state, nothing to close)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, 2)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
 
 
 def _bars(ax, hist: dict[str, Any], label: str | None = None, bottom=None):
     edges = hist["edges"]
     if len(edges) < 2:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        _note(ax, "no data")
         return None
     counts = np.asarray(hist["counts"], dtype=float)
     ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", bottom=bottom, label=label, edgecolor="white")
     return counts
 
 
-def plots(data: dict[str, Any]) -> dict[str, str]:
-    """Every figure as base64 PNG, by section name."""
-    import matplotlib
+def _draw_lengths(data: dict[str, Any]):
+    from training.plot_text import legend_label
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = {}
     lengths = data["lengths"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    fig, axes = _figure(11, 3.4)
     for ax, name, title in ((axes[0], "prompt", "prompt tokens"), (axes[1], "output", "generated tokens")):
         ax.set_title(f"{title} per sample")
         if name == "output" and not data["run"]["max_tokens"]:
-            ax.text(0.5, 0.5, "prompt-only run: no generated tokens", ha="center", va="center", transform=ax.transAxes)
+            _note(ax, "prompt-only run: no generated tokens")
             continue
         bottom = None
-        for f in lengths["files"]:
-            c = _bars(ax, {"edges": lengths[name]["edges"], "counts": lengths[name]["by_file"][f]}, f, bottom)
+        for f in lengths["files"]:  # corpus file names: data, drawn as they are
+            c = _bars(ax, {"edges": lengths[name]["edges"], "counts": lengths[name]["by_file"][f]}, legend_label(f),
+                      bottom)
             bottom = c if bottom is None else bottom + c
         ax.set_xlabel("tokens"), ax.set_ylabel("samples")
         if lengths["files"]:
             ax.legend(fontsize=7)
-    out["lengths"] = _png(fig)
+    return fig
+
+
+def _draw_states(data: dict[str, Any]):
+    from training.plot_text import legend_label
 
     s = data["states"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, axes = _figure(11, 3.6)
     for j, label in enumerate(s["labels"]):
         if s["positions"]:
-            axes[0].plot(s["positions"], s["rms_by_position"][j], label=label,
+            axes[0].plot(s["positions"], s["rms_by_position"][j], label=legend_label(label),
                          linewidth=2.2 if s["layer_ids"][j] == data["run"]["num_hidden_layers"] else 1.2)
     axes[0].set_yscale("symlog", linthresh=1e-3)
     axes[0].set_title("RMS of the stored states by token position"), axes[0].set_xlabel("token position")
@@ -399,36 +437,62 @@ def plots(data: dict[str, Any]) -> dict[str, str]:
     axes[1].bar(x - 0.2, zero, 0.4, label="all-zero rows"), axes[1].bar(x + 0.2, bad, 0.4, label="NaN/Inf rows")
     axes[1].set_xticks(x, [str(i) for i in s["layer_ids"]]), axes[1].set_ylim(0, 1)
     axes[1].set_title("share of bad rows per layer"), axes[1].set_xlabel("layer id"), axes[1].legend(fontsize=7)
-    out["states"] = _png(fig)
+    return fig
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+
+def _draw_mask_bytes(data: dict[str, Any]):
+    s = data["states"]
+    fig, axes = _figure(11, 3.2)
     cov = [c for c in s["loss_mask_coverage"] if c is not None]
     if cov:
         axes[0].hist(cov, bins=np.linspace(0, 1, 21), edgecolor="white")
     else:
-        axes[0].text(0.5, 0.5, "no loss masks stored", ha="center", va="center", transform=axes[0].transAxes)
+        _note(axes[0], "no loss masks stored")
     axes[0].set_title("loss-mask coverage per sampled sample"), axes[0].set_xlabel("share of tokens learned")
     _bars(axes[1], data["bytes_per_token"])
     axes[1].set_title("bytes per token per sample"), axes[1].set_xlabel("bytes / token")
-    out["mask_bytes"] = _png(fig)
+    return fig
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+
+def _draw_failures_throughput(data: dict[str, Any]):
+    fig, axes = _figure(11, 3.2)
     failures = data["failures"]
-    if failures:
+    if failures:  # failure reasons: data (a record's role, a file name), drawn as they are
         names = list(failures)[:12]
         axes[0].barh(range(len(names)), [failures[k] for k in names])
         axes[0].set_yticks(range(len(names)), [k[:40] for k in names], fontsize=7), axes[0].invert_yaxis()
     else:
-        axes[0].text(0.5, 0.5, "no failures", ha="center", va="center", transform=axes[0].transAxes)
+        _note(axes[0], "no failures")
     axes[0].set_title("failed samples by reason")
     tp = data["throughput"]
     if len(tp["t"]) > 1:
         axes[1].plot(tp["t"], tp["tokens_per_s"])
     else:
-        axes[1].text(0.5, 0.5, "one commit: no rate to draw", ha="center", va="center", transform=axes[1].transAxes)
+        _note(axes[1], "one commit: no rate to draw")
     axes[1].set_title("tokens committed per second"), axes[1].set_xlabel("seconds since the first commit")
-    out["failures_throughput"] = _png(fig)
-    return out
+    return fig
+
+
+FIGURES = {"lengths": _draw_lengths, "states": _draw_states, "mask_bytes": _draw_mask_bytes,
+           "failures_throughput": _draw_failures_throughput}
+"""The page's figures by section name, in page order."""
+
+
+def plots(data: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """(every figure drawn, as base64 PNG by section name; why each figure that could not be drawn was not). One
+    figure failing is a warning: the page is still written, that figure replaced by a note."""
+    from training.plot_text import literal_text
+
+    images, failed = {}, {}
+    for name, draw in FIGURES.items():
+        try:
+            with literal_text():  # text from data (file names, failure reasons) is never math or TeX
+                images[name] = _png(draw(data))
+        except Exception as e:  # noqa: BLE001 - a figure is a view of numbers the page keeps as JSON
+            failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            logger.warning("report figure %s not drawn: %s", name, failed[name])
+            logger.debug("figure %s", name, exc_info=True)
+    return images, failed
 
 
 _CSS = """body{font-family:sans-serif;margin:2em;max-width:1100px}h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}
@@ -436,11 +500,28 @@ table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-
 .error{color:#b00020}.warning{color:#9a6700}.info{color:#555}.ok{color:#1a7f37}img{max-width:100%}"""
 
 
+PAGE_START = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+              '<meta name="generator" content="hsx report">')
+"""How every page hsx report writes begins: --out overwrites an existing file only when it begins so."""
+_LEGACY_PAGE_START = '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>hsx report: '
+"""How pages began before the generator marker (hsx report wrote them too)."""
+
+
+def embedded_json(data: dict[str, Any]) -> str:
+    """`data` as JSON that a browser's HTML parser cannot end or bend inside <script>: "<", ">" and "&" as \\u escapes
+    (a failure reason holding "<!--<script>" or "</script>" stays a string); json.loads reads it back as it was."""
+    return (json.dumps(data, default=str, allow_nan=False)
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+
+
 def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
-    """The page: the checks, the plots (embedded PNGs), the run's facts, and `data` as embedded JSON."""
+    """The page: the checks, the plots (embedded PNGs; a figure that could not be drawn is a note naming why), the
+    run's facts, a banner when it is a snapshot of a run being written, and `data` as embedded JSON."""
     from jobs.progress import human_bytes, human_count
 
-    images = plots(data) if images is None else images
+    if images is None:
+        images, failed = plots(data)
+        data = {**data, "figures_not_drawn": failed}
     e = html.escape
     run, c = data["run"], data["counts"]
     checks = "".join(f'<li class="{e(f["severity"])}"><b>{e(f["severity"])}</b> [{e(f["check"])}] {e(f["message"])}'
@@ -456,18 +537,24 @@ def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
     verify = ("never verified (hsx verify OUTPUT)" if v is None else
               f"{v['started_at']}: {v['checked']} checked, {v['failures']} failed, {v['recomputed']} recomputed")
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(str(val))}</td></tr>" for k, val in facts)
-    img = {k: f'<img alt="{e(k)}" src="data:image/png;base64,{b}">' for k, b in images.items()}
-    payload = json.dumps(data, default=str, allow_nan=False).replace("</", "<\\/")
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>hsx report: {e(run['url'])}</title><style>{_CSS}</style></head>
-<body><h1>hsx report</h1><table>{rows}<tr><th>verify</th><td>{e(verify)}</td></tr></table>
+    not_drawn = data.get("figures_not_drawn") or {}
+    img = {k: f'<img alt="{e(k)}" src="data:image/png;base64,{images[k]}">' if k in images else
+           f'<p class="error figure-not-drawn">figure not drawn ({e(not_drawn.get(k, "no image"))}); its numbers are '
+           "in the page's JSON</p>" for k in FIGURES}
+    snapshot = data.get("snapshot")
+    banner = ("" if not snapshot else
+              f'<p id="snapshot" class="warning"><b>snapshot</b>: this run was being written when this page was made '
+              f'(by {e(snapshot["writer"])}); it shows the rows committed at {e(snapshot["taken_at"])}, and more may '
+              "have come since</p>")
+    return f"""{PAGE_START}<title>hsx report: {e(run['url'])}</title><style>{_CSS}</style></head>
+<body><h1>hsx report</h1>{banner}<table>{rows}<tr><th>verify</th><td>{e(verify)}</td></tr></table>
 <h2>Checks</h2><ul id="checks">{checks}</ul>
 <h2>Lengths</h2>{img['lengths']}
 <h2>States</h2><p>The last layer and the aux layers on one chart: a post-norm last layer labelled pre-norm sits flat;
 a dead layer at zero.</p>{img['states']}
 <h2>Loss mask and bytes per token</h2>{img['mask_bytes']}
 <h2>Failures and throughput</h2>{img['failures_throughput']}
-<script type="application/json" id="{DATA_ELEMENT_ID}">{payload}</script>
+<script type="application/json" id="{DATA_ELEMENT_ID}">{embedded_json(data)}</script>
 </body></html>
 """
 
@@ -483,13 +570,44 @@ def _json_safe(obj):
     return obj
 
 
-def write_report(config: ReportConfig) -> tuple[str, dict[str, Any]]:
-    """Collect, draw and write the page to config.out (checked before any work: never over the run or a model)."""
-    from connectors.outputs import check_output_file, write_output_file
+def check_page_path(path: str, corpus: Sequence[str] = ()) -> None:
+    """ValueError unless the resolved `path` may take a page: never a corpus file run.json lists (whatever the
+    spelling: symlinks resolved), and an existing file only when it is a page hsx report wrote (it begins with
+    PAGE_START: an earlier page is replaced, anything else is kept)."""
+    for c in corpus:
+        if "://" not in str(c) and os.path.realpath(os.path.expanduser(str(c))) == path:
+            raise ValueError(f"--out {path} is the corpus file {c} that run.json lists; writing there would "
+                             "overwrite it — pick another --out path")
+    if not os.path.lexists(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(PAGE_START.encode()))
+    except OSError as e:
+        raise ValueError(f"--out {path} exists and cannot be read ({e.strerror or e}); pick another --out "
+                         "path") from e
+    if not head.startswith((PAGE_START.encode(), _LEGACY_PAGE_START.encode())):
+        raise ValueError(f"--out {path} exists and is not a page hsx report wrote; hsx report replaces only its "
+                         "own pages — pick a new --out path, or move that file away first")
 
-    path = check_output_file(config.out, flag="--out", inputs={"OUTPUT": config.output})
+
+def write_report(config: ReportConfig) -> tuple[str, dict[str, Any]]:
+    """Collect, draw and write the page to config.out, checked before any work: never over the run, its model or a
+    corpus file run.json lists, and over an existing file only when it is an earlier page of hsx report. A figure
+    that cannot be drawn is a note on the page (data["figures_not_drawn"] says why), never a lost page."""
+    from connectors.outputs import check_output_file, write_output_file
+    from connectors.run import RunDir, RunFormatError, read_run_spec
+
+    try:
+        spec = read_run_spec(RunDir(config.output, config.storage_options))
+    except RunFormatError as e:
+        raise ValueError(str(e)) from e
+    model = {"the run's model": spec.model} if spec is not None and spec.model else {}
+    path = check_output_file(config.out, flag="--out", inputs={"OUTPUT": config.output, **model})
+    check_page_path(path, spec.corpus if spec is not None else ())
     data = _json_safe(collect(config))
-    write_output_file(path, render(data).encode())
+    images, data["figures_not_drawn"] = plots(data)
+    write_output_file(path, render(data, images).encode())
     return path, data
 
 
@@ -498,4 +616,4 @@ def read_report_data(page: str) -> dict[str, Any]:
     m = re.search(rf'<script type="application/json" id="{DATA_ELEMENT_ID}">(.*?)</script>', page, re.S)
     if m is None:
         raise ValueError("not an hsx report page (no embedded data)")
-    return json.loads(m.group(1).replace("<\\/", "</"))
+    return json.loads(m.group(1))  # \u003c and (older pages') <\/ are JSON escapes
