@@ -19,6 +19,7 @@
     metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
     layers.py       layer-id semantics, the capture hooks, early exit
     batching.py     token-budget batches grouped by length
+    chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
 """
 
 from extractor.config import EngineConfig, SpeculativeConfig

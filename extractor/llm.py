@@ -220,10 +220,21 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`) to one conversation or a list of them."""
+        from extractor.chat_content import message_content, messages_for_template
+
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
         prompts = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(list(conv), chat_template=chat_template, tokenize=True,
+        for c, conv in enumerate(conversations):
+            checked = []
+            for i, m in enumerate(conv):  # OpenAI content parts, as vLLM takes them (extractor.chat_content)
+                where = f"conversation {c} message {i}" if len(conversations) > 1 else f"message {i}"
+                if not isinstance(m, Mapping):
+                    raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(m).__name__}")
+                checked.append({**m, "content": message_content(m["content"], where, self.config.model)}
+                               if m.get("content") is not None else dict(m))
+            ids = self.tokenizer.apply_chat_template(messages_for_template(checked, template),
+                                                     chat_template=chat_template, tokenize=True,
                                                      add_generation_prompt=add_generation_prompt, return_dict=True)
             prompts.append({"prompt_token_ids": list(ids["input_ids"]),
                             "prompt": self.tokenizer.decode(ids["input_ids"])})

@@ -18,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from extractor.chat_content import STRING, for_template, message_content
+from extractor.chat_content import content_format as template_content_format
+
 ROLE_ALIASES = {
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
@@ -27,8 +30,10 @@ ROLE_ALIASES = {
 }
 
 
-def normalize_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The conversation of an OpenAI (`messages`) or ShareGPT (`conversations`) record, with canonical roles.
+def normalize_messages(record: Mapping[str, Any], content_format: str = STRING) -> list[dict[str, Any]]:
+    """The conversation of an OpenAI (`messages`) or ShareGPT (`conversations`) record, with canonical roles. Content
+    parts become what a template of `content_format` takes (ChatEncoder.content_format: text parts joined with
+    newlines, or kept as parts for a template that loops over them); a media part is refused (text-only targets).
 
     Raises ValueError saying what is wrong with the record.
     """
@@ -53,14 +58,11 @@ def normalize_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
         if role is None:
             raise ValueError(f"{key}[{i}] has unknown role {_short(raw_role)}; known roles: {sorted(ROLE_ALIASES)}")
         content = turn.get(content_key)
-        if isinstance(content, list):  # OpenAI content parts
-            texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise ValueError(f"{key}[{i}] content parts must all be {{'type': 'text', 'text': str}}")
-            content = "".join(texts)
+        if isinstance(content, list):  # OpenAI content parts: vLLM's rule (extractor.chat_content), as LLM.chat
+            content = for_template(message_content(content, f"{key}[{i}]"), content_format)
         if content is None and role == "assistant" and turn.get("tool_calls"):
             content = ""
-        if not isinstance(content, str):
+        if not isinstance(content, (str, list)):
             raise ValueError(f"{key}[{i}] needs a string {content_key!r}, got {type(content).__name__}")
         message = {k: v for k, v in turn.items() if k not in (role_key, content_key)}
         message.update(role=role, content=content)
@@ -82,6 +84,8 @@ class ChatEncoder:
         self.template = template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass one with --chat-template FILE.jinja")
+        self.content_format = template_content_format(template or getattr(tokenizer, "chat_template", None))
+        """How content parts reach this template (extractor.chat_content): pass it to normalize_messages."""
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("chat records need a fast tokenizer (character offsets locate the assistant's tokens); "
                              f"{type(tokenizer).__name__} is a slow one")

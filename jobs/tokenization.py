@@ -98,11 +98,11 @@ class SampleTokenizer:
             problem = _unicode_problem(record[shape], shape)
             if problem:
                 raise SampleError(problem)
+            encoder = self._chat_encoder()
             try:
-                messages = normalize_messages({shape: record[shape]})
+                messages = normalize_messages({shape: record[shape]}, encoder.content_format)
             except ValueError as e:
                 raise SampleError(str(e)) from e
-            encoder = self._chat_encoder()
             try:
                 ids, mask = encoder.encode(messages)
             except ValueError as e:

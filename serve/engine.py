@@ -282,8 +282,11 @@ class Engine:
         if r.chat_template is not None:
             self._check_request_template(r)
         try:
+            from extractor.chat_content import messages_for_template
+
+            template = r.chat_template or getattr(self.tokenizer, "chat_template", None)
             out = self.tokenizer.apply_chat_template(
-                r.messages, chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
+                messages_for_template(r.messages, template), chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
                 continue_final_message=r.continue_final_message, tokenize=True, return_dict=True,
                 **(r.chat_template_kwargs or {}))
         except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs: all the caller's input

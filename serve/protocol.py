@@ -16,7 +16,9 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from extractor.chat_content import media_refusal
 
 # status -> OpenAI error type
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -149,11 +151,18 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """An image (audio, video) part: the text-only target's own refusal, not a type error."""
+        if isinstance(data, dict) and (refused := media_refusal(data.get("content"), "this message's")) is not None:
+            raise ValueError(refused)
+        return data
+
     def template_dict(self) -> dict[str, Any]:
-        out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # text parts joined as vLLM's "string" content format does
-            out["content"] = "\n".join(p.text for p in self.content)
-        return out
+        """The message for the chat template: text parts are joined or kept by the template's content format when
+        it is applied (extractor.chat_content.messages_for_template), as in LLM.chat and the corpus readers."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatBody(_Sampling):

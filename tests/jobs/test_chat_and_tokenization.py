@@ -103,7 +103,7 @@ def test_sharegpt_and_openai_parts_normalise_to_roles():
     assert normalize_messages({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) \
         == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]}
-    assert normalize_messages(parts) == [{"role": "user", "content": "xy"}]
+    assert normalize_messages(parts) == [{"role": "user", "content": "x\ny"}]  # joined as vLLM joins text parts
     for bad, msg in [({"messages": []}, "empty"), ({"messages": [{"role": "alien", "content": "x"}]}, "unknown role"),
                      ({"conversations": [{"value": "x"}]}, "no 'from'"), ({"messages": "hi"}, "must be a list"),
                      ({"messages": [{"role": "user", "content": 3}]}, "string")]:

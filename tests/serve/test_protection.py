@@ -396,3 +396,11 @@ def test_a_custom_path_that_cannot_be_written_is_refused_before_any_work(server,
             "symlink on the way": "goes through the symlink"}[shape] in err["message"], err
     assert files(base) == before
     assert time.monotonic() - started < 60
+
+
+def test_an_image_part_on_a_text_only_target_gets_400_naming_it(server):
+    # hostile input: an image_url part beside a text part (issue 49 item 8: the one rule of LLM.chat and corpora)
+    body = {"model": server.model, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]}
+    err = error_of(server.post("/v1/chat/completions", body), 400)
+    assert "content part 1 is of type 'image_url'" in err["message"] and "text-only model" in err["message"]
