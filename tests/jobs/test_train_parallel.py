@@ -145,3 +145,26 @@ def test_replica_settings_are_checked_before_any_work(oracle_run, tiny_llama, tm
 
         in_process(_config(oracle_run, tiny_llama, tmp_path, workers=2))
     assert not os.listdir(tmp_path)
+
+
+def test_ray_train_folders_of_drivers_that_died_are_removed_at_start(tmp_path, monkeypatch):
+    # hostile input: a killed train driver's hsx-train-<pid>-* left in the temporary folder (issue 49 item 9); on
+    # 6c0b8cf every killed driver left one behind for good
+    import tempfile
+
+    from jobs.train import _ray_train_storage
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"hsx-train-{gone.pid}-abcd1234"
+    alive = tmp_path / f"hsx-train-{os.getpid()}-efgh5678"
+    old_style, fresh_old_style, other = (tmp_path / "hsx-train-k2j3h4g5", tmp_path / "hsx-train-zz9yy8xx",
+                                         tmp_path / "not-ours")
+    for folder in (dead, alive, old_style, fresh_old_style, other):
+        (folder / "experiment").mkdir(parents=True)
+    day_ago = time.time() - 2 * 86400
+    os.utime(old_style, (day_ago, day_ago))
+    made = _ray_train_storage()
+    assert os.path.basename(made).startswith(f"hsx-train-{os.getpid()}-")
+    assert set(os.listdir(tmp_path)) == {alive.name, fresh_old_style.name, other.name, os.path.basename(made)}
