@@ -196,6 +196,9 @@ class JobConfig(EngineOptions):
         opts.setdefault("output", self.output.rstrip("/") + "/regenerated" if self.output else "")
         opts.setdefault("storage_options", self.storage_options)
         opts.setdefault("flush_seconds", 2.0)  # the extraction follows the commits: small ones, often
+        opts.setdefault("tokenizer", self.model)  # the answers' ids checked against their text
+        opts.setdefault("tokenizer_revision", self.revision)
+        opts.setdefault("trust_remote_code", self.trust_remote_code)
         try:
             return RegenerateConfig(server=self.regenerate_with, corpus=self.corpus, id_field=self.id_field,
                                     corpus_storage_options=self.corpus_storage_options, progress=False, **opts)

@@ -121,7 +121,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
     if config.regenerate_with:  # the servers' answers, followed as they are committed
         from jobs.regenerate import prepare_regeneration
 
-        regeneration = prepare_regeneration(config.regenerate_config())
+        regeneration = prepare_regeneration(config.regenerate_config(), within=config.output)
         files = [CorpusFile(regeneration.output.url, "regenerated-follow")]
     else:
         files = expand_corpus(config.corpus, config.corpus_storage_options)

@@ -43,7 +43,13 @@ requests move to the others, or wait for it; a request fails (retried by the nex
 for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 400, 413 and 422 (prompt
 too long, bad request) fail the record with the server's own message; other 4xx (Ray Serve's 404 while an app
 redeploys) set the server aside like one that does not answer. A server that answers what is not an OpenAI API
-is refused before work, or set aside for good mid-run.
+is refused before work, or set aside for good mid-run. No answer is trusted further than it can be checked
+(jobs/answers.py): one is read up to --max-answer-bytes and no further, no redirect is followed (a prompt never goes
+to a server /v1/models did not vouch for), and generated ids beyond --max-tokens, or (with --tokenizer) ids that do
+not decode to the answer's text, fail that record alone, naming the server; the others go on.
+
+OUTPUT follows the rules of every hsx output folder (connectors.outputs): never a model's or a run's folder or inside
+one, never over, in or around the corpus; a resume asks for the same settings and the same corpus files.
 """
 
 from __future__ import annotations
@@ -136,6 +142,16 @@ class RegenerateConfig:
     """Show a progress bar on stderr."""
     break_lease: bool = False
     """Take over OUTPUT's writer lease even though its holder looks alive (only when that job is gone)."""
+    max_answer_bytes: int | None = None
+    """Most bytes of one server answer read; a longer answer fails its record (default 8 MiB + 1 KiB per --max-tokens
+    token: the prompt's token ids and the answer, with room to spare)."""
+    tokenizer: str | None = None
+    """The served model's tokenizer (a folder or Hugging Face name): each answer's token ids must decode to its text,
+    or the record fails. Default: not checked (hsx run --regenerate-with checks with its own --model)."""
+    tokenizer_revision: str | None = None
+    """--tokenizer's revision (branch, tag or commit) for hub ids."""
+    trust_remote_code: bool = False
+    """Let --tokenizer run its own code."""
 
     def __post_init__(self) -> None:
         from connectors.storage import parse_storage_options
@@ -163,15 +179,34 @@ class RegenerateConfig:
             raise ValueError("the API key is empty; pass --api-key KEY or unset $HSX_REGENERATE_API_KEY")
         if not self.id_field:
             raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
-        reserved = sorted(set(self.extra_body) & {"model", "messages", "prompt", "return_token_ids"})
+        if self.max_answer_bytes is not None and self.max_answer_bytes < 1024:
+            raise ValueError(f"--max-answer-bytes must be >= 1024, got {self.max_answer_bytes}")
+        reserved = sorted(set(self.extra_body) & {"model", "messages", "prompt", "return_token_ids", "max_tokens",
+                                                  "max_completion_tokens"})
         if reserved:
-            raise ValueError(f"--extra-body sets {reserved}, which hsx regenerate sends itself; leave them out")
+            raise ValueError(f"--extra-body sets {reserved}, which hsx regenerate sends itself (--max-tokens for the "
+                             "length); leave them out")
+        stop = self.extra_body.get("stop")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ValueError(f"--extra-body's stop must be a string or a list of strings, got {stop!r}")
 
     def check_required(self) -> None:
         for name, what in (("server", "a server URL, e.g. --server http://127.0.0.1:8000"),
                            ("corpus", "corpus files"), ("output", "where the new corpus goes")):
             if not getattr(self, name):
                 raise ValueError(f"{flag(name)} is required: {what}")
+
+    def answer_cap(self) -> int:
+        """The most bytes of one answer read (--max-answer-bytes, or its default from --max-tokens)."""
+        from jobs.answers import answer_cap
+
+        return answer_cap(self.max_tokens, self.max_answer_bytes)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings --extra-body asks for (a server cuts them from the text, not from the ids)."""
+        stop = self.extra_body.get("stop") or ()
+        return (stop,) if isinstance(stop, str) else tuple(stop)
 
     def spec(self, model: str) -> dict[str, Any]:
         """regenerate.json's settings: what a resume must ask for again."""
@@ -200,6 +235,11 @@ class NoServer(Exception):
 
 class NotAnAPI(Exception):
     """An answer that is not an OpenAI API's."""
+
+
+class BadAnswer(Exception):
+    """An answer this record cannot keep — over --max-answer-bytes, a redirect, more token ids than asked for, ids
+    that do not decode to the text: the record fails (a re-run tries it again); the server stays in use."""
 
 
 def base_url(url: str) -> str:
@@ -243,10 +283,13 @@ class Server:
 
 
 class Pool:
-    """The servers, their free slots and health: `call(route, body)` POSTs to one and returns its JSON answer."""
+    """The servers, their free slots and health: `call(route, body)` POSTs to one and returns its JSON answer and the
+    server's URL. Answers are read up to config.answer_cap() bytes, and no redirect is followed (a prompt never goes
+    to a server that was not checked with /v1/models)."""
 
     def __init__(self, urls: list[str], config: RegenerateConfig) -> None:
         self.config = config
+        self.cap = config.answer_cap()
         self.servers = [Server(u, config.concurrency) for u in urls]
         self.cond = asyncio.Condition()
         self.none_since: float | None = None
@@ -270,15 +313,24 @@ class Pool:
         used (does not answer, refuses the key, answers something that is not an OpenAI API)."""
         import aiohttp
 
+        from jobs.answers import read_bounded
+
         out = {}
         for s in self.servers:
             try:
-                async with self.session.get(s.url + "/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                    raw = await r.read()
-                    status = r.status
+                async with self.session.get(s.url + "/models", timeout=aiohttp.ClientTimeout(total=30),
+                                            allow_redirects=False) as r:
+                    raw = await read_bounded(r, self.cap)
+                    status, location = r.status, r.headers.get("Location", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 raise ValueError(f"--server {s.url}: no answer ({type(e).__name__}: {e or 'timed out'}); start the "
                                  "server first, or fix the URL") from None
+            if raw is None:
+                raise ValueError(f"--server {s.url}: GET /v1/models answered more than {self.cap} bytes "
+                                 "(--max-answer-bytes); is it an OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
+            if 300 <= status < 400:
+                raise ValueError(f"--server {s.url}: GET /v1/models answered {status}, a redirect to {location!r}; "
+                                 "hsx regenerate follows no redirects: pass the server it redirects to as --server")
             if status in (401, 403):
                 raise ValueError(f"--server {s.url} refuses the API key ({status}: {error_message(raw)}); pass the "
                                  "server's key with --api-key or $HSX_REGENERATE_API_KEY")
@@ -296,9 +348,9 @@ class Pool:
             out[s.url] = ids
         return out
 
-    async def call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        """The JSON answer of one server to POST `route`. Raises Refused (4xx), Transient (--retries used up),
-        NoServer."""
+    async def call(self, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """(the JSON answer, the URL of the server that gave it) to POST `route`. Raises Refused (4xx), Transient
+        (--retries used up), NoServer, BadAnswer (over the cap, a redirect)."""
         from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
         retrying = AsyncRetrying(stop=stop_after_attempt(self.config.retries), reraise=True,
@@ -309,7 +361,7 @@ class Pool:
                 while True:
                     server = await self._acquire()
                     try:
-                        return await self._post(server, route, body)
+                        return await self._post(server, route, body), server.url
                     except ServerGone:
                         continue  # set aside: the request waits for this server or another, uncounted
                     finally:
@@ -357,18 +409,27 @@ class Pool:
     async def _post(self, server: Server, route: str, body: dict[str, Any]) -> dict[str, Any]:
         import aiohttp
 
+        from jobs.answers import read_bounded
+
         loop = asyncio.get_running_loop()
         start = loop.time()
         try:
-            async with self.session.post(server.url + route, json=body) as r:
-                raw = await r.read()
+            async with self.session.post(server.url + route, json=body, allow_redirects=False) as r:
+                raw = await read_bounded(r, self.cap)
                 status, retry_after = r.status, r.headers.get("Retry-After", "")
+                location = r.headers.get("Location", "")
         except asyncio.TimeoutError:
             raise Transient(f"{server.url}: no answer within {self.config.request_timeout_s:g} s "
                             "(--request-timeout-s)") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
             self._set_aside(server, why=f"no answer ({type(e).__name__}: {e})")
             raise ServerGone(str(e)) from None
+        if raw is None:  # read no further: an endless or huge answer would take the driver's memory
+            raise BadAnswer(f"{server.url} answered {status} with more than {self.cap} bytes; the answer was dropped "
+                            "(raise --max-answer-bytes if the server's answers are that long)")
+        if 300 <= status < 400:  # followed, the prompt would go to a server never checked (or never named)
+            raise BadAnswer(f"{server.url} answered {status}, a redirect to {location[:200]!r}; hsx regenerate "
+                            "follows no redirects: pass the server it redirects to as --server")
         if status in (408, 429, 503):
             wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
             self._set_aside(server, wait, why=f"busy or unavailable ({status}: {error_message(raw)[:200]})")
@@ -473,10 +534,12 @@ def request_seed(seed: int | None, sample_id: str, turn: int) -> int | None:
 class Regenerator:
     """Turns one record into its regenerated record through a Pool."""
 
-    def __init__(self, pool: Pool, config: RegenerateConfig, model: str) -> None:
+    def __init__(self, pool: Pool, config: RegenerateConfig, model: str, tokenizer: Any | None = None) -> None:
         self.pool = pool
         self.config = config
         self.model = model
+        self.tokenizer = tokenizer
+        """--tokenizer: the answers' ids are decoded and compared with their text (None: not checked)."""
 
     def _body(self, sample_id: str, turn: int, **what: Any) -> dict[str, Any]:
         body = {"model": self.model, **what, "max_tokens": self.config.max_tokens,
@@ -503,7 +566,29 @@ class Regenerator:
             out.error = f"{source}: {e}"
         except NotAnAPI as e:
             out.error = f"{source}: the server's answer is not an OpenAI completion: {e}"
+        except BadAnswer as e:
+            out.error = f"{source}: {e}"
         return out
+
+    def _check(self, turn: Turn, server: str, chat: bool) -> Turn:
+        """The turn, once its token ids can be its answer: no more than --max-tokens, inside the tokenizer's
+        vocabulary, decoding to its text (with --tokenizer); BadAnswer naming the server otherwise."""
+        from jobs.answers import ids_problem, text_problem
+
+        if turn.prompt_ids is not None:
+            problem = ids_problem(turn.prompt_ids, None, self.tokenizer)
+            if problem:
+                raise BadAnswer(f"{server} answered prompt ids with a {problem}; the answer was dropped")
+        if turn.ids is None:
+            return turn
+        problem = ids_problem(turn.ids, self.config.max_tokens, self.tokenizer)
+        if problem is None and self.tokenizer is not None:
+            problem = text_problem(self.tokenizer, turn.ids, turn.text, finish_reason=turn.finish_reason, chat=chat,
+                                   reasoning=turn.reasoning, tool_calls=turn.tool_calls,
+                                   stop=self.config.stop_strings())
+        if problem:
+            raise BadAnswer(f"{server} answered {problem}; the answer was dropped")
+        return turn
 
     async def _completion(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
         from jobs.tokenization import pretokenized
@@ -515,7 +600,8 @@ class Regenerator:
             prompt = record["prompt"]
             if not isinstance(prompt, str):
                 raise BadRecord(f"field 'prompt' must be a string, got {type(prompt).__name__}")
-        turn = parse_completion(await self.pool.call("/completions", self._body(out.sample_id, 0, prompt=prompt)))
+        doc, server = await self.pool.call("/completions", self._body(out.sample_id, 0, prompt=prompt))
+        turn = self._check(parse_completion(doc), server, chat=False)
         new = dict(record)
         new["completion"] = turn.text
         new["finish_reason"] = turn.finish_reason
@@ -549,7 +635,8 @@ class Regenerator:
         turns: list[Turn] = []
         for n, i in enumerate(todo):
             asked = [_for_request(m) for m in messages[:i]]
-            turn = parse_chat(await self.pool.call("/chat/completions", self._body(out.sample_id, n, messages=asked)))
+            doc, server = await self.pool.call("/chat/completions", self._body(out.sample_id, n, messages=asked))
+            turn = self._check(parse_chat(doc), server, chat=True)
             message = {k: v for k, v in messages[i].items() if k not in ("content", "reasoning_content", "tool_calls")}
             message.update(role="assistant", content=turn.text)
             if turn.reasoning is not None and self.config.reasoning == "keep":
@@ -706,6 +793,8 @@ class RegenerationPlan:
     attempt: str
     lease: Any
     new: bool
+    tokenizer: Any = None
+    """--tokenizer, loaded (None: the answers' ids are not checked against their text)."""
 
 
 @dataclass
@@ -732,6 +821,8 @@ class RegenerateResult:
     """url -> (answers, seconds spent waiting on them)."""
     stopped: str | None = None
     """Why the run stopped early (the lease was lost, a storage outage), or None."""
+    text_checked: bool = False
+    """Whether the answers' token ids were decoded and compared with their text (--tokenizer)."""
 
     def lines(self) -> list[str]:
         secs = max(self.seconds, 1e-9)
@@ -740,6 +831,9 @@ class RegenerateResult:
                + (f" ({self.duplicates} duplicate ids)" if self.duplicates else ""),
                f"  {self.requests} requests ({self.requests / secs:.1f}/s), {self.tokens} tokens stored "
                f"({self.tokens / secs:.0f}/s); {self.exact} of {self.ok} with the servers' own token ids"]
+        if self.exact and not self.text_checked:
+            out.append("  the servers' token ids were not checked against their text: pass --tokenizer (the served "
+                       "model's) to check them")
         for why, n in self.text_only.items():
             out.append(f"  text only ({n}): {why}; hsx run tokenizes their text (tokens may differ from those the "
                        "target produced)")
@@ -754,10 +848,12 @@ class RegenerateResult:
         return out
 
 
-def prepare_regeneration(config: RegenerateConfig) -> RegenerationPlan:
-    """Everything checked before the first request (ValueError for what the user must fix)."""
+def prepare_regeneration(config: RegenerateConfig, within: str | None = None) -> RegenerationPlan:
+    """Everything checked before the first request (ValueError for what the user must fix). `within`: the folder
+    OUTPUT may lie inside (hsx run --regenerate-with's OUTPUT, which holds its regeneration)."""
     from connectors.lease import WriterLease
     from connectors.run import RUN_JSON, RunFormatError
+    from jobs.answers import load_tokenizer
     from jobs.corpus import expand_corpus
     from jobs.registry import DoneSet
 
@@ -765,11 +861,13 @@ def prepare_regeneration(config: RegenerateConfig) -> RegenerationPlan:
     servers = [base_url(u) for u in config.server]
     if len(set(servers)) != len(servers):
         raise ValueError(f"--server lists a server twice: {servers}")
+    files = expand_corpus(config.corpus, config.corpus_storage_options)
     output = RunDir(config.output, config.storage_options)
+    check_output(output, config, files, within)
     output.check_reachable()
     if output.exists(RUN_JSON):
         raise ValueError(f"{output.url} holds an extraction run (run.json); write the regenerated corpus elsewhere")
-    files = expand_corpus(config.corpus, config.corpus_storage_options)
+    tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_revision, config.trust_remote_code)
     served = asyncio.run(_probe(servers, config))
     model = config.model
     if model is None:
@@ -788,11 +886,11 @@ def prepare_regeneration(config: RegenerateConfig) -> RegenerationPlan:
     wanted = config.spec(model)
     if spec is not None:
         had = spec.get("settings", {})
-        diff = {k: (had.get(k), wanted[k]) for k in _SPEC_KEYS if had.get(k) != wanted[k]}
+        diff = [f"{k} {had.get(k)!r} there, {wanted[k]!r} now" for k in _SPEC_KEYS if had.get(k) != wanted[k]]
+        diff += _corpus_difference(spec.get("corpus"), [f.url for f in files])
         if diff:
-            raise ValueError(f"{output.url} was regenerated with other settings: " + ", ".join(
-                f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items()) + "; re-run with the same settings, or "
-                "write to another --output")
+            raise ValueError(f"{output.url} was regenerated with other settings: " + "; ".join(diff) + ". Re-run "
+                             "with the same settings and --corpus to resume it, or write to another --output")
     attempt = new_attempt_id()
     lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease, command="hsx regenerate",
                                 harm="Two writers would regenerate records twice")
@@ -810,7 +908,39 @@ def prepare_regeneration(config: RegenerateConfig) -> RegenerationPlan:
     except BaseException:
         lease.release()
         raise
-    return RegenerationPlan(config, output, model, servers, files, done, attempt, lease, spec is None)
+    return RegenerationPlan(config, output, model, servers, files, done, attempt, lease, spec is None, tokenizer)
+
+
+def check_output(output: RunDir, config: RegenerateConfig, files: list, within: str | None) -> None:
+    """The rules every output folder of hsx follows (connectors.outputs.OutputFolder): never a model's or a run's
+    folder or inside one, never over, in or around the corpus; new, empty or an earlier regeneration (its
+    regenerate.json). `within`: the run OUTPUT of hsx run --regenerate-with, whose checks cover a regeneration inside
+    it. Object-store outputs have no folders to check."""
+    from connectors.outputs import OutputFolder
+
+    if not output.local:
+        return
+    here = os.path.realpath(output.root)
+    if within is not None and here.startswith(os.path.realpath(within).rstrip(os.sep) + os.sep):
+        return
+    given = [*config.corpus, *(f.url for f in files)]
+    inputs = {"--corpus" + (f" #{i + 1}" if i else ""): c for i, c in enumerate(given)}
+    OutputFolder(config.output, command="regenerate", flag="--output", inputs=inputs,
+                 legacy_markers=(REGEN_JSON,)).check()
+
+
+def _corpus_difference(had: Any, now: list[str]) -> list[str]:
+    """What differs between the corpus files regenerate.json names and those given now (resuming with another corpus
+    would add its records to this one)."""
+    if not isinstance(had, list):
+        return []
+    added, gone = sorted(set(now) - set(had)), sorted(set(had) - set(now))
+
+    def show(urls: list[str]) -> str:
+        return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+
+    return ([f"corpus: {len(added)} file(s) not in it now given ({show(added)})"] if added else []) + \
+        ([f"corpus: {len(gone)} of its file(s) not given now ({show(gone)})"] if gone else [])
 
 
 async def _probe(servers: list[str], config: RegenerateConfig) -> dict[str, list[str]]:
@@ -821,7 +951,7 @@ async def _probe(servers: list[str], config: RegenerateConfig) -> dict[str, list
 def execute_regeneration(plan: RegenerationPlan, stop: threading.Event | None = None) -> RegenerateResult:
     """Regenerate every record not settled; commits as it goes; releases the lease; writes FINISHED. Setting `stop`
     ends it early (what was answered is committed; RuntimeError)."""
-    result = RegenerateResult(plan.output.url, plan.attempt, new=plan.new)
+    result = RegenerateResult(plan.output.url, plan.attempt, new=plan.new, text_checked=plan.tokenizer is not None)
     start = time.monotonic()
     try:
         with plan.lease.keep_alive() as lost:
@@ -901,7 +1031,7 @@ async def _run(plan: RegenerationPlan, result: RegenerateResult, lost, stop: thr
         await asyncio.to_thread(writer.flush)
 
     async with Pool(plan.servers, config) as pool:
-        regen = Regenerator(pool, config, plan.model)
+        regen = Regenerator(pool, config, plan.model, plan.tokenizer)
         committer = asyncio.create_task(commit())
         total = asyncio.create_task(asyncio.to_thread(lambda: sum(count_records(f, config.corpus_storage_options)
                                                                   for f in plan.files)))

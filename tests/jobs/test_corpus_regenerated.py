@@ -73,8 +73,11 @@ def test_only_committed_records_are_read_each_checked_against_its_row(tmp_path):
 
 
 def test_the_following_reader_reads_commits_as_they_come_and_stops_at_the_attempts_end(tmp_path):
+    from connectors.lease import WriterLease
+
     folder = tmp_path / "regen"
     run, writer = make(folder)
+    lease = WriterLease.acquire(run, writer.attempt, command="hsx regenerate")  # as the regeneration holds it
     writer.add(outcome(0))
     writer.flush()
 
@@ -86,6 +89,7 @@ def test_the_following_reader_reads_commits_as_they_come_and_stops_at_the_attemp
         writer.add(outcome(2))
         writer.flush()
         run.put(FINISHED, b'{"attempt": "x"}')
+        lease.release()
 
     thread = threading.Thread(target=later)
     thread.start()
