@@ -1,5 +1,6 @@
-"""Output folders and files that cannot destroy inputs: what `hsx train-drafter --out`, `hsx export DEST`, `hsx verify
---report` and `hsx eval-drafter --json / --out` write to is checked before any work, and a folder has one writer.
+"""Output folders and files that cannot destroy inputs: what `hsx train-drafter --out / --checkpoint-dir / --log-dir`,
+`hsx export DEST`, `hsx verify --report` and `hsx eval-drafter --json / --out` write to is checked before any work, and
+a folder has one writer.
 
     OutputFolder(path, command=..., flag=..., inputs={flag: path})
         .check()            ValueError naming the problem and the fix; creates nothing (also run by open())
@@ -8,6 +9,14 @@
                             connectors.lease); on an exception, a folder it created that holds only its own marker
                             and lease is removed again, so a refused or failed command leaves nothing behind
         .lease_lost         an Event set if another writer took the lease over meanwhile (check before writing)
+        .check_lease()      LeaseLost when it was
+    RemoteOutputFolder(url, ...)     the same surface for a folder on an object store (s3://, gs://): checked against
+                                     the URL inputs (not one, not inside or around one) and leased; nothing probed
+    output_folder_at(path, ...)      one of the two, by the path (a flag that takes a folder or a URL)
+    OutputFolders(main, *more)       the folders of one command (train-drafter's --out, --checkpoint-dir, --log-dir):
+                                     .check() / .open() / .check_lease() over all of them. A folder that is, or lies
+                                     inside, another of the group is part of that one (its checks and lease cover it;
+                                     it must not be a file); every other one is checked and leased on its own
     check_output_file(path, flag=..., inputs={flag: path})   the same rules for one file (a JSON report)
     holds_model(folder) / holds_run(folder)                  what the rules look for
 
@@ -24,6 +33,7 @@ Inputs that are URLs (s3://...) cannot overlap a local output and are skipped.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -174,7 +184,8 @@ class OutputFolder:
         self.flag = flag
         self.inputs = dict(inputs or {})
         self.legacy_markers = legacy_markers
-        """Files whose presence marks a folder as this command's output from before markers existed."""
+        """Files (names or glob patterns, relative to the folder) whose presence marks a folder as this command's
+        output from before markers existed."""
         self.break_lease = break_lease
         self.lease_lost = threading.Event()
 
@@ -186,7 +197,7 @@ class OutputFolder:
                 return json.load(f).get("command") == self.command
         except (OSError, ValueError, AttributeError):
             pass
-        return any(os.path.exists(os.path.join(self.path, name)) for name in self.legacy_markers)
+        return any(glob.glob(os.path.join(glob.escape(self.path), name)) for name in self.legacy_markers)
 
     def check(self) -> None:
         """ValueError naming the problem and the fix when this folder must not be written; creates nothing."""
@@ -267,3 +278,115 @@ class OutputFolder:
         if leftovers - {MARKER, LEASE_FILE}:
             return  # the command wrote something (a checkpoint): keep it for a resume
         shutil.rmtree(created[0], ignore_errors=True)
+
+
+def _url_inside(url: str, folder: str) -> bool:
+    return url == folder or url.startswith(folder + "/")
+
+
+class RemoteOutputFolder:
+    """A folder on an object store (s3://, gs://) that one command writes (train-drafter's --checkpoint-dir): never
+    one of the URL inputs, inside one or around one; one writer (its `writer.lease`, as for a local folder). Nothing
+    is probed or marked: an object store has no folders to create or permissions to test up front."""
+
+    def __init__(self, url: str, *, command: str, flag: str, inputs: Mapping[str, str | None] | None = None,
+                 storage_options: Mapping | None = None, break_lease: bool = False) -> None:
+        self.run = RunDir(str(url), dict(storage_options or {}))
+        self.given, self.path = str(url), self.run.url.rstrip("/")
+        self.command, self.flag, self.break_lease = command, flag, break_lease
+        self.inputs = dict(inputs or {})
+        self.lease_lost = threading.Event()
+
+    def check(self) -> None:
+        """ValueError when the folder is, lies inside or contains one of the URL inputs."""
+        fix = f"pick another {self.flag}: a folder of its own"
+        for name, given in self.inputs.items():
+            if not given or _local(given) is not None:
+                continue  # a local input cannot overlap a URL
+            other = RunDir(str(given), self.run.storage_options).url.rstrip("/")
+            if self.path == other:
+                raise ValueError(f"{self.flag} {self.given} is the {name} folder; writing there would overwrite it "
+                                 f"— {fix}")
+            if _url_inside(self.path, other) or _url_inside(other, self.path):
+                where = "lies inside" if _url_inside(self.path, other) else "contains"
+                raise ValueError(f"{self.flag} {self.given} {where} the {name} folder {other}; writing there could "
+                                 f"overwrite it — {fix}")
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[RemoteOutputFolder]:
+        """Check and lease; yields self."""
+        self.check()
+        lease = WriterLease.acquire(self.run, f"{self.command}-{uuid.uuid4().hex[:12]}", break_lease=self.break_lease,
+                                    command=f"hsx {self.command}",
+                                    harm=f"Two writers of one {self.flag} would lose one result")
+        try:
+            with lease.keep_alive() as lost:
+                self.lease_lost = lost
+                yield self
+        finally:
+            lease.release()
+
+    def check_lease(self) -> None:
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"the writer lease on {self.flag} {self.given} was taken over by another hsx "
+                            f"{self.command}; this one stops so that neither result is lost half-written")
+
+
+class OutputFolders:
+    """The folders one command writes, checked before its work and leased for all of it (see the module docstring).
+    The first is the command's main output (--out); the others are its further output flags, each an OutputFolder
+    or RemoteOutputFolder of its own (train-drafter: --checkpoint-dir, --log-dir, their defaults inside --out)."""
+
+    def __init__(self, main: OutputFolder, *more: OutputFolder | RemoteOutputFolder) -> None:
+        self.main = main
+        self.folders: list[OutputFolder | RemoteOutputFolder] = [main]
+        """The folders checked and leased on their own, main first."""
+        self.parts: list[tuple[OutputFolder, OutputFolder]] = []
+        """(folder, the folder of the group it lies in): covered by that one's checks and lease."""
+        for folder in sorted(more, key=lambda f: len(f.path)):  # outer folders first
+            if isinstance(folder, RemoteOutputFolder):
+                if all(folder.path != f.path for f in self.folders):
+                    self.folders.append(folder)
+                continue
+            outer = next((f for f in self.folders if isinstance(f, OutputFolder) and _inside(folder.path, f.path)),
+                         None)
+            if outer is None:
+                self.folders.append(folder)
+            else:
+                self.parts.append((folder, outer))
+
+    def check(self) -> None:
+        """Every folder's check (see OutputFolder.check); a part may not be a file. Creates nothing."""
+        for folder, _ in self.parts:
+            if os.path.lexists(folder.path) and not os.path.isdir(folder.path):
+                raise ValueError(f"{folder.flag} {folder.given} is a file, not a folder; remove it or pick another "
+                                 f"{folder.flag}")
+        for folder in self.folders:
+            folder.check()
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[OutputFolders]:
+        """Check every folder, then open (create, mark, lease) each in turn; yields self. A failure on one gives
+        back the ones already opened (and removes what they created, as OutputFolder.open does)."""
+        self.check()
+        with contextlib.ExitStack() as stack:
+            for folder in self.folders:
+                stack.enter_context(folder.open())
+            yield self
+
+    def check_lease(self) -> None:
+        """LeaseLost when another writer took any of the folders over."""
+        for folder in self.folders:
+            folder.check_lease()
+
+
+def output_folder_at(path: str, *, command: str, flag: str, inputs: Mapping[str, str | None] | None = None,
+                     storage_options: Mapping | None = None, legacy_markers: tuple[str, ...] = (),
+                     break_lease: bool = False) -> OutputFolder | RemoteOutputFolder:
+    """The guard of an output flag that takes a local folder or an object-store URL: an OutputFolder for a local
+    path, a RemoteOutputFolder for a URL (s3://, gs://, ...)."""
+    if str(path).strip() and _local(path) is None:
+        return RemoteOutputFolder(path, command=command, flag=flag, inputs=inputs, storage_options=storage_options,
+                                  break_lease=break_lease)
+    return OutputFolder(path, command=command, flag=flag, inputs=inputs, legacy_markers=legacy_markers,
+                        break_lease=break_lease)

@@ -61,6 +61,7 @@ from training.trainer import (
     checkpoint_folder,
     finish,
     load_checkpoint,
+    log_folder,
     target_config,
     torch_device,
     train_loop,
@@ -615,9 +616,12 @@ def fanout_configs(config: TrainDrafterConfig) -> list[TrainDrafterConfig]:
                    if fixed else "no out (each trainer writes its own folder)")
             raise ValueError(f"--fanout {config.fanout}: trainer {n}: {why}")
         c = dataclasses.replace(config, fanout=None, **entry)
-        if os.path.realpath(c.out) in outs:
-            raise ValueError(f"--fanout {config.fanout}: trainer {n} writes to {c.out}, as an earlier one does")
-        outs.add(os.path.realpath(c.out))
+        for flag, path in (("out", c.out), ("checkpoint_dir", checkpoint_folder(c)), ("log_dir", log_folder(c))):
+            where = path if "://" in path else os.path.realpath(path)
+            if where in outs:
+                raise ValueError(f"--fanout {config.fanout}: trainer {n} writes its {flag} to {path}, as an earlier "
+                                 f"one does; give each trainer its own {flag} (or leave it to the default in its out)")
+            outs.add(where)
         configs.append(c)
     if config.cache:
         raise ValueError("--fanout with --cache is not supported yet: train the trainers on the cached run instead")

@@ -3,8 +3,9 @@
     train_drafter(config) -> report   --workers 1 without --address: training.trainer.train_drafter (this process);
                                       otherwise N replicas (TorchTrainer: DDP over gloo on CPU, NCCL on GPU)
 
-The driver does what one process does before training (checks --out and the run, initialises and prepares the
-drafter from --seed, takes --out's lease, reads a checkpoint to resume), then starts the replicas. Each replica
+The driver does what one process does before training (checks --out, --checkpoint-dir, --log-dir and the run,
+initialises and prepares the drafter from --seed, takes their leases, reads a checkpoint to resume), then starts the
+replicas. Each replica
 opens the run itself (a local folder on one machine, s3:// or gs:// across nodes), takes the prepared drafter and
 the target head from Ray's object store (the target folder need not exist on other nodes) and runs
 training.trainer.train_loop with training.replicas.TorchDistributed: its share of each global batch (--workers x
@@ -76,7 +77,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     started = time.monotonic()
-    out, ds, target, identity, drafter = prepare_training(config)
+    out, ds, target, identity, drafter, snapshot = prepare_training(config)
     with ray_cluster(config.address) as local:
         gpus = _gpus(config)
         _check_fits(config, gpus, local)

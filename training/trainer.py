@@ -102,7 +102,8 @@ class TrainDrafterConfig:
     """Write a checkpoint every this many steps (and at the end)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go: a local folder or a URL (s3://, gs://; --storage-options apply); default OUT/checkpoint.
-    A training started again with the same --out and --checkpoint-dir continues from it."""
+    A training started again with the same --out and --checkpoint-dir continues from it. Checked like --out before
+    any step (not the model, the run, inside either, a file, or another command's folder) and leased with it."""
     resume: bool = True
     """Continue from OUT/checkpoint when it exists (--no-resume: refuse to overwrite it)."""
     num_workers: int = 0
@@ -153,7 +154,11 @@ class TrainDrafterConfig:
     training's log holds each checkpointed step once)."""
     log_dir: str | None = None
     """Where the TensorBoard curves go (loss, accuracy per position, simulated acceptance length, learning rate,
-    tokens/s per step; `tensorboard --logdir DIR`); default OUT/tensorboard. A resumed training continues them."""
+    tokens/s per step; `tensorboard --logdir DIR`); default OUT/tensorboard. A resumed training continues them.
+    A local folder, checked and leased like --checkpoint-dir."""
+    snapshot: bool = False
+    """Train on a run that an `hsx run` is writing now: on the samples it has committed so far (report.json says so
+    and names the writer). Without it, such a run is refused."""
 
     def __post_init__(self) -> None:
         if isinstance(self.corpus, str):
@@ -188,6 +193,9 @@ class TrainDrafterConfig:
             if not self.inflight_mb > 0 or self.shuffle_mb < 0:
                 raise ValueError(f"--inflight-mb must be > 0 and --shuffle-mb >= 0, got {self.inflight_mb} and "
                                  f"{self.shuffle_mb}")
+            if self.snapshot:
+                raise ValueError("--snapshot reads a stored --run that an `hsx run` is writing; --online has none: "
+                                 "drop --snapshot")
         elif self.corpus or self.extract or self.cache or self.fanout:
             raise ValueError("--corpus, --extract, --cache and --fanout belong to --online training; without "
                              "--online, train on --run")
@@ -256,14 +264,23 @@ class TrainDrafterConfig:
         return {**{name: getattr(self, name) for name in names}, "model": os.path.realpath(self.model)}
 
     def output_folder(self):
-        """--out as a connectors.outputs.OutputFolder: never the model, the run or inside either; one writer."""
-        from connectors.outputs import OutputFolder
+        """--out, --checkpoint-dir and --log-dir as one connectors.outputs.OutputFolders: none of them the model, the
+        run, the --cache, inside one of them or a file, each empty or this training's own; one writer each. The
+        defaults (OUT/checkpoint, OUT/tensorboard) are part of --out, unless a symlink takes them elsewhere."""
+        from connectors.outputs import OutputFolder, OutputFolders, output_folder_at
 
-        return OutputFolder(self.out, command="train-drafter", flag="--out",
-                            inputs={k: v for k, v in (("--model", self.model), ("--run", self.run),
-                                                      ("--cache", self.cache)) if v},
-                            legacy_markers=LEGACY_MARKERS,
-                            break_lease=self.break_lease)
+        inputs = {k: v for k, v in (("--model", self.model), ("--run", self.run), ("--cache", self.cache)) if v}
+        main = OutputFolder(self.out, command="train-drafter", flag="--out", inputs=inputs,
+                            legacy_markers=LEGACY_MARKERS, break_lease=self.break_lease)
+        more = [output_folder_at(path, command=f"train-drafter {flag}", flag=flag, inputs={**inputs, "--out": self.out},
+                                 storage_options=self.storage_options, legacy_markers=legacy,
+                                 break_lease=self.break_lease)
+                for flag, path, legacy in (("--checkpoint-dir", checkpoint_folder(self), (STATE_NAME,)),
+                                           ("--log-dir", log_folder(self), ("events.out.tfevents.*",)))]
+        if not isinstance(more[1], OutputFolder):
+            raise ValueError(f"--log-dir {self.log_dir}: a local folder is expected (TensorBoard writes there; copy "
+                             "it to the store afterwards)")
+        return OutputFolders(main, *more)
 
     def lr_at(self, step: int, total: int) -> float:
         """The learning rate of optimizer step `step` (0-based) of `total`."""
@@ -457,6 +474,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def checkpoint_folder(config: TrainDrafterConfig) -> str:
     """Where the training's checkpoints go: --checkpoint-dir, or OUT/checkpoint."""
     return config.checkpoint_dir or os.path.join(config.out, CHECKPOINT_DIR)
+
+
+def log_folder(config: TrainDrafterConfig) -> str:
+    """Where the training's TensorBoard curves go: --log-dir, or OUT/tensorboard."""
+    return config.log_dir or os.path.join(config.out, TENSORBOARD_DIR)
 
 
 def save_checkpoint(folder: str, state: dict[str, Any], storage_options: dict[str, Any] | None = None) -> None:
@@ -675,9 +697,10 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     """Train `config.kind` on `config.run` in this process; the report (see the module docstring), also in
     OUT/report.json. `--workers N` (data-parallel replicas on Ray Train) is jobs.train.train_drafter's.
 
-    Before any work: --out is checked (connectors.outputs: never the model, the run, inside either, or another
-    folder holding one; writable), then the run. Then --out is taken (one writer); a training refused or stopped
-    before its first checkpoint leaves no --out behind."""
+    Before any work: --out, --checkpoint-dir and --log-dir are checked (connectors.outputs: never the model, the
+    run, inside either, a file, or another folder holding one; writable), then whether an `hsx run` writes the run
+    now (refused unless --snapshot), then the run. Then the folders are taken (one writer each); a training refused
+    or stopped before its first checkpoint leaves none of them behind."""
     import torch
 
     if config.distributed():
@@ -686,7 +709,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     from training.replicas import OneProcess
 
     started = time.monotonic()
-    out, ds, target, identity, drafter = prepare_training(config)
+    out, ds, target, identity, drafter, snapshot = prepare_training(config)
     device, dtype = torch_device(config.device), getattr(torch, config.dtype)
     with out.open():  # the checkpoint is read under the lease: another training cannot write it meanwhile
         state = load_checkpoint(checkpoint_folder(config), config, identity)
@@ -697,16 +720,18 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
         final = train_loop(config, feed, target, drafter, state, identity, device, dtype, OneProcess(),
                            checkpoints.save, progress=config.progress)
         return finish(config, out, drafter, final, ds, identity, started,
-                      resumed_from=state["step"] if state is not None else None)
+                      resumed_from=state["step"] if state is not None else None, snapshot=snapshot)
 
 
 def prepare_training(config: TrainDrafterConfig):
-    """(output folder, dataset, target head, run identity, untrained drafter) once --out and the run are checked;
-    the drafter is initialised from `config.seed` (not yet `prepare`d on the data)."""
+    """(output folders, dataset, target head, run identity, untrained drafter, snapshot) once --out, --checkpoint-dir,
+    --log-dir and the run are checked; the drafter is initialised from `config.seed` (not yet `prepare`d on the
+    data). `snapshot`: the live writer of the run, described, when --snapshot trains on what it committed so far."""
     import torch
 
     out = config.output_folder()
     out.check()
+    snapshot = check_live_writer(config)
     ds, target = check_run(config)
     identity = run_identity(ds)
     from drafters.registry import drafter_class
@@ -719,7 +744,30 @@ def prepare_training(config: TrainDrafterConfig):
     except TypeError as e:  # an option the family's config does not have
         raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its fields"
                          ) from e
-    return out, ds, target, identity, drafter
+    return out, ds, target, identity, drafter, snapshot
+
+
+def check_live_writer(config: TrainDrafterConfig) -> str | None:
+    """The live writer of --run, described, when --snapshot lets the training read what it committed so far; None
+    when no writer is live. ValueError naming the writer and --snapshot when one is and --snapshot was not given."""
+    from connectors.lease import live_writer
+    from connectors.run import RunDir
+
+    if config.online:
+        return None  # no stored run: the training's own extraction
+    try:
+        writer = live_writer(RunDir(config.run, config.storage_options))
+    except (OSError, ValueError):
+        return None  # an unreadable run: check_run says what is wrong with it
+    if writer is None:
+        return None
+    if not config.snapshot:
+        raise ValueError(f"--run {config.run} is being written now by {writer}: a training would read only the "
+                         "samples committed so far and could not resume once more are; wait for that `hsx run` to "
+                         "finish, or pass --snapshot to train on what it has committed now")
+    logger.warning("--snapshot: --run %s is being written by %s; training on the samples committed so far",
+                   config.run, writer)
+    return writer
 
 
 class SampleLog:
@@ -865,7 +913,7 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
     if replica.rank == 0:
         from training.curves import Curves
 
-        curves = Curves(config.log_dir or os.path.join(config.out, TENSORBOARD_DIR), resumed_step=step)
+        curves = Curves(log_folder(config), resumed_step=step)
     step_started = time.monotonic()
     bar = None
     if progress:
@@ -974,8 +1022,10 @@ def train_loop(config: TrainDrafterConfig, feed: CheckedFeed, target, drafter, s
 
 
 def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, identity: dict[str, Any],
-           started: float, *, resumed_from: int | None, **extra: Any) -> dict[str, Any]:
-    """Save the trained drafter (`final`'s weights) in the serving layout and OUT/report.json; the report."""
+           started: float, *, resumed_from: int | None, snapshot: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Save the trained drafter (`final`'s weights) in the serving layout and OUT/report.json; the report.
+    `snapshot`: the live writer of the run when --snapshot trained on what it had committed (report "snapshot":
+    true and "snapshot_writer")."""
     import fsspec
 
     from connectors import storage
@@ -998,6 +1048,7 @@ def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], ds, 
         "num_speculative_tokens": config.drafts_per_step(), "layer_ids": list(ds.run_info.layer_ids),
         "samples": len(ds), "skipped_samples": len(skipped), "skipped_batches": final.get("skipped_batches", 0),
         "skipped": dict(list(sorted(skipped.items()))[:100]), "run_identity": identity, "workers": config.workers,
+        "snapshot": snapshot is not None, **({"snapshot_writer": snapshot} if snapshot is not None else {}),
         **extra, "wall_seconds": round(time.monotonic() - started, 3),
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "storage_options"},
     }
