@@ -18,7 +18,9 @@ def register(sub) -> None:
                 help="write a run in the layout of speculators, SpecForge or ModelOpt",
                 description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in the on-disk "
                             "layout another drafter trainer reads. Streaming (one sample at a time) and resumable "
-                            "(re-run the same command after an interruption: finished samples are skipped).")
+                            "(re-run the same command after an interruption: finished samples are skipped; "
+                            "DEST/hsx_export.json is written last). A run a live `hsx run` writes is refused unless "
+                            "--snapshot; damaged data exits 1.")
 
     # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
     # one onto training.trainer.TrainDrafterConfig (cheap to import: torch loads when the command runs)
@@ -52,6 +54,9 @@ def register(sub) -> None:
         print(f"trained {r['kind']}{on} for {r['steps']} steps ({r['tokens']} tokens, {r['wall_seconds']:.1f}s): loss "
               f"{r['final_loss']:.4f}, accuracy per position {acc}, simulated acceptance length "
               f"{r['simulated_acceptance_length']:.3f}; drafter in {r['out']}, report {r['out']}/report.json")
+        if r.get("snapshot"):
+            print(f"  snapshot (--snapshot): --run was being written by {r['snapshot_writer']}; trained on the "
+                  f"{r['samples']} samples committed then (report.json says so)")
         return EXIT_OK
 
     add_command(sub, "train-drafter", TrainDrafterConfig, _cmd_train_drafter,
@@ -74,29 +79,45 @@ def register(sub) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from connectors.lease import LeaseLost
-    from training.export import ExportConfig, export_run
+    """Checks first (a refusal: exit 2, nothing written), then the work (a damaged sample, a full disk, a lost lease:
+    exit 1, one line, the files written so far kept for a resume)."""
+    from connectors.lease import LeaseHeld
+    from connectors.run import RunFormatError
+    from training.export import ExportConfig, execute_export, prepare_export
 
     config: ExportConfig = config_from_args(args, ExportConfig)
-    last = [time.monotonic()]  # report every 5 s, not at the first sample
+    last = [time.monotonic(), None]  # report every 5 s, not at the first sample; the last summary seen
 
     def progress(s) -> None:
+        last[1] = s
         now = time.monotonic()
         if now - last[0] >= 5:
             last[0] = now
             print(f"  {s.written + s.skipped}/{s.samples} samples", file=sys.stderr, flush=True)
 
     try:
-        s = export_run(config.output, config.dest, config.format, model_dir=config.model_dir,
-                       storage_options=config.storage_options, num_workers=config.num_workers, progress=progress,
-                       break_lease=config.break_lease)
-    except LeaseLost as e:
-        print(f"hsx export: {e}", file=sys.stderr)
+        plan = prepare_export(config)
+    except RunFormatError as e:  # a damaged run.json or manifest: the run needs mending, not the command
+        print(f"hsx export: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
+    try:
+        s = execute_export(plan, progress=progress)
+    except LeaseHeld as e:  # another export writes DEST now
+        raise UsageError(str(e)) from e
+    except (ValueError, OSError, RuntimeError) as e:  # damaged data, a full disk, a lost lease
+        done = last[1]
+        kept = (f"; {done.written + done.skipped} of {done.samples} samples are exported and kept" if done else "")
+        print(f"hsx export: failed: {' '.join(str(e).split())}{kept} — fix that and re-run the same command to "
+              "finish (DEST has no completion marker until then)", file=sys.stderr)
+        return EXIT_FAILED
+    if s.snapshot is not None:
+        print(f"snapshot (--snapshot): OUTPUT was being written by {s.snapshot}; exported the samples committed "
+              f"then (hsx_export.json says so)")
+    removed = f", {s.removed} of samples no longer in the run removed" if s.removed else ""
     print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
-          f"{s.skipped} already done, {s.seconds:.1f}s")
+          f"{s.skipped} already done{removed}, {s.seconds:.1f}s")
     return EXIT_OK
 
 

@@ -3,13 +3,17 @@
     ExportConfig (config.py)                  one export: OUTPUT, DEST, format, model dir, storage options, workers
                                               (no torch import: the CLI builds its flags from it)
     ExportSummary                             what an export did: samples, written, skipped, tokens, seconds
-    export_run(output, dest, fmt, ...)        the export -> ExportSummary; resumes a partial one
+    prepare_export(config) -> ExportPlan      every check, before anything is written (a refusal: ValueError)
+    execute_export(plan) -> ExportSummary     the work, under DEST's writer lease (a failure: the reader's or the
+                                              disk's error, with every file written so far kept for a resume)
+    export_run(output, dest, fmt, ...)        both -> ExportSummary; resumes a partial export
     FORMATS                                   the layouts, one module each:
         speculators.py   SpeculatorsLayout    hidden_states/hs_{i}.safetensors (last layer PRE-norm; an fp8 run's
                                               states and scales as stored) + Arrow dataset
         specforge.py     SpecForgeLayout      rows_{a}-{b}/data_{i}.ckpt (hidden_state POST-norm)
         modelopt.py      ModelOptLayout       {sample_id}.pt (hidden_states POST-norm)
-    files.py                                  put (the one atomic durable write, on the local disk), read-back checks
+    files.py                                  put (the one atomic durable write, on the local disk), the journal,
+                                              read-back checks
 
 The run stores id N pre-norm, as vLLM does. For the post-norm formats a pre-norm run needs the target model's final
 norm: from --model-dir, else the run's model when it is a local folder; otherwise the export is refused (never a
@@ -18,10 +22,19 @@ norm cannot be undone). Every format needs the last stored id to be N. States st
 dtype) pass through as stored to speculators, which reads fp8 with its scales, and are dequantized to the model
 dtype for the others.
 
-Streaming: one sample in memory at a time (`num_workers` reads ahead in DataLoader workers, bounded). Resumable:
-every file is written through `files.put` (temp name in its folder, fsync, rename), so a file under its final name
-is complete; a re-run skips samples whose file exists with the right token count and rewrites only the rest.
-DEST/hsx_export.json records what was exported; resuming a DEST from another run, format or sample set is refused.
+A run that an `hsx run` writes now (connectors.lease.live_writer) is refused, naming the writer, unless --snapshot:
+then what it has committed so far is exported and DEST/hsx_export.json says so ("snapshot": true, the writer).
+
+Streaming: one sample in memory at a time (`num_workers` reads ahead in DataLoader workers, bounded). Every file is
+written through `files.put` (temp name in its folder, fsync, rename), so a file under its final name is complete.
+DEST/hsx_export.json is the completion marker, written last (atomically) once every file and index exists; it
+lists every file it claims with the sample id and manifest checksum it was written from. While an export is under
+way (or after one was interrupted) there is no marker but DEST/hsx_export.partial.jsonl, a journal of the files
+written whole so far. A re-run resumes: a file is kept when the marker or the journal records it from the sample's
+current id and checksum and it holds the sample's token count; every other file is written again (a re-extracted
+sample's too), the files of samples no longer in the run are removed, and the marker is written again last.
+A DEST holding an export of another format or run is refused; a DEST written by an older hsx (a marker without the
+file list) is redone whole.
 """
 
 from __future__ import annotations
@@ -46,11 +59,15 @@ from training.export.modelopt import ModelOptLayout
 from training.export.specforge import SpecForgeLayout
 from training.export.speculators import SpeculatorsLayout
 
-__all__ = ["FORMATS", "ExportConfig", "ExportSummary", "export_run"]
+__all__ = ["FORMATS", "ExportConfig", "ExportPlan", "ExportSummary", "execute_export", "export_run",
+           "prepare_export"]
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "hsx_export.json"
+"""The completion marker: the export's settings and every file it claims, written after all of them."""
+JOURNAL_FILE = "hsx_export.partial.jsonl"
+"""An export under way (or interrupted): the files written whole so far (files.Journal). Removed at completion."""
 
 
 @dataclass
@@ -67,10 +84,14 @@ class ExportSummary:
     """Files written by this invocation."""
     skipped: int = 0
     """Files already complete from an earlier invocation."""
+    removed: int = 0
+    """Files of samples no longer in the run (an earlier export of a smaller snapshot), removed."""
     tokens: int = 0
     """Tokens over all samples."""
     seconds: float = 0.0
     """Wall time of the call."""
+    snapshot: str | None = None
+    """The live writer of the run, described, when --snapshot exported what it had committed so far."""
 
 
 class Layout(Protocol):
@@ -132,8 +153,38 @@ def _check_run(config: ExportConfig, run: RunSpec, layout: Layout) -> str | None
                      f"{run.model!r}, which is not a local folder) so hsx can apply the norm")
 
 
-def _check_state(config: ExportConfig, ds: HiddenStatesDataset) -> dict[str, Any]:
-    """DEST's record of this export; refuses a DEST holding an export of another run, format or sample set."""
+@dataclass
+class _Record:
+    """What DEST holds of an earlier export: its settings, the files known whole, whether it completed."""
+
+    state: dict[str, Any]
+    files: dict[str, list] | None
+    """relpath -> [sample id, source checksum]; None for a marker of an older hsx (no file list: redo all)."""
+    complete: bool
+
+
+def _read_record(dest: str) -> _Record | None:
+    """DEST's journal when an export is under way there, else its completion marker, else None."""
+    journal = files.read_journal(os.path.join(dest, JOURNAL_FILE))
+    if journal is not None:
+        header, entries = journal
+        return _Record(header, entries, complete=False)
+    path = os.path.join(dest, STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict):
+        return _Record({}, None, complete=False)  # unreadable: nothing in DEST is trusted, everything is redone
+    listed = doc.pop("files", None)
+    return _Record(doc, listed if isinstance(listed, dict) else None, complete=isinstance(listed, dict))
+
+
+def _export_state(config: ExportConfig, ds: HiddenStatesDataset, snapshot: str | None) -> dict[str, Any]:
+    """The export's settings as its marker records them (without the file list)."""
     ids_digest = hashlib.sha256()
     for i in range(0, len(ds), 65536):
         chunk = ds.sample_ids.slice(i, 65536)
@@ -141,32 +192,66 @@ def _check_state(config: ExportConfig, ds: HiddenStatesDataset) -> dict[str, Any
     ids_digest.update(ds.num_tokens.tobytes())
     run = {name: getattr(ds.run_info, name) for name in RUN_COMPARED}
     state = {"format": config.format, "source": config.output, "samples": len(ds),
-             "sample_set_sha256": ids_digest.hexdigest(), "run": {**run, "layer_ids": list(run["layer_ids"])}}
-    path = os.path.join(config.dest, STATE_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        clash = {k: (old.get(k), v) for k, v in state.items() if k != "source" and old.get(k) != v}
-        if clash:
-            raise ValueError(f"{config.dest} holds an export that differs from this one in {sorted(clash)} "
-                             f"({ {k: v[0] for k, v in clash.items() if k != 'run'} } before); the run or format "
-                             "changed since it began — export into an empty DEST, or remove this one")
+             "sample_set_sha256": ids_digest.hexdigest(), "run": {**run, "layer_ids": list(run["layer_ids"])},
+             "snapshot": snapshot is not None}
+    if snapshot is not None:
+        state["snapshot_writer"] = snapshot
     return state
 
 
-def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None,
-               storage_options: dict | None = None, num_workers: int = 0,
-               progress: Callable[[ExportSummary], None] | None = None, break_lease: bool = False) -> ExportSummary:
-    """Write the run at `output` into `dest` in `fmt`'s layout; resumes a partial export. See the module docstring.
+def _check_state(config: ExportConfig, state: dict[str, Any], record: _Record | None) -> None:
+    """Refuse a DEST holding an export of another format or run (or, written by an older hsx, another sample set)."""
+    if record is None or not record.state:
+        return
+    old = record.state
+    keys = ("format", "run") + (("samples", "sample_set_sha256") if record.files is None else ())
+    clash = {k: old.get(k) for k in keys if old.get(k) != state[k]}
+    if clash:
+        raise ValueError(f"{config.dest} holds an export that differs from this one in {sorted(clash)} "
+                         f"({ {k: v for k, v in clash.items() if k != 'run'} } before); the run or format "
+                         "changed since it began — export into an empty DEST, or remove this one")
 
-    `progress(summary)` is called after every file written."""
-    config = ExportConfig(output=output, dest=dest, format=fmt, model_dir=model_dir,
-                          storage_options=dict(storage_options or {}), num_workers=num_workers,
-                          break_lease=break_lease)
+
+def _relpath_problem(rel: str) -> bool:
+    return not rel or os.path.isabs(rel) or os.path.normpath(rel) != rel or rel.startswith("..")
+
+
+@dataclass
+class ExportPlan:
+    """One export, checked (prepare_export) and ready to run (execute_export)."""
+
+    config: ExportConfig
+    out: OutputFolder
+    """DEST, checked; opened (created, leased) by execute_export."""
+    ds: HiddenStatesDataset
+    layout: Layout
+    snapshot: str | None
+    """The run's live writer, described, when --snapshot exports what it committed so far."""
+    state: dict[str, Any]
+    """What the marker will record (besides the file list)."""
+    started: float
+
+
+def prepare_export(config: ExportConfig) -> ExportPlan:
+    """Every check of an export, before anything is written: DEST (never the run, the model, inside either, another
+    command's folder), a live writer of the run (refused unless --snapshot), the run's format, the norm's model,
+    DEST's earlier export. ValueError (or FileNotFoundError) naming the fix."""
+    from connectors.lease import live_writer
+    from connectors.run import RunDir
+
     start = time.perf_counter()
-    out = OutputFolder(dest, command="export", flag="DEST", inputs={"OUTPUT": output, "--model-dir": model_dir},
-                       legacy_markers=(STATE_FILE,), break_lease=break_lease)
+    output, dest, fmt = config.output, config.dest, config.format
+    out = OutputFolder(dest, command="export", flag="DEST", inputs={"OUTPUT": output, "--model-dir": config.model_dir},
+                       legacy_markers=(STATE_FILE, JOURNAL_FILE), break_lease=config.break_lease)
     out.check()  # before reading the run: DEST is never the run, the model, inside either, or another's folder
+    snapshot = live_writer(RunDir(output, config.storage_options))
+    if snapshot is not None and not config.snapshot:
+        raise ValueError(f"OUTPUT {output} is being written now by {snapshot}: an export would hold only the samples "
+                         "committed so far; wait for that `hsx run` to finish, or pass --snapshot to export what it "
+                         f"has committed now ({STATE_FILE} then says so)")
+    if snapshot is not None:
+        logger.warning("--snapshot: %s is being written by %s; exporting the samples committed so far", output,
+                       snapshot)
     probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False)
     layout = _LAYOUTS[fmt](dest, probe.run_info)
     norm_dir = _check_run(config, probe.run_info, layout)
@@ -184,37 +269,98 @@ def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None
                 raise ValueError(f"sample ids {ds.sample_id(stems[stem])!r} and {ds.sample_id(i)!r} map to the same "
                                  f"file name {stem}.pt")
             stems[stem] = i
+    state = _export_state(config, ds, snapshot)
+    _check_state(config, state, _read_record(dest))
+    return ExportPlan(config, out, ds, layout, snapshot, state, start)
 
-    with out.open():  # one writer per DEST; a refused export leaves no DEST behind
-        return _export(config, ds, layout, out, start, progress)
+
+def execute_export(plan: ExportPlan, progress: Callable[[ExportSummary], None] | None = None) -> ExportSummary:
+    """Write the export under DEST's writer lease (see the module docstring); `progress(summary)` after every file.
+    A failure (a damaged sample, a full disk) raises the reader's or the disk's error; every file written whole so
+    far is in the journal, and a re-run resumes from it."""
+    with plan.out.open():  # one writer per DEST; a refused export leaves no DEST behind
+        return _export(plan, progress)
 
 
-def _export(config: ExportConfig, ds: HiddenStatesDataset, layout: Layout, out: OutputFolder, start: float,
-            progress: Callable[[ExportSummary], None] | None) -> ExportSummary:
+def export_run(output: str, dest: str, fmt: str, *, model_dir: str | None = None,
+               storage_options: dict | None = None, num_workers: int = 0,
+               progress: Callable[[ExportSummary], None] | None = None, break_lease: bool = False,
+               snapshot: bool = False) -> ExportSummary:
+    """Write the run at `output` into `dest` in `fmt`'s layout; resumes a partial export. See the module docstring.
+
+    `progress(summary)` is called after every file written."""
+    config = ExportConfig(output=output, dest=dest, format=fmt, model_dir=model_dir,
+                          storage_options=dict(storage_options or {}), num_workers=num_workers,
+                          break_lease=break_lease, snapshot=snapshot)
+    return execute_export(prepare_export(config), progress)
+
+
+def _checksum(ds: HiddenStatesDataset, index: int) -> str | None:
+    """The manifest row's checksum of sample `index` (None for a run without checksums: then the sample id and
+    token count alone say whether an exported file is current)."""
+    return ds._checksums[index].as_py()  # the dataset's own copy of the rows it reads (no second manifest read)
+
+
+def _export(plan: ExportPlan, progress: Callable[[ExportSummary], None] | None) -> ExportSummary:
+    config, ds, layout, out = plan.config, plan.ds, plan.layout, plan.out
     output, dest, fmt = config.output, config.dest, config.format
-    state = _check_state(config, ds)
-    files.put(os.path.join(dest, STATE_FILE), json.dumps(state, indent=2).encode())
+    record = _read_record(dest)  # again, under the lease: another export may have finished meanwhile
+    _check_state(config, plan.state, record)
+    known = (record.files if record is not None else None) or {}
 
-    summary = ExportSummary(format=fmt, dest=dest, samples=len(ds), tokens=int(ds.num_tokens.sum()))
-    todo = []
+    summary = ExportSummary(format=fmt, dest=dest, samples=len(ds), tokens=int(ds.num_tokens.sum()),
+                            snapshot=plan.snapshot)
+    claims: dict[str, list] = {}  # relpath -> [sample id, checksum], in sample order: what the marker will list
+    todo, kept = [], []
     for i in range(len(ds)):
-        path = os.path.join(dest, layout.relpath(i, ds.sample_id(i)))
-        if os.path.exists(path) and layout.is_complete(path, int(ds.num_tokens[i])):
+        sid = ds.sample_id(i)
+        rel = layout.relpath(i, sid)
+        claims[rel] = [sid, _checksum(ds, i)]
+        path = os.path.join(dest, rel)
+        if known.get(rel) == claims[rel] and os.path.exists(path) and layout.is_complete(path,
+                                                                                       int(ds.num_tokens[i])):
             summary.skipped += 1
+            kept.append([rel, *claims[rel]])
         else:
             todo.append(i)
+    stale = sorted(rel for rel in known if rel not in claims and not _relpath_problem(rel))
+    marker = {**plan.state, "files": claims}
+    if record is not None and record.complete and not todo and not stale and record.state == plan.state:
+        summary.seconds = time.perf_counter() - plan.started
+        return summary  # complete and current: nothing to write
     logger.info("export %s -> %s (%s): %d samples, %d already done", output, dest, fmt, len(ds), summary.skipped)
-    for i, item in zip(todo, _read_ahead(ds, todo, config.num_workers)):
-        if summary.written % 256 == 0:
-            out.check_lease()
-        layout.write(os.path.join(dest, layout.relpath(i, ds.sample_id(i))), item)
-        summary.written += 1
-        if progress is not None:
-            progress(summary)
-    out.check_lease()
-    layout.on_export_complete(ds)
-    summary.seconds = time.perf_counter() - start
+
+    journal = files.Journal(os.path.join(dest, JOURNAL_FILE))
+    journal.start(plan.state, kept)  # before any file changes; then DEST reads as partial until the marker is back
+    try:
+        files.remove(os.path.join(dest, STATE_FILE))
+        for rel in stale:  # samples the run no longer holds (an earlier, smaller snapshot)
+            files.remove(os.path.join(dest, rel))
+            summary.removed += 1
+        for i, item in zip(todo, _read_ahead(ds, todo, config.num_workers)):
+            if summary.written % 256 == 0:
+                out.check_lease()
+            rel = layout.relpath(i, ds.sample_id(i))
+            layout.write(os.path.join(dest, rel), item)
+            journal.add(rel, *claims[rel])
+            summary.written += 1
+            if progress is not None:
+                progress(summary)
+        out.check_lease()
+        layout.on_export_complete(ds)
+        files.put(os.path.join(dest, STATE_FILE), _marker_bytes(marker))  # last: the export is complete
+    finally:
+        journal.close()
+    files.remove(journal.path)
+    summary.seconds = time.perf_counter() - plan.started
     return summary
+
+
+def _marker_bytes(marker: dict[str, Any]) -> bytes:
+    """The marker as JSON: its settings indented, then its file list one file a line."""
+    head = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in marker.items() if k != "files"]
+    listed = [f"    {json.dumps(rel)}: {json.dumps(v)}" for rel, v in marker["files"].items()]
+    return ("{\n" + ",\n".join([*head, '  "files": {\n' + ",\n".join(listed) + "\n  }"]) + "\n}\n").encode()
 
 
 def _read_ahead(ds: HiddenStatesDataset, indices: list[int], num_workers: int) -> Iterator[dict[str, Any]]:

@@ -28,6 +28,9 @@ class ExportConfig:
     """DataLoader worker processes reading samples ahead of the writer (0: read in the writing process)."""
     break_lease: bool = False
     """Take DEST over from another export that looks alive (only when that one is known to be gone)."""
+    snapshot: bool = False
+    """Export a run that an `hsx run` is writing now: what it has committed so far (hsx_export.json says so and
+    names the writer). Without it, such a run is refused."""
 
     def __post_init__(self) -> None:
         from connectors.storage import parse_storage_options
