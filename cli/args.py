@@ -179,8 +179,10 @@ def load_config_file(path: str, cls: type = JobConfig) -> dict[str, Any]:
         raise ValueError(f"--config {path!r} cannot be read ({e})") from e
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from e
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as e:
+        detail = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ValueError(f"--config {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{detail}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

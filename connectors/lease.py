@@ -63,7 +63,7 @@ class _Holder:
             doc = json.loads(raw)
             return cls(str(doc["attempt"]), str(doc["host"]), int(doc["pid"]), float(doc["started"]),
                        float(doc["renewed"]))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return None  # unreadable: treated as stale by age of the file alone
 
     def describe(self, now: float) -> str:

@@ -442,9 +442,10 @@ def read_run_spec(run: RunDir | str, storage_options: dict | None = None) -> Run
     where = run.url_of(RUN_JSON)
     try:
         doc = json.loads(run.read_bytes(RUN_JSON))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunFormatError(f"{where} is not valid JSON ({e}); it was not written by hsx, or was damaged — restore "
-                             "it, or use a new --output") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested past json's
+        detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise RunFormatError(f"{where} is not valid JSON ({detail}); it was not written by hsx, or was damaged — "
+                             "restore it, or use a new --output") from None
     return RunSpec.from_json(doc, where)
 
 
@@ -712,7 +713,7 @@ def _live_parts(run: RunDir) -> list[str]:
             superseded.update(doc["supersedes"])
         except FileNotFoundError as e:
             raise _PartGone(f"the compaction record {record} was removed while the manifest was listed") from e
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise RunFormatError(f"the compaction record {run.url_of(f'{MANIFEST_DIR}/{record}')} is unreadable "
                                  f"({type(e).__name__}: {e}); hsx writes it whole, so it was damaged in storage: "
                                  "restore it from a backup, or move it and the parts it names away and run "

@@ -376,6 +376,12 @@ def latest_report(run: RunDir) -> dict | None:
     if not names:
         return None
     try:
-        return json.loads(run.read_bytes(f"{VERIFY_DIR}/{names[-1]}"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        doc = json.loads(run.read_bytes(f"{VERIFY_DIR}/{names[-1]}"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
+    shapes = {"failures": list, "recomputed": list, "kinds": dict}
+    if not isinstance(doc, dict) or any(not isinstance(doc.get(k) or t(), t) for k, t in shapes.items()):
+        logger.warning("the verify report %s is damaged; it is ignored (run hsx verify again)",
+                       run.url_of(f"{VERIFY_DIR}/{names[-1]}"))
+        return None
+    return doc

@@ -132,3 +132,21 @@ def test_a_run_json_fixed_by_hand_resumes_without_extracting_again(finished_run,
     assert (result.ok, result.failed, result.skipped) == (0, 0, 6)
     assert committed_rows(read_manifest(out)).num_rows == 6
     assert main(["verify", out, "--all"]) == 0
+
+
+def test_a_run_json_nested_past_json_limits_or_a_damaged_verify_report_is_one_line(finished_run, tmp_path, capsys):
+    # second hostile pass: run.json of 200,000 nested "[" (json's RecursionError was a traceback); a verify report
+    # holding {"failures": 5, "kinds": []} (a TypeError in hsx status)
+    out = _copy(finished_run, tmp_path)
+    with open(os.path.join(out, "run.json"), "w") as f:
+        f.write("[" * 200_000)
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", out])
+    assert exit_.value.code == EXIT_USAGE
+    assert "is not valid JSON (nested too deeply)" in capsys.readouterr().err
+    shutil.copyfile(os.path.join(finished_run.output, "run.json"), os.path.join(out, "run.json"))
+    os.makedirs(os.path.join(out, "verify"), exist_ok=True)
+    with open(os.path.join(out, "verify", "report-20990101T000000Z-x.json"), "w") as f:
+        json.dump({"failures": 5, "kinds": []}, f)
+    assert main(["status", out]) == 0
+    assert "verify:" not in capsys.readouterr().out
