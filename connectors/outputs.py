@@ -17,7 +17,9 @@ a folder has one writer.
                                      .check() / .open() / .check_lease() over all of them. A folder that is, or lies
                                      inside, another of the group is part of that one (its checks and lease cover it;
                                      it must not be a file); every other one is checked and leased on its own
-    check_output_file(path, flag=..., inputs={flag: path})   the same rules for one file (a JSON report)
+    check_output_file(path, flag=..., inputs={flag: path}, ours=(prefix, ...))
+                                     the same rules for one file (a report); an existing one only if hsx wrote it
+    check_run_output(path, inputs=)  `hsx run --output`: the rules above for a run's OUTPUT (a run is resumed)
     holds_model(folder) / holds_run(folder)                  what the rules look for
 
 The rules, for local paths (symlinks resolved, so `./m`, `m/` and the absolute path are one folder):
@@ -43,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import fsspec
 
@@ -113,13 +115,14 @@ def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, 
         other = _local(given)
         if other is None or not os.path.exists(other):
             continue  # a URL, or nothing there to overwrite (the command's own checks say what is missing)
+        kind = "folder" if os.path.isdir(other) else "file"
         if path == other:
-            raise ValueError(f"{flag} {path} is the {name} folder; writing there would overwrite it — {fix}")
+            raise ValueError(f"{flag} {path} is the {name} {kind}; writing there would overwrite it — {fix}")
         if _inside(path, other):
-            raise ValueError(f"{flag} {path} lies inside the {name} folder {other}; writing there could overwrite "
+            raise ValueError(f"{flag} {path} lies inside the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
         if _inside(other, path):
-            raise ValueError(f"{flag} {path} contains the {name} folder {other}; writing there could overwrite "
+            raise ValueError(f"{flag} {path} contains the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
     for folder in _ancestors(path):
         what = _what(folder)
@@ -149,15 +152,31 @@ def _nearest_existing(path: str, flag: str) -> str:
     return here
 
 
-def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None) -> str:
+def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None,
+                      ours: Sequence[bytes] = (), command: str = "") -> str:
     """The resolved path of an output file (a report) once it passes the module's rules; ValueError otherwise.
-    Creates nothing: the caller writes the file (atomically) when its work is done."""
+    An existing file is replaced only when it is a regular file that begins with one of `ours` (what the command
+    writes first: an earlier output of its own); a device, pipe or socket never (writing goes through a rename, which
+    would replace it). Creates nothing: the caller writes the file (atomically) when its work is done."""
     resolved = _local(path)
     if resolved is None:
         raise ValueError(f"{flag} {path}: a local file path is expected")
     if os.path.isdir(resolved):
         raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
     _check_relations(resolved, flag, dict(inputs or {}), is_file=True)
+    if os.path.lexists(resolved):
+        if not os.path.isfile(resolved):
+            raise ValueError(f"{flag} {path} is not a regular file (a device, pipe or socket); writing there would "
+                             f"replace it — pick another {flag} path")
+        try:
+            with open(resolved, "rb") as f:
+                head = f.read(max((len(o) for o in ours), default=0))
+        except OSError as e:
+            raise ValueError(f"{flag} {path} exists and cannot be read ({e.strerror or e}); pick another {flag} "
+                             "path") from e
+        if not any(head.startswith(o) for o in ours):
+            raise ValueError(f"{flag} {path} exists and is not a file {f'hsx {command}' if command else 'hsx'} "
+                             f"wrote; it replaces only its own — pick a new {flag} path, or move that file away first")
     _probe(_nearest_existing(os.path.dirname(resolved), flag), flag)
     return resolved
 
@@ -278,6 +297,39 @@ class OutputFolder:
         if leftovers - {MARKER, LEASE_FILE}:
             return  # the command wrote something (a checkpoint): keep it for a resume
         shutil.rmtree(created[0], ignore_errors=True)
+
+
+RUN_ENTRIES = (RUN_JSON, MANIFEST_DIR, "data", "shards", "verify", "regenerated", LEASE_FILE)
+"""What an extraction run's OUTPUT may hold (hsx's own names; names starting with "." are ignored too)."""
+
+
+def check_run_output(path: str, *, inputs: Mapping[str, str | None] | None = None) -> None:
+    """`hsx run --output` (and `hsx serve --output`) on a local path, checked before the job takes its lease: never an
+    input (the model, a corpus file), inside or around one, inside another run or a model, a model folder, a file, or
+    a non-empty folder that holds something other than a run; an existing run is resumed. URLs: nothing to check
+    here (the lease and run.json guard them). ValueError naming the problem and the fix; creates nothing."""
+    resolved = _local(path)
+    if resolved is None:
+        return
+    flag = "--output"
+    if os.path.lexists(resolved) and not os.path.isdir(resolved):
+        raise ValueError(f"{flag} {path} is a file, not a folder; pick a folder (new, empty, or a run to resume)")
+    _check_relations(resolved, flag, dict(inputs or {}), is_file=False)
+    if not os.path.isdir(resolved):
+        return
+    if holds_model(resolved):
+        raise ValueError(f"{flag} {path} holds a model; writing a run there would mix it with the weights — pick a "
+                         "new folder")
+    try:
+        names = sorted(n for n in os.listdir(resolved) if not n.startswith(".") and n not in RUN_ENTRIES)
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be read ({e.strerror or e}); fix its permissions or pick another "
+                         "folder") from e
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ValueError(f"{flag} {path} already holds {len(names)} {'entry' if len(names) == 1 else 'entries'} "
+                         f"({shown}) that are not an hsx run's; pick a new or empty folder (or the OUTPUT of a run "
+                         "to resume it)")
 
 
 def _url_inside(url: str, folder: str) -> bool:

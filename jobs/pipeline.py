@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
+from connectors.outputs import check_run_output
 from connectors.run import FAILED, SKIPPED, RunDir, RunSpec, new_attempt_id, read_run_spec
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from jobs.config import JobConfig
@@ -115,6 +117,10 @@ def prepare_job(config: JobConfig) -> JobPlan:
     """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
     config.check_required()
     output = RunDir(config.output, config.storage_options)
+    corpus = [] if config.regenerate_with else expand_corpus(config.corpus, config.corpus_storage_options)
+    # never the model, a corpus file, inside either or another run, a file, or a folder of other things
+    check_run_output(config.output, inputs={"--model": config.model,
+                                            **{f"--corpus {os.path.basename(f.url)}": f.url for f in corpus}})
     output.check_reachable()
     facts = ModelFacts.resolve(config)
     regeneration = None
@@ -124,7 +130,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
         regeneration = prepare_regeneration(config.regenerate_config(), within=config.output)
         files = [CorpusFile(regeneration.output.url, "regenerated-follow")]
     else:
-        files = expand_corpus(config.corpus, config.corpus_storage_options)
+        files = corpus
     try:
         return _plan(config, output, facts, files, regeneration)
     except BaseException:

@@ -5,7 +5,8 @@ hours of training rather than after.
     collect(config) -> dict        the numbers behind every plot, and the checks ("flags") they raise
     plots(data) -> (images, not drawn)   every figure as PNG; one that fails is a note, never a lost page
     render(data) -> str            the page: matplotlib plots as embedded PNGs, the numbers as embedded JSON
-    check_page_path(path, corpus)  where a page may go: not a corpus file, an existing file only an earlier page
+    check_page_path(path, spec, output)  where a page may go: not the run, its model or a corpus file; an existing
+                                         file only an earlier page
     write_report(config) -> (path, data)
     read_report_data(page) -> dict the numbers embedded in a page
 
@@ -570,41 +571,38 @@ def _json_safe(obj):
     return obj
 
 
-def check_page_path(path: str, corpus: Sequence[str] = ()) -> None:
-    """ValueError unless the resolved `path` may take a page: never a corpus file run.json lists (whatever the
-    spelling: symlinks resolved), and an existing file only when it is a page hsx report wrote (it begins with
-    PAGE_START: an earlier page is replaced, anything else is kept)."""
-    for c in corpus:
-        if "://" not in str(c) and os.path.realpath(os.path.expanduser(str(c))) == path:
-            raise ValueError(f"--out {path} is the corpus file {c} that run.json lists; writing there would "
+PAGE_STARTS = (PAGE_START.encode(), _LEGACY_PAGE_START.encode())
+"""How a page hsx report wrote begins: an existing --out is replaced only when it begins so."""
+
+
+def check_page_path(path: str, spec, output: str) -> str:
+    """The resolved `path` once it may take a page: connectors.outputs.check_output_file's rules (never the run, its
+    model, inside either; an existing file only when it is a page hsx report wrote), a corpus file run.json lists
+    named as such (whatever the spelling: symlinks resolved); ValueError otherwise."""
+    from connectors.outputs import check_output_file
+
+    resolved = os.path.realpath(os.path.expanduser(str(path)))
+    for c in spec.corpus if spec is not None else ():
+        if "://" not in str(c) and os.path.realpath(os.path.expanduser(str(c))) == resolved:
+            raise ValueError(f"--out {resolved} is the corpus file {c} that run.json lists; writing there would "
                              "overwrite it — pick another --out path")
-    if not os.path.lexists(path):
-        return
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(PAGE_START.encode()))
-    except OSError as e:
-        raise ValueError(f"--out {path} exists and cannot be read ({e.strerror or e}); pick another --out "
-                         "path") from e
-    if not head.startswith((PAGE_START.encode(), _LEGACY_PAGE_START.encode())):
-        raise ValueError(f"--out {path} exists and is not a page hsx report wrote; hsx report replaces only its "
-                         "own pages — pick a new --out path, or move that file away first")
+    model = {"the run's model": spec.model} if spec is not None and spec.model else {}
+    return check_output_file(path, flag="--out", inputs={"OUTPUT": output, **model}, ours=PAGE_STARTS,
+                             command="report")
 
 
 def write_report(config: ReportConfig) -> tuple[str, dict[str, Any]]:
     """Collect, draw and write the page to config.out, checked before any work: never over the run, its model or a
     corpus file run.json lists, and over an existing file only when it is an earlier page of hsx report. A figure
     that cannot be drawn is a note on the page (data["figures_not_drawn"] says why), never a lost page."""
-    from connectors.outputs import check_output_file, write_output_file
+    from connectors.outputs import write_output_file
     from connectors.run import RunDir, RunFormatError, read_run_spec
 
     try:
         spec = read_run_spec(RunDir(config.output, config.storage_options))
     except RunFormatError as e:
         raise ValueError(str(e)) from e
-    model = {"the run's model": spec.model} if spec is not None and spec.model else {}
-    path = check_output_file(config.out, flag="--out", inputs={"OUTPUT": config.output, **model})
-    check_page_path(path, spec.corpus if spec is not None else ())
+    path = check_page_path(config.out, spec, config.output)
     data = _json_safe(collect(config))
     images, data["figures_not_drawn"] = plots(data)
     write_output_file(path, render(data, images).encode())

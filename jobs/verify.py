@@ -56,6 +56,9 @@ from connectors.run import (
 logger = logging.getLogger(__name__)
 
 VERIFY_DIR = "verify"
+REPORT_FORMAT = "hsx.verify-report"
+REPORT_STARTS = (b'{\n  "format": "hsx.verify-report"', b'{\n  "output": ')
+"""How a verify report begins (this hsx's; an older one's, first key "output"): --report replaces only those."""
 MIN_SAMPLED_PROB = 1e-6
 DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
@@ -155,7 +158,8 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
         raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
     if config.report:  # checked before any work: the copy may not overwrite the run, its model or another one
         check_output_file(config.report, flag="--report", inputs={"OUTPUT": config.output,
-                                                                  "--model-dir": config.model_dir})
+                                                                  "--model-dir": config.model_dir},
+                          ours=REPORT_STARTS, command="verify")
     started = time.monotonic()
     report = VerifyReport(output=run.url, attempt=new_attempt_id(),
                           started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -364,10 +368,11 @@ def _mark(run: RunDir, report: VerifyReport, rows: dict[str, dict]) -> None:
 def _write_report(run: RunDir, report: VerifyReport, local_copy: str | None) -> None:
     rel = f"{VERIFY_DIR}/report-{report.attempt}.json"
     report.report_url = run.url_of(rel)
-    body = (json.dumps({**asdict(report), "ok": report.ok}, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    body = (json.dumps({"format": REPORT_FORMAT, **asdict(report), "ok": report.ok}, indent=2, ensure_ascii=False)
+            + "\n").encode("utf-8")
     run.put(rel, body)
     if local_copy:
-        write_output_file(check_output_file(local_copy, flag="--report"), body)
+        write_output_file(check_output_file(local_copy, flag="--report", ours=REPORT_STARTS, command="verify"), body)
 
 
 def latest_report(run: RunDir) -> dict | None:

@@ -112,6 +112,10 @@ def summary_rows(results: Sequence[EvalResult]) -> list[list]:
     return rows
 
 
+RESULTS_JSON_STARTS = (b'[\n  {\n    "method": ', b"[]")
+"""How results_json's bytes begin: `eval-drafter --json` replaces an existing file only when it begins so."""
+
+
 def results_json(results: Sequence[EvalResult]) -> bytes:
     """What `--json PATH` and DIR/results.json hold: EvalResult.to_dict() per method."""
     return json.dumps([r.to_dict() for r in results], indent=2).encode()

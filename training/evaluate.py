@@ -575,7 +575,7 @@ def run_eval(args: EvalDrafterConfig) -> int:
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
     from connectors.outputs import OutputFolder, check_output_file, write_output_file
     from extractor.config import drafter_methods
-    from training.acceptance import results_json, write_eval_outputs, write_eval_plot
+    from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
 
     drafters = []
     for spec in args.drafter:
@@ -600,7 +600,7 @@ def run_eval(args: EvalDrafterConfig) -> int:
     inputs = {"--model": model, "--prompts": prompts_path,
               **{f"--drafter {name}": path for name, _, path in drafters}}
     if args.json:  # checked before any work: never over the prompts, the model, a drafter or a run
-        check_output_file(args.json, flag="--json", inputs=inputs)
+        check_output_file(args.json, flag="--json", inputs=inputs, ours=RESULTS_JSON_STARTS, command="eval-drafter")
     out = None
     if args.out:
         out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs=inputs)
@@ -625,7 +625,8 @@ def run_eval(args: EvalDrafterConfig) -> int:
         if out is not None:
             written += write_eval_outputs(out.path, results)
         if args.json:
-            path = check_output_file(args.json, flag="--json", inputs=inputs)
+            path = check_output_file(args.json, flag="--json", inputs=inputs, ours=RESULTS_JSON_STARTS,
+                                     command="eval-drafter")
             write_output_file(path, results_json(results))
             written.append(path)
         if out is not None:

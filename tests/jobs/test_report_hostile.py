@@ -149,7 +149,7 @@ def test_report_out_replaces_an_earlier_page_and_no_other_file(plain_run, tmp_pa
     with pytest.raises(SystemExit) as e:
         main(["report", out, "--out", str(notes)])
     err = capsys.readouterr().err
-    assert e.value.code == EXIT_USAGE and "not a page hsx report wrote" in err, err
+    assert e.value.code == EXIT_USAGE and "is not a file hsx report wrote" in err, err
     assert notes.read_text() == "<html>my notes</html>"
     from jobs.report import PAGE_START
 

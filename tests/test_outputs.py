@@ -1,0 +1,109 @@
+"""Every output flag of every command through the same hostile cases (issue 49 item 4): the model folder, a path inside
+a run, an existing file that is not the command's own, a symlink to the model (or, for a file flag, to a corpus file),
+a corpus file. Each is refused before any work with exit 2 in one line, and nothing on disk changes: the one guard is
+connectors/outputs.py (OutputFolder / OutputFolders / check_output_file / check_run_output)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from cli.args import EXIT_USAGE
+from cli.main import main
+
+pytestmark = [pytest.mark.slow]
+
+CASES = ("the model folder", "inside the run", "a file", "a symlink", "a corpus file")
+
+
+@pytest.fixture(scope="module")
+def world(oracle_run, tiny_llama, tmp_path_factory):
+    """A run (RUN), its model, a corpus file and a prompts file, a plain file, and symlinks to the model and corpus."""
+    root = tmp_path_factory.mktemp("outputs")
+    run = str(root / "run")
+    import shutil
+
+    shutil.copytree(oracle_run[0], run)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"words {i} and more"}) + "\n" for i in range(4)))
+    notes = root / "notes.txt"
+    notes.write_text("a user's own file\n")
+    (root / "to-model").symlink_to(tiny_llama, target_is_directory=True)
+    (root / "to-corpus").symlink_to(corpus)
+    return {"root": str(root), "run": run, "model": tiny_llama, "corpus": str(corpus), "notes": str(notes),
+            "to_model": str(root / "to-model"), "to_corpus": str(root / "to-corpus")}
+
+
+def _target(w, case: str, is_file: bool) -> str:
+    return {"the model folder": w["model"],
+            "inside the run": os.path.join(w["run"], "data", "x.json" if is_file else "out"),
+            "a file": w["notes"],
+            "a symlink": w["to_corpus"] if is_file else w["to_model"],
+            "a corpus file": w["corpus"]}[case]
+
+
+def _commands(w, target: str) -> dict[str, list[str]]:
+    """flag -> argv writing `target` through that flag (every other output elsewhere, fresh)."""
+    fresh = os.path.join(w["root"], "fresh")
+    train = ["train-drafter", "--kind", "eagle3", "--run", w["run"], "--model", w["model"], "--steps", "1"]
+    return {
+        "run --output": ["run", "--model", w["model"], "--corpus", w["corpus"], "--output", target],
+        "regenerate --output": ["regenerate", "--server", "http://127.0.0.1:9", "--corpus", w["corpus"],
+                                "--output", target, "--max-tokens", "4"],
+        "verify --report": ["verify", w["run"], "--report", target],
+        "export DEST": ["export", w["run"], target, "--format", "speculators"],
+        "train-drafter --out": [*train, "--out", target],
+        "train-drafter --checkpoint-dir": [*train, "--out", fresh + "-t1", "--checkpoint-dir", target],
+        "train-drafter --log-dir": [*train, "--out", fresh + "-t2", "--log-dir", target],
+        "eval-drafter --out": ["eval-drafter", "--model", w["model"], "--prompts", w["corpus"], "--out", target],
+        "eval-drafter --json": ["eval-drafter", "--model", w["model"], "--prompts", w["corpus"], "--json", target],
+        "report --out": ["report", w["run"], "--out", target],
+    }
+
+
+FILE_FLAGS = ("verify --report", "eval-drafter --json", "report --out")
+
+
+def _snapshot(root: str) -> dict[str, str]:
+    """Every path under root (symlinks not followed) -> its content's digest, or the link's target."""
+    seen = {}
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(here, name)
+            if os.path.islink(path):
+                seen[path] = "-> " + os.readlink(path)
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    seen[path] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                seen[path] = "dir"
+    return seen
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_output_flag_refuses_the_same_hostile_paths_before_any_work(world, case, capsys):
+    before = _snapshot(world["root"]), _snapshot(world["model"])
+    for flag in _commands(world, "unused"):
+        target = _target(world, case, flag in FILE_FLAGS)
+        argv = _commands(world, target)[flag]
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == EXIT_USAGE, (flag, case, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, (flag, case, err)
+        assert (_snapshot(world["root"]), _snapshot(world["model"])) == before, (flag, case)
+
+
+def test_a_file_output_is_never_a_device_or_a_pipe(world, tmp_path, capsys):
+    # written through a rename, a --report /dev/null would replace the machine's /dev/null (as root)
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    for argv in (["verify", world["run"], "--report", fifo], ["report", world["run"], "--out", fifo]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == EXIT_USAGE
+        assert "is not a regular file (a device, pipe or socket)" in capsys.readouterr().err
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
