@@ -255,7 +255,7 @@ def error_message(raw: bytes) -> str:
     "message"}, FastAPI's {"detail"}; else the body's start."""
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past json's depth
         doc = None
     if isinstance(doc, dict):
         inner = doc.get("error")
@@ -342,7 +342,7 @@ class Pool:
                 ids = [m["id"] for m in doc["data"]]
                 if not all(isinstance(i, str) for i in ids):
                     raise TypeError("model ids are not strings")
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 raise ValueError(f"--server {s.url}: GET /v1/models did not answer an OpenAI model list ({e}; body "
                                  f"starts {raw[:80]!r}); point --server at an OpenAI-compatible server") from None
             out[s.url] = ids
@@ -450,7 +450,7 @@ class Pool:
             doc = json.loads(raw)
             if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not doc["choices"]:
                 raise ValueError("no 'choices' list")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past json's depth
             server.broken = f"answered 200 with what is not an OpenAI completion ({e}; body starts {raw[:80]!r})"
             logger.error("%s %s; set aside for good", server.url, server.broken)
             raise ServerGone(server.broken) from None

@@ -114,6 +114,8 @@ class Server:
             choice["text"], choice["token_ids"] = "hello", [300, 301, 302, 303]
         elif mode == "redirect":
             raise web.HTTPTemporaryRedirect(self.redirect_to + "/v1/completions")
+        elif mode == "deep":  # a 200 nested past json's depth (a RecursionError, not a ValueError)
+            return web.Response(body=b"[" * 200_000, content_type="application/json")
         return web.json_response({"id": "c", "object": "text_completion", "model": MODEL, "choices": [choice]})
 
     async def chat(self, request: web.Request) -> web.Response:
@@ -350,3 +352,14 @@ def test_token_ids_match_their_text_up_to_what_servers_legitimately_change(tok):
     assert check(call, "", chat=True) is not None  # the call's text, but no call parsed out of it
     assert "outside the tokenizer's vocabulary" in ids_problem([5, len(tok)], 8, tok)
     assert "more than asked for" in ids_problem(fox, len(fox) - 1, None) and ids_problem(fox, len(fox), tok) is None
+
+
+def test_an_answer_nested_past_the_json_parser_depth_sets_the_server_aside_without_a_crash(servers, tokenizer_dir,
+                                                                                         tmp_path):
+    # second hostile pass: 200 with 200,000 nested "[" (json.loads raises RecursionError, which no handler caught)
+    hostile, _ = servers
+    out = tmp_path / "regen"
+    result = regenerate(config(hostile, corpus(tmp_path, "deep"), out, tokenizer_dir))
+    said = "\n".join(result.lines())
+    assert result.failed >= 1 and "what is not an OpenAI completion (maximum recursion depth" in said, said
+    assert "Traceback" not in said and "RecursionError" not in said
