@@ -20,6 +20,7 @@ a folder has one writer.
     check_output_file(path, flag=..., inputs={flag: path}, ours=(prefix, ...))
                                      the same rules for one file (a report); an existing one only if hsx wrote it
     check_run_output(path, inputs=)  `hsx run --output`: the rules above for a run's OUTPUT (a run is resumed)
+    check_output_place(path, flag=, inputs=)   the relations alone (`hsx serve --output`, `--allowed-roots`)
     holds_model(folder) / holds_run(folder)                  what the rules look for
 
 The rules, for local paths (symlinks resolved, so `./m`, `m/` and the absolute path are one folder):
@@ -109,7 +110,9 @@ def _ancestors(path: str) -> Iterator[str]:
         here = up
 
 
-def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, is_file: bool) -> None:
+def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, is_file: bool,
+                     around_ok: bool = False) -> None:
+    """`around_ok`: the output may contain an input (a service's folder that only ever adds new files)."""
     fix = f"pick another {flag}: a new folder of its own" if not is_file else f"pick another {flag} path"
     for name, given in inputs.items():
         other = _local(given)
@@ -121,7 +124,7 @@ def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, 
         if _inside(path, other):
             raise ValueError(f"{flag} {path} lies inside the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
-        if _inside(other, path):
+        if _inside(other, path) and not around_ok:
             raise ValueError(f"{flag} {path} contains the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
     for folder in _ancestors(path):
@@ -303,23 +306,33 @@ RUN_ENTRIES = (RUN_JSON, MANIFEST_DIR, "data", "shards", "verify", "regenerated"
 """What an extraction run's OUTPUT may hold (hsx's own names; names starting with "." are ignored too)."""
 
 
+def check_output_place(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None,
+                       around_ok: bool = True) -> str | None:
+    """The relations every output folder obeys, for a folder a service keeps adding files to (`hsx serve --output`
+    and its `--allowed-roots`): never an input or inside one, inside a run or a model, a model folder itself, or a
+    file (a folder around the model is fine: new files only). Returns the resolved path (None for a URL); ValueError
+    naming the problem and the fix."""
+    resolved = _local(path)
+    if resolved is None:
+        return None
+    if os.path.lexists(resolved) and not os.path.isdir(resolved):
+        raise ValueError(f"{flag} {path} is a file, not a folder; pick a folder")
+    _check_relations(resolved, flag, dict(inputs or {}), is_file=False, around_ok=around_ok)
+    if os.path.isdir(resolved) and (what := _what(resolved)) is not None and what == "a model":
+        raise ValueError(f"{flag} {path} holds a model; files written there would mix with its weights (and change "
+                         "its fingerprint) — pick a new folder")
+    return resolved
+
+
 def check_run_output(path: str, *, inputs: Mapping[str, str | None] | None = None) -> None:
     """`hsx run --output` (and `hsx serve --output`) on a local path, checked before the job takes its lease: never an
     input (the model, a corpus file), inside or around one, inside another run or a model, a model folder, a file, or
     a non-empty folder that holds something other than a run; an existing run is resumed. URLs: nothing to check
     here (the lease and run.json guard them). ValueError naming the problem and the fix; creates nothing."""
-    resolved = _local(path)
-    if resolved is None:
-        return
+    resolved = check_output_place(path, flag="--output", inputs=inputs, around_ok=False)
     flag = "--output"
-    if os.path.lexists(resolved) and not os.path.isdir(resolved):
-        raise ValueError(f"{flag} {path} is a file, not a folder; pick a folder (new, empty, or a run to resume)")
-    _check_relations(resolved, flag, dict(inputs or {}), is_file=False)
-    if not os.path.isdir(resolved):
+    if resolved is None or not os.path.isdir(resolved):
         return
-    if holds_model(resolved):
-        raise ValueError(f"{flag} {path} holds a model; writing a run there would mix it with the weights — pick a "
-                         "new folder")
     try:
         names = sorted(n for n in os.listdir(resolved) if not n.startswith(".") and n not in RUN_ENTRIES)
     except OSError as e:

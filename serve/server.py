@@ -76,6 +76,12 @@ def check(config: ServeConfig) -> None:
                          "hub id in the local cache") from e
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
                  layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
+    from connectors.outputs import check_output_place
+
+    # files keep landing there: never in or around the model, inside a run or another model
+    check_output_place(config.output, flag="--output", inputs={"--model": config.model})
+    for root in config.allowed_roots or ():
+        check_output_place(root, flag="--allowed-roots", inputs={"--model": config.model})
     try:
         fs, root = storage.open_url(config.output, config.storage_options)
         fs.makedirs(root, exist_ok=True)

@@ -61,6 +61,8 @@ def _commands(w, target: str) -> dict[str, list[str]]:
         "eval-drafter --out": ["eval-drafter", "--model", w["model"], "--prompts", w["corpus"], "--out", target],
         "eval-drafter --json": ["eval-drafter", "--model", w["model"], "--prompts", w["corpus"], "--json", target],
         "report --out": ["report", w["run"], "--out", target],
+        "serve --output": ["serve", "--model", w["model"], "--output", target],
+        "serve --allowed-roots": ["serve", "--model", w["model"], "--output", fresh + "-s", "--allowed-roots", target],
     }
 
 
