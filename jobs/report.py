@@ -59,7 +59,6 @@ import os
 import posixpath
 import random
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -23,11 +23,8 @@ training without restarts, with its message.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -35,6 +32,7 @@ from typing import Any
 
 from connectors.lease import LeaseLost
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
+from jobs.worker import own_temp_folder
 from training.trainer import (
     CheckedFeed,
     Checkpoints,
@@ -88,7 +86,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             keeper = ray.remote(num_cpus=0, max_restarts=0)(_Keeper).options(scheduling_strategy=here).remote(
                 config, (state or {}).get("sample_log_bytes", 0))
-            storage = _ray_train_storage()  # Ray Train's own run records; our checkpoints: OUT
+            storage = own_temp_folder(STORAGE_PREFIX, legacy_after_s=86400)  # Ray Train's records; ours: OUT
             done = threading.Event()
             threading.Thread(target=_watch_lease, args=(out, keeper, done), daemon=True).start()
             try:
@@ -119,37 +117,8 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
 
 
 STORAGE_PREFIX = "hsx-train-"
-
-
-def _ray_train_storage() -> str:
-    """A new temporary folder for Ray Train's run records, named by this driver's pid (hsx-train-<pid>-XXXX), after
-    removing those of drivers that died on this machine before their cleanup ran (killed, OOM): their pid no longer
-    runs. Folders of older hsx (no pid in the name) are removed once a day old."""
-    base = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(base):
-            if not name.startswith(STORAGE_PREFIX):
-                continue
-            path = os.path.join(base, name)
-            pid = name[len(STORAGE_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and "-" in name[len(STORAGE_PREFIX):]:
-                if _pid_runs(int(pid)):
-                    continue
-            elif time.time() - os.path.getmtime(path) < 86400:
-                continue
-            logger.info("removing %s, left by a training driver that is gone", path)
-            shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{os.getpid()}-")
-
-
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
+"""Ray Train's run records of a driver: <tmp>/hsx-train-<pid>-XXXX (jobs.worker.own_temp_folder), removed at its end,
+and by the next driver on the machine when it was killed before."""
 
 
 def _gpus(config: TrainDrafterConfig) -> float:

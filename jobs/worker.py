@@ -24,11 +24,13 @@ A shard that cannot be written fails its samples (retried by a re-run); the loca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,12 +264,28 @@ def _memory_folder() -> str:
 def _staging_folder() -> str:
     """A fresh local folder for a sharded worker's files (named by its pid), after removing those of workers on this
     machine whose process is gone (killed: no teardown ran)."""
+    return own_temp_folder(STAGING_PREFIX)
+
+
+def own_temp_folder(prefix: str, legacy_after_s: float | None = None) -> str:
+    """A new temporary folder `<prefix><pid>-XXXX` of this process, after removing the ones of processes on this
+    machine that are gone (killed, OOM: their cleanup never ran). `legacy_after_s`: folders of the prefix without a
+    pid (older hsx) are removed once that old."""
     tmp = tempfile.gettempdir()
-    for name in os.listdir(tmp):
-        pid = name[len(STAGING_PREFIX):].split("-", 1)[0]
-        if name.startswith(STAGING_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(tmp, name)
+            pid, sep, _ = name[len(prefix):].partition("-")
+            if pid.isdigit() and sep:
+                if _alive(int(pid)):
+                    continue
+            elif legacy_after_s is None or time.time() - os.path.getmtime(path) < legacy_after_s:
+                continue
+            logger.info("removing %s, left by a process that is gone", path)
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
 
 
 def _alive(pid: int) -> bool:
@@ -276,7 +294,8 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # another user's
+    return True
     return True
 
 

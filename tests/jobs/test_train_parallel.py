@@ -152,7 +152,8 @@ def test_ray_train_folders_of_drivers_that_died_are_removed_at_start(tmp_path, m
     # 6c0b8cf every killed driver left one behind for good
     import tempfile
 
-    from jobs.train import _ray_train_storage
+    from jobs.train import STORAGE_PREFIX
+    from jobs.worker import own_temp_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -165,6 +166,6 @@ def test_ray_train_folders_of_drivers_that_died_are_removed_at_start(tmp_path, m
         (folder / "experiment").mkdir(parents=True)
     day_ago = time.time() - 2 * 86400
     os.utime(old_style, (day_ago, day_ago))
-    made = _ray_train_storage()
+    made = own_temp_folder(STORAGE_PREFIX, legacy_after_s=86400)  # what the train driver calls
     assert os.path.basename(made).startswith(f"hsx-train-{os.getpid()}-")
     assert set(os.listdir(tmp_path)) == {alive.name, fresh_old_style.name, other.name, os.path.basename(made)}
