@@ -5,7 +5,6 @@ connectors/outputs.py (OutputFolder / OutputFolders / check_output_file / check_
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -13,6 +12,7 @@ import pytest
 
 from cli.args import EXIT_USAGE
 from cli.main import main
+from tests.training.runs import tree_digest
 
 pytestmark = [pytest.mark.slow]
 
@@ -69,25 +69,11 @@ def _commands(w, target: str) -> dict[str, list[str]]:
 FILE_FLAGS = ("verify --report", "eval-drafter --json", "report --out")
 
 
-def _snapshot(root: str) -> dict[str, str]:
-    """Every path under root (symlinks not followed) -> its content's digest, or the link's target."""
-    seen = {}
-    for here, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(here, name)
-            if os.path.islink(path):
-                seen[path] = "-> " + os.readlink(path)
-            elif os.path.isfile(path):
-                with open(path, "rb") as f:
-                    seen[path] = hashlib.sha256(f.read()).hexdigest()
-            else:
-                seen[path] = "dir"
-    return seen
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_output_flag_refuses_the_same_hostile_paths_before_any_work(world, case, capsys):
-    before = _snapshot(world["root"]), _snapshot(world["model"])
+    before = tree_digest(world["root"], dirs=True), tree_digest(world["model"], dirs=True)
     for flag in _commands(world, "unused"):
         target = _target(world, case, flag in FILE_FLAGS)
         argv = _commands(world, target)[flag]
@@ -96,7 +82,7 @@ def test_every_output_flag_refuses_the_same_hostile_paths_before_any_work(world,
         err = capsys.readouterr().err
         assert exit_.value.code == EXIT_USAGE, (flag, case, err)
         assert err.count("\n") == 1 and "Traceback" not in err, (flag, case, err)
-        assert (_snapshot(world["root"]), _snapshot(world["model"])) == before, (flag, case)
+        assert (tree_digest(world["root"], dirs=True), tree_digest(world["model"], dirs=True)) == before, (flag, case)
 
 
 def test_a_file_output_is_never_a_device_or_a_pipe(world, tmp_path, capsys):

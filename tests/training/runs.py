@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,3 +145,30 @@ def write_manifest(output: str, rows: Sequence[dict], *, storage_options: dict |
     per = -(-len(rows) // parts) if rows else 0
     for p in range(parts):
         write_manifest_part(run, list(rows[p * per:(p + 1) * per]), attempt, p)
+
+
+def tree_digest(folder: str, *, dirs: bool = False) -> dict[str, str]:
+    """relative path -> sha256 of every file under `folder`, a symlink as "-> its target" (not followed), and with
+    `dirs` every folder as "dir": what a test compares before and after a command that must change nothing."""
+    out = {}
+    for d, subdirs, names in os.walk(folder):
+        for name in names + subdirs:
+            path = os.path.join(d, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                out[rel] = "-> " + os.readlink(path)
+            elif os.path.isfile(path):
+                with open(path, "rb") as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+            elif dirs:
+                out[rel] = "dir"
+    return out
+
+
+def small_train_config(run, model, out, **kw):
+    """A TrainDrafterConfig of a few CPU steps on a small run (EAGLE-3 by default), `kw` over it."""
+    from training.trainer import TrainDrafterConfig
+
+    defaults = dict(run=str(run), model=str(model), out=str(out), kind="eagle3", steps=2, lr=3e-3, batch_tokens=64,
+                    draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
+    return TrainDrafterConfig(**{**defaults, **kw})

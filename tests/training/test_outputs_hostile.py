@@ -5,7 +5,6 @@ plants the input a hostile user would and checks what the command leaves behind.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,28 +15,9 @@ import pytest
 from cli.args import EXIT_USAGE
 from connectors.lease import LeaseHeld, WriterLease
 from connectors.run import RunDir
+from tests.training.runs import small_train_config, tree_digest
 from training import trainer
 from training.trainer import TrainDrafterConfig, train_drafter
-
-
-def _config(run, model, out, **kw) -> TrainDrafterConfig:
-    defaults = dict(run=str(run), model=str(model), out=str(out), kind="eagle3", steps=2, lr=3e-3, batch_tokens=64,
-                    draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
-    return TrainDrafterConfig(**{**defaults, **kw})
-
-
-def _tree(folder) -> dict[str, str]:
-    """relative path -> sha256 of every file under `folder` (symlinks as their target's path)."""
-    out = {}
-    for d, dirs, names in os.walk(folder):
-        for name in names + [n for n in dirs if os.path.islink(os.path.join(d, n))]:
-            path = os.path.join(d, name)
-            if os.path.islink(path):
-                out[os.path.relpath(path, folder)] = "-> " + os.readlink(path)
-                continue
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture
@@ -88,7 +68,7 @@ def test_a_checkpoint_or_log_dir_on_an_input_exits_2_before_any_step_and_writes_
     flag, where, said = HOSTILE[case]
     (tmp_path / "afile").write_text("mine")
     os.symlink(model_copy, tmp_path / "model-link")
-    before = _tree(tmp_path)
+    before = tree_digest(tmp_path)
     started = time.monotonic()
     with pytest.raises(SystemExit) as e:
         main(["train-drafter", "--run", str(run_copy), "--model", str(model_copy), "--out", str(tmp_path / "out"),
@@ -100,14 +80,14 @@ def test_a_checkpoint_or_log_dir_on_an_input_exits_2_before_any_step_and_writes_
     assert e.value.code == EXIT_USAGE and len(lines) == 1 and said in lines[0] and flag in lines[0], err
     assert "Traceback" not in err
     assert not steps_taken and elapsed < 30  # refused up front, not at the first checkpoint
-    assert _tree(tmp_path) == before  # no state.pt, no event file, no --out: nothing written anywhere
+    assert tree_digest(tmp_path) == before  # no state.pt, no event file, no --out: nothing written anywhere
 
 
 def test_checkpoint_and_log_dirs_of_their_own_are_leased_for_the_training(oracle_run, tiny_llama, tmp_path,
                                                                          steps_taken):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    config = _config(oracle_run[0], tiny_llama, tmp_path / "out", checkpoint_dir=str(ckpt), log_dir=str(logs))
-    other = _config(oracle_run[0], tiny_llama, tmp_path / "other-out", checkpoint_dir=str(ckpt))
+    config = small_train_config(oracle_run[0], tiny_llama, tmp_path / "out", checkpoint_dir=str(ckpt), log_dir=str(logs))
+    other = small_train_config(oracle_run[0], tiny_llama, tmp_path / "other-out", checkpoint_dir=str(ckpt))
     with other.output_folder().open():  # another training writes that --checkpoint-dir now
         with pytest.raises(LeaseHeld, match=f"{ckpt} is being written by another hsx train-drafter --checkpoint-dir"):
             train_drafter(config)
@@ -117,7 +97,7 @@ def test_checkpoint_and_log_dirs_of_their_own_are_leased_for_the_training(oracle
     assert [n for n in os.listdir(logs) if n.startswith("events.out.tfevents.")]
     assert not (tmp_path / "out" / "checkpoint").exists() and not (tmp_path / "out" / "tensorboard").exists()
     assert not [p for p in (ckpt, logs, tmp_path / "out") if (p / "writer.lease").exists()]
-    resumed = train_drafter(_config(oracle_run[0], tiny_llama, tmp_path / "out", steps=3, checkpoint_dir=str(ckpt),
+    resumed = train_drafter(small_train_config(oracle_run[0], tiny_llama, tmp_path / "out", steps=3, checkpoint_dir=str(ckpt),
                                     log_dir=str(logs)))
     assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 3  # its own folders, taken again
 
@@ -150,11 +130,11 @@ def test_training_on_a_run_being_written_exits_2_naming_the_writer_and_snapshot_
         assert e.value.code == EXIT_USAGE and len(lines) == 1, err
         assert "attempt hsx-run-live" in lines[0] and "--snapshot" in lines[0]
         assert not steps_taken and not (tmp_path / "out").exists()
-        report = train_drafter(_config(run_copy, tiny_llama, tmp_path / "out", snapshot=True))
+        report = train_drafter(small_train_config(run_copy, tiny_llama, tmp_path / "out", snapshot=True))
     finally:
         job.release()
     assert report["snapshot"] is True and "attempt hsx-run-live" in report["snapshot_writer"]
     with open(tmp_path / "out" / "report.json") as f:
         assert json.load(f)["snapshot_writer"] == report["snapshot_writer"]
-    done = train_drafter(_config(run_copy, tiny_llama, tmp_path / "done"))  # the writer finished: no snapshot
+    done = train_drafter(small_train_config(run_copy, tiny_llama, tmp_path / "done"))  # the writer finished: no snapshot
     assert done["snapshot"] is False and "snapshot_writer" not in done

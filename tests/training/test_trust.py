@@ -5,7 +5,6 @@ nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,27 +16,14 @@ import torch
 
 from connectors import HiddenStatesSpec
 from connectors.run import RunDir, read_manifest
-from tests.training.runs import random_samples, write_manifest, write_run
-from training.trainer import TrainDrafterConfig, TrainingStopped, save_checkpoint, train_drafter
+from tests.training.runs import random_samples, small_train_config, tree_digest, write_manifest, write_run
+from training.trainer import TrainingStopped, save_checkpoint, train_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _config(run, model, out, **kw) -> TrainDrafterConfig:
-    defaults = dict(run=str(run), model=str(model), out=str(out), kind="eagle3", steps=2, lr=3e-3, batch_tokens=64,
-                    draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
-    return TrainDrafterConfig(**{**defaults, **kw})
 
 
-def _tree(folder) -> dict[str, str]:
-    """relative path -> sha256 of every file under `folder`."""
-    out = {}
-    for d, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(d, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _tiny_spec(model: str) -> HiddenStatesSpec:
@@ -77,7 +63,7 @@ def test_a_run_from_another_model_is_refused_naming_what_differs(edit, said, run
     with open(model_copy / "config.json", "w") as f:
         json.dump({**config, **edit}, f)
     with pytest.raises(ValueError, match="is not from the target --model") as e:
-        train_drafter(_config(run_copy, model_copy, tmp_path / "out"))
+        train_drafter(small_train_config(run_copy, model_copy, tmp_path / "out"))
     assert said in str(e.value) and "config.json differs" in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -106,10 +92,10 @@ def test_an_out_that_is_overlaps_or_lies_in_a_model_or_run_is_refused_before_any
            "contains-model": str(tmp_path / "models"), "inside-other-model": str(other_model / "d" / "e"),
            "inside-other-run": str(other_run / "drafter"), "other-run": str(other_run),
            "foreign-folder": str(foreign)}[where]
-    before = {p: _tree(p) for p in (model_copy, run_copy, other_model, other_run, foreign)}
+    before = {p: tree_digest(p) for p in (model_copy, run_copy, other_model, other_run, foreign)}
     with pytest.raises(ValueError, match=r"--out .*(pick another --out|pick a new)"):
-        train_drafter(_config(run_copy, model_copy, out))
-    assert {p: _tree(p) for p in before} == before  # nothing written, nothing replaced
+        train_drafter(small_train_config(run_copy, model_copy, out))
+    assert {p: tree_digest(p) for p in before} == before  # nothing written, nothing replaced
     assert not (model_copy / "drafter").exists() and not (other_model / "d").exists()
     assert not (run_copy / "data" / "drafter").exists() and not (other_run / "drafter").exists()
 
@@ -120,7 +106,7 @@ def test_a_refused_or_stopped_training_leaves_no_out_behind(oracle_run, tiny_lla
     write_run(str(tmp_path / "other"), random_samples(3, other), other)
     out = tmp_path / "new" / "nested" / "out"
     with pytest.raises(ValueError, match="not from the target --model"):
-        train_drafter(_config(tmp_path / "other", tiny_llama, out))
+        train_drafter(small_train_config(tmp_path / "other", tiny_llama, out))
     assert not (tmp_path / "new").exists()
     # stopped at its first batch (a NaN sample), before any checkpoint: the folders it made are gone again
     spec = _tiny_spec(tiny_llama)
@@ -129,7 +115,7 @@ def test_a_refused_or_stopped_training_leaves_no_out_behind(oracle_run, tiny_lla
         s.hidden_states[0, 0, 0] = float("nan")
     write_run(str(tmp_path / "nan"), samples, spec, check_states=False)
     with pytest.raises(TrainingStopped):
-        train_drafter(_config(tmp_path / "nan", tiny_llama, out, kind="medusa", draft_vocab_size=None))
+        train_drafter(small_train_config(tmp_path / "nan", tiny_llama, out, kind="medusa", draft_vocab_size=None))
     assert not (tmp_path / "new").exists()
 
 
@@ -138,7 +124,7 @@ def test_cli_out_that_is_a_file_or_the_model_exits_2_with_one_line(oracle_run, m
     from cli.main import main
 
     (tmp_path / "afile").write_text("x")
-    before = _tree(model_copy)
+    before = tree_digest(model_copy)
     for out, message in ((tmp_path / "afile", "is a file, not a folder"),
                          (tmp_path / "afile" / "sub", "is a file, not a folder"),
                          (model_copy, "is the --model folder")):
@@ -149,7 +135,7 @@ def test_cli_out_that_is_a_file_or_the_model_exits_2_with_one_line(oracle_run, m
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
-    assert _tree(model_copy) == before and (tmp_path / "afile").read_text() == "x"
+    assert tree_digest(model_copy) == before and (tmp_path / "afile").read_text() == "x"
 
 
 @pytest.fixture
@@ -172,9 +158,9 @@ def read_only_folder(tmp_path):
 
 def test_a_read_only_out_is_refused_up_front(oracle_run, tiny_llama, read_only_folder):
     with pytest.raises(ValueError, match=r"--out .* cannot be written"):
-        train_drafter(_config(oracle_run[0], tiny_llama, read_only_folder))
+        train_drafter(small_train_config(oracle_run[0], tiny_llama, read_only_folder))
     with pytest.raises(ValueError, match=r"--out .* cannot be written"):
-        train_drafter(_config(oracle_run[0], tiny_llama, read_only_folder / "sub"))
+        train_drafter(small_train_config(oracle_run[0], tiny_llama, read_only_folder / "sub"))
     from training.export import export_run
 
     with pytest.raises(ValueError, match=r"DEST .* cannot be written"):
@@ -184,7 +170,7 @@ def test_a_read_only_out_is_refused_up_front(oracle_run, tiny_llama, read_only_f
 def test_one_writer_per_out(oracle_run, tiny_llama, tmp_path):
     from connectors.lease import LeaseHeld
 
-    config = _config(oracle_run[0], tiny_llama, tmp_path / "out")
+    config = small_train_config(oracle_run[0], tiny_llama, tmp_path / "out")
     with config.output_folder().open():  # another training holds --out
         with pytest.raises(LeaseHeld, match="hsx train-drafter"):
             train_drafter(config)
@@ -196,19 +182,19 @@ def test_one_writer_per_out(oracle_run, tiny_llama, tmp_path):
 def test_export_dest_is_guarded_like_out(oracle_run, model_copy, run_copy, tmp_path):
     from training.export import export_run
 
-    before = _tree(run_copy), _tree(model_copy)
+    before = tree_digest(run_copy), tree_digest(model_copy)
     for dest, message in ((run_copy, "is the OUTPUT folder"), (run_copy / "exp", "lies inside the OUTPUT folder"),
                           (model_copy, "is the --model-dir folder"), (tmp_path / "runs", "contains the OUTPUT folder")):
         with pytest.raises(ValueError, match=message):
             export_run(str(run_copy), str(dest), "speculators", model_dir=str(model_copy))
-    assert (_tree(run_copy), _tree(model_copy)) == before and not (run_copy / "exp").exists()
+    assert (tree_digest(run_copy), tree_digest(model_copy)) == before and not (run_copy / "exp").exists()
     # a training's --out is not an export's DEST, nor the other way round
-    train_drafter(_config(run_copy, model_copy, tmp_path / "drafter"))
+    train_drafter(small_train_config(run_copy, model_copy, tmp_path / "drafter"))
     with pytest.raises(ValueError, match="DEST .* holds a model"):
         export_run(str(run_copy), str(tmp_path / "drafter"), "speculators")
     export_run(str(run_copy), str(tmp_path / "exp"), "speculators")
     with pytest.raises(ValueError, match="not an output of hsx train-drafter"):
-        train_drafter(_config(run_copy, model_copy, tmp_path / "exp"))
+        train_drafter(small_train_config(run_copy, model_copy, tmp_path / "exp"))
 
 
 # -- 2. the training feed trusts nothing ---------------------------------------------------------------------
@@ -232,7 +218,7 @@ def test_nan_states_stop_training_naming_the_sample_and_nothing_is_saved(kind, n
     out = tmp_path / "out"
     options = {} if kind == "eagle3" else {"draft_vocab_size": None}
     with pytest.raises(TrainingStopped, match=r"sample 's0000[25]'.*NaN/Inf values.*hsx verify.*--skip-bad-samples"):
-        train_drafter(_config(nan_run[0], tiny_llama, out, kind=kind, steps=6, batch_tokens=24, checkpoint_every=1,
+        train_drafter(small_train_config(nan_run[0], tiny_llama, out, kind=kind, steps=6, batch_tokens=24, checkpoint_every=1,
                               **options))
     assert not (out / "model.safetensors").exists()
     state = out / "checkpoint" / "state.pt"
@@ -244,7 +230,7 @@ def test_nan_states_stop_training_naming_the_sample_and_nothing_is_saved(kind, n
 def test_skip_bad_samples_trains_without_them_and_counts_them(nan_run, tiny_llama, tmp_path):
     from safetensors.torch import load_file
 
-    report = train_drafter(_config(nan_run[0], tiny_llama, tmp_path, steps=6, batch_tokens=24,
+    report = train_drafter(small_train_config(nan_run[0], tiny_llama, tmp_path, steps=6, batch_tokens=24,
                                    skip_bad_samples=True))
     assert report["steps"] == 6 and report["skipped_samples"] == 2
     assert sorted(report["skipped"]) == ["s00002", "s00005"] and "NaN/Inf" in report["skipped"]["s00002"]
@@ -304,7 +290,7 @@ def test_a_file_that_is_not_the_manifest_rows_stops_training_and_export(how, sam
         ds[1]
     for kind, options in (("eagle3", {}), ("mlp_speculator", {"draft_vocab_size": None})):
         with pytest.raises(TrainingStopped, match=f"'{sid}'.*{DAMAGE[how]}"):
-            train_drafter(_config(run, tiny_llama, tmp_path / kind, kind=kind, steps=4, batch_tokens=24, **options))
+            train_drafter(small_train_config(run, tiny_llama, tmp_path / kind, kind=kind, steps=4, batch_tokens=24, **options))
         assert not (tmp_path / kind / "model.safetensors").exists()
     with pytest.raises((ValueError, OSError), match=f"'{sid}'.*{DAMAGE[how]}"):
         export_run(str(run), str(tmp_path / "exp"), "speculators")
@@ -316,24 +302,24 @@ def test_a_file_that_is_not_the_manifest_rows_stops_training_and_export(how, sam
 def test_resume_follows_the_run_not_its_spelling_and_refuses_a_changed_run(run_copy, tiny_llama, tmp_path,
                                                                          monkeypatch):
     out = tmp_path / "out"
-    first = train_drafter(_config(run_copy, tiny_llama, out, steps=2))
+    first = train_drafter(small_train_config(run_copy, tiny_llama, out, steps=2))
     assert first["run_identity"]["committed_samples"] == 6
     monkeypatch.chdir(run_copy.parent.parent)
     for spelling in ("./runs/good", "runs/good/", "runs/../runs/good"):  # one run: it resumes
-        again = train_drafter(_config(spelling, tiny_llama, out, steps=2))
+        again = train_drafter(small_train_config(spelling, tiny_llama, out, steps=2))
         assert again["resumed_from_step"] == 2
     rows = read_manifest(RunDir(str(run_copy))).to_pylist()
     write_manifest(str(run_copy), rows[:3])  # the same spelling, half of the manifest gone
-    before = _tree(out)
+    before = tree_digest(out)
     with pytest.raises(ValueError, match=r"committed 6 samples when the training started and commits 3 now"):
-        train_drafter(_config(run_copy, tiny_llama, out, steps=4))
+        train_drafter(small_train_config(run_copy, tiny_llama, out, steps=4))
     spec = json.loads((run_copy / "run.json").read_text())
     spec["model_fingerprint"] = "sha256:" + "0" * 64
     write_manifest(str(run_copy), rows)
     (run_copy / "run.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="run.json of --run .* differs"):
-        train_drafter(_config(run_copy, tiny_llama, out, steps=4))
-    assert _tree(out) == before  # refused: the checkpoint and drafter are as they were
+        train_drafter(small_train_config(run_copy, tiny_llama, out, steps=4))
+    assert tree_digest(out) == before  # refused: the checkpoint and drafter are as they were
 
 
 # -- diverged training, weights never saved non-finite ------------------------------------------------------
@@ -342,7 +328,7 @@ def test_resume_follows_the_run_not_its_spelling_and_refuses_a_changed_run(run_c
 def test_a_diverged_training_stops_and_saves_no_non_finite_weights(oracle_run, tiny_llama, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(TrainingStopped, match=r"(non-finite weights|the loss is|gradient norm).*lower --lr"):
-        train_drafter(_config(oracle_run[0], tiny_llama, out, kind="mlp_speculator", draft_vocab_size=None,
+        train_drafter(small_train_config(oracle_run[0], tiny_llama, out, kind="mlp_speculator", draft_vocab_size=None,
                               lr=1e30, max_grad_norm=0, steps=20, checkpoint_every=1))
     assert not (out / "model.safetensors").exists()
     state = out / "checkpoint" / "state.pt"
@@ -359,7 +345,7 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
 
 
 def test_every_file_of_a_training_has_the_same_permissions(oracle_run, tiny_llama, tmp_path):
-    train_drafter(_config(oracle_run[0], tiny_llama, tmp_path / "out", steps=2, checkpoint_every=1))
+    train_drafter(small_train_config(oracle_run[0], tiny_llama, tmp_path / "out", steps=2, checkpoint_every=1))
     modes = {}
     for d, _, names in os.walk(tmp_path / "out"):
         for name in names:
@@ -395,6 +381,6 @@ def test_exports_are_byte_identical_across_processes(oracle_run, tmp_path):
         dest = tmp_path / f"seed{seed}"
         subprocess.run([sys.executable, "-c", script, oracle_run[0], str(dest)], cwd=REPO, check=True, timeout=600,
                        env={**os.environ, "PYTHONHASHSEED": seed})
-        trees.append({p: h for p, h in _tree(dest).items() if not p.endswith(".hsx-output.json")})
+        trees.append({p: h for p, h in tree_digest(dest).items() if not p.endswith(".hsx-output.json")})
     assert trees[0] == trees[1]
     assert len(trees[0]) > 3 * len(oracle_run[1])
