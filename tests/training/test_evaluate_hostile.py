@@ -135,3 +135,16 @@ def test_eval_drafter_json_may_not_be_the_prompts_file(tiny_llama, tmp_path, cap
     err = capsys.readouterr().err
     assert e.value.code == EXIT_USAGE and "--prompts" in err and "Traceback" not in err, err
     assert open(prompts, "rb").read() == before
+
+
+def test_eval_drafter_json_inside_out_is_refused_before_any_work(tiny_llama, tmp_path, capsys):
+    # second hostile pass: --out DIR --json DIR/summary.csv replaced the summary with the JSON results
+    from cli.main import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "one two three"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["eval-drafter", "--model", tiny_llama, "--prompts", str(prompts), "--out", str(tmp_path / "ev"),
+              "--json", str(tmp_path / "ev" / "summary.csv")])
+    assert e.value.code == 2 and "lies inside --out" in capsys.readouterr().err
+    assert not (tmp_path / "ev").exists()
