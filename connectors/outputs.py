@@ -331,8 +331,8 @@ def check_run_output(path: str, *, inputs: Mapping[str, str | None] | None = Non
     here (the lease and run.json guard them). ValueError naming the problem and the fix; creates nothing."""
     resolved = check_output_place(path, flag="--output", inputs=inputs, around_ok=False)
     flag = "--output"
-    if resolved is None or not os.path.isdir(resolved):
-        return
+    if resolved is None or not os.path.isdir(resolved) or holds_run(resolved):
+        return  # a run is resumed (run.json and the manifest say whether it may be), whatever else lies beside it
     try:
         names = sorted(n for n in os.listdir(resolved) if not n.startswith(".") and n not in RUN_ENTRIES)
     except OSError as e:
