@@ -238,7 +238,7 @@ def test_an_output_inside_a_model_or_a_run_is_refused_before_any_work(servers, t
     (model / "model.safetensors").write_bytes(b"")
     for output, message in ((str(model / "regen"), "which holds a model"),
                             (str(run / "data" / "regen"), "which holds an extraction run"),
-                            (str(tmp_path), "contains the --corpus folder")):
+                            (str(tmp_path), "contains the --corpus file")):
         with pytest.raises(SystemExit) as e:
             main(["regenerate", "--server", hostile.url, "--corpus", prompts, "--output", output, "--no-progress"])
         err = capsys.readouterr().err
