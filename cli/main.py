@@ -47,6 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_STDOUT_CLOSED = 141
+"""`hsx status OUT | head`: the reader of stdout left before the command had said everything. Not 0 (the command may
+have had more to say, a failure among it): 128 + SIGPIPE, what a shell reports for a process its pipe ended."""
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader is gone; if so, stdout is pointed at /dev/null so that exit's flush stays quiet."""
+    import os
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), 0)
+        closed = any(event & select.POLLERR for _, event in poll.poll(0))  # a pipe whose read end is gone
+    except (OSError, ValueError, AttributeError):
+        return False
+    if closed:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    return closed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UsageError as e:
         parser.exit(EXIT_USAGE, f"hsx {args.command}: error: {e}\n")
-    except BrokenPipeError:  # `hsx status OUT | head`: the reader left; say nothing more, and no traceback at exit
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe (a socket, a child's): a bug to see, not the reader of our output leaving
+        return EXIT_STDOUT_CLOSED
     except KeyboardInterrupt:
         print("hsx: interrupted; committed samples are kept, re-run the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED

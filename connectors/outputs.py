@@ -21,6 +21,7 @@ a folder has one writer.
                                      the same rules for one file (a report); an existing one only if hsx wrote it
     check_run_output(path, inputs=)  `hsx run --output`: the rules above for a run's OUTPUT (a run is resumed)
     check_output_place(path, flag=, inputs=)   the relations alone (`hsx serve --output`, `--allowed-roots`)
+    corpus_inputs(given, files) / within_output(path, folder) / inside(path, folder)   helpers of the callers
     holds_model(folder) / holds_run(folder)                  what the rules look for
 
 The rules, for local paths (symlinks resolved, so `./m`, `m/` and the absolute path are one folder):
@@ -95,7 +96,8 @@ def _what(folder: str) -> str | None:
     return None
 
 
-def _inside(path: str, folder: str) -> bool:
+def inside(path: str, folder: str) -> bool:
+    """Whether resolved `path` is `folder` or lies in it."""
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
@@ -121,10 +123,10 @@ def _check_relations(path: str, flag: str, inputs: Mapping[str, str | None], *, 
         kind = "folder" if os.path.isdir(other) else "file"
         if path == other:
             raise ValueError(f"{flag} {path} is the {name} {kind}; writing there would overwrite it — {fix}")
-        if _inside(path, other):
+        if inside(path, other):
             raise ValueError(f"{flag} {path} lies inside the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
-        if _inside(other, path) and not around_ok:
+        if inside(other, path) and not around_ok:
             raise ValueError(f"{flag} {path} contains the {name} {kind} {other}; writing there could overwrite "
                              f"it — {fix}")
     for folder in _ancestors(path):
@@ -158,8 +160,8 @@ def _nearest_existing(path: str, flag: str) -> str:
 def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None,
                       ours: Sequence[bytes] = (), command: str = "") -> str:
     """The resolved path of an output file (a report) once it passes the module's rules; ValueError otherwise.
-    An existing file is replaced only when it is a regular file that begins with one of `ours` (what the command
-    writes first: an earlier output of its own); a device, pipe or socket never (writing goes through a rename, which
+    An existing file is replaced only when it is a regular file that is empty or begins with one of `ours` (what the
+    command writes first: an earlier output of its own); a device, pipe or socket never (writing goes through a rename, which
     would replace it). Creates nothing: the caller writes the file (atomically) when its work is done."""
     resolved = _local(path)
     if resolved is None:
@@ -177,7 +179,7 @@ def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] 
         except OSError as e:
             raise ValueError(f"{flag} {path} exists and cannot be read ({e.strerror or e}); pick another {flag} "
                              "path") from e
-        if not any(head.startswith(o) for o in ours):
+        if head and not any(head.startswith(o) for o in ours):  # an empty file (mktemp's) is taken
             raise ValueError(f"{flag} {path} exists and is not a file {f'hsx {command}' if command else 'hsx'} "
                              f"wrote; it replaces only its own — pick a new {flag} path, or move that file away first")
     _probe(_nearest_existing(os.path.dirname(resolved), flag), flag)
@@ -302,8 +304,9 @@ class OutputFolder:
         shutil.rmtree(created[0], ignore_errors=True)
 
 
-RUN_ENTRIES = (RUN_JSON, MANIFEST_DIR, "data", "shards", "verify", "regenerated", LEASE_FILE)
-"""What an extraction run's OUTPUT may hold (hsx's own names; names starting with "." are ignored too)."""
+RUN_ENTRIES = (RUN_JSON, MANIFEST_DIR, "data", "shards", "verify", "regenerated", LEASE_FILE, "lost+found")
+"""What an extraction run's OUTPUT may hold (hsx's own names, and a fresh disk's lost+found; names starting with "."
+are ignored too)."""
 
 
 def check_output_place(path: str, *, flag: str, inputs: Mapping[str, str | None] | None = None,
@@ -322,6 +325,19 @@ def check_output_place(path: str, *, flag: str, inputs: Mapping[str, str | None]
         raise ValueError(f"{flag} {path} holds a model; files written there would mix with its weights (and change "
                          "its fingerprint) — pick a new folder")
     return resolved
+
+
+def corpus_inputs(given: Sequence[str], files: Sequence[str] = ()) -> dict[str, str]:
+    """The corpus as output-guard inputs: each --corpus argument as given (a folder, a file; a glob matches no path and
+    is skipped) and each file it expanded to, named "--corpus", "--corpus #2", ... (distinct names, one per path)."""
+    paths = list(dict.fromkeys([*given, *files]))
+    return {"--corpus" + (f" #{i + 1}" if i else ""): p for i, p in enumerate(paths)}
+
+
+def within_output(path: str, folder: str | None) -> bool:
+    """Whether local `path` lies inside local `folder` (both resolved: `~`, symlinks, relative spellings)."""
+    here, there = _local(path), _local(folder)
+    return here is not None and there is not None and here != there and inside(here, there)
 
 
 def check_run_output(path: str, *, inputs: Mapping[str, str | None] | None = None) -> None:
@@ -413,7 +429,7 @@ class OutputFolders:
                 if all(folder.path != f.path for f in self.folders):
                     self.folders.append(folder)
                 continue
-            outer = next((f for f in self.folders if isinstance(f, OutputFolder) and _inside(folder.path, f.path)),
+            outer = next((f for f in self.folders if isinstance(f, OutputFolder) and inside(folder.path, f.path)),
                          None)
             if outer is None:
                 self.folders.append(folder)

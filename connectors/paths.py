@@ -222,8 +222,18 @@ class PathPolicy:
 def _check_local_way(raw: str, path: str, root: str) -> None:
     """Refuse, before any work, a local path the write would fail on after it: a folder standing at the file's
     name, a regular file (or something else) standing where a folder must be, or a symlink below the root (the write
-    walks folders without following links, and a link can be re-pointed between the check and the write)."""
-    here = root
+    walks folders without following links, and a link can be re-pointed between the check and the write), or a folder
+    on the way below the root that holds a model or an extraction run (a file there would change the model's fingerprint, or
+    replace a run's data)."""
+    from connectors.outputs import holds_model, holds_run  # outputs -> run -> paths: imported here
+
+    def guarded(folder: str) -> None:
+        what = "a model" if holds_model(folder) else "an extraction run" if holds_run(folder) else None
+        if what is not None:
+            raise PathRejected(f"hidden_states_path {raw!r} lies in {folder}, which holds {what}; hsx never writes "
+                               "into a model's or a run's folder: choose a path outside it")
+
+    here = root  # the root itself may be a run's OUTPUT (hsx run writes its own data there): folders below it are checked
     parts = os.path.relpath(path, root).split(os.sep)
     for i, part in enumerate(parts):
         here = os.path.join(here, part)
@@ -244,6 +254,8 @@ def _check_local_way(raw: str, path: str, root: str) -> None:
         elif not stat.S_ISDIR(st.st_mode):
             raise PathRejected(f"hidden_states_path {raw!r}: {here} is a file, not a folder, so nothing can be "
                                "written below it; choose another path")
+        else:
+            guarded(here)
 
 
 def _first_protocol(cls: type) -> str:

@@ -27,12 +27,17 @@ MEDIA_PARTS = ("image_url", "image", "image_pil", "image_embeds", "input_image",
 """Part types that carry media: on a text-only target, an error (never text)."""
 
 
-@functools.lru_cache(maxsize=32)
-def content_format(template: str | None) -> str:
+def content_format(template: Any) -> str:
     """"openai" when `template` iterates a message's content (it renders parts itself), else "string". A template
-    that does not parse is "string": rendering it reports its own error."""
-    if not template:
-        return STRING
+    that does not parse is "string": rendering it reports its own error. A tokenizer's named templates (a dict, when
+    a model ships additional_chat_templates/) are judged by the one apply_chat_template uses, "default"."""
+    if isinstance(template, Mapping):
+        template = template.get("default")
+    return _content_format(template) if isinstance(template, str) and template else STRING
+
+
+@functools.lru_cache(maxsize=32)
+def _content_format(template: str) -> str:
     import jinja2
     from jinja2 import nodes
 

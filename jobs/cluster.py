@@ -114,6 +114,9 @@ _FILTER = ("import re, sys\n"
            "        sys.stderr.buffer.flush()\n")
 
 
+_FILTER_PROCESS: list = []
+
+
 @functools.cache
 def _core_echo_filter() -> int | None:
     """A C `FILE *` (line-buffered) on a pipe read by a small filter process that writes what passes to this
@@ -126,8 +129,9 @@ def _core_echo_filter() -> int | None:
 
     try:
         read, write = os.pipe()  # not inherited by Ray's own processes (O_CLOEXEC)
-        subprocess.Popen([sys.executable, "-S", "-c", _FILTER], stdin=read, stdout=subprocess.DEVNULL,
-                         start_new_session=True)  # Ctrl-C reaches hsx, not the filter: it ends at end of input
+        _FILTER_PROCESS.append(subprocess.Popen(  # kept: reaped at exit, no "still running" ResourceWarning
+            [sys.executable, "-S", "-c", _FILTER], stdin=read, stdout=subprocess.DEVNULL,
+            start_new_session=True))  # Ctrl-C reaches hsx, not the filter: it ends at end of input
         os.close(read)
     except OSError as e:
         logger.debug("no filter for Ray's core console lines (%s); they are shown as they come", e)

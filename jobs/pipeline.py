@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
-from connectors.outputs import check_run_output
+from connectors.outputs import check_run_output, corpus_inputs
 from connectors.run import FAILED, SKIPPED, RunDir, RunSpec, new_attempt_id, read_run_spec
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from jobs.config import JobConfig
@@ -120,7 +119,7 @@ def prepare_job(config: JobConfig) -> JobPlan:
     corpus = [] if config.regenerate_with else expand_corpus(config.corpus, config.corpus_storage_options)
     # never the model, a corpus file, inside either or another run, a file, or a folder of other things
     check_run_output(config.output, inputs={"--model": config.model,
-                                            **{f"--corpus {os.path.basename(f.url)}": f.url for f in corpus}})
+                                            **corpus_inputs(config.corpus, [f.url for f in corpus])})
     output.check_reachable()
     facts = ModelFacts.resolve(config)
     regeneration = None

@@ -620,10 +620,11 @@ class Regenerator:
         out.record = new
 
     async def _chat(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
+        from extractor.chat_content import OPENAI
         from jobs.chat import normalize_messages
 
-        try:
-            messages = normalize_messages({shape: record[shape]})
+        try:  # content parts kept as parts: the server applies its template's rule, hsx run later its own
+            messages = normalize_messages({shape: record[shape]}, OPENAI)
         except ValueError as e:
             raise BadRecord(str(e)) from None
         if messages[-1]["role"] != "assistant":  # one answer to the last turn
@@ -916,17 +917,12 @@ def check_output(output: RunDir, config: RegenerateConfig, files: list, within: 
     folder or inside one, never over, in or around the corpus; new, empty or an earlier regeneration (its
     regenerate.json). `within`: the run OUTPUT of hsx run --regenerate-with, whose checks cover a regeneration inside
     it. Object-store outputs have no folders to check."""
-    from connectors.outputs import OutputFolder
+    from connectors.outputs import OutputFolder, corpus_inputs, within_output
 
-    if not output.local:
+    if not output.local or within_output(config.output, within):
         return
-    here = os.path.realpath(output.root)
-    if within is not None and here.startswith(os.path.realpath(within).rstrip(os.sep) + os.sep):
-        return
-    given = [*config.corpus, *(f.url for f in files)]
-    inputs = {"--corpus" + (f" #{i + 1}" if i else ""): c for i, c in enumerate(given)}
-    OutputFolder(config.output, command="regenerate", flag="--output", inputs=inputs,
-                 legacy_markers=(REGEN_JSON,)).check()
+    OutputFolder(config.output, command="regenerate", flag="--output",
+                 inputs=corpus_inputs(config.corpus, [f.url for f in files]), legacy_markers=(REGEN_JSON,)).check()
 
 
 def _corpus_difference(had: Any, now: list[str]) -> list[str]:

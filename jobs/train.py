@@ -86,7 +86,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             keeper = ray.remote(num_cpus=0, max_restarts=0)(_Keeper).options(scheduling_strategy=here).remote(
                 config, (state or {}).get("sample_log_bytes", 0))
-            storage = own_temp_folder(STORAGE_PREFIX, legacy_after_s=86400)  # Ray Train's records; ours: OUT
+            storage = own_temp_folder(STORAGE_PREFIX)  # Ray Train's records; our checkpoints: OUT
             done = threading.Event()
             threading.Thread(target=_watch_lease, args=(out, keeper, done), daemon=True).start()
             try:
@@ -117,7 +117,7 @@ def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
 
 
 STORAGE_PREFIX = "hsx-train-"
-"""Ray Train's run records of a driver: <tmp>/hsx-train-<pid>-XXXX (jobs.worker.own_temp_folder), removed at its end,
+"""Ray Train's run records of a driver: <tmp>/hsx-train-<host>-<pid>-XXXX (jobs.worker.own_temp_folder), removed at its end,
 and by the next driver on the machine when it was killed before."""
 
 

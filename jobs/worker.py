@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,25 +266,24 @@ def _staging_folder() -> str:
     return own_temp_folder(STAGING_PREFIX)
 
 
-def own_temp_folder(prefix: str, legacy_after_s: float | None = None) -> str:
-    """A new temporary folder `<prefix><pid>-XXXX` of this process, after removing the ones of processes on this
-    machine that are gone (killed, OOM: their cleanup never ran). `legacy_after_s`: folders of the prefix without a
-    pid (older hsx) are removed once that old."""
+def own_temp_folder(prefix: str) -> str:
+    """A new temporary folder `<prefix><host>-<pid>-XXXX` of this process, after removing the ones this host's
+    processes left when they died (killed, OOM: their cleanup never ran). Only names of that exact shape, with this
+    host's name, are ever removed: a folder of a user's, or of a process on another host (a container sharing /tmp,
+    its pids its own), is never touched."""
+    import re
+    import socket
+
     tmp = tempfile.gettempdir()
+    mine = f"{prefix}{re.sub(r'[^A-Za-z0-9.-]', '_', socket.gethostname())[:40]}-"
+    shape = re.compile(re.escape(mine) + r"(\d+)-[A-Za-z0-9_]{8}$")  # mkdtemp's 8 random characters
     with contextlib.suppress(OSError):
         for name in os.listdir(tmp):
-            if not name.startswith(prefix):
-                continue
-            path = os.path.join(tmp, name)
-            pid, sep, _ = name[len(prefix):].partition("-")
-            if pid.isdigit() and sep:
-                if _alive(int(pid)):
-                    continue
-            elif legacy_after_s is None or time.time() - os.path.getmtime(path) < legacy_after_s:
-                continue
-            logger.info("removing %s, left by a process that is gone", path)
-            shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+            m = shape.match(name)
+            if m and not _alive(int(m.group(1))):
+                logger.info("removing %s, left by a process of this host that is gone", os.path.join(tmp, name))
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-")
 
 
 def _alive(pid: int) -> bool:
@@ -294,7 +292,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's
+        pass  # another user's
     return True
     return True
 

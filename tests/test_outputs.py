@@ -95,3 +95,23 @@ def test_a_file_output_is_never_a_device_or_a_pipe(world, tmp_path, capsys):
         assert exit_.value.code == EXIT_USAGE
         assert "is not a regular file (a device, pipe or socket)" in capsys.readouterr().err
     assert os.path.exists(fifo) and not os.path.isfile(fifo)
+
+
+def test_review_findings_on_legitimate_paths(world, tmp_path, monkeypatch, capsys):
+    # an empty file (mktemp's) may take a report; a run's OUTPUT inside its --corpus folder is refused at once (it was
+    # accepted, then its resume refused naming its own manifest part); `~` spells the same folder as its expansion
+    from connectors.outputs import within_output
+
+    empty = tmp_path / "empty.html"
+    empty.touch()
+    assert main(["report", world["run"], "--out", str(empty), "--sample", "2"]) == 0
+    assert empty.read_bytes().startswith(b"<!DOCTYPE html>")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "c.jsonl").write_text('{"prompt": "one two"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--model", world["model"], "--corpus", str(data), "--output", str(data / "run1")])
+    assert exit_.value.code == EXIT_USAGE and "lies inside the --corpus folder" in capsys.readouterr().err
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert within_output("~/rvx/regenerated", str(tmp_path / "rvx")) and within_output("~/rvx/r", "~/rvx")
+    assert not within_output("~/rvx", "~/rvx") and not within_output("s3://b/rvx/r", "~/rvx")

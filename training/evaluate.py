@@ -570,14 +570,10 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
     return methods
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
-    from connectors.outputs import OutputFolder, check_output_file, write_output_file
+    from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
     from extractor.config import drafter_methods
     from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
 
@@ -603,8 +599,7 @@ def run_eval(args: EvalDrafterConfig) -> int:
     # every file the evaluation reads: no output may be, hold or lie inside one of them
     inputs = {"--model": model, "--prompts": prompts_path,
               **{f"--drafter {name}": path for name, _, path in drafters}}
-    if args.json and args.out and _inside(os.path.realpath(os.path.expanduser(args.json)),
-                                          os.path.realpath(os.path.expanduser(args.out))):
+    if args.json and args.out and within_output(args.json, args.out):
         raise ValueError(f"--json {args.json} lies inside --out {args.out}, where eval-drafter writes its own files "
                          "(results.json, summary.csv, ...); put --json outside --out")
     if args.json:  # checked before any work: never over the prompts, the model, a drafter or a run

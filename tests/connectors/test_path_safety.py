@@ -230,3 +230,23 @@ def test_a_custom_path_spelled_through_a_symlinked_root_is_the_same_file(tmp_pat
         connector.start_request(RequestInfo("b", 3, {"hidden_states_path": str(real / "x.safetensors")}))
     connector.request_finished("a")
     assert connector.wait_for_save() == {}
+
+
+def test_a_custom_path_into_a_model_or_a_run_under_an_allowed_root_is_rejected(tmp_path):
+    # review finding: `hsx serve --allowed-roots` around a model let a request overwrite its weights (or a run's data
+    # file): the start-up check allows a root around the model, so every custom path is checked on its way down
+    from connectors.paths import PathPolicy, PathRejected
+
+    model, run = tmp_path / "models" / "llama", tmp_path / "runs" / "r1"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    (run / "data" / "3b").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    policy = PathPolicy(str(tmp_path / "out"), [str(tmp_path)])
+    for path, what in ((model / "model.safetensors", "a model"), (model / "sub" / "x.safetensors", "a model"),
+                       (run / "data" / "3b" / "x.safetensors", "an extraction run")):
+        with pytest.raises(PathRejected, match=f"which holds {what}; hsx never writes into a model's or a run's"):
+            policy.locate(str(path))
+    assert policy.locate(str(tmp_path / "models" / "elsewhere.safetensors")).path.endswith("elsewhere.safetensors")
+    assert (model / "model.safetensors").read_bytes() == b"weights"

@@ -74,3 +74,23 @@ def test_a_corpus_record_keeps_the_same_rule(llm, tmp_path):
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     with pytest.raises(ValueError, match="messages\\[0\\] content part 0 is of type 'image_url'.*text-only"):
         normalize_messages(image)
+
+
+def test_named_chat_templates_of_a_tokenizer_are_judged_by_the_default_one(llm):
+    # review finding: a model shipping additional_chat_templates/ loads chat_template as a dict, which the content
+    # rule's cache could not hash (every chat record failed as "a bug in hsx")
+    from jobs.chat import ChatEncoder, normalize_messages
+
+    plain = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = {"default": plain, "tool_use": PARTS_TEMPLATE}
+    try:
+        record = {"messages": [{"role": "user", "content": PARTS}, {"role": "assistant", "content": "It is."}]}
+        encoder = ChatEncoder(llm.tokenizer)
+        ids, _ = encoder.encode(normalize_messages(record, encoder.content_format))
+        joined = [{"role": "user", "content": "What is it?\nSay it twice."}, record["messages"][1]]
+        assert ids == list(llm.tokenizer.apply_chat_template(joined, chat_template=plain, tokenize=True,
+                                                             return_dict=True)["input_ids"])
+        (out,) = llm.chat([{"role": "user", "content": PARTS}], SamplingParams(max_tokens=0))
+        assert out.prompt_token_ids == _oracle(llm, [{"role": "user", "content": "What is it?\nSay it twice."}], plain)
+    finally:
+        llm.tokenizer.chat_template = plain

@@ -150,3 +150,13 @@ def test_a_run_json_nested_past_json_limits_or_a_damaged_verify_report_is_one_li
         json.dump({"failures": 5, "kinds": []}, f)
     assert main(["status", out]) == 0
     assert "verify:" not in capsys.readouterr().out
+
+
+def test_a_reader_that_leaves_early_ends_hsx_status_quietly_but_not_as_success(finished_run):
+    # review finding: `hsx status OUT | head` ended in a BrokenPipeError traceback (6c0b8cf); then, caught too widely,
+    # as exit 0 even for a command that had failed. Now: 141 (128 + SIGPIPE) and nothing on stderr
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "status", finished_run.output], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before hsx prints its first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

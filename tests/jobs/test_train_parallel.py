@@ -148,24 +148,26 @@ def test_replica_settings_are_checked_before_any_work(oracle_run, tiny_llama, tm
 
 
 def test_ray_train_folders_of_drivers_that_died_are_removed_at_start(tmp_path, monkeypatch):
-    # hostile input: a killed train driver's hsx-train-<pid>-* left in the temporary folder (issue 49 item 9); on
-    # 6c0b8cf every killed driver left one behind for good
+    # hostile input: a killed train driver's hsx-train-<host>-<pid>-* left in the temporary folder (issue 49 item 9);
+    # on 6c0b8cf every killed driver left one behind for good. A user's folder of a like name, one of another host
+    # (a container sharing /tmp, its own pids) and a live driver's are kept
+    import socket
     import tempfile
 
     from jobs.train import STORAGE_PREFIX
     from jobs.worker import own_temp_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / f"hsx-train-{gone.pid}-abcd1234"
-    alive = tmp_path / f"hsx-train-{os.getpid()}-efgh5678"
-    old_style, fresh_old_style, other = (tmp_path / "hsx-train-k2j3h4g5", tmp_path / "hsx-train-zz9yy8xx",
-                                         tmp_path / "not-ours")
-    for folder in (dead, alive, old_style, fresh_old_style, other):
+    dead = tmp_path / f"hsx-train-node-a-{gone.pid}-abcd1234"
+    kept = [tmp_path / f"hsx-train-node-a-{os.getpid()}-efgh5678",  # alive
+            tmp_path / f"hsx-train-node-b-{gone.pid}-ijkl9012",  # another host's
+            tmp_path / f"hsx-train-node-a-{gone.pid}-my-own-data",  # a user's, not mkdtemp's shape
+            tmp_path / "hsx-train-eagle3-out", tmp_path / "not-ours"]
+    for folder in (dead, *kept):
         (folder / "experiment").mkdir(parents=True)
-    day_ago = time.time() - 2 * 86400
-    os.utime(old_style, (day_ago, day_ago))
-    made = own_temp_folder(STORAGE_PREFIX, legacy_after_s=86400)  # what the train driver calls
-    assert os.path.basename(made).startswith(f"hsx-train-{os.getpid()}-")
-    assert set(os.listdir(tmp_path)) == {alive.name, fresh_old_style.name, other.name, os.path.basename(made)}
+    made = own_temp_folder(STORAGE_PREFIX)  # what the train driver calls
+    assert os.path.basename(made).startswith(f"hsx-train-node-a-{os.getpid()}-")
+    assert set(os.listdir(tmp_path)) == {p.name for p in kept} | {os.path.basename(made)}
