@@ -27,6 +27,7 @@ The only package that knows both the engine (extractor) and the storage side (co
     regenerate.py    `hsx regenerate` (and `hsx run --regenerate-with`): the target's answers from OpenAI-compatible
                      servers as a new corpus, exactly once
     answers.py       what a server's answer must be before hsx regenerate keeps it: bounded, ids against the text
+    server_pool.py   the OpenAI-server pool hsx regenerate sends requests to: slots, set-aside, back-off, retries
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'
 """

@@ -37,8 +37,8 @@ removes. A re-run skips committed records and retries failed ones (not those fai
 --retry-failed); after any kill every input ends with exactly one settled row. `hsx run --corpus OUTPUT` reads the
 committed records only (jobs/corpus_regenerated.py), `hsx status OUTPUT` counts them.
 
-Servers: each gets --concurrency requests at once; a request goes to the live server with the most free slots. A
-server that stops answering (connection refused or reset, 503, 429) is set aside with a growing back-off and its
+Servers (jobs/server_pool.py): each gets --concurrency requests at once; a request goes to the live server with the
+most free slots. A server that stops answering (connection refused or reset, 503, 429) is set aside with a growing back-off and its
 requests move to the others, or wait for it; a request fails (retried by the next run) only when no server answers
 for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 400, 413 and 422 (prompt
 too long, bad request) fail the record with the server's own message; other 4xx (Ray Serve's 404 while an app
@@ -71,15 +71,13 @@ from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, new_attempt_id, re
 from extractor.options import flag
 from jobs.corpus_regenerated import FINISHED, REGEN_JSON
 from jobs.progress import progress_bar, set_total
+from jobs.server_pool import BadAnswer, NoServer, Pool, PoolSettings, Refused, Transient, base_url
 
 logger = logging.getLogger(__name__)
 
 REGEN_FORMAT = "hsx.regenerated"
 REGEN_VERSION = "1"
 DATA_PREFIX = "data/part-"
-REFUSALS = (400, 413, 422)
-"""Answers that refuse the request itself (prompt too long, bad field): the record fails with the server's message,
-the same way every time."""
 API_KEY_ENVS = ("HSX_REGENERATE_API_KEY", "OPENAI_API_KEY")
 REASONING = ("keep", "strip")
 _CHAT_KEYS = ("messages", "conversations")
@@ -203,6 +201,11 @@ class RegenerateConfig:
 
         return answer_cap(self.max_tokens, self.max_answer_bytes)
 
+    def pool_settings(self) -> PoolSettings:
+        """What the server pool (jobs.server_pool) takes of these settings."""
+        return PoolSettings(api_key=self.api_key, concurrency=self.concurrency, request_timeout_s=self.request_timeout_s,
+                            retries=self.retries, server_wait_s=self.server_wait_s, answer_cap=self.answer_cap())
+
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings --extra-body asks for (a server cuts them from the text, not from the ids)."""
         stop = self.extra_body.get("stop") or ()
@@ -217,247 +220,8 @@ class RegenerateConfig:
 # -- talking to servers -------------------------------------------------------------------------------------------
 
 
-class Refused(Exception):
-    """The server answered 4xx: this request fails the same way every time (its message is the record's error)."""
-
-
-class Transient(Exception):
-    """A 500, a timeout: the request is tried again (--retries)."""
-
-
-class ServerGone(Exception):
-    """The server did not answer (connection refused or reset) or is busy (503, 429): the request moves on, uncounted."""
-
-
-class NoServer(Exception):
-    """No server answered for --server-wait-s, or every server was set aside."""
-
-
 class NotAnAPI(Exception):
     """An answer that is not an OpenAI API's."""
-
-
-class BadAnswer(Exception):
-    """An answer this record cannot keep — over --max-answer-bytes, a redirect, more token ids than asked for, ids
-    that do not decode to the text: the record fails (a re-run tries it again); the server stays in use."""
-
-
-def base_url(url: str) -> str:
-    """http://host:port[/prefix] -> http://host:port[/prefix]/v1."""
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--server {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def error_message(raw: bytes) -> str:
-    """The message of an error body: OpenAI's {"error": {"message"}}, vLLM's and SGLang's {"object": "error",
-    "message"}, FastAPI's {"detail"}; else the body's start."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nested past json's depth
-        doc = None
-    if isinstance(doc, dict):
-        inner = doc.get("error")
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return inner["message"]
-        for key in ("message", "detail", "error"):
-            if isinstance(doc.get(key), str):
-                return doc[key]
-    text = raw.decode("utf-8", "replace").strip()
-    return text[:300] or "(empty body)"
-
-
-@dataclass
-class Server:
-    url: str
-    """Base URL ending in /v1."""
-    free: int
-    down_until: float = 0.0
-    misses: int = 0
-    """Consecutive times it did not answer: its back-off grows with them."""
-    broken: str | None = None
-    """Why it was set aside for good (answers that are not an API's)."""
-    answered: int = 0
-    seconds: float = 0.0
-
-
-class Pool:
-    """The servers, their free slots and health: `call(route, body)` POSTs to one and returns its JSON answer and the
-    server's URL. Answers are read up to config.answer_cap() bytes, and no redirect is followed (a prompt never goes
-    to a server that was not checked with /v1/models)."""
-
-    def __init__(self, urls: list[str], config: RegenerateConfig) -> None:
-        self.config = config
-        self.cap = config.answer_cap()
-        self.servers = [Server(u, config.concurrency) for u in urls]
-        self.cond = asyncio.Condition()
-        self.none_since: float | None = None
-        """When the last live server went down (None while one answers)."""
-        self.session = None
-
-    async def __aenter__(self) -> Pool:
-        import aiohttp
-
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        limit = self.config.concurrency * len(self.servers) + 8
-        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
-                                             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s))
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.session.close()
-
-    async def probe(self) -> dict[str, list[str]]:
-        """{url: served model ids} of every server; ValueError naming the server and the fix when one cannot be
-        used (does not answer, refuses the key, answers something that is not an OpenAI API)."""
-        import aiohttp
-
-        from jobs.answers import read_bounded
-
-        out = {}
-        for s in self.servers:
-            try:
-                async with self.session.get(s.url + "/models", timeout=aiohttp.ClientTimeout(total=30),
-                                            allow_redirects=False) as r:
-                    raw = await read_bounded(r, self.cap)
-                    status, location = r.status, r.headers.get("Location", "")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise ValueError(f"--server {s.url}: no answer ({type(e).__name__}: {e or 'timed out'}); start the "
-                                 "server first, or fix the URL") from None
-            if raw is None:
-                raise ValueError(f"--server {s.url}: GET /v1/models answered more than {self.cap} bytes "
-                                 "(--max-answer-bytes); is it an OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
-            if 300 <= status < 400:
-                raise ValueError(f"--server {s.url}: GET /v1/models answered {status}, a redirect to {location!r}; "
-                                 "hsx regenerate follows no redirects: pass the server it redirects to as --server")
-            if status in (401, 403):
-                raise ValueError(f"--server {s.url} refuses the API key ({status}: {error_message(raw)}); pass the "
-                                 "server's key with --api-key or $HSX_REGENERATE_API_KEY")
-            if status != 200:
-                raise ValueError(f"--server {s.url}: GET /v1/models answered {status} ({error_message(raw)}); is it an "
-                                 "OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
-            try:
-                doc = json.loads(raw)
-                ids = [m["id"] for m in doc["data"]]
-                if not all(isinstance(i, str) for i in ids):
-                    raise TypeError("model ids are not strings")
-            except (ValueError, KeyError, TypeError, RecursionError) as e:
-                raise ValueError(f"--server {s.url}: GET /v1/models did not answer an OpenAI model list ({e}; body "
-                                 f"starts {raw[:80]!r}); point --server at an OpenAI-compatible server") from None
-            out[s.url] = ids
-        return out
-
-    async def call(self, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """(the JSON answer, the URL of the server that gave it) to POST `route`. Raises Refused (4xx), Transient
-        (--retries used up), NoServer, BadAnswer (over the cap, a redirect)."""
-        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
-
-        retrying = AsyncRetrying(stop=stop_after_attempt(self.config.retries), reraise=True,
-                                 wait=wait_exponential(multiplier=0.5, max=30) + wait_random(0, 0.5),
-                                 retry=retry_if_exception_type(Transient))
-        async for attempt in retrying:
-            with attempt:
-                while True:
-                    server = await self._acquire()
-                    try:
-                        return await self._post(server, route, body), server.url
-                    except ServerGone:
-                        continue  # set aside: the request waits for this server or another, uncounted
-                    finally:
-                        await self._release(server)
-        raise AssertionError("unreachable")
-
-    async def _acquire(self) -> Server:
-        loop = asyncio.get_running_loop()
-        async with self.cond:
-            while True:
-                now = loop.time()
-                usable = [s for s in self.servers if s.broken is None]
-                if not usable:
-                    raise NoServer("every server was set aside: " + "; ".join(
-                        f"{s.url}: {s.broken}" for s in self.servers))
-                live = [s for s in usable if s.down_until <= now]
-                ready = [s for s in live if s.free > 0]
-                if ready:
-                    server = max(ready, key=lambda s: s.free)
-                    server.free -= 1
-                    return server
-                if self.none_since is not None and now - self.none_since > self.config.server_wait_s:
-                    raise NoServer(f"no server answered for {self.config.server_wait_s:g} s (--server-wait-s): "
-                                   + ", ".join(s.url for s in usable))
-                wake = min([1.0, *(s.down_until - now for s in usable if s.down_until > now)])
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.cond.wait(), timeout=max(wake, 0.01))
-
-    async def _release(self, server: Server) -> None:
-        async with self.cond:
-            server.free += 1
-            self.cond.notify_all()
-
-    def _set_aside(self, server: Server, seconds: float | None = None, why: str = "") -> None:
-        loop = asyncio.get_running_loop()
-        server.misses += 1
-        back_off = min(30.0, 0.5 * 2 ** min(server.misses - 1, 6)) if seconds is None else seconds
-        server.down_until = loop.time() + back_off
-        if server.misses == 1 and why:
-            logger.warning("%s: %s; its requests move to the other servers (or wait for it)", server.url, why)
-        now = loop.time()
-        if self.none_since is None and all(s.broken or s.down_until > now for s in self.servers):
-            self.none_since = now
-
-    async def _post(self, server: Server, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        import aiohttp
-
-        from jobs.answers import read_bounded
-
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            async with self.session.post(server.url + route, json=body, allow_redirects=False) as r:
-                raw = await read_bounded(r, self.cap)
-                status, retry_after = r.status, r.headers.get("Retry-After", "")
-                location = r.headers.get("Location", "")
-        except asyncio.TimeoutError:
-            raise Transient(f"{server.url}: no answer within {self.config.request_timeout_s:g} s "
-                            "(--request-timeout-s)") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
-            self._set_aside(server, why=f"no answer ({type(e).__name__}: {e})")
-            raise ServerGone(str(e)) from None
-        if raw is None:  # read no further: an endless or huge answer would take the driver's memory
-            raise BadAnswer(f"{server.url} answered {status} with more than {self.cap} bytes; the answer was dropped "
-                            "(raise --max-answer-bytes if the server's answers are that long)")
-        if 300 <= status < 400:  # followed, the prompt would go to a server never checked (or never named)
-            raise BadAnswer(f"{server.url} answered {status}, a redirect to {location[:200]!r}; hsx regenerate "
-                            "follows no redirects: pass the server it redirects to as --server")
-        if status in (408, 429, 503):
-            wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
-            self._set_aside(server, wait, why=f"busy or unavailable ({status}: {error_message(raw)[:200]})")
-            raise ServerGone(f"{status}") from None
-        if status >= 500:
-            raise Transient(f"{server.url} answered {status}: {error_message(raw)}")
-        if status in (401, 403):
-            server.broken = f"refused the API key ({status}: {error_message(raw)[:200]})"
-            logger.error("%s %s; set aside", server.url, server.broken)
-            raise ServerGone(server.broken)
-        if status in REFUSALS:  # the request itself: prompt too long, a bad field
-            raise Refused(f"{server.url} answered {status}: {error_message(raw)}")
-        if status != 200:  # 404 and the like: the server is not serving the route now (Ray Serve's proxy answers 404
-            # while its app (re)deploys): set aside like a server that does not answer
-            self._set_aside(server, why=f"answered {status} ({error_message(raw)[:200]})")
-            raise ServerGone(f"{status}")
-        try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not doc["choices"]:
-                raise ValueError("no 'choices' list")
-        except (ValueError, RecursionError) as e:  # RecursionError: nested past json's depth
-            server.broken = f"answered 200 with what is not an OpenAI completion ({e}; body starts {raw[:80]!r})"
-            logger.error("%s %s; set aside for good", server.url, server.broken)
-            raise ServerGone(server.broken) from None
-        server.misses, server.answered = 0, server.answered + 1
-        server.seconds += loop.time() - start
-        self.none_since = None
-        return doc
 
 
 # -- one record ---------------------------------------------------------------------------------------------------
@@ -940,7 +704,7 @@ def _corpus_difference(had: Any, now: list[str]) -> list[str]:
 
 
 async def _probe(servers: list[str], config: RegenerateConfig) -> dict[str, list[str]]:
-    async with Pool(servers, config) as pool:
+    async with Pool(servers, config.pool_settings()) as pool:
         return await pool.probe()
 
 
@@ -1026,7 +790,7 @@ async def _run(plan: RegenerationPlan, result: RegenerateResult, lost, stop: thr
                 await asyncio.to_thread(writer.flush)
         await asyncio.to_thread(writer.flush)
 
-    async with Pool(plan.servers, config) as pool:
+    async with Pool(plan.servers, config.pool_settings()) as pool:
         regen = Regenerator(pool, config, plan.model, plan.tokenizer)
         committer = asyncio.create_task(commit())
         total = asyncio.create_task(asyncio.to_thread(lambda: sum(count_records(f, config.corpus_storage_options)
