@@ -161,8 +161,8 @@ def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] 
                       ours: Sequence[bytes] = (), command: str = "") -> str:
     """The resolved path of an output file (a report) once it passes the module's rules; ValueError otherwise.
     An existing file is replaced only when it is a regular file that is empty or begins with one of `ours` (what the
-    command writes first: an earlier output of its own); a device, pipe or socket never (writing goes through a rename, which
-    would replace it). Creates nothing: the caller writes the file (atomically) when its work is done."""
+    command writes first: an earlier output of its own); a device, pipe or socket never (writing goes through a
+    rename, which would replace it). Creates nothing: the caller writes the file (atomically) when its work is done."""
     resolved = _local(path)
     if resolved is None:
         raise ValueError(f"{flag} {path}: a local file path is expected")
@@ -180,8 +180,9 @@ def check_output_file(path: str, *, flag: str, inputs: Mapping[str, str | None] 
             raise ValueError(f"{flag} {path} exists and cannot be read ({e.strerror or e}); pick another {flag} "
                              "path") from e
         if head and not any(head.startswith(o) for o in ours):  # an empty file (mktemp's) is taken
-            raise ValueError(f"{flag} {path} exists and is not a file {f'hsx {command}' if command else 'hsx'} "
-                             f"wrote; it replaces only its own — pick a new {flag} path, or move that file away first")
+            who = f"hsx {command}" if command else "hsx"
+            raise ValueError(f"{flag} {path} exists and is not a file {who} wrote; it replaces only its own — pick a "
+                             f"new {flag} path, or move that file away first")
     _probe(_nearest_existing(os.path.dirname(resolved), flag), flag)
     return resolved
 

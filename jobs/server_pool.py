@@ -52,7 +52,8 @@ class Transient(Exception):
 
 
 class ServerGone(Exception):
-    """The server did not answer (connection refused or reset) or is busy (503, 429): the request moves on, uncounted."""
+    """The server did not answer (connection refused or reset) or is busy (503, 429): the request moves on,
+    uncounted."""
 
 
 class NoServer(Exception):
@@ -143,8 +144,8 @@ class Pool:
 
         s = self.settings
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-        self.session = aiohttp.ClientSession(headers=headers,
-                                             connector=aiohttp.TCPConnector(limit=s.concurrency * len(self.servers) + 8),
+        limit = s.concurrency * len(self.servers) + 8
+        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
                                              timeout=aiohttp.ClientTimeout(total=s.request_timeout_s))
         return self
 

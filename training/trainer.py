@@ -763,8 +763,8 @@ def check_live_writer(config: TrainDrafterConfig) -> str | None:
         return None
     if not config.snapshot:
         raise ValueError(f"--run {config.run} is being written now by {writer}: a training would read only the "
-                         "samples committed so far and could not resume once more are; wait for that `hsx run` to "
-                         "finish, or pass --snapshot to train on what it has committed now")
+                         "samples committed so far and could not resume once more are; wait for that writer (hsx "
+                         "run, verify or compact) to finish, or pass --snapshot to train on what it has committed now")
     logger.warning("--snapshot: --run %s is being written by %s; training on the samples committed so far",
                    config.run, writer)
     return writer

@@ -247,8 +247,8 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     snapshot = live_writer(RunDir(output, config.storage_options))
     if snapshot is not None and not config.snapshot:
         raise ValueError(f"OUTPUT {output} is being written now by {snapshot}: an export would hold only the samples "
-                         "committed so far; wait for that `hsx run` to finish, or pass --snapshot to export what it "
-                         f"has committed now ({STATE_FILE} then says so)")
+                         "committed so far; wait for that writer (hsx run, verify or compact) to finish, or pass "
+                         f"--snapshot to export what it has committed now ({STATE_FILE} then says so)")
     if snapshot is not None:
         logger.warning("--snapshot: %s is being written by %s; exporting the samples committed so far", output,
                        snapshot)
