@@ -322,7 +322,7 @@ def check_output_place(path: str, *, flag: str, inputs: Mapping[str, str | None]
     if os.path.lexists(resolved) and not os.path.isdir(resolved):
         raise ValueError(f"{flag} {path} is a file, not a folder; pick a folder")
     _check_relations(resolved, flag, dict(inputs or {}), is_file=False, around_ok=around_ok)
-    if os.path.isdir(resolved) and (what := _what(resolved)) is not None and what == "a model":
+    if os.path.isdir(resolved) and holds_model(resolved):
         raise ValueError(f"{flag} {path} holds a model; files written there would mix with its weights (and change "
                          "its fingerprint) — pick a new folder")
     return resolved
@@ -342,12 +342,12 @@ def within_output(path: str, folder: str | None) -> bool:
 
 
 def check_run_output(path: str, *, inputs: Mapping[str, str | None] | None = None) -> None:
-    """`hsx run --output` (and `hsx serve --output`) on a local path, checked before the job takes its lease: never an
-    input (the model, a corpus file), inside or around one, inside another run or a model, a model folder, a file, or
-    a non-empty folder that holds something other than a run; an existing run is resumed. URLs: nothing to check
-    here (the lease and run.json guard them). ValueError naming the problem and the fix; creates nothing."""
-    resolved = check_output_place(path, flag="--output", inputs=inputs, around_ok=False)
+    """`hsx run --output` on a local path, checked before the job takes its lease: check_output_place's rules with no
+    input inside it either, and a folder that is not a run must hold nothing else; an existing run is resumed. URLs:
+    nothing to check here (the lease and run.json guard them). ValueError naming the problem and the fix; creates
+    nothing."""
     flag = "--output"
+    resolved = check_output_place(path, flag=flag, inputs=inputs, around_ok=False)
     if resolved is None or not os.path.isdir(resolved) or holds_run(resolved):
         return  # a run is resumed (run.json and the manifest say whether it may be), whatever else lies beside it
     try:

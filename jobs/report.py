@@ -375,12 +375,10 @@ def _png(fig) -> str:
 
 
 def _figure(width: float, height: float):
-    """A figure of two axes side by side on Agg's canvas (no pyplot: no global state, nothing to close)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """A figure of two axes side by side (training.plot_text.figure: Agg's canvas, no pyplot)."""
+    from training.plot_text import figure
 
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
+    fig = figure(width, height)
     return fig, fig.subplots(1, 2)
 
 

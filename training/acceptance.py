@@ -125,19 +125,16 @@ def acceptance_figure(results: Sequence[EvalResult]):
     """The figure of plot_acceptance (a matplotlib Figure on Agg's canvas), or None when no speculative method ran.
     Labels (a drafter's folder name among them) are drawn as they are: `x$_$` is no math, `_hidden` is not left out
     of the legend (training/plot_text.py)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from training.plot_text import legend_label, literal_text
+    from training.plot_text import figure, legend_label, literal_text
 
     lines = [(label, r.acceptance_per_position) for r, label in zip(results, method_labels(results))
              if has_acceptance(r)]
     if not lines:
         return None
     with literal_text():
-        fig = Figure(figsize=(7, 4.5), layout="constrained")
-        FigureCanvasAgg(fig)
+        fig = figure(7, 4.5, layout="constrained")
         ax = fig.add_subplot()
         for label, rates in lines:
             ax.plot(range(len(rates)), rates, marker="o", label=legend_label(label))

@@ -9,6 +9,7 @@ turn on TeX (text.usetex), where `_`, `%` and `&` fail too; a legend leaves out 
                                           inside literal_text()
     legend_label(text) -> str             a label a legend shows even when it starts with "_" (a zero-width space
                                           before it)
+    figure(width, height, **kw) -> Figure a figure on Agg's canvas (no pyplot: no global state, nothing to close)
 
 Both plotting modules use these; it sits on training/, the lowest floor both import (jobs/report.py is above it).
 """
@@ -36,6 +37,16 @@ def legend_label(text: object) -> str:
     """`text` as a legend label that is shown: matplotlib's legend skips labels starting with "_"."""
     text = str(text)
     return ZERO_WIDTH_SPACE + text if text.startswith("_") else text
+
+
+def figure(width: float, height: float, **kw):
+    """A matplotlib Figure of `width` x `height` inches on Agg's canvas (`kw`: Figure's, e.g. layout)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), **kw)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def png(fig, **savefig) -> bytes:
