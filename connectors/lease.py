@@ -6,6 +6,9 @@ runs, given back when it ends.
     lease.keep_alive()        context manager: renews every RENEW_EVERY_S on a background thread
     lease.release()
     live_writer(run) -> str | None   a reader's question: who writes this output now (None: nobody, or a stale lease)
+    snapshot_writer(run, snapshot=, what=, harm=, doing=) -> str | None
+                                     a reader's gate (export, train-drafter, report): a live writer refused unless
+                                     --snapshot, which reads what it committed so far
 
 The lease is a small JSON object ({"attempt", "host", "pid", "started", "renewed"}) created with an exclusive create
 (`storage.create_exclusive`: a hard link on local disks, If-None-Match on S3, ifGenerationMatch=0 on GCS), so of two
@@ -192,6 +195,21 @@ def live_writer(run: RunDir) -> str | None:
     if holder is None or holder.gone(now) is not None:
         return None
     return holder.describe(now)
+
+
+def snapshot_writer(run: RunDir, *, snapshot: bool, what: str, harm: str, doing: str) -> str | None:
+    """The live writer of `run`, described, when `snapshot` (--snapshot) lets a reader take what it has committed so
+    far; None when no writer is live. Without --snapshot a live writer is a ValueError naming it, `harm` (what a
+    reading now would get wrong) and the fix; `what` names the run as the command's flag does, `doing` what
+    --snapshot then does."""
+    writer = live_writer(run)
+    if writer is None:
+        return None
+    if not snapshot:
+        raise ValueError(f"{what} is being written now by {writer}: {harm}; wait for that writer (hsx run, verify or "
+                         f"compact) to finish, or pass --snapshot to {doing}")
+    logger.warning("--snapshot: %s is being written by %s; %s", what, writer, doing)
+    return writer
 
 
 def _body(attempt: str, started: float, now: float) -> bytes:

@@ -31,7 +31,7 @@ without parsing pictures. Text from the data in a figure (corpus file names, fai
 
 What it trusts: the page goes to a local file that is not the run, its model or a corpus file run.json lists; an
 existing file is replaced only when it is an earlier page (it begins with PAGE_START). A run that a live `hsx run`
-writes (connectors.lease.live_writer) is refused unless --snapshot, which draws the rows committed at that moment
+writes (connectors.lease.snapshot_writer) is refused unless --snapshot, which draws the rows committed at that moment
 and says so on the page (a banner, data["snapshot"]).
 
 Checks (each a {"check", "severity", "message"} in data["flags"]):
@@ -111,17 +111,14 @@ def collect(config: ReportConfig) -> dict[str, Any]:
     without config.snapshot."""
     import time
 
-    from connectors.lease import live_writer
+    from connectors.lease import snapshot_writer
     from connectors.run import RunDir, RunFormatError, committed_rows, read_manifest, read_run_spec
     from jobs.manifest import summarize
     from jobs.verify import latest_report
 
     run = RunDir(config.output, config.storage_options)
-    writer = live_writer(run)
-    if writer is not None and not config.snapshot:
-        raise ValueError(f"{run.url} is being written now by {writer} (its writer.lease); a report would show a "
-                         "moment of it — wait for that job to end, or pass --snapshot to draw the rows committed so "
-                         "far")
+    writer = snapshot_writer(run, snapshot=config.snapshot, what=run.url, harm="a report would show a moment of it",
+                             doing="draw the rows committed so far")
     taken_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
         spec = read_run_spec(run)

@@ -750,24 +750,21 @@ def prepare_training(config: TrainDrafterConfig):
 def check_live_writer(config: TrainDrafterConfig) -> str | None:
     """The live writer of --run, described, when --snapshot lets the training read what it committed so far; None
     when no writer is live. ValueError naming the writer and --snapshot when one is and --snapshot was not given."""
-    from connectors.lease import live_writer
+    from connectors.lease import snapshot_writer
     from connectors.run import RunDir
 
     if config.online:
         return None  # no stored run: the training's own extraction
     try:
-        writer = live_writer(RunDir(config.run, config.storage_options))
+        run = RunDir(config.run, config.storage_options)
     except (OSError, ValueError):
         return None  # an unreadable run: check_run says what is wrong with it
-    if writer is None:
-        return None
-    if not config.snapshot:
-        raise ValueError(f"--run {config.run} is being written now by {writer}: a training would read only the "
-                         "samples committed so far and could not resume once more are; wait for that writer (hsx "
-                         "run, verify or compact) to finish, or pass --snapshot to train on what it has committed now")
-    logger.warning("--snapshot: --run %s is being written by %s; training on the samples committed so far",
-                   config.run, writer)
-    return writer
+    try:
+        return snapshot_writer(run, snapshot=config.snapshot, what=f"--run {config.run}",
+                               harm="a training would read only the samples committed so far and could not resume "
+                                    "once more are", doing="train on what it has committed now")
+    except OSError:
+        return None  # storage that does not answer: check_run says so
 
 
 class SampleLog:

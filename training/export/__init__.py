@@ -22,7 +22,7 @@ norm cannot be undone). Every format needs the last stored id to be N. States st
 dtype) pass through as stored to speculators, which reads fp8 with its scales, and are dequantized to the model
 dtype for the others.
 
-A run that an `hsx run` writes now (connectors.lease.live_writer) is refused, naming the writer, unless --snapshot:
+A run that an `hsx run` writes now (connectors.lease.snapshot_writer) is refused, naming the writer, unless --snapshot:
 then what it has committed so far is exported and DEST/hsx_export.json says so ("snapshot": true, the writer).
 
 Streaming: one sample in memory at a time (`num_workers` reads ahead in DataLoader workers, bounded). Every file is
@@ -236,7 +236,7 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     """Every check of an export, before anything is written: DEST (never the run, the model, inside either, another
     command's folder), a live writer of the run (refused unless --snapshot), the run's format, the norm's model,
     DEST's earlier export. ValueError (or FileNotFoundError) naming the fix."""
-    from connectors.lease import live_writer
+    from connectors.lease import snapshot_writer
     from connectors.run import RunDir
 
     start = time.perf_counter()
@@ -244,14 +244,9 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     out = OutputFolder(dest, command="export", flag="DEST", inputs={"OUTPUT": output, "--model-dir": config.model_dir},
                        legacy_markers=(STATE_FILE, JOURNAL_FILE), break_lease=config.break_lease)
     out.check()  # before reading the run: DEST is never the run, the model, inside either, or another's folder
-    snapshot = live_writer(RunDir(output, config.storage_options))
-    if snapshot is not None and not config.snapshot:
-        raise ValueError(f"OUTPUT {output} is being written now by {snapshot}: an export would hold only the samples "
-                         "committed so far; wait for that writer (hsx run, verify or compact) to finish, or pass "
-                         f"--snapshot to export what it has committed now ({STATE_FILE} then says so)")
-    if snapshot is not None:
-        logger.warning("--snapshot: %s is being written by %s; exporting the samples committed so far", output,
-                       snapshot)
+    snapshot = snapshot_writer(RunDir(output, config.storage_options), snapshot=config.snapshot,
+                               what=f"OUTPUT {output}", harm="an export would hold only the samples committed so far",
+                               doing=f"export what it has committed now ({STATE_FILE} then says so)")
     probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False)
     layout = _LAYOUTS[fmt](dest, probe.run_info)
     norm_dir = _check_run(config, probe.run_info, layout)
