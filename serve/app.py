@@ -236,17 +236,19 @@ class Ingress:
         custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
         if custom is None:
             dests = [(self._policy.default_destination(i), i) for i in ids]
-        else:
+        else:  # located here once: a refused path is answered before anything is queued or tokenized
             try:
                 dests = [(self._policy.locate(custom), ids[0])]
-            except PathRejected:
-                dests = []  # the replica answers 403 with the reason
+            except PathRejected as e:
+                work.close()
+                raise APIError(403, f"{e}; nothing was written", param="kv_transfer_params.hidden_states_path",
+                               code="path_not_allowed") from None
         claimed = []
         try:
             for dest, owner in dests:
                 self._owners.claim(dest, owner, overwrite)
                 claimed.append((dest, owner))
-            if custom is not None and dests and not overwrite:
+            if custom is not None and not overwrite:
                 dest = dests[0][0]
                 fs, path = storage.open_url(dest.path, self.config.storage_options)
                 try:

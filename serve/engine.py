@@ -2,7 +2,8 @@
 
     PromptRequest       one prompt as the ingress sends it: text, token ids or chat messages, sampling, kv params
     EngineReply         what comes back: token ids, text, the durable file's path, or an error (status + message)
-    Engine.extract(r)   validate and tokenize (text on a thread of its own; 400/403 before anything runs), then
+    Engine.extract(r)   validate and tokenize (text on a thread of its own; 400 before anything runs; a refused custom path
+                        was answered 403 by the ingress), then
                         Engine._run_batch: Ray Serve's @serve.batch gathers up to max_num_seqs prompts for
                         batch_wait_timeout_s; batches formed while the engine is busy are merged into its next call;
                         one LLM.generate runs them (on a worker thread) and returns once every file is durable
@@ -175,7 +176,6 @@ class Engine:
         self.max_model_len = self.llm.runner.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self._bytes_per_token = max_bytes_per_token(self.tokenizer)
-        self._paths = config.path_policy()
         self._fs, _ = storage.open_url(config.output, config.storage_options)
         self._executor = named_thread_pool(1, "hsx-engine")
         # text prompts and chat templates are tokenized on this thread, one at a time, not on the event loop: a
@@ -230,7 +230,6 @@ class Engine:
                             "prompt", "prompt_too_long")
 
     def _admit(self, r: PromptRequest) -> _Item:
-        from connectors.paths import PathRejected
         from extractor import SamplingParams
         from extractor.request import RequestRejected
 
@@ -248,14 +247,7 @@ class Engine:
                                                 stop_token_ids=r.stop_token_ids, param=param)
         except RequestRejected as e:
             raise _Rejected(400, str(e), e.param, e.code) from None
-        kv = dict(r.kv_transfer_params)
-        custom = kv.get("hidden_states_path")
-        if custom is not None:
-            try:
-                self._paths.locate(custom)
-            except PathRejected as e:
-                raise _Rejected(403, f"{e}; nothing was written", "kv_transfer_params.hidden_states_path",
-                                "path_not_allowed") from None
+        kv = dict(r.kv_transfer_params)  # a custom path was located (and a refused one answered 403) by the ingress
         sampling = {k: v for k, v in (("temperature", r.temperature), ("top_p", r.top_p), ("top_k", r.top_k))
                     if v is not None}
         try:

@@ -267,6 +267,16 @@ def test_custom_paths_outside_the_allowed_roots_get_403_and_nothing_is_written(s
     assert not os.path.exists("/etc/hsx-escape.safetensors")
 
 
+def test_a_refused_custom_path_is_answered_by_the_ingress_before_the_replica_checks_the_prompt(server):
+    """The ingress locates a custom path once and answers 403 itself: the request is never queued or tokenized, so
+    a request that is also too long for the model gets the 403 (the replica would have answered 400 for the length)."""
+    r = server.post("/v1/completions", completion(server, max_tokens=100000,
+                                                  kv_transfer_params={"hidden_states_path": "/etc/hsx-escape.st"}))
+    err = error_of(r, 403)
+    assert err["param"] == "kv_transfer_params.hidden_states_path" and err["code"] == "path_not_allowed"
+    assert "nothing was written" in err["message"]
+
+
 def test_a_custom_path_under_another_allowed_root_is_written(server):
     custom = os.path.join(server.extra_root, "a", "b.safetensors")
     r = server.post("/v1/completions", completion(server, kv_transfer_params={"hidden_states_path": custom}))
