@@ -1,23 +1,44 @@
-"""Drafters trained on hsx runs (EAGLE, EAGLE-3, P-EAGLE, DFlash, Medusa, MLPSpeculator): one module per family (model, checkpoint,
-proposer), the registry, and the checkpoint I/O they share.
+"""Drafters trained on hsx runs (EAGLE, EAGLE-3, P-EAGLE, DFlash, Medusa, MLPSpeculator).
+
+One convention for every family NAME: drafters/NAME.py holds its config, its Drafter (model, training step,
+checkpoint), FEATURES (what it reads from a run) and FAMILY (its registry entry); drafters/NAME_proposer.py holds its
+Proposer, the decoding loop in hsx's engine, which only the engine imports (through Family.proposer_class), so
+training never loads decoding code.
 
     base.py            TargetHead, DrafterBatch, StepResult, Drafter (the interface every family implements:
-                       for_run -> prepare -> training_step -> save_pretrained / from_pretrained)
+                       for_run -> prepare -> training_step -> save_pretrained / from_pretrained); checkpoint files
+    features.py        Features (what a family reads from a run, as data), run_fit, union_layer_ids: the questions
+                       the trainer's layer check, online extraction and `hsx run`'s default layers ask
+    registry.py        Family, families(), family(name), register(family), drafter_class(name),
+                       family_features(name), default_layer_ids(n): the one registry (extractor.methods) the
+                       trainer, the evaluator and the engine read; entry points `hsx.drafters`
+
     eagle3.py          Eagle3Config, Eagle3Drafter (fc over the aux layers, a Llama layer over [embedding ; fused
                        state], draft vocabulary, test-time-training unroll; speculators checkpoint)
-    eagle3_proposer.py Eagle3Proposer: EAGLE-3 decoding in the engine (its own KV cache, rolled back per row);
-                       EagleProposer: the same loop for EAGLE
+    eagle3_proposer.py Eagle3Proposer: EAGLE-3 decoding in the engine (its own KV cache, rolled back per row); the
+                       loop EAGLE's and P-EAGLE's proposers build on
     eagle.py           EagleConfig, EagleDrafter (EAGLE-1, vLLM's eagle: fc over [embedding ; post-norm feature],
                        Llama layers, the target's lm_head; feature regression + token loss; vLLM's eagle layout)
-    peagle.py          PEagleConfig, PEagleDrafter, PEagleProposer (P-EAGLE: EAGLE-3 + mask_hidden, all k drafts in
-                       one forward; COD depth sampling; speculators peagle checkpoint; parallel_drafting)
-    dflash.py          DFlashConfig, DFlashDrafter, DFlashProposer (DFlash block drafter: a block of block_size slots,
+    eagle_proposer.py  EagleProposer
+    peagle.py          PEagleConfig, PEagleDrafter (P-EAGLE: EAGLE-3 + mask_hidden, all k drafts in one forward;
+                       COD depth sampling; speculators peagle checkpoint; parallel_drafting)
+    peagle_proposer.py PEagleProposer
+    dflash.py          DFlashConfig, DFlashDrafter (DFlash block drafter: a block of block_size slots,
                        bidirectional inside, over the fused aux-layer context; speculators dflash checkpoint)
+    dflash_proposer.py DFlashProposer
+    medusa.py          MedusaConfig, MedusaDrafter (heads on the last post-norm state)
+    medusa_proposer.py MedusaProposer
+    mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter (IBM's architecture)
+    mlp_speculator_proposer.py   MLPSpeculatorProposer
+
+    what families share (public, each named by its concept):
+    llama_layers.py    llama_layer_config, with_sdpa: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)
+    ttt.py             shift_left, ttt_mask, one_document_per_row: the test-time-training unroll (EAGLE-3, EAGLE,
+                       P-EAGLE)
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
-    medusa.py          MedusaConfig, MedusaDrafter, MedusaProposer (heads on the last post-norm state)
-    mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer (IBM's architecture)
-    registry.py        Family, families(), family(name), register(family), drafter_class(name): the one registry
-                       (extractor.methods) the trainer, the evaluator and the engine read; entry points `hsx.drafters`
+    last_state.py      predicted_mask, TeacherLogits, head_loss, ...: heads on the last post-norm state (Medusa,
+                       MLPSpeculator)
+    last_state_proposer.py   LastStateProposer: their proposer base (the newest verified state per row)
 
 The trainer is training/trainer.py, the evaluation training/evaluate.py.
 

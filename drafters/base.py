@@ -1,11 +1,25 @@
-"""What every drafter family shares: the teacher, the batch a training step gets, and the interface.
+"""What every drafter family shares: the teacher, the batch a training step gets, the interface, checkpoint files.
 
     TargetHead.from_model_dir(dir)   the target's frozen final norm + lm_head: teacher logits from the stored last
                                      layer (pre-norm, vLLM id N), exactly what the target's own forward computes
     TargetHead.of_model(model)       the same parts of a loaded target (no copies): what a proposer reads out with
+    topk_distribution(ids, logprobs, index, size)   a top-k target's distribution over a (draft) vocabulary
     DrafterBatch.from_packed(batch, layer_ids)   a PackCollator batch of a raw-layout HiddenStatesDataset
     StepResult                       one training step's loss and per-position top-1 agreement counts
-    Drafter                          the interface of eagle3.py, medusa.py, mlp_speculator.py (nn.Module subclasses)
+    Drafter                          the interface every family implements (an nn.Module); by who calls it:
+        trainer:   features / required_layer_ids (checked before training), for_run (construct),
+                   default_num_speculative_tokens, prepare (optional, once), training_step (each batch),
+                   save_pretrained (checkpoint_config + checkpoint_state, or its own)
+        proposers, tests:  from_pretrained
+
+    checkpoint files (every family):
+        write_checkpoint(out_dir, config, tensors)   config.json + model.safetensors, each written whole
+        read_checkpoint_json(dir, what) / read_config(dir, model_type) / read_tensors(dir)   reading them back
+        load_weights(model, dir, state, not_written=, kind=) / load_state(module, state, dir)   checked loading
+        speculators_num_speculative_tokens(config)   the k a speculators config.json proposes
+        read_target_tensor(dir, names), LM_HEAD_KEYS, EMBED_KEYS   tensors of the target's own checkpoint
+        verifier_head(...), runner_target(runner), target_folder(target, kind)   the target a head reads out with
+        resolve_mask_token_id(mask_token_id, layer_config)   the token mask slots read (P-EAGLE, DFlash)
 
 Alignment (the same in every family): position t of a row holds token x_t and the target's states *of* x_t
 (hidden_states[:, t] = what the target computed after reading x_0..x_t); the target predicted x_{t+1} from them.
@@ -23,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +45,7 @@ import torch
 from torch import nn
 
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
+from drafters.features import Features
 from extractor.norm import FinalNorm
 
 
@@ -220,16 +235,20 @@ class Drafter(nn.Module, ABC):
     """
 
     kind: ClassVar[str]
-    """"eagle3" | "medusa" | "mlp_speculator": the speculative_config method that decodes with it."""
+    """The family's name (FAMILY.name): the speculative_config method that decodes with it."""
+    features: ClassVar[Features] = Features()
+    """What it reads from a run (drafters/features.py): the family module's FEATURES, also its Family.features."""
     reads_topk_target: ClassVar[bool] = False
-    """Whether it trains on a top-k target run (`hsx run --target top_k:K`: the target's top-K next-token
-    log-probabilities kept in place of layer N, in DrafterBatch.target_topk). Families that read layer N's state
-    itself (as an input, or for the target's full distribution) leave it False and such runs are refused."""
+    """features.top_k, kept for callers that read it: whether it trains on a top-k target run (`hsx run --target
+    top_k:K`: the target's top-K next-token log-probabilities kept in place of layer N, in DrafterBatch.target_topk).
+    Families that read layer N's state itself (as an input, or for the target's full distribution) leave it False
+    and such runs are refused."""
 
     @classmethod
-    @abstractmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: Any) -> tuple[int, ...]:
-        """vLLM layer ids the run must hold for this family (checked before training)."""
+    def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:
+        """vLLM layer ids the run must hold for this family (checked before training): features.required_layer_ids
+        with the config's aux_layer_ids, when it has them."""
+        return cls.features.required_layer_ids(num_hidden_layers, getattr(config, "aux_layer_ids", None))
 
     @classmethod
     @abstractmethod
@@ -311,6 +330,44 @@ def read_checkpoint_json(model_dir: str, what: str) -> dict[str, Any]:
     return doc
 
 
+def read_config(model_dir: str, model_type: str) -> dict:
+    """A checkpoint's config.json whose model_type is `model_type` (Medusa's and MLPSpeculator's layouts);
+    FileNotFoundError / ValueError naming the folder otherwise."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {model_dir!r}; pass the folder save_pretrained wrote")
+    with open(path) as f:
+        raw = json.load(f)
+    if raw.get("model_type") != model_type:
+        raise ValueError(f"{path} has model_type {raw.get('model_type')!r}, not {model_type!r}: this folder holds "
+                         "another kind of checkpoint (check the speculative method)")
+    return raw
+
+
+def read_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's model.safetensors."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(model_dir, WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {model_dir!r}")
+    return load_file(path)
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_dir: str) -> None:
+    """Load `state` (module names) into `module`, naming any checkpoint tensor that is missing or misshaped."""
+    missing = sorted(k for k, v in state.items() if v is None)
+    if missing:
+        raise ValueError(f"{model_dir}/{WEIGHTS_NAME} lacks tensors for {missing[:4]}{'...' if len(missing) > 4 else ''}"
+                         "; the checkpoint does not match its config.json")
+    own = module.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"{model_dir}/{WEIGHTS_NAME}: {name} has shape {tuple(tensor.shape)}, its config.json "
+                             f"says {tuple(own[name].shape)}")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
+
+
 def runner_target(runner) -> TargetHead:
     """The target an engine's runner holds, as a TargetHead sharing its tensors (TargetHead.of_model)."""
     return TargetHead.of_model(runner.model, runner.config.model)
@@ -361,32 +418,6 @@ def resolve_mask_token_id(mask_token_id: int | None, layer_config) -> int:
     if not 0 <= int(mask) < vocab:
         raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {vocab}")
     return int(mask)
-
-
-def aux_and_last_layer_ids(num_hidden_layers: int, aux_layer_ids: Sequence[int] | None) -> tuple[int, ...]:
-    """The layers a family fusing aux layers needs: the configured aux ids, then N (required_layer_ids)."""
-    return tuple(dict.fromkeys((*(aux_layer_ids or ()), num_hidden_layers)))
-
-
-def aux_layers_for_run(run_spec: Any, aux_layer_ids: Sequence[int] | None, *, kind: str, uses: str,
-                       suggest: Sequence[int]) -> tuple[int, ...]:
-    """The aux layers a family fusing them trains on (aux_layer_ids, else every stored layer but N), checked against
-    the run: it must hold them and N (a top-k target stands in for N); ValueError naming the re-extraction otherwise.
-    `uses`: what the family does with them, for the message; `suggest`: the layers to propose (those in 1..N)."""
-    n = int(run_spec.num_hidden_layers)
-    stored = tuple(run_spec.layer_ids)
-    aux = tuple(aux_layer_ids or ()) or tuple(i for i in stored if i != n)
-    suggestion = ",".join(str(i) for i in sorted(set(suggest)) if 0 < i <= n)
-    if not aux:
-        raise ValueError(f"{kind} {uses}, but the run stores only layers {list(stored)}; re-extract with aux layers, "
-                         f"e.g. --layers {suggestion}")
-    have = (*stored, n) if run_spec.target_top_k is not None else stored
-    missing = [i for i in (*aux, n) if i not in have]
-    if missing:
-        raise ValueError(f"{kind} needs layers {list(aux_and_last_layer_ids(n, aux))} but the run stores "
-                         f"{list(stored)} (missing {missing}); re-extract with --layers {suggestion} or pass "
-                         "aux_layer_ids the run holds")
-    return aux
 
 
 def target_folder(target: TargetHead, kind: str) -> str:

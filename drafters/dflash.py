@@ -7,9 +7,10 @@ context, the block's slots attending to each other both ways.
         layers        Qwen3-style decoder layers (q_norm / k_norm); each projects the CONTEXT with its own k/v and
                       attends over [context before the anchor ; the block] (the block bidirectional inside)
         norm          final RMSNorm; read out with the target's lm_head and embeddings (frozen, never written)
-    DFlashProposer   decoding in hsx's engine: per step one forward over the block [x_T, mask x (block_size-1)] at
-                     positions T..T+block_size-1 against the cached context keys of x_0..x_{T-1}; slot j drafts x_{T+j}
-    FAMILY           DFlash in the drafter registry
+    FEATURES, FAMILY what it reads from a run (aux layers; N or a top-k target), DFlash in the drafter registry
+    (its proposer, DFlashProposer, is drafters/dflash_proposer.py: per step one forward over the block [x_T, mask x
+    (block_size-1)] at positions T..T+block_size-1 against the cached context keys of x_0..x_{T-1}; slot j drafts
+    x_{T+j})
 
 Alignment (base.py's): the context entry of position p is the fused aux states of x_p (what the target computed after
 reading x_p). A block anchored at a holds x_a in slot 0 and the mask token in slots 1..B-1, at positions a..a+B-1; it
@@ -48,23 +49,24 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
-    aux_and_last_layer_ids,
-    aux_layers_for_run,
     load_weights,
     read_checkpoint_json,
     resolve_mask_token_id,
-    runner_target,
     speculators_num_speculative_tokens,
     target_folder,
     topk_distribution,
     verifier_head,
 )
-from drafters.eagle3 import _llama_config_for
+from drafters.features import Features, aux_layers_for_run
+from drafters.llama_layers import llama_layer_config
 from drafters.registry import Family
-from extractor.proposers import Draft, Proposer
 
 SPECULATORS_MODEL_TYPE = "dflash"
 ARCHITECTURE = "DFlashSpeculator"
+
+FEATURES = Features(aux_layers=3, top_k=True)
+"""DFlash builds its context from aux layers (three proposed for extraction, unless aux_layer_ids says) and reads
+layer N only as its teacher's distribution, which a top-k target can stand in for."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,8 @@ def _qwen3_config(target_dir: str, hidden_size: int, vocab_size: int, config: DF
     """The draft layers' Qwen3Config, sized like the target's layers (heads, head_dim, eps, RoPE)."""
     from transformers import Qwen3Config
 
-    llama = _llama_config_for(target_dir, hidden_size, vocab_size, config).to_dict()
+    llama = llama_layer_config(target_dir, hidden_size, vocab_size, num_layers=config.num_layers,
+                               intermediate_size=config.intermediate_size).to_dict()
     keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
             "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_hidden_layers", "hidden_act",
             "attention_bias", "tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id", "rope_parameters")
@@ -176,7 +179,8 @@ class DFlashDrafter(Drafter):
     """The DFlash block drafter (see the module docstring)."""
 
     kind = "dflash"
-    reads_topk_target = True
+    features = FEATURES
+    reads_topk_target = FEATURES.top_k
 
     def __init__(self, config: DFlashConfig, layer_config, aux_layer_ids, target: TargetHead,
                  num_speculative_tokens: int | None = None, verifier: str = "",
@@ -206,10 +210,6 @@ class DFlashDrafter(Drafter):
         return self.config.block_size
 
     # -- construction -------------------------------------------------------------------------------------------
-    @classmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: DFlashConfig | None = None) -> tuple[int, ...]:
-        return aux_and_last_layer_ids(num_hidden_layers, config.aux_layer_ids if config is not None else None)
-
     @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> DFlashDrafter:
@@ -404,106 +404,8 @@ class DFlashDrafter(Drafter):
         return model.to(device or "cpu").eval()
 
 
-class DFlashProposer(Proposer):
-    """speculative_config method "dflash": per step one forward over each row's block [x_T, mask...] against the
-    cached context keys of x_0..x_{T-1} (every observed state, fused once: nothing is rolled back, the block's own
-    keys are never kept)."""
-
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        # the runner's own embeddings and lm_head, shared: built in its dtype and on its device, nothing is copied
-        drafter = DFlashDrafter.from_pretrained(model_dir, target=runner_target(runner))
-        if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
-            raise ValueError(f"the dflash drafter {model_dir} was trained for a target of hidden size "
-                             f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "
-                             f"target {runner.config.model} has {runner.hidden_size} and {runner.vocab_size}")
-        bad = [i for i in drafter.aux_layer_ids if not 0 <= i <= runner.num_hidden_layers]
-        if bad:
-            raise ValueError(f"the dflash drafter {model_dir} reads layers {list(drafter.aux_layer_ids)}, but the "
-                             f"target has layer ids 0..{runner.num_hidden_layers} only")
-        if not 1 <= num_speculative_tokens <= drafter.block_size - 1:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the dflash drafter {model_dir} has "
-                             f"blocks of {drafter.block_size}: it drafts 1 to {drafter.block_size - 1} tokens per step")
-        self.device = torch.device(runner.device)
-        self.drafter = drafter.to(self.device, runner.dtype).eval().requires_grad_(False)
-        self.capture_layer_ids = tuple(drafter.aux_layer_ids)
-        self.k = int(num_speculative_tokens)
-        self.start([])
-
-    def start(self, contexts) -> None:
-        self._kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per row, per layer (k, v) [kvh, C, d]
-        self._len: list[int] = []
-        self.join(contexts)
-
-    def join(self, contexts) -> None:
-        self._kv += [[] for _ in contexts]
-        self._len += [0] * len(contexts)
-
-    def select(self, keep) -> None:
-        self._kv = [self._kv[i] for i in keep]
-        self._len = [self._len[i] for i in keep]
-
-    @torch.inference_mode()
-    def observe(self, states) -> None:
-        if len(states) != len(self._len):
-            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self._len)}")
-        d = self.drafter
-        for b, s in enumerate(states):  # s [n, A, H]: the states of positions len..len+n-1
-            n = int(s.shape[0])
-            if not n:
-                continue
-            ctx = d.context(s.to(self.device))[None]  # [1, n, H]
-            pos = torch.arange(self._len[b], self._len[b] + n, device=self.device)[None]
-            new = [(k[0], v[0]) for k, v in d.context_kv(ctx, pos)]
-            self._kv[b] = new if not self._kv[b] else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
-                                                       for (k0, v0), (k1, v1) in zip(self._kv[b], new)]
-            self._len[b] += n
-
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self._len):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self._len)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        d = self.drafter
-        rows = [b for b, k in enumerate(ks) if k > 0 and self._len[b] > 0]
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        bs = d.block_size
-        width = max(self._len[b] for b in rows)
-        layers = len(d.layers)
-        kv = []
-        for li in range(layers):  # right-pad each row's context to `width`, masked
-            ks_, vs_ = [], []
-            for b in rows:
-                k, v = self._kv[b][li]
-                pad = width - k.shape[1]
-                ks_.append(F.pad(k, (0, 0, 0, pad)))
-                vs_.append(F.pad(v, (0, 0, 0, pad)))
-            kv.append((torch.stack(ks_), torch.stack(vs_)))
-        lengths = torch.tensor([self._len[b] for b in rows], device=self.device)
-        tokens = torch.full((len(rows), bs), d.mask_token_id, dtype=torch.long, device=self.device)
-        tokens[:, 0] = torch.tensor([contexts[b][-1] for b in rows], device=self.device)
-        positions = lengths[:, None] + torch.arange(bs, device=self.device)  # x_T sits at position T = len
-        mask = torch.ones((len(rows), bs, width + bs), dtype=torch.bool, device=self.device)
-        mask[:, :, :width] = torch.arange(width, device=self.device)[None, None] < lengths[:, None, None]
-        out = d.blocks(tokens, positions, kv, mask[:, None])  # [B', bs, H]
-        k_max = min(max(ks[b] for b in rows), self.k)
-        logits = d.logits(out[:, 1:1 + k_max]).float()  # [B', k_max, V]
-        from extractor.sampling import sampling_probs
-
-        for i, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            if params[b].greedy:
-                drafts[b] = Draft(logits[i, :k].argmax(-1).tolist())
-                continue
-            probs = torch.stack([sampling_probs(logits[i, j], params[b]) for j in range(k)])
-            toks = [int(torch.multinomial(probs[j], 1, generator=generators[b])) for j in range(k)]
-            drafts[b] = Draft(toks, probs)
-        return drafts
-
-
 FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",
-                drafter="drafters.dflash:DFlashDrafter", proposer_class="drafters.dflash:DFlashProposer",
+                drafter="drafters.dflash:DFlashDrafter", proposer_class="drafters.dflash_proposer:DFlashProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
-                config_k=speculators_num_speculative_tokens, parallel=True)
+                config_k=speculators_num_speculative_tokens, parallel=True, features=FEATURES)
 """DFlash in the registry (pyproject.toml's hsx.drafters entry point `dflash`)."""

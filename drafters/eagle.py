@@ -10,14 +10,14 @@ token's embedding, and reads it out with the target's own lm_head.
         (no final norm) the output is the predicted feature of x_{t+1}
         target_norm, target_lm_head   the target's final norm and lm_head, frozen and never written: the checkpoint
                                       holds only the draft's weights; they are loaded from the target (the verifier)
-    EagleProposer    decoding in hsx's engine: Eagle3Proposer's row cache and loop, fed the target's last layer
-                     through its final norm (drafters/eagle3_proposer.py)
-    FAMILY           EAGLE in the drafter registry
+    FEATURES, FAMILY what it reads from a run (layer N), EAGLE in the drafter registry
+    (its proposer, EagleProposer, is drafters/eagle_proposer.py: Eagle3Proposer's row cache and loop, fed the
+    target's last layer through its final norm)
 
 Feature of x_t = the target's last decoder layer output of x_t after its final norm (what lm_head reads; hsx stores
 layer N pre-norm, so the norm is applied here, exactly as the target does). Decoding: step 0 reads (feature of x_t,
 x_{t+1}) and gives f^_{t+1}; lm_head(f^_{t+1}) drafts x_{t+2}; step s feeds back its own f^ with the token it
-drafted. Training unrolls those steps (test-time training, the same attention layout as EAGLE-3's: drafters/eagle3.py)
+drafted. Training unrolls those steps (test-time training, the same attention layout as EAGLE-3's: drafters/ttt.py)
 and, per step s, chains t whose x_{t+2+s} is trained and in t's document:
     loss_s = regression_weight * SmoothL1(f^, f_{t+1+s}) + classification_weight * CE(lm_head f^, softmax(lm_head f_{t+1+s}))
 the EAGLE paper's feature regression plus its token loss (weights 1.0 and 0.1, as its trainer).
@@ -50,11 +50,16 @@ from drafters.base import (
     target_folder,
     verifier_head,
 )
-from drafters.eagle3 import Eagle3Drafter as _Eagle3
-from drafters.eagle3 import _attention_ready, _llama_config_for, _shift_left, one_document_per_row
+from drafters.features import Features
+from drafters.llama_layers import llama_layer_config, with_sdpa
 from drafters.registry import Family
+from drafters.ttt import one_document_per_row, shift_left, ttt_mask
 
 ARCHITECTURE = "EagleLlamaForCausalLM"
+
+FEATURES = Features()
+"""EAGLE reads layer N's state itself (its feature, through the target's final norm): no aux layers, no top-k
+target."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class EagleDrafter(Drafter):
     """The EAGLE draft model (see the module docstring)."""
 
     kind = "eagle"
+    features = FEATURES
 
     def __init__(self, config: EagleConfig, layer_config, target: TargetHead, num_speculative_tokens: int = 3,
                  verifier: str = "") -> None:
@@ -94,7 +100,7 @@ class EagleDrafter(Drafter):
 
         super().__init__()
         self.config = config
-        self.layer_config = _attention_ready(layer_config)
+        self.layer_config = with_sdpa(layer_config)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.verifier = verifier
         h, vocab = layer_config.hidden_size, layer_config.vocab_size
@@ -108,7 +114,7 @@ class EagleDrafter(Drafter):
         self.target_norm = target.norm.to(torch.float32).module.requires_grad_(False)  # the target's, never saved
         self.register_buffer("target_lm_head", target.lm_head.detach(), persistent=False)  # shared, not copied
 
-    # -- the proposer's interface (drafters/eagle3_proposer.py) ------------------------------------------------
+    # -- the proposer's interface (drafters/eagle3_proposer.py's loop) -----------------------------------------
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         """The target layer the engine captures: N, the last, pre-norm (fuse applies the final norm)."""
@@ -141,10 +147,6 @@ class EagleDrafter(Drafter):
 
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:
-        return (num_hidden_layers,)
-
-    @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any) -> EagleDrafter:
         config = EagleConfig(**family_options)
         n = int(run_spec.num_hidden_layers)
@@ -156,7 +158,8 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EAGLE reads the target's last layer (id {n}), but the run stores layers "
                              f"{list(run_spec.layer_ids)}; re-extract with --layers ...,{n}")
         target_folder(target, "EAGLE")
-        layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
+        layer_config = llama_layer_config(target.model_dir, target.hidden_size, target.vocab_size,
+                                          num_layers=config.num_layers, intermediate_size=config.intermediate_size)
         layer_config.num_target_layers = n
         model = cls(config, layer_config, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir))
         with torch.no_grad():
@@ -178,8 +181,8 @@ class EagleDrafter(Drafter):
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
         for s in range(steps):
-            ids = _shift_left(batch.input_ids, 1 + s)  # x_{t+1+s}
-            hidden = self.decode(ids, hidden, batch.position_ids + s, _Eagle3.ttt_mask(batch.document_ids, s), cache)
+            ids = shift_left(batch.input_ids, 1 + s)  # x_{t+1+s}
+            hidden = self.decode(ids, hidden, batch.position_ids + s, ttt_mask(batch.document_ids, s), cache)
             valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # x_{t+2+s} trained
             rows, cols = valid.nonzero(as_tuple=True)
             counted[s] = rows.numel()
@@ -256,6 +259,6 @@ def _speculative_tokens(config: dict) -> int | None:
 
 
 FAMILY = Family(name="eagle", description="an EAGLE (EAGLE-1, vLLM's eagle method) checkpoint",
-                drafter="drafters.eagle:EagleDrafter", proposer_class="drafters.eagle3_proposer:EagleProposer",
-                config_matches=_is_eagle, config_k=_speculative_tokens, options=("ttt_steps",))
+                drafter="drafters.eagle:EagleDrafter", proposer_class="drafters.eagle_proposer:EagleProposer",
+                config_matches=_is_eagle, config_k=_speculative_tokens, options=("ttt_steps",), features=FEATURES)
 """EAGLE in the registry (pyproject.toml's hsx.drafters entry point `eagle`)."""

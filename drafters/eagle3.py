@@ -11,7 +11,8 @@
                                       target's ids (drafters/vocab.py)
     Eagle3Drafter.training_step  the multi-step unroll (below), soft-label cross-entropy against the target
     save_pretrained / from_pretrained   the speculators checkpoint vLLM's eagle3 method serves
-    FAMILY                       EAGLE-3 in the drafter registry; its proposer is drafters/eagle3_proposer.py
+    FEATURES, FAMILY             what it reads from a run (aux layers; N or a top-k target), EAGLE-3 in the drafter
+                                 registry; its proposer is drafters/eagle3_proposer.py
 
 A top-k target run (`--target top_k:K`) trains the same way: the teacher is the stored top-K distribution
 (renormalised over the top-K tokens in the draft vocabulary) instead of the target's head on layer N.
@@ -44,8 +45,6 @@ from drafters.base import (
     DrafterBatch,
     StepResult,
     TargetHead,
-    aux_and_last_layer_ids,
-    aux_layers_for_run,
     load_weights,
     read_checkpoint_json,
     read_target_tensor,
@@ -53,13 +52,20 @@ from drafters.base import (
     target_folder,
     topk_distribution,
 )
+from drafters.features import Features, aux_layers_for_run
+from drafters.llama_layers import llama_layer_config, with_sdpa
 from drafters.registry import Family
+from drafters.ttt import one_document_per_row, shift_left, ttt_mask
 from drafters.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_MODEL_TYPE = "eagle3"
+
+FEATURES = Features(aux_layers=3, top_k=True)
+"""EAGLE-3 fuses aux layers (EAGLE-3's three: 2, N//2, N-3, unless aux_layer_ids says) and reads layer N only as its
+teacher's distribution, which a top-k target can stand in for."""
 
 
 @dataclass(frozen=True)
@@ -100,68 +106,6 @@ class Eagle3Config:
                                  "run's layers but N")
 
 
-def _llama_config_for(target_dir: str, hidden_size: int, vocab_size: int, config: Eagle3Config):
-    """The draft decoder's LlamaConfig, sized like the target's layers (heads, head_dim, eps, RoPE)."""
-    from transformers import AutoConfig, LlamaConfig
-
-    hf = AutoConfig.from_pretrained(target_dir).get_text_config()
-    heads = int(hf.num_attention_heads)
-    kw: dict[str, Any] = dict(
-        hidden_size=hidden_size, num_attention_heads=heads,
-        num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(hf, "head_dim", None) or hidden_size // heads),
-        intermediate_size=int(config.intermediate_size or getattr(hf, "intermediate_size", None) or 4 * hidden_size),
-        rms_norm_eps=float(getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_epsilon", None) or 1e-6),
-        max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 4096),
-        vocab_size=vocab_size, num_hidden_layers=config.num_layers, hidden_act="silu", attention_bias=False,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=getattr(hf, "eos_token_id", None),
-        pad_token_id=getattr(hf, "pad_token_id", None))
-    rope = getattr(hf, "rope_parameters", None)
-    if isinstance(rope, dict) and rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope["rope_theta"])}
-    return LlamaConfig(**kw)
-
-
-def _shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """x [R, S, ...] -> out[:, t] = x[:, t + shift], zeros past the end."""
-    out = torch.zeros_like(x)
-    if shift < x.shape[1]:
-        out[:, :x.shape[1] - shift] = x[:, shift:]
-    return out
-
-
-def one_document_per_row(batch: DrafterBatch) -> DrafterBatch:
-    """A packed batch [R, S, ...] rewritten as one document per row [G, L, ...] (L = the longest document, padding
-    after it), when that makes the attention smaller (G*L^2 < R*S^2). Documents never see each other, so every
-    chain's computation is unchanged; the TTT attention of a long packed row is mostly masked otherwise."""
-    valid = batch.document_ids >= 0  # [R, S]
-    starts = valid & (batch.position_ids == 0)  # a sample starts at position 0 (PackCollator)
-    groups = int(starts.sum())
-    if groups == 0:
-        return batch
-    length = int(batch.position_ids[valid].max()) + 1
-    r, s = batch.input_ids.shape
-    if groups * length * length >= r * s * s:
-        return batch
-    group = (starts.flatten().cumsum(0) - 1).reshape(r, s)[valid]  # [N] row of each real token
-    offset = batch.position_ids[valid]  # [N] its place in the row
-
-    def scatter(x: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((groups, length, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-        out[group, offset] = x[valid]
-        return out
-
-    topk = None if batch.target_topk is None else tuple(scatter(t, 0) for t in batch.target_topk)
-    return DrafterBatch(scatter(batch.input_ids, 0), scatter(batch.hidden_states, 0), scatter(batch.loss_mask, False),
-                        scatter(batch.position_ids, 0), scatter(torch.zeros_like(batch.document_ids), -1),
-                        batch.layer_ids, topk)
-
-
-def _attention_ready(layer_config):
-    layer_config._attn_implementation = "sdpa"
-    return layer_config
-
-
 class Eagle3FirstLayer(nn.Module):
     """The first draft layer: transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm, q/k/v widened to 2H.
 
@@ -199,7 +143,8 @@ class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model (see the module docstring for its parts and training)."""
 
     kind = "eagle3"
-    reads_topk_target = True
+    features = FEATURES
+    reads_topk_target = FEATURES.top_k
     speculators_model_type: str = SPECULATORS_MODEL_TYPE
     """config.json's speculators_model_type (and the speculators_config algorithm) of this class's checkpoints."""
     architecture: str = ARCHITECTURE
@@ -211,7 +156,7 @@ class Eagle3Drafter(Drafter):
 
         super().__init__()
         self.config = config
-        self.layer_config = _attention_ready(layer_config)
+        self.layer_config = with_sdpa(layer_config)
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
         self.target_hidden_size = int(target_hidden_size)
         self.num_speculative_tokens = int(num_speculative_tokens)
@@ -233,12 +178,6 @@ class Eagle3Drafter(Drafter):
 
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: Eagle3Config | None = None) -> tuple[int, ...]:
-        """N plus the configured aux layers (with aux_layer_ids None, every other stored layer is fused; for_run
-        refuses a run that stores no layer but N)."""
-        return aux_and_last_layer_ids(num_hidden_layers, config.aux_layer_ids if config is not None else None)
-
-    @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> Eagle3Drafter:
         config = cls.config_class(**family_options)
@@ -246,7 +185,8 @@ class Eagle3Drafter(Drafter):
         aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind="EAGLE-3", uses="fuses the states of aux layers",
                                  suggest=(2, n // 2, n - 3, n))
         target_folder(target, "EAGLE-3")
-        layer_config = _llama_config_for(target.model_dir, target.hidden_size, target.vocab_size, config)
+        layer_config = llama_layer_config(target.model_dir, target.hidden_size, target.vocab_size,
+                                          num_layers=config.num_layers, intermediate_size=config.intermediate_size)
         from transformers import AutoConfig
 
         archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
@@ -318,16 +258,6 @@ class Eagle3Drafter(Drafter):
         return self.lm_head(self.norm(hidden_out))
 
     # -- training -----------------------------------------------------------------------------------------------
-    @staticmethod
-    def ttt_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
-        """[R, 1, S, S*(step+1)] bool: step `step`'s queries over the keys of steps 0..step, concatenated. Step 0's
-        keys: causal within the document; each later step's: the chain's own key only (the diagonal)."""
-        r, s = document_ids.shape
-        ar = torch.arange(s, device=document_ids.device)
-        eye = (ar[:, None] == ar[None, :]).expand(r, s, s)  # [R, S, S]
-        causal = (ar[:, None] >= ar[None, :])[None] & (document_ids[:, :, None] == document_ids[:, None, :])
-        return torch.cat([causal | eye] + [eye] * step, dim=-1)[:, None]
-
     def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """The test-time-training unroll: aux [R, S, A, H] (aux states of x_t), input_ids / position_ids /
@@ -339,8 +269,8 @@ class Eagle3Drafter(Drafter):
         cache = DynamicCache()
         out = []
         for s in range(steps):
-            ids = _shift_left(input_ids, 1 + s)  # [R, S] x_{t+1+s}
-            hidden = self.decode(ids, hidden, position_ids + s, self.ttt_mask(document_ids, s), cache)
+            ids = shift_left(input_ids, 1 + s)  # [R, S] x_{t+1+s}
+            hidden = self.decode(ids, hidden, position_ids + s, ttt_mask(document_ids, s), cache)
             out.append(hidden)
         return out
 
@@ -496,6 +426,7 @@ def _verifier_embeddings(model_dir: str, verifier: str, layer_config, given: tor
 
 FAMILY = Family(name="eagle3", description="an EAGLE-3 (speculators) checkpoint",
                 drafter="drafters.eagle3:Eagle3Drafter", proposer_class="drafters.eagle3_proposer:Eagle3Proposer",
+                features=FEATURES,
                 config_matches=lambda config: config.get("speculators_model_type") == "eagle3",
                 config_k=speculators_num_speculative_tokens, options=("draft_vocab_size", "ttt_steps"))
 """EAGLE-3 in the registry (pyproject.toml's hsx.drafters entry point `eagle3`)."""

@@ -1,11 +1,16 @@
-"""EAGLE-3 and EAGLE decoding: drafting with a trained head (drafters/eagle3.py, drafters/eagle.py) in hsx's engine.
+"""EAGLE-3 decoding in hsx's engine (speculative_config method "eagle3"): drafting with a trained head
+(drafters/eagle3.py); the loop EAGLE's and P-EAGLE's proposers build on (drafters/eagle_proposer.py,
+drafters/peagle_proposer.py).
 
     _RowCache         the drafter's own KV cache over a batch of rows, rolled back per row on rejection
-    Eagle3Proposer    the extractor.proposers.Proposer of speculative_config method "eagle3": fuses the target's
-                      aux-layer states of the verified tokens (captured by the engine), drafts k tokens per row in
-                      the draft vocabulary and maps them to the target's ids
-    EagleProposer     method "eagle": the same loop over an EAGLE head, whose "fused" state is the target's last layer
-                      through its final norm (the engine captures layer N) and whose read-out is the target's lm_head
+    Eagle3Proposer    the extractor.proposers.Proposer of method "eagle3": fuses the target's aux-layer states of
+                      the verified tokens (captured by the engine), drafts k tokens per row in the draft vocabulary
+                      and maps them to the target's ids
+        load(model_dir, runner)           the head (a subclass loads its own family's)
+        verified_entries(contexts)        a proposal's start: rolled back, then each row's entries not fed yet
+        feed_all(ids, hidden, keep)       those entries through the head, within the token budget
+        pick(logits, params, generators)  one target token per row (greedy or drawn)
+        fed / last_output / drafted       per row: entries in the cache, its last output, draft entries to roll back
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ import logging
 
 import torch
 
-from drafters.base import runner_target
-from drafters.eagle import EagleDrafter
 from drafters.eagle3 import Eagle3Drafter
 from extractor.proposers import Draft, Proposer
+from extractor.runner import BatchState
+from extractor.sampling import sampling_probs
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +33,6 @@ class _RowCache:
 
     def __init__(self, device: torch.device) -> None:
         from transformers import DynamicCache
-
-        from extractor.runner import BatchState
 
         self.device = device
         self.state = BatchState(DynamicCache(), torch.zeros((0, 0), dtype=torch.long, device=device),
@@ -125,9 +128,9 @@ class Eagle3Proposer(Proposer):
         self._cache = _RowCache(self.device)
         self._states: list[list[torch.Tensor]] = []  # observed, not yet fed: [n, A, H] chunks per row
         self._seen: list[int] = []  # states observed per row (= entries possible)
-        self._fed: list[int] = []  # entries in the cache per row (positions 0..fed-1)
-        self._last: list[torch.Tensor | None] = []  # [H] output of the row's last fed entry
-        self._drafted: list[int] = []  # draft entries of the last propose per row (rolled back by accepted)
+        self.fed: list[int] = []  # entries in the cache per row (positions 0..fed-1)
+        self.last_output: list[torch.Tensor | None] = []  # [H] output of the row's last fed entry
+        self.drafted: list[int] = []  # draft entries of the last propose per row (rolled back by accepted)
         self.join(contexts)
 
     def join(self, contexts) -> None:
@@ -135,9 +138,9 @@ class Eagle3Proposer(Proposer):
         self._cache.add_rows(n)
         self._states += [[] for _ in range(n)]
         self._seen += [0] * n
-        self._fed += [0] * n
-        self._last += [None] * n
-        self._drafted += [0] * n
+        self.fed += [0] * n
+        self.last_output += [None] * n
+        self.drafted += [0] * n
 
     def can_join(self) -> bool:
         return True
@@ -157,17 +160,17 @@ class Eagle3Proposer(Proposer):
         keep = list(keep)
         self._rollback()
         self._cache.state.select(keep)
-        for name in ("_states", "_seen", "_fed", "_last", "_drafted"):
+        for name in ("_states", "_seen", "fed", "last_output", "drafted"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
 
     def _rollback(self) -> None:
-        for b, n in enumerate(self._drafted):
+        for b, n in enumerate(self.drafted):
             self._cache.state.rollback(b, n)
-        self._drafted = [0] * len(self._drafted)
+        self.drafted = [0] * len(self.drafted)
         self._cache.state.maybe_compact()
 
-    def _verified_entries(self, contexts) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def verified_entries(self, contexts) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """A proposal's start: the last draft's entries rolled back, then per row the verified entries not fed yet:
         (x_{p+1}, the fused target states of x_p) for p in fed..seen-1, as (token ids, [n, H])."""
         if len(contexts) != len(self._seen):
@@ -180,7 +183,7 @@ class Eagle3Proposer(Proposer):
             if self._states[b]:
                 aux = torch.cat(self._states[b])  # [n, A, H]
                 self._states[b] = []
-                start = self._fed[b]
+                start = self.fed[b]
                 ids.append([int(t) for t in ctx[start + 1:start + 1 + aux.shape[0]]])
                 hidden.append(drafter.fuse(aux.to(self.device, drafter.fc.weight.dtype)))  # [n, H]
                 if len(ids[-1]) != aux.shape[0]:
@@ -191,7 +194,7 @@ class Eagle3Proposer(Proposer):
                 hidden.append(None)
         return ids, hidden
 
-    def _feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None
+    def feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None
                   ) -> list[torch.Tensor | None]:
         """Feed every row's entries (the rows share max_num_batched_tokens per forward: a joining prompt over it
         goes in chunks); per row the outputs [n, H] of its last keep[b] entries (default 1), in order (None for a
@@ -213,25 +216,25 @@ class Eagle3Proposer(Proposer):
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        ids, hidden = self._verified_entries(contexts)
-        outs = self._feed_all(ids, hidden)
+        ids, hidden = self.verified_entries(contexts)
+        outs = self.feed_all(ids, hidden)
         for b, r in enumerate(ids):
             if r:
-                self._last[b] = outs[b][-1]
-                self._fed[b] += len(r)
+                self.last_output[b] = outs[b][-1]
+                self.fed[b] += len(r)
         drafter = self.drafter
-        rows = [b for b, k in enumerate(ks) if k > 0 and self._last[b] is not None]
+        rows = [b for b, k in enumerate(ks) if k > 0 and self.last_output[b] is not None]
         drafts = [Draft([]) for _ in contexts]
         if not rows:
             return drafts
         k_max = min(max(ks[b] for b in rows), self.k)
         # 2. k_max drafts: the head's own output and previous draft at the next positions
-        h = torch.stack([self._last[b] for b in rows])  # [B', H]
+        h = torch.stack([self.last_output[b] for b in rows])  # [B', H]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         for j in range(k_max):
             logits = drafter.logits(h).float()  # [B', D]
-            picks = self._pick(logits, [params[b] for b in rows], [generators[b] for b in rows])
+            picks = self.pick(logits, [params[b] for b in rows], [generators[b] for b in rows])
             for i, (tok, q) in enumerate(picks):
                 tokens[i].append(tok)
                 if q is not None:
@@ -245,18 +248,16 @@ class Eagle3Proposer(Proposer):
                 step_hidden[b] = h[i][None]
             out = self._cache.feed(drafter, step_ids, step_hidden)  # [B, 1, H]
             for b in rows:
-                self._drafted[b] += 1
+                self.drafted[b] += 1
             h = out[rows, -1]
         for i, b in enumerate(rows):
             k = min(ks[b], k_max)
             drafts[b] = Draft(tokens[i][:k], torch.stack(probs[i][:k]) if probs[i] else None)
         return drafts
 
-    def _pick(self, logits: torch.Tensor, params, generators) -> list[tuple[int, torch.Tensor | None]]:
+    def pick(self, logits: torch.Tensor, params, generators) -> list[tuple[int, torch.Tensor | None]]:
         """One target token per row of logits [B, D]: argmax for greedy rows, a draw from the request's sampling
         distribution over the draft vocabulary otherwise (probabilities [V] over the target's ids)."""
-        from extractor.sampling import sampling_probs
-
         greedy = self._draft_ids[logits.argmax(-1)].tolist()
         out = []
         for b, (p, gen) in enumerate(zip(params, generators)):
@@ -268,13 +269,3 @@ class Eagle3Proposer(Proposer):
             q = sampling_probs(full, p)  # [V]
             out.append((int(torch.multinomial(q, 1, generator=gen)), q))
         return out
-
-
-class EagleProposer(Eagle3Proposer):
-    """speculative_config method "eagle": an EAGLE head drafts k tokens from the target's last-layer features (its
-    last layer through its final norm), read out with the target's own lm_head and embeddings, as vLLM shares them."""
-
-    @classmethod
-    def load(cls, model_dir: str, runner) -> EagleDrafter:
-        # the runner's own lm_head, shared (built in its dtype, on its device: no second copy); a copy of its norm
-        return EagleDrafter.from_pretrained(model_dir, target=runner_target(runner))

@@ -3,10 +3,9 @@ K heads on the target's last post-norm state, each `medusa_num_layers` residual 
 
     MedusaConfig            medusa_num_heads (K), medusa_num_layers (ModelOpt's names), loss weighting
     MedusaDrafter           the heads; kind "medusa": for_run / training_step / save_pretrained / from_pretrained
-    MedusaProposer          drafts k tokens per row from the newest observed state (speculative_config method "medusa")
-    predicted_mask, TeacherLogits, head_loss   which positions a draft trains on, the target's logits there, the loss
-    LastStateProposer       the proposers' shared part: the newest verified state per row
-    (mlp_speculator.py reuses these helpers and the checkpoint file helpers at the end)
+    FEATURES, FAMILY        what it reads from a run (layer N), Medusa in the drafter registry
+    (its proposer, MedusaProposer, is drafters/medusa_proposer.py; the pieces it shares with MLPSpeculator are
+    drafters/last_state.py and drafters/last_state_proposer.py)
 
 Alignment (base.py): position t holds x_t and the target's state of x_t; the target's own lm_head reads that state
 and predicts x_{t+1}; head j (0-based) reads the same post-norm state and predicts x_{t+2+j}.
@@ -30,9 +29,6 @@ lm_heads.{i}.weight [V, H].
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -40,13 +36,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import WEIGHTS_NAME, Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
+from drafters.base import (
+    Drafter,
+    DrafterBatch,
+    StepResult,
+    TargetHead,
+    load_state,
+    read_config,
+    read_tensors,
+    write_checkpoint,
+)
+from drafters.features import Features
+from drafters.last_state import TARGETS, TeacherLogits, check_run_fits, drop_draft_count, head_loss, predicted_mask
 from drafters.registry import Family
-from extractor.proposers import Draft, Proposer
-from extractor.sampling import sample_with_probs
 
-TARGETS = ("target", "tokens")
-
+FEATURES = Features()
+"""Medusa reads layer N's state itself (pre-norm; the heads read it through the target's final norm): no aux
+layers, no top-k target."""
 
 @dataclass(frozen=True)
 class MedusaConfig:
@@ -89,6 +95,7 @@ class MedusaDrafter(Drafter):
     """K Medusa heads for a target of hidden size H and vocabulary V."""
 
     kind: ClassVar[str] = "medusa"
+    features = FEATURES
 
     def __init__(self, config: MedusaConfig, hidden_size: int, vocab_size: int,
                  lm_head: torch.Tensor | None = None) -> None:
@@ -121,10 +128,6 @@ class MedusaDrafter(Drafter):
         return self.config.medusa_num_heads
 
     # -- construction ------------------------------------------------------------------------------------------
-    @classmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:
-        return (int(num_hidden_layers),)  # the last decoder layer; its post-norm state is what the heads read
-
     @classmethod
     def for_run(cls, run_spec: Any, target: TargetHead, num_speculative_tokens: int,
                 **family_options: Any) -> MedusaDrafter:
@@ -215,191 +218,8 @@ class MedusaDrafter(Drafter):
         return drafter
 
 
-def predicted_mask(batch: DrafterBatch, shift: int) -> torch.Tensor:
-    """[R, S] bool: the token `shift` after x_t is in x_t's sample and has loss_mask 1 (what a draft at t trains on)."""
-    return batch.same_document(shift) & batch.shifted(batch.loss_mask, shift, False)
-
-
-@dataclass
-class TeacherLogits:
-    """The target's logits at the positions whose next token is trained (the only ones a draft's target is read
-    from), not [R, S, V] for the whole batch."""
-
-    logits: torch.Tensor  # [n, V] float32
-    index: torch.Tensor  # [R, S] int64: row of `logits` for position (r, s), -1 where none was computed
-
-    @classmethod
-    def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead) -> TeacherLogits:
-        """post [R, S, H] the target's post-norm last state of every position."""
-        needed = predicted_mask(batch, 1)  # [R, S] x_{s+1} trained and in x_s's sample
-        index = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
-        index[needed] = torch.arange(int(needed.sum()), device=needed.device)
-        with torch.no_grad():
-            logits = (post[needed] @ target.lm_head.to(post.device, post.dtype).T).float()  # [n, V]
-        return cls(logits, index)
-
-    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """[m, V] the target's logits at positions (rows[i], cols[i]) (each one whose next token is trained)."""
-        index = self.index[rows, cols]
-        assert bool((index >= 0).all()), "a draft target read at a position whose next token is not trained"
-        return self.logits[index]
-
-
-def head_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor, targets: str) -> torch.Tensor:
-    """Mean over n positions of one draft's loss: logits [n, V] against the target's logits [n, V] (soft labels:
-    cross-entropy to softmax(teacher), = KL up to the teacher's entropy) or the tokens [n] (hard labels)."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0  # keeps the graph; nothing to learn from this draft position
-    logp = F.log_softmax(logits.float(), dim=-1)
-    if targets == "tokens":
-        return F.nll_loss(logp, tokens)
-    return -(F.softmax(teacher, dim=-1) * logp).sum(-1).mean()
-
-
-def drop_draft_count(options: dict[str, Any], key: str, k: int, family_has: str) -> None:
-    """Remove `key` (the family's own name for its number of drafts) from `options`: ValueError unless it equals
-    num_speculative_tokens `k`, which the config is then built from."""
-    given = options.pop(key, k)
-    if given != k:
-        raise ValueError(f"{key}={given} and num_speculative_tokens={k} disagree; {family_has} per draft: pass only "
-                         "num_speculative_tokens")
-
-
-def check_run_fits(run_spec: Any, target: TargetHead) -> None:
-    """The run's states must come from a model of the target's width (else the run is from another model)."""
-    hidden = getattr(run_spec, "hidden_size", None)
-    if hidden is not None and int(hidden) != target.hidden_size:
-        raise ValueError(f"the run's states are {hidden} wide but the target's lm_head is {target.hidden_size}: the "
-                         f"run was extracted from another model than the target given (--model)")
-
-
-# -- checkpoint files (shared with mlp_speculator.py) ------------------------------------------------------------
-def read_config(model_dir: str, model_type: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in {model_dir!r}; pass the folder save_pretrained wrote")
-    with open(path) as f:
-        raw = json.load(f)
-    if raw.get("model_type") != model_type:
-        raise ValueError(f"{path} has model_type {raw.get('model_type')!r}, not {model_type!r}: this folder holds "
-                         "another kind of checkpoint (check the speculative method)")
-    return raw
-
-
-def read_tensors(model_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    path = os.path.join(model_dir, WEIGHTS_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {model_dir!r}")
-    return load_file(path)
-
-
-def load_state(module: nn.Module, state: dict[str, torch.Tensor | None], model_dir: str) -> None:
-    """Load `state` (module names) into `module`, naming any checkpoint tensor that is missing or misshaped."""
-    missing = sorted(k for k, v in state.items() if v is None)
-    if missing:
-        raise ValueError(f"{model_dir}/{WEIGHTS_NAME} lacks tensors for {missing[:4]}{'...' if len(missing) > 4 else ''}"
-                         "; the checkpoint does not match its config.json")
-    own = module.state_dict()
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(f"{model_dir}/{WEIGHTS_NAME}: {name} has shape {tuple(tensor.shape)}, its config.json "
-                             f"says {tuple(own[name].shape)}")
-    module.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
-
-
-# -- decoding ------------------------------------------------------------------------------------------------------
-def load_for_runner(cls, model_dir: str, runner, num_speculative_tokens: int):
-    """A drafter checkpoint checked against the target `runner` holds, on its device and dtype, and its final norm."""
-    from extractor.norm import FinalNorm
-
-    drafter = cls.from_pretrained(model_dir)
-    if drafter.hidden_size != runner.hidden_size or drafter.vocab_size != runner.vocab_size:
-        raise ValueError(f"the {cls.kind} drafter {model_dir} has hidden size {drafter.hidden_size} and vocabulary "
-                         f"{drafter.vocab_size}, the target {runner.config.model} has {runner.hidden_size} and "
-                         f"{runner.vocab_size}: it was trained for another model; train one on a run of this target")
-    if not 1 <= num_speculative_tokens <= drafter.max_drafts:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the {cls.kind} drafter {model_dir} "
-                         f"drafts 1 to {drafter.max_drafts} tokens; lower num_speculative_tokens or train a drafter "
-                         "with more heads / stages")
-    norm = FinalNorm.of_model(runner.model)  # the target's own, in its dtype on its device: nothing read or copied
-    return drafter.to(runner.device, runner.dtype).eval().requires_grad_(False), norm
-
-
-class LastStateProposer(Proposer):
-    """A proposer that drafts from the newest verified state of each row: the target's last layer (pre-norm,
-    observed), put through the target's final norm (`self.norm`). propose() picks the rows to draft for and hands
-    their post-norm states to the subclass's `draft_steps`, then cuts each row's draft to its own k."""
-
-    drafter_class: type
-    """The Drafter subclass its checkpoints hold."""
-
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        self.drafter, self.norm = load_for_runner(self.drafter_class, model_dir, runner, num_speculative_tokens)
-        self.capture_layer_ids = (int(runner.num_hidden_layers),)
-        self.k = num_speculative_tokens
-        self.device = runner.device
-        self.rows: list[torch.Tensor | None] = []
-
-    def start(self, contexts) -> None:
-        self.rows = [None] * len(contexts)
-
-    def join(self, contexts) -> None:
-        self.rows += [None] * len(contexts)
-
-    def observe(self, states) -> None:
-        if len(states) != len(self.rows):
-            raise RuntimeError(f"observe got states of {len(states)} rows, the batch has {len(self.rows)}")
-        for b, s in enumerate(states):  # s: [n_b, 1, H]
-            if s.shape[0]:
-                self.rows[b] = s[-1, 0]
-
-    def select(self, keep) -> None:
-        self.rows = [self.rows[i] for i in keep]
-
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        if len(contexts) != len(self.rows):
-            raise RuntimeError(f"propose got {len(contexts)} rows, the proposer holds {len(self.rows)}: the engine "
-                               "must call start/join/select for every change of its rows")
-        rows = [b for b, k in enumerate(ks) if k > 0 and self.rows[b] is not None]  # asked, and with a state
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        k_max = min(max(ks[b] for b in rows), self.k)
-        x = self.norm(torch.stack([self.rows[b] for b in rows]))  # [B', H] post-norm
-        steps = self.draft_steps(x, [contexts[b][-1] for b in rows], k_max, [params[b] for b in rows],
-                                 [generators[b] for b in rows])
-        for r, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            q = [steps[j][1][r] for j in range(k)]
-            drafts[b] = Draft([steps[j][0][r] for j in range(k)], torch.stack(q) if q[0] is not None else None)
-        return drafts
-
-    def draft_steps(self, x: torch.Tensor, last_tokens: list[int], k: int, params: Sequence, generators: Sequence
-                    ) -> list[tuple[list[int], list]]:
-        """k draft positions for rows with post-norm states x [B', H] and newest tokens `last_tokens`: per
-        position, extractor.sampling.sample_with_probs' (tokens, probs) over the rows."""
-        raise NotImplementedError
-
-
-class MedusaProposer(LastStateProposer):
-    """speculative_config method "medusa": head j's choice from the newest verified state is draft j.
-
-    The engine observes the last layer (pre-norm); the newest observed state is that of contexts[b][-2], whose
-    heads predict the tokens after contexts[b][-1] (the target's own token). A row with no observed state yet
-    (a one-token prompt) gets no draft."""
-
-    drafter_class = MedusaDrafter
-
-    def draft_steps(self, x, last_tokens, k, params, generators):
-        logits = self.drafter(x, k)  # [k, B', V]: every head reads the same state
-        return [sample_with_probs(logits[j], params, generators) for j in range(k)]
-
-
 FAMILY = Family(name="medusa", description="a Medusa checkpoint", drafter="drafters.medusa:MedusaDrafter",
-                proposer_class="drafters.medusa:MedusaProposer",
+                proposer_class="drafters.medusa_proposer:MedusaProposer", features=FEATURES,
                 config_matches=lambda config: config.get("model_type") == "medusa",
                 config_k=lambda config: config.get("num_heads", config.get("medusa_num_heads")))
 """Medusa in the registry (pyproject.toml's hsx.drafters entry point `medusa`)."""

@@ -3,7 +3,8 @@ Speculators"): n_predict small stages, each mixing the previous state with the e
 
     MLPSpeculatorConfig     n_predict, inner_dim, tie_weights, scale_input (the HF config's names)
     MLPSpeculatorDrafter    the stages; kind "mlp_speculator": for_run / training_step / save_pretrained / ...
-    MLPSpeculatorProposer   drafts k tokens per row (speculative_config method "mlp_speculator")
+    FEATURES, FAMILY        what it reads from a run (layer N), MLPSpeculator in the drafter registry
+    (its proposer, MLPSpeculatorProposer, is drafters/mlp_speculator_proposer.py)
 
 Alignment (base.py): stage 0's state is the target's last-layer post-norm state of x_t and its token is x_{t+1}
 (the target's own next token); stage i predicts x_{t+2+i}; stage i+1 takes stage i's state and the token after
@@ -37,23 +38,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, write_checkpoint
-from drafters.medusa import (
-    TARGETS,
-    LastStateProposer,
-    TeacherLogits,
-    check_run_fits,
-    drop_draft_count,
-    head_loss,
+from drafters.base import (
+    Drafter,
+    DrafterBatch,
+    StepResult,
+    TargetHead,
     load_state,
-    predicted_mask,
     read_config,
     read_tensors,
+    write_checkpoint,
 )
+from drafters.features import Features
+from drafters.last_state import TARGETS, TeacherLogits, check_run_fits, drop_draft_count, head_loss, predicted_mask
 from drafters.registry import Family
-from extractor.sampling import sample_with_probs
 
 SQRT2 = math.sqrt(2.0)
+
+FEATURES = Features()
+"""MLPSpeculator reads layer N's state itself (its stage 0's input, through the target's final norm): no aux layers,
+no top-k target."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class MLPSpeculatorDrafter(Drafter):
     """n_predict stages for a target of hidden size H (emb_dim) and vocabulary V."""
 
     kind: ClassVar[str] = "mlp_speculator"
+    features = FEATURES
 
     def __init__(self, config: MLPSpeculatorConfig, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
@@ -144,10 +148,6 @@ class MLPSpeculatorDrafter(Drafter):
         return self.config.n_predict
 
     # -- construction ------------------------------------------------------------------------------------------
-    @classmethod
-    def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:
-        return (int(num_hidden_layers),)
-
     @classmethod
     def for_run(cls, run_spec: Any, target: TargetHead, num_speculative_tokens: int,
                 **family_options: Any) -> MLPSpeculatorDrafter:
@@ -256,26 +256,9 @@ class MLPSpeculatorDrafter(Drafter):
         return drafter
 
 
-class MLPSpeculatorProposer(LastStateProposer):
-    """speculative_config method "mlp_speculator": stage 0 reads the newest verified state (of contexts[b][-2])
-    and the newest token contexts[b][-1]; stage i+1 the state of stage i and the token it drafted."""
-
-    drafter_class = MLPSpeculatorDrafter
-
-    def draft_steps(self, x, last_tokens, k, params, generators):
-        state = self.drafter.initial_state(x)  # [B', H]
-        tokens = torch.tensor(last_tokens, dtype=torch.long, device=self.device)  # [B']
-        steps = []
-        for i in range(k):
-            state, logits = self.drafter.stage(i, state, tokens)  # [B', D], [B', V]
-            steps.append(sample_with_probs(logits, params, generators))
-            tokens = torch.tensor(steps[-1][0], dtype=torch.long, device=self.device)
-        return steps
-
-
 FAMILY = Family(name="mlp_speculator", description="an MLPSpeculator checkpoint",
                 drafter="drafters.mlp_speculator:MLPSpeculatorDrafter",
-                proposer_class="drafters.mlp_speculator:MLPSpeculatorProposer",
+                proposer_class="drafters.mlp_speculator_proposer:MLPSpeculatorProposer", features=FEATURES,
                 config_matches=lambda config: config.get("model_type") == "mlp_speculator",
                 config_k=lambda config: config.get("n_predict"))
 """MLPSpeculator in the registry (pyproject.toml's hsx.drafters entry point `mlp_speculator`)."""

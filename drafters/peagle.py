@@ -3,14 +3,14 @@
     PEagleConfig      EAGLE-3's options + mask_token_id, the depth sampling (COD) ratios; ttt_steps = the depths
     PEagleDrafter     Eagle3Drafter + `mask_hidden` [1, 1, A*H] (a learned stand-in for the aux states of a position
                       not verified yet); kind "peagle"; the speculators peagle checkpoint
-    PEagleProposer    decoding in hsx's engine: per step ONE drafter forward over the newly verified entries and
-                      k-1 mask entries; the last verified entry's output drafts token 1, mask entry d drafts token d+1
-    FAMILY            P-EAGLE in the drafter registry
+    FAMILY            P-EAGLE in the drafter registry (EAGLE-3's FEATURES)
+    (its proposer, PEagleProposer, is drafters/peagle_proposer.py: per step ONE drafter forward over the newly
+    verified entries and k-1 mask entries; the last verified entry's output drafts token 1, mask entry d token d+1)
 
 Depth 0 of chain t is EAGLE-3's step 0: (fc(aux of x_t), embedding of x_{t+1}) at position t, predicting x_{t+2}.
 Depth d >= 1: (fc(mask_hidden), embedding of mask_token_id) at position t+d, predicting x_{t+2+d} — it reads nothing
 the drafter produced, so every depth is computed in one forward at decoding. Its attention sees depth 0 of positions
-<= t of the same document and its own chain's earlier depths (EAGLE-3's test-time-training mask, drafters/eagle3.py).
+<= t of the same document and its own chain's earlier depths (EAGLE-3's test-time-training mask, drafters/ttt.py).
 
 Training (speculators' COD sampling): every chain trains depth 0; depth d counts a nested random subset of chains, a
 fraction max(0.7^d, 0.2); the loss is the mean over every sampled (chain, depth), so depth 0 weighs most (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
@@ -33,10 +33,9 @@ import torch
 from torch import nn
 
 from drafters.base import resolve_mask_token_id, speculators_num_speculative_tokens
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, _shift_left
-from drafters.eagle3_proposer import Eagle3Proposer
+from drafters.eagle3 import FEATURES, Eagle3Config, Eagle3Drafter
 from drafters.registry import Family
-from extractor.proposers import Draft
+from drafters.ttt import shift_left, ttt_mask
 
 SPECULATORS_MODEL_TYPE = "peagle"
 ARCHITECTURE = "PEagleSpeculator"
@@ -91,9 +90,9 @@ class PEagleDrafter(Eagle3Drafter):
         cache = DynamicCache()
         mask_ids = torch.full_like(input_ids, self.mask_token_id)
         mask_hidden = self.mask_state().expand_as(fused)
-        out = [self.decode(_shift_left(input_ids, 1), fused, position_ids, self.ttt_mask(document_ids, 0), cache)]
+        out = [self.decode(shift_left(input_ids, 1), fused, position_ids, ttt_mask(document_ids, 0), cache)]
         for s in range(1, steps):
-            out.append(self.decode(mask_ids, mask_hidden, position_ids + s, self.ttt_mask(document_ids, s), cache))
+            out.append(self.decode(mask_ids, mask_hidden, position_ids + s, ttt_mask(document_ids, s), cache))
         return out
 
     def trained_chains(self, valid: torch.Tensor, step: int) -> torch.Tensor:
@@ -117,63 +116,9 @@ class PEagleDrafter(Eagle3Drafter):
         return doc
 
 
-class PEagleProposer(Eagle3Proposer):
-    """speculative_config method "peagle" (or "eagle3" with parallel_drafting on a P-EAGLE checkpoint): k drafts
-    from one drafter forward per step."""
-
-    @classmethod
-    def load(cls, model_dir: str, runner) -> PEagleDrafter:
-        return PEagleDrafter.from_pretrained(model_dir, embed_tokens=runner.model.get_input_embeddings().weight)
-
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
-        super().__init__(model_dir, runner, num_speculative_tokens)
-        depths = self.drafter.config.ttt_steps
-        if num_speculative_tokens > depths:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the peagle drafter {model_dir} was "
-                             f"trained for {depths} depths (drafts per step); lower num_speculative_tokens or train "
-                             f"with --ttt-steps {num_speculative_tokens}")
-
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        ids, hidden = self._verified_entries(contexts)
-        rows = [b for b, k in enumerate(ks) if k > 0 and (ids[b] or self._last[b] is not None)]
-        k_max = min(max((ks[b] for b in rows), default=1), self.k)
-        masks = k_max - 1
-        verified = [len(r) for r in ids]
-        if masks and rows:  # k-1 mask entries after each drafting row's verified ones, in the same forward
-            mask_state = self.drafter.mask_state()[None]  # [1, H]
-            for b in rows:
-                ids[b] = ids[b] + [self.drafter.mask_token_id] * masks
-                pad = mask_state.expand(masks, -1)
-                hidden[b] = pad if hidden[b] is None else torch.cat([hidden[b], pad])
-        extra = [masks if b in rows else 0 for b in range(len(ids))]
-        outs = self._feed_all(ids, hidden, keep=[1 + m for m in extra])  # the last verified entry and the masks
-        for b, n in enumerate(verified):
-            if n:
-                self._last[b] = outs[b][-1 - extra[b]]
-                self._fed[b] += n
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        for b in rows:
-            self._drafted[b] = masks  # rolled back when the target answers
-        # [B', k_max, H]: the last verified entry's output, then the mask entries' outputs
-        h = torch.stack([torch.cat([self._last[b][None], outs[b][outs[b].shape[0] - masks:]]) if masks
-                         else self._last[b][None] for b in rows])
-        logits = self.drafter.logits(h).float()  # [B', k_max, D]
-        picks = [self._pick(logits[:, j], [params[b] for b in rows], [generators[b] for b in rows])
-                 for j in range(k_max)]
-        for i, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            tokens = [picks[j][i][0] for j in range(k)]
-            probs = [picks[j][i][1] for j in range(k) if picks[j][i][1] is not None]
-            drafts[b] = Draft(tokens, torch.stack(probs) if probs else None)
-        return drafts
-
-
 FAMILY = Family(name="peagle", description="a P-EAGLE (speculators peagle) checkpoint",
-                drafter="drafters.peagle:PEagleDrafter", proposer_class="drafters.peagle:PEagleProposer",
+                drafter="drafters.peagle:PEagleDrafter", proposer_class="drafters.peagle_proposer:PEagleProposer",
                 config_matches=lambda config: config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE,
                 config_k=speculators_num_speculative_tokens, options=("draft_vocab_size", "ttt_steps"),
-                parallel_of="eagle3", parallel=True)
+                parallel_of="eagle3", parallel=True, features=FEATURES)
 """P-EAGLE in the registry (pyproject.toml's hsx.drafters entry point `peagle`)."""

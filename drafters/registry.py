@@ -1,14 +1,19 @@
 """The drafter families: one registry (extractor.methods), read by the trainer, the evaluator and the engine.
 
-    Family(name, description, drafter=, proposer_class=, config_matches=, config_k=, options=, parallel_of=)
+    Family(name, description, drafter=, proposer_class=, config_matches=, config_k=, options=, parallel_of=,
+           parallel=, features=)
         one family: its Drafter (training/trainer.py trains it), its Proposer (the engine decodes with it), how to
-        recognise its checkpoints; classes named "module:Class" and imported when used, so listing the families
-        imports no model code
+        recognise its checkpoints, what it reads from a run (drafters.features.Features); classes named
+        "module:Class" and imported when used
     families() / family(name) / register(family) / unregister(name)   extractor.methods' registry
     drafter_class(name)                             the family's Drafter subclass, or ValueError naming the choices
+    family_features(name)                           the family's Features, or ValueError naming the choices
+    default_layer_ids(n)                            the layers that serve every registered family (`hsx run` with
+                                                    no --layers: 2, N//2, N-3, N for hsx's own families)
 
-Adding a family is one module (its Drafter, Proposer and `FAMILY = Family(...)`) and one entry point in
-pyproject.toml (`[project.entry-points."hsx.drafters"]  name = "drafters.name:FAMILY"`); see docs/drafters.md.
+Adding a family is its modules (drafters/<name>.py: config, Drafter, checkpoint, FEATURES and `FAMILY =
+Family(...)`; drafters/<name>_proposer.py: its Proposer) and one entry point in pyproject.toml
+(`[project.entry-points."hsx.drafters"]  name = "drafters.name:FAMILY"`); see docs/drafters.md.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from drafters.features import Features, union_layer_ids
 from extractor.methods import families, family, register, unregister
 
-__all__ = ["Family", "families", "family", "register", "unregister", "drafter_class", "load"]
+__all__ = ["Family", "families", "family", "register", "unregister", "drafter_class", "family_features",
+           "default_layer_ids", "load"]
 
 
 def load(ref: str) -> Any:
@@ -51,6 +58,9 @@ class Family:
     parallel: bool = False
     """Whether it drafts all k tokens in one forward (P-EAGLE, DFlash): parallel_drafting is accepted (and implied)
     for it, refused for the others."""
+    features: Features = Features()
+    """What it reads from a run (aux layers, layer N, a top-k target in N's place, loss masks); the default: layer N
+    alone, as Medusa and MLPSpeculator."""
 
     def matches(self, checkpoint_config: dict[str, Any]) -> bool:
         return bool(self.config_matches(checkpoint_config))
@@ -77,3 +87,17 @@ def drafter_class(name: str) -> type:
         return found.drafter_class()
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--kind {name}: {getattr(found, 'drafter', name)} is not available in this hsx ({e})") from e
+
+
+def family_features(name: str) -> Features:
+    """What family `name` reads from a run (its Family.features; Features() for a family registered without them)."""
+    found = family(name)
+    if found is None:
+        raise ValueError(f"--kind {name!r} is not a drafter family; choose one of {sorted(families())}")
+    return getattr(found, "features", None) or Features()
+
+
+def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """The layers a run must store to train every registered family (their proposed aux layers, then N): `hsx
+    run`'s default when --layers is not given."""
+    return union_layer_ids(num_hidden_layers, (family_features(name) for name in sorted(families())))

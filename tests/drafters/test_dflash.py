@@ -45,7 +45,7 @@ def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head
     """The proposer (cached context keys, one forward per step) drafts what the training forward's block at anchor T
     predicts: the same attention (context before the anchor, the block both ways), the same positions."""
     from drafters.base import DrafterBatch
-    from drafters.dflash import DFlashProposer
+    from drafters.dflash_proposer import DFlashProposer
     from extractor.config import EngineConfig
     from extractor.runner import ModelRunner
     from extractor.sampling import SamplingParams, sampling_probs
@@ -96,7 +96,7 @@ def test_the_proposer_shares_the_runners_embeddings_and_lm_head(trained_head, ti
 
     from safetensors.torch import load_file, save_file
 
-    from drafters.dflash import DFlashProposer
+    from drafters.dflash_proposer import DFlashProposer
     from extractor.config import EngineConfig
     from extractor.runner import ModelRunner
 

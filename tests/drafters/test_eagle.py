@@ -85,7 +85,7 @@ def test_the_proposer_reads_out_with_the_runners_own_lm_head(eagle_setup, tiny_l
     and final norm: nothing is read from the target's folder, which is gone by the time the proposer loads."""
     import shutil
 
-    from drafters.eagle3_proposer import EagleProposer
+    from drafters.eagle_proposer import EagleProposer
     from extractor.config import EngineConfig
     from extractor.runner import ModelRunner
 

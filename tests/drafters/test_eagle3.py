@@ -138,7 +138,7 @@ def test_packed_rows_never_pair_across_documents(eagle3_setup):
 def test_one_document_per_row_keeps_every_chains_computation(eagle3_setup):
     """The unroll over a packed row (documents kept apart by the mask) equals the unroll over the same documents one
     per row, position by position."""
-    from drafters.eagle3 import one_document_per_row
+    from drafters.ttt import one_document_per_row
 
     ds, _, drafter = eagle3_setup
     packed = _batch(ds, [0, 1, 2], max_tokens=256)

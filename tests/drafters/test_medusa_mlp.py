@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from connectors import HiddenStatesSpec
 from connectors.run import RunSpec
 from drafters.base import DrafterBatch, TargetHead
-from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaProposer
-from drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter, MLPSpeculatorProposer
+from drafters.medusa import MedusaConfig, MedusaDrafter
+from drafters.medusa_proposer import MedusaProposer
+from drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter
+from drafters.mlp_speculator_proposer import MLPSpeculatorProposer
 from tests.training.runs import pre_norm_hidden_states
 
 KINDS = ("medusa", "mlp_speculator")

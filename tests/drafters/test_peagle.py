@@ -60,7 +60,7 @@ def _runner(tiny_llama):
 def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, tiny_llama, oracle_model):
     """The proposer calls the drafter once per step (the verified entries and k-1 mask entries together), and its
     drafts are the unroll's: depth d of chain t = len(ctx) - 2."""
-    from drafters.peagle import PEagleProposer
+    from drafters.peagle_proposer import PEagleProposer
     from extractor.sampling import SamplingParams, sampling_probs
     from tests.training.runs import pre_norm_hidden_states
 
@@ -157,7 +157,7 @@ def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_p
         speculative_config_from_dict({"method": "ngram", "num_speculative_tokens": 3, "parallel_drafting": True})
     with pytest.raises(ValueError, match="parallel_drafting must be true or false, got 'false'"):
         SpeculativeConfig(method="eagle3", model=folder, num_speculative_tokens=3, parallel_drafting="false")
-    from drafters.peagle import PEagleProposer
+    from drafters.peagle_proposer import PEagleProposer
 
     with pytest.raises(ValueError, match="trained for 4 depths.*--ttt-steps 5"):
         PEagleProposer(folder, _runner(tiny_llama), 5)

@@ -91,4 +91,4 @@ def test_an_uninstalled_source_tree_finds_its_own_families(monkeypatch):
     monkeypatch.setattr(methods, "_loaded", False)
     monkeypatch.setattr(methods, "_families", {})
     assert {"eagle3", "medusa", "mlp_speculator"} <= set(methods.families())
-    assert methods.family("medusa").proposer_class == "drafters.medusa:MedusaProposer"
+    assert methods.family("medusa").proposer_class == "drafters.medusa_proposer:MedusaProposer"

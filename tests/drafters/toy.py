@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from drafters.mlp_speculator import MLPSpeculatorDrafter, MLPSpeculatorProposer
+from drafters.mlp_speculator import MLPSpeculatorDrafter
+from drafters.mlp_speculator_proposer import MLPSpeculatorProposer
 from drafters.registry import Family
 
 

@@ -1,0 +1,82 @@
+"""What the families drafting from the target's last post-norm state share (Medusa, MLPSpeculator): which positions
+a draft trains on, the target's logits there, the per-draft loss, and the checks of their options and runs.
+
+    TARGETS                                  "target" (distillation) | "tokens" (hard labels): a config's `targets`
+    predicted_mask(batch, shift)             [R, S] the token `shift` after x_t is trained and in x_t's sample
+    TeacherLogits.of(batch, post, target)    the target's logits at the positions whose next token is trained
+    head_loss(logits, teacher, tokens, targets)   one draft position's mean loss (soft or hard labels)
+    drop_draft_count(options, key, k, ...)   a family's own name for k (medusa_num_heads, n_predict) checked against k
+    check_run_fits(run_spec, target)         the run's states are as wide as the target's lm_head
+
+Their proposer base (the newest verified state per row) is drafters/last_state_proposer.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from drafters.base import DrafterBatch, TargetHead
+
+TARGETS = ("target", "tokens")
+
+
+def predicted_mask(batch: DrafterBatch, shift: int) -> torch.Tensor:
+    """[R, S] bool: the token `shift` after x_t is in x_t's sample and has loss_mask 1 (what a draft at t trains on)."""
+    return batch.same_document(shift) & batch.shifted(batch.loss_mask, shift, False)
+
+
+@dataclass
+class TeacherLogits:
+    """The target's logits at the positions whose next token is trained (the only ones a draft's target is read
+    from), not [R, S, V] for the whole batch."""
+
+    logits: torch.Tensor  # [n, V] float32
+    index: torch.Tensor  # [R, S] int64: row of `logits` for position (r, s), -1 where none was computed
+
+    @classmethod
+    def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead) -> TeacherLogits:
+        """post [R, S, H] the target's post-norm last state of every position."""
+        needed = predicted_mask(batch, 1)  # [R, S] x_{s+1} trained and in x_s's sample
+        index = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+        index[needed] = torch.arange(int(needed.sum()), device=needed.device)
+        with torch.no_grad():
+            logits = (post[needed] @ target.lm_head.to(post.device, post.dtype).T).float()  # [n, V]
+        return cls(logits, index)
+
+    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[m, V] the target's logits at positions (rows[i], cols[i]) (each one whose next token is trained)."""
+        index = self.index[rows, cols]
+        assert bool((index >= 0).all()), "a draft target read at a position whose next token is not trained"
+        return self.logits[index]
+
+
+def head_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor, targets: str) -> torch.Tensor:
+    """Mean over n positions of one draft's loss: logits [n, V] against the target's logits [n, V] (soft labels:
+    cross-entropy to softmax(teacher), = KL up to the teacher's entropy) or the tokens [n] (hard labels)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0  # keeps the graph; nothing to learn from this draft position
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if targets == "tokens":
+        return F.nll_loss(logp, tokens)
+    return -(F.softmax(teacher, dim=-1) * logp).sum(-1).mean()
+
+
+def drop_draft_count(options: dict[str, Any], key: str, k: int, family_has: str) -> None:
+    """Remove `key` (the family's own name for its number of drafts) from `options`: ValueError unless it equals
+    num_speculative_tokens `k`, which the config is then built from."""
+    given = options.pop(key, k)
+    if given != k:
+        raise ValueError(f"{key}={given} and num_speculative_tokens={k} disagree; {family_has} per draft: pass only "
+                         "num_speculative_tokens")
+
+
+def check_run_fits(run_spec: Any, target: TargetHead) -> None:
+    """The run's states must come from a model of the target's width (else the run is from another model)."""
+    hidden = getattr(run_spec, "hidden_size", None)
+    if hidden is not None and int(hidden) != target.hidden_size:
+        raise ValueError(f"the run's states are {hidden} wide but the target's lm_head is {target.hidden_size}: the "
+                         f"run was extracted from another model than the target given (--model)")
