@@ -11,7 +11,7 @@ fp8 with a top-k 64 target in place of the last layer (`--target top_k:64`), the
                          fp8 + top-k 64 <= 0.40 at the 8B shape)
     relative RMS error   per stored layer, of the values read back (load_hidden_states, in the model dtype) against
                          the model-dtype files: sqrt(mean err^2) / sqrt(mean ref^2) over all samples
-    the Llama-3-8B shape  the same byte ratios computed from the file layout (connectors.format.file_size) for
+    the Llama-3-8B shape  the same byte ratios computed from the file layout (connectors.header.file_size) for
                          T = 2048 at layers [2, 16, 29, 32] — the figures the issue's targets are about, exact on
                          CPU (a small model's top-k target weighs more against its narrow layers: 512 bytes a token
                          against 2H = 1 KiB for a bf16 layer at H 512, 8 KiB at H 4096)
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import build_model, machine_info, make_corpus, speculative_config, write_results  # noqa: E402
 from connectors import KVTransferConfig, load_hidden_states  # noqa: E402
-from connectors.format import HiddenStatesSpec, file_entries, file_size, request_metadata  # noqa: E402
-from connectors.quant import FP8  # noqa: E402
+from connectors.format import FP8, HiddenStatesSpec  # noqa: E402
+from connectors.header import file_entries, file_size, request_metadata  # noqa: E402
 from extractor import LLM, SamplingParams  # noqa: E402
 from extractor.layers import default_layer_ids  # noqa: E402
 

@@ -4,10 +4,13 @@
     base.py                            HiddenStatesConnector (the interface), RequestInfo
     safetensors_connector.py           SafetensorsHiddenStatesConnector: one safetensors file per request on fsspec
     example_hidden_states_connector.py vLLM's module name: the connector under vLLM's name + load/cleanup
-    format.py                          the file format: HiddenStatesSpec, header encoding/parsing and checks, data
-                                       checksum, HiddenStatesFileError (every file hsx refuses), layer-id check
-    quant.py                           storage dtypes (fp8 with per-token-per-layer scales), BadStates and the one
-                                       pass that finds NaN/Inf/all-zero layers before a commit
+    format.py                          the file format's names, without torch: HiddenStatesSpec, tensor names,
+                                       HiddenStatesFileError (every file hsx refuses), layer-id and target checks,
+                                       storage dtype names, the data checksum
+    header.py                          a file's header: encoding, exact sizes, parsing and checks (TensorEntry,
+                                       HiddenStatesFileInfo), the checksum against the header
+    quant.py                           storing states in a storage dtype (fp8 with per-token-per-layer scales),
+                                       BadStates and the one pass that finds NaN/Inf/all-zero layers before a commit
     run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
     fingerprint.py                     model_fingerprint: a model's identity as run.json records it
     paths.py                           default file names, custom-path containment
@@ -25,46 +28,41 @@
     shards.py                          the sharded layout: many samples' files in one object, written atomically,
                                        orphans removed
 
-This package never imports transformers or ray. The training feed built on it is the `training` package.
+This package never imports transformers or ray, and torch only where tensors are made (header, quant, reader, spool,
+the safetensors modules): the interface, the run format, the lease, paths and storage load without it. The names below load
+lazily, on first use. The training feed built on it is the `training` package.
 """
 
-from connectors.base import HiddenStatesConnector, RequestInfo
-from connectors.config import KVTransferConfig, get_connector_class, register_connector, registered_connectors
-from connectors.format import HiddenStatesFileError, HiddenStatesFileInfo, HiddenStatesSpec
-from connectors.paths import PathInUse, PathRejected
-from connectors.reader import (
-    cleanup_hidden_states,
-    load_hidden_states,
-    read_hidden_states_info,
-    verify_hidden_states,
-)
-from connectors.storage import UnsafeWritePathError
+from __future__ import annotations
 
-__all__ = [
-    "HiddenStatesConnector",
-    "HiddenStatesFileError",
-    "HiddenStatesFileInfo",
-    "HiddenStatesSpec",
-    "KVTransferConfig",
-    "PathInUse",
-    "PathRejected",
-    "UnsafeWritePathError",
-    "RequestInfo",
-    "cleanup_hidden_states",
-    "example_hidden_states_connector",
-    "get_connector_class",
-    "load_hidden_states",
-    "read_hidden_states_info",
-    "register_connector",
-    "registered_connectors",
-    "verify_hidden_states",
-]
+import importlib
+
+_EXPORTS = {
+    "HiddenStatesConnector": "connectors.base",
+    "RequestInfo": "connectors.base",
+    "KVTransferConfig": "connectors.config",
+    "get_connector_class": "connectors.config",
+    "register_connector": "connectors.config",
+    "registered_connectors": "connectors.config",
+    "HiddenStatesFileError": "connectors.format",
+    "HiddenStatesSpec": "connectors.format",
+    "HiddenStatesFileInfo": "connectors.header",
+    "PathInUse": "connectors.paths",
+    "PathRejected": "connectors.paths",
+    "cleanup_hidden_states": "connectors.reader",
+    "load_hidden_states": "connectors.reader",
+    "read_hidden_states_info": "connectors.reader",
+    "verify_hidden_states": "connectors.reader",
+    "UnsafeWritePathError": "connectors.storage",
+}
+"""name -> the module that defines it: each loads on first use, so `import connectors.lease` stays free of torch."""
+
+__all__ = sorted([*_EXPORTS, "example_hidden_states_connector"])
 
 
 def __getattr__(name: str):
-    # lazy: the connector module loads only when asked for
-    if name == "example_hidden_states_connector":
-        import importlib
-
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "example_hidden_states_connector":  # vLLM's module name: loads only when asked for
         return importlib.import_module("connectors.example_hidden_states_connector")
     raise AttributeError(f"module 'connectors' has no attribute {name!r}")

@@ -28,11 +28,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from connectors.format import HiddenStatesSpec
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the interface makes no tensors
 
 
 @dataclass
@@ -68,7 +69,7 @@ class HiddenStatesConnector(ABC):
     def save_hidden_states(self, request_id: str, token_ids: torch.Tensor, hidden_states: torch.Tensor,
                            extra: Mapping[str, torch.Tensor] | None = None) -> None:
         """Append captured rows: token_ids [t] and hidden_states [t, L, H] (on CPU), and `extra` {name: [t, ...]}
-        when the spec's files carry more per-token tensors (`connectors.format.extra_row_entries`).
+        when the spec's files carry more per-token tensors (`connectors.header.extra_row_entries`).
 
         The connector may keep the tensors themselves (not copies) until the request's file is written, after
         request_finished; do not modify them in place afterwards (a fresh tensor per call is the normal case).

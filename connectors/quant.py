@@ -2,8 +2,7 @@
 and layer — and the one pass over a sample's states that finds what must never be committed (NaN, Inf, a layer that
 is all zeros).
 
-    STORAGE_DTYPES                      "model" (the spec's dtype) and the dtypes a file may store
-    check_storage_dtype(name, flag=)    the canonical name, or ValueError naming the flag
+    FP8_MAX, FP8_RELATIVE_ERROR         e4m3's largest value; the largest rounding error it leaves
     quantize(states, storage_dtype)     [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
     dequantize(stored, scales, dtype)   the inverse: stored.to(dtype) * scales.to(dtype) (scales None: a cast)
     BadStates                           what the connector raises for such a sample (nothing is written)
@@ -17,6 +16,8 @@ fp8 follows speculators' FP8 transfer (REFERENCE.md): scale = amax / 448 (e4m3's
 dimension, clamped at 1e-12, value = fp8 * scale. hsx keeps one scale per token **and layer** ([T, L, 1]): the
 pre-norm last layer's magnitude is far larger than the aux layers', and one shared scale per token would spend their
 range on it. Files with one scale per token ([T, 1, 1], speculators') read the same way (the scales broadcast).
+The storage dtypes' names (MODEL, FP8, STORAGE_DTYPES, check_storage_dtype) are `connectors.format`'s: a spec and
+the command line check them without torch.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from collections.abc import Sequence
 
 import torch
 
+from connectors.format import MODEL, is_scaled
+
 
 class BadStates(ValueError):
     """A sample's states must not be committed (NaN, Inf, a layer of zeros); the request fails, nothing is written."""
 
 
-FP8 = "float8_e4m3fn"
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 FP8_RELATIVE_ERROR = 16.0 / FP8_MAX
@@ -38,31 +40,6 @@ FP8_RELATIVE_ERROR = 16.0 / FP8_MAX
 32, in its top binade [256, 448], over 448)."""
 SCALE_FLOOR = 1e-12
 """Smallest scale (speculators' clamp): an all-zero row quantizes to zeros, never to NaN."""
-MODEL = "model"
-"""The storage dtype that means: the model dtype the spec records (hsx's default, vLLM's files)."""
-STORAGE_DTYPES = (MODEL, "float32", "bfloat16", "float16", FP8)
-_ALIASES = {"fp8": FP8, "float8": FP8, "e4m3": FP8, "float8_e4m3": FP8, "bf16": "bfloat16", "fp16": "float16",
-            "fp32": "float32", "auto": MODEL}
-
-
-def check_storage_dtype(name: object, *, flag: str = "storage_dtype") -> str:
-    """The canonical storage dtype for `name` (aliases: fp8, bf16, fp16, fp32; auto = model)."""
-    text = str(name or MODEL).removeprefix("torch.")
-    text = _ALIASES.get(text, text)
-    if text not in STORAGE_DTYPES:
-        raise ValueError(f"{flag} {name!r} is not a storage dtype; use one of {', '.join(STORAGE_DTYPES)} ({MODEL} = "
-                         "the model's dtype; fp8 = float8_e4m3fn with a float32 scale per token and layer)")
-    return text
-
-
-def stored_dtype(storage_dtype: str, model_dtype: str) -> str:
-    """The dtype name of the stored hidden_states tensor."""
-    return model_dtype if storage_dtype in (MODEL, "") else storage_dtype
-
-
-def is_scaled(storage_dtype: str) -> bool:
-    """Whether files of this storage dtype carry `hidden_states_scales`."""
-    return storage_dtype == FP8
 
 
 def quantize(states: torch.Tensor, storage_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:

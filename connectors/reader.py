@@ -17,7 +17,7 @@ load reads the header and one byte range per tensor; layers are selected after r
 all L layers contiguously).
 
 Nothing in a file is trusted. The header is checked against the file's real size before any data is read
-(`connectors.format.parse_header`); local paths that are not regular files (FIFOs, devices, directories, symlinks to
+(`connectors.header.parse_header`); local paths that are not regular files (FIFOs, devices, directories, symlinks to
 them) are refused without blocking; a read that comes back short is refused. Every refusal is a
 `connectors.format.HiddenStatesFileError` (a ValueError) naming the file, the problem and what to do.
 
@@ -43,12 +43,14 @@ from connectors.format import (
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesFileError,
-    HiddenStatesFileInfo,
-    TensorEntry,
-    check_checksum,
     checksum_value,
     data_checksum,
     data_hasher,
+)
+from connectors.header import (
+    HiddenStatesFileInfo,
+    TensorEntry,
+    check_checksum,
     parse_header,
     read_header,
     tensor_from_bytes,

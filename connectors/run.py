@@ -500,7 +500,7 @@ def row_path_problem(rel: object) -> str | None:
 
 def row_file_problem(info, sample_id: str, num_tokens: int | None, checksum: str | None, *,
                      size: int | None = None) -> tuple[str, str] | None:
-    """Why the file whose header is `info` (connectors.format.HiddenStatesFileInfo) is not the one its manifest row
+    """Why the file whose header is `info` (connectors.header.HiddenStatesFileInfo) is not the one its manifest row
     commits — ("sample id" | "size" | "tokens" | "checksum", what differs) — or None. A header without a sample id
     (vLLM's files), a row without a size or a checksum (older runs) is not compared on that field. What `hsx
     verify` and the training feed both check."""

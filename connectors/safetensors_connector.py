@@ -4,7 +4,7 @@ Writes `token_ids` [T], `hidden_states` [T, L, H] (in the spec's storage dtype: 
 [T, L, 1], see connectors.quant), optional `loss_mask` [T], and metadata from the producer's `HiddenStatesSpec` — to a local folder or any fsspec URL, off the compute path (background writer threads, a bound on
 the bytes in flight, retries, durable atomic files). Each file's metadata carries the checksum of its data
 (`"checksum": "xxh3_64:<16 hex>"`), computed on the writer threads by `connectors.safetensors_file.write_atomic`; the
-metadata built here holds a placeholder of the same length, so `connectors.format.file_size` predicts the file.
+metadata built here holds a placeholder of the same length, so `connectors.header.file_size` predicts the file.
 States holding NaN, Inf or a layer of zeros are never committed: the request fails with `connectors.quant.BadStates`
 naming the token and layer (`check_states`).
 
@@ -45,14 +45,15 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    MODEL,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesSpec,
-    extra_row_entries,
-    request_metadata,
+    check_storage_dtype,
 )
+from connectors.header import extra_row_entries, request_metadata
 from connectors.paths import Destination, PathOwners, PathPolicy
-from connectors.quant import MODEL, BadStates, StateChecker, check_storage_dtype, quantize, state_problem
+from connectors.quant import BadStates, StateChecker, quantize, state_problem
 from connectors.spool import Spool
 from connectors.writer import BackgroundWriter
 
@@ -88,7 +89,7 @@ class HiddenStatesConnectorConfig:
     """Retry a failing write for this many seconds instead of max_write_attempts times: an outage of the store up to
     that long costs time, not samples (hsx run sets it from --storage-retry-seconds)."""
     storage_dtype: str = ""
-    """How hidden_states are stored (connectors.quant.STORAGE_DTYPES): "" or "model" = the model dtype, bfloat16,
+    """How hidden_states are stored (connectors.format.STORAGE_DTYPES): "" or "model" = the model dtype, bfloat16,
     float16, float32, or float8_e4m3fn ("fp8") with a float32 scale per token and layer. Recorded in every file."""
     check_states: bool = True
     """Refuse to commit states holding NaN/Inf or a layer of zeros (the request fails with BadStates, naming the token

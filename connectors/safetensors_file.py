@@ -21,14 +21,8 @@ from typing import BinaryIO
 import fsspec
 import torch
 
-from connectors.format import (
-    CHECKSUM_KEY,
-    CHECKSUM_PLACEHOLDER,
-    checksum_value,
-    data_checksum,
-    data_hasher,
-    encode_header,
-)
+from connectors.format import CHECKSUM_KEY, CHECKSUM_PLACEHOLDER, checksum_value, data_checksum, data_hasher
+from connectors.header import encode_header
 from connectors.spool import SpooledTensor
 from connectors.storage import Content, is_local, put_atomic, retrying
 
@@ -44,7 +38,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, tensors: Tensors, met
 
     `metadata[CHECKSUM_KEY]` is set to the checksum of the data (`connectors.format.data_checksum` of the bytes
     after the header), replacing any placeholder in place: give the key with `CHECKSUM_PLACEHOLDER` (as
-    `request_metadata` does) and the file is exactly `connectors.format.file_size(...)` bytes. The hashing runs here,
+    `request_metadata` does) and the file is exactly `connectors.header.file_size(...)` bytes. The hashing runs here,
     on the caller's (writer) thread; on local disks it runs as the data is written (see `_hashing_writer`).
     Transient errors are retried (exponential backoff with jitter) up to `max_attempts` (or for `for_s` seconds:
     `storage.retrying`), then re-raised; every

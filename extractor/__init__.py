@@ -22,8 +22,24 @@
     chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
 """
 
-from extractor.config import EngineConfig, SpeculativeConfig
-from extractor.llm import LLM, CompletionOutput, RequestOutput
-from extractor.sampling import SamplingParams
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "EngineConfig": "extractor.config",
+    "SpeculativeConfig": "extractor.config",
+    "LLM": "extractor.llm",
+    "CompletionOutput": "extractor.llm",
+    "RequestOutput": "extractor.llm",
+    "SamplingParams": "extractor.sampling",
+}
+"""name -> its module, loaded on first use: `import extractor.options` (the command line's) stays free of torch."""
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "SpeculativeConfig"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'extractor' has no attribute {name!r}")

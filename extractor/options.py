@@ -18,8 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.format import check_layer_ids, check_target
-from connectors.quant import check_storage_dtype
+from connectors.format import check_layer_ids, check_storage_dtype, check_target
 from connectors.storage import parse_storage_options
 from extractor.config import EngineConfig, canonical_dtype
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.format import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
+from connectors.header import TOPK_IDS_DTYPE, TOPK_LOGPROBS_DTYPE
 from extractor.norm import FinalNorm
 
 LOGITS_BUDGET_BYTES = 256 << 20

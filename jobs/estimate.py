@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from connectors.format import HiddenStatesSpec, file_entries, file_size, request_metadata
+from connectors.format import HiddenStatesSpec
+from connectors.header import file_entries, file_size, request_metadata
 from jobs.config import JobConfig
 from jobs.corpus import count_records, expand_corpus, read_records
 from jobs.manifest import error_kind

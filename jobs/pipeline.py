@@ -254,7 +254,7 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
     (a shard is one unit's samples), from the bytes a token takes in the run's files."""
     if config.layout != "sharded":
         return config.tokens_per_task
-    from connectors.format import data_bytes, file_entries
+    from connectors.header import data_bytes, file_entries
 
     per_token = data_bytes(file_entries(spec.file_spec(), 1, loss_mask=True))
     return max(1, int(config.shard_mb * 2**20 / per_token))

@@ -60,8 +60,8 @@ from connectors.format import (
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesFileError,
-    HiddenStatesFileInfo,
 )
+from connectors.header import HiddenStatesFileInfo
 from connectors.reader import read_hidden_states_info, read_rows
 from connectors.run import (
     RunDir,

@@ -23,7 +23,7 @@ from connectors import (
     read_hidden_states_info,
     verify_hidden_states,
 )
-from connectors.format import file_entries, file_size, request_metadata
+from connectors.header import file_entries, file_size, request_metadata
 from tests.connectors.conftest import make_spec
 
 LAYERS = (2, 4, 6)

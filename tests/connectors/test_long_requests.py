@@ -13,8 +13,8 @@ import s3fs
 import torch
 
 from connectors import RequestInfo, load_hidden_states
-from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
-from connectors.quant import FP8, BadStates
+from connectors.format import FP8, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
+from connectors.quant import BadStates
 from connectors.storage import STREAM_BLOCK_BYTES, put_atomic
 from tests.connectors.conftest import _GS, _S3, _make_backend, make_spec
 from tests.connectors.http_proxy import LoopbackProxy

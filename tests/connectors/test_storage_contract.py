@@ -22,7 +22,7 @@ from connectors.example_hidden_states_connector import (
     load_hidden_states,
     read_hidden_states_info,
 )
-from connectors.format import HEADER_PROBE_BYTES
+from connectors.header import HEADER_PROBE_BYTES
 from tests.connectors.conftest import LOCK_SUFFIX, make_spec
 from tests.connectors.http_proxy import LoopbackProxy
 

@@ -9,8 +9,8 @@ import safetensors.torch
 import torch
 
 from connectors.example_hidden_states_connector import load_hidden_states, read_hidden_states_info
-from connectors.format import HIDDEN_STATES_SCALES, HiddenStatesSpec
-from connectors.quant import FP8, FP8_RELATIVE_ERROR, BadStates, check_storage_dtype, dequantize, quantize
+from connectors.format import FP8, HIDDEN_STATES_SCALES, HiddenStatesSpec, check_storage_dtype
+from connectors.quant import FP8_RELATIVE_ERROR, BadStates, dequantize, quantize
 from tests.connectors.conftest import make_spec
 from tests.connectors.test_storage_contract import HIDDEN, LAYERS, random_request, save_request
 
@@ -182,7 +182,7 @@ def test_remote_fp8_reads_equal_the_same_reads_from_local_disk_and_a_token_range
     the file, so it is one whole-file GET, never more."""
     import re
 
-    from connectors.format import HEADER_PROBE_BYTES
+    from connectors.header import HEADER_PROBE_BYTES
     from tests.connectors.http_proxy import LoopbackProxy
 
     num_tokens, first, last = 2048, 1500, 1600

@@ -21,10 +21,8 @@ from connectors.format import (
     HiddenStatesFileError,
     HiddenStatesSpec,
     check_target,
-    encode_header,
-    file_entries,
-    file_size,
 )
+from connectors.header import encode_header, file_entries, file_size
 from connectors.quant import BadStates
 from connectors.reader import verify_hidden_states
 from tests.connectors.conftest import make_spec

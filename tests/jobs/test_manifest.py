@@ -12,7 +12,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from connectors.format import HiddenStatesSpec, encode_header
+from connectors.format import HiddenStatesSpec
+from connectors.header import encode_header
 from connectors.run import (
     RESULT_SCHEMA,
     RunDir,

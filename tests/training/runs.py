@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
-from connectors.format import read_header
+from connectors.header import read_header
 from connectors.run import MANIFEST_DIR, RunDir, RunSpec, manifest_parts, write_manifest_part, write_run_spec
 from connectors.storage import open_url
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from connectors import HiddenStatesFileError, HiddenStatesSpec
-from connectors.format import HEADER_PROBE_BYTES
+from connectors.header import HEADER_PROBE_BYTES
 from tests.training.runs import random_samples, write_manifest, write_run
 from training.dataset import HiddenStatesDataset
 

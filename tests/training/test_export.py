@@ -13,12 +13,13 @@ import torch
 from cli.args import EXIT_OK, EXIT_USAGE
 from cli.main import build_parser, main
 from connectors import HiddenStatesSpec, load_hidden_states
+from connectors.format import FP8
 from connectors.paths import safe_file_stem
-from connectors.quant import FP8, FP8_RELATIVE_ERROR
+from connectors.quant import FP8_RELATIVE_ERROR
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import spec_run_json, write_run
-from training import export
 from training.export import export_run
+from training.export import exporter as export
 
 
 def _oracle(model, input_ids):
