@@ -176,7 +176,7 @@ def run_job(config: JobConfig) -> JobResult:
     return execute_job(prepare_job(config))
 
 
-def _resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
+def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
     """(GPUs, CPUs) each extraction worker reserves. Raises ValueError on a local cluster they cannot fit (another
     cluster may autoscale: a warning)."""
     import ray
@@ -261,7 +261,9 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
 
 
 @contextlib.contextmanager
-def _data_context(tokens_per_task: int) -> Iterator[None]:
+def data_context(tokens_per_task: int) -> Iterator[None]:
+    """Ray Data's settings for a job's stages (blocks of `tokens_per_task` tokens, no progress bars or start
+    notices of its own), put back on exit; used by `hsx run` and by --online training's stream (jobs/live.py)."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -362,11 +364,11 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
     count = counter.submit(_count_corpus, plan.files, config.corpus_storage_options)
     try:
         with ray_cluster(config.address, quiet=not config.verbose) as local:
-            gpus, cpus = _resolve_resources(config, local)
+            gpus, cpus = resolve_resources(config, local)
             result.gpus_per_worker, result.cpus_per_worker = gpus, cpus
             registry = start_registry(plan.done, config.registry_shards)
             try:
-                with _data_context(tokens_per_unit(config, plan.spec)):
+                with data_context(tokens_per_unit(config, plan.spec)):
                     ds = build_dataset(plan, registry, gpus, cpus, attempt)
                     try:
                         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jobs.config import JobConfig
-from jobs.pipeline import READ_TASK_CPUS, TOKENIZER_CPUS, _resolve_resources, run_job
+from jobs.pipeline import READ_TASK_CPUS, TOKENIZER_CPUS, resolve_resources, run_job
 from tests.jobs.conftest import RAY_TEST_CPUS, write_jsonl
 
 
@@ -22,26 +22,26 @@ def config(**kw) -> JobConfig:
 
 def test_cpu_workers_share_the_cpus_the_readers_and_tokenizers_leave(ray_cluster):
     left = RAY_TEST_CPUS - TOKENIZER_CPUS - READ_TASK_CPUS
-    assert _resolve_resources(config(), local=True) == (0, float(int(left)))
+    assert resolve_resources(config(), local=True) == (0, float(int(left)))
     assert int(left) > 1
-    assert _resolve_resources(config(workers=2), local=True) == (0, float(int(left // 2)))
+    assert resolve_resources(config(workers=2), local=True) == (0, float(int(left // 2)))
     fewer = RAY_TEST_CPUS - 3 * TOKENIZER_CPUS - READ_TASK_CPUS
-    assert _resolve_resources(config(workers=2, tokenizer_workers=3), local=True) == (0, float(int(fewer // 2)))
-    assert _resolve_resources(config(cpus_per_worker=1.5), local=True) == (0, 1.5)  # explicit wins
+    assert resolve_resources(config(workers=2, tokenizer_workers=3), local=True) == (0, float(int(fewer // 2)))
+    assert resolve_resources(config(cpus_per_worker=1.5), local=True) == (0, 1.5)  # explicit wins
 
 
 def test_more_cpus_than_the_cluster_has_is_refused_naming_the_flags(ray_cluster):
     with pytest.raises(ValueError, match=r"--workers 2 x --cpus-per-worker 4 plus tokenizers needs 8\.75 CPUs, the "
                                          rf"cluster has {RAY_TEST_CPUS}; lower --workers"):
-        _resolve_resources(config(workers=2, cpus_per_worker=4), local=True)
+        resolve_resources(config(workers=2, cpus_per_worker=4), local=True)
     with pytest.raises(ValueError, match="--workers 12 x --cpus-per-worker 1 "):  # the share never drops below 1
-        _resolve_resources(config(workers=12), local=True)
+        resolve_resources(config(workers=12), local=True)
 
 
 def test_gpu_workers_reserve_one_cpu_and_another_cluster_only_warns(ray_cluster, caplog):
     gpus = torch.cuda.device_count()
     with caplog.at_level(logging.WARNING, logger="jobs.pipeline"):
-        assert _resolve_resources(config(gpus_per_worker=1, workers=gpus + 1), local=False) == (1, 1.0)
+        assert resolve_resources(config(gpus_per_worker=1, workers=gpus + 1), local=False) == (1, 1.0)
     assert f"needs {gpus + 1} GPUs" in caplog.text and "autoscaling" in caplog.text
 
 
