@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import best_of  # noqa: E402
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo  # noqa: E402
-from connectors.run import OK, RunSpec, new_attempt_id, write_manifest_part, write_run_spec  # noqa: E402
+from connectors.manifest import OK, new_attempt_id, write_manifest_part  # noqa: E402
+from connectors.run import RunSpec, write_run_spec  # noqa: E402
 from training.collate import PadCollator  # noqa: E402
 from training.dataset import HiddenStatesDataset  # noqa: E402
 

@@ -159,8 +159,9 @@ def rewrite_run(src: str, dst: str, *, files=None, transform=None, storage_dtype
     `storage_dtype`. The teeth use it for deliberately wrong data (labels that no longer say what the numbers are);
     bench_storage_quality for one run stored several ways. Prompt and generated tokens stay as the source has them."""
     from connectors import KVTransferConfig, RequestInfo
+    from connectors.manifest import new_attempt_id, ok_rows, write_manifest_part
     from connectors.reader import load_hidden_states, read_hidden_states_info
-    from connectors.run import RunDir, new_attempt_id, ok_rows, read_run_spec, write_manifest_part, write_run_spec
+    from connectors.run import RunDir, read_run_spec, write_run_spec
 
     if os.path.isfile(os.path.join(dst, "run.json")):
         return -1  # made by an earlier invocation

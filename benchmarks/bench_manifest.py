@@ -7,7 +7,7 @@ after `hsx compact` (a few large parts sorted by sample id), and what compaction
 A run of --rows "ok" rows (sample ids, data paths, token counts, checksums as a job records them; no data files)
 is written as parts of --part-rows rows through connectors.run's part writer, then measured:
     read_manifest     every row of every live part (the parts read concurrently)
-    ok rows           connectors.run.ok_rows: one committed row per sample, sorted (what readers open)
+    ok rows           connectors.manifest.ok_rows: one committed row per sample, sorted (what readers open)
     committed ids     the resume set a re-run skips
     dataset           HiddenStatesDataset(run): run.json + ok rows + its index arrays (target: within 2x of opening)
     compact           compact_manifest: read, stable-sort, write, switch, remove the old parts
@@ -31,19 +31,16 @@ import pyarrow as pa  # noqa: E402
 
 from benchmarks.common import best_of, write_results  # noqa: E402
 from connectors import HiddenStatesSpec  # noqa: E402
-from connectors.run import (  # noqa: E402
+from connectors.manifest import (
     OK,
-    RunDir,
-    RunSpec,
     committed_ids,
     compact_manifest,
-    data_path,
     live_manifest_parts,
     ok_rows,
     read_manifest,
     write_manifest_part,
-    write_run_spec,
 )
+from connectors.run import RunDir, RunSpec, data_path, write_run_spec
 from training.dataset import HiddenStatesDataset  # noqa: E402
 
 TARGETS = {"open_s": 2.0, "dataset_over_open": 2.0}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pyarrow.compute as pc  # noqa: E402
 
 from benchmarks.common import write_results  # noqa: E402
-from connectors.run import RunDir, ok_rows, read_manifest  # noqa: E402
+from connectors.manifest import ok_rows, read_manifest  # noqa: E402
+from connectors.run import RunDir  # noqa: E402
 from jobs.tiny_models import build_tiny_model  # noqa: E402
 from tests.jobs.conftest import word_corpus  # noqa: E402
 from tests.jobs.multinode import MultiNodeCluster  # noqa: E402

@@ -100,7 +100,7 @@ def main() -> None:
 def sum_prompt_tokens(out: str) -> int:
     import pyarrow.compute as pc
 
-    from connectors.run import read_manifest
+    from connectors.manifest import read_manifest
 
     return int(pc.sum(read_manifest(out, columns=["num_prompt_tokens"])["num_prompt_tokens"]).as_py() or 0)
 

@@ -45,7 +45,7 @@ def same_tokens(engine_run: str, server_run: str) -> tuple[int, int]:
     """(samples whose tokens agree, samples): the server run holds one token more (the last generated one, which the
     one-engine run never feeds back)."""
     from connectors import load_hidden_states
-    from connectors.run import ok_rows
+    from connectors.manifest import ok_rows
 
     a, b = ok_rows(engine_run), ok_rows(server_run)
     paths_b = dict(zip(b["sample_id"].to_pylist(), b["path"].to_pylist()))

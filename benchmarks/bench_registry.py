@@ -93,7 +93,8 @@ def main(argv=None) -> None:
     results["old_registry_bytes_per_id"] = old_registry_bytes(args.old_ids)
     if args.resume_rows:
         from benchmarks.bench_manifest import write_run
-        from connectors.run import RunDir, compact_manifest
+        from connectors.manifest import compact_manifest
+        from connectors.run import RunDir
 
         root = os.path.join(args.out, "scratch-registry-resume")
         shutil.rmtree(root, ignore_errors=True)

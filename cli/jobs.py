@@ -135,7 +135,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 def _cmd_compact(args: argparse.Namespace) -> int:
     from connectors.lease import LeaseHeld, WriterLease
-    from connectors.run import RUN_JSON, RunDir, RunFormatError, compact_manifest, new_attempt_id
+    from connectors.manifest import compact_manifest, new_attempt_id
+    from connectors.run import RUN_JSON, RunDir, RunFormatError
 
     config: CompactConfig = config_from_args(args, CompactConfig)
     output = RunDir(config.output, config.storage_options)

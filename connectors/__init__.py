@@ -11,7 +11,8 @@
                                        HiddenStatesFileInfo), the checksum against the header
     quant.py                           storing states in a storage dtype (fp8 with per-token-per-layer scales),
                                        BadStates and the one pass that finds NaN/Inf/all-zero layers before a commit
-    run.py                             the run format: RunSpec (run.json), data layout, manifest schema/parts/readers
+    run.py                             the run format: RunDir (the output root), RunSpec (run.json), data layout
+    manifest.py                        the manifest: schema, atomic parts, readers, compaction, committed/settled rows
     fingerprint.py                     model_fingerprint: a model's identity as run.json records it
     paths.py                           default file names, custom-path containment
     lease.py                           WriterLease: one writer per folder (FOLDER/writer.lease), renewed while it runs

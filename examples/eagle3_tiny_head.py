@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from connectors import KVTransferConfig
-from connectors.run import OK, RunSpec, data_path, new_attempt_id, write_manifest_part, write_run_spec
+from connectors.manifest import OK, new_attempt_id, write_manifest_part
+from connectors.run import RunSpec, data_path, write_run_spec
 from training.collate import PadCollator
 from training.dataset import HiddenStatesDataset
 

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 from connectors.format import data_checksum
 from connectors.lease import live_writer
-from connectors.run import OK, RunDir, live_manifest_parts, read_manifest_part, row_path_problem
+from connectors.manifest import OK, live_manifest_parts, read_manifest_part, row_path_problem
+from connectors.run import RunDir
 from jobs.records import CorpusFile, Record
 
 REGEN_JSON = "regenerate.json"
@@ -111,7 +112,7 @@ def read_following(file: CorpusFile, id_field: str, storage_options: dict | None
 
 
 def count_committed(file: CorpusFile, storage_options: dict | None = None) -> int:
-    from connectors.run import committed_rows, read_manifest
+    from connectors.manifest import committed_rows, read_manifest
 
     run = RunDir(file.url, storage_options)
     return committed_rows(read_manifest(run, columns=["sample_id", "status"])).num_rows

@@ -94,7 +94,7 @@ def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool =
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
     result = run_job(config)
     print("\n".join(result.lines()))
-    from connectors.run import committed_rows, read_manifest
+    from connectors.manifest import committed_rows, read_manifest
 
     table = read_manifest(output)  # every row (failed ones too); committed_rows: each sample's committed "ok" row
     ok = committed_rows(table)

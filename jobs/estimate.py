@@ -92,7 +92,8 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     override, _, _ = load_chat_template(config, facts)
     done: set[str] = set()
     if config.output:
-        from connectors.run import RUN_JSON, RunDir, settled_ids
+        from connectors.manifest import settled_ids
+        from connectors.run import RUN_JSON, RunDir
 
         output = RunDir(config.output, config.storage_options)
         if output.exists(RUN_JSON):

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.run import (
+from connectors.manifest import (
     FAILED,
     INVALID,
     OK,
     SETTLED_COLUMNS,
-    RunDir,
     committed_rows,
     encode_manifest_part,
     live_manifest_parts,
@@ -34,6 +33,7 @@ from connectors.run import (
     settled_rows,
     skipped_rows,
 )
+from connectors.run import RunDir
 from connectors.storage import retrying
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from connectors.lease import LeaseLost, WriterLease
+from connectors.manifest import FAILED, SKIPPED, new_attempt_id
 from connectors.outputs import check_run_output, corpus_inputs
-from connectors.run import FAILED, SKIPPED, RunDir, RunSpec, new_attempt_id, read_run_spec
+from connectors.run import RunDir, RunSpec, read_run_spec
 from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
@@ -431,7 +432,7 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
 def _remove_orphan_shards(output, attempt: str, lease_lost: threading.Event) -> None:
     """Remove the shards no manifest row points into (a worker died after writing one, before its rows were
     committed): at the end of a job, under its lease. A failure leaves them; no reader counts them."""
-    from connectors.run import referenced_paths
+    from connectors.manifest import referenced_paths
     from connectors.shards import SHARD_DIR, remove_orphan_shards
 
     try:
@@ -448,7 +449,8 @@ def _remove_orphan_shards(output, attempt: str, lease_lost: threading.Event) -> 
 
 def _compact(output) -> None:
     """Merge the manifest's parts at the end of a job (under its lease); a failure leaves the parts as they are."""
-    from connectors.run import RunFormatError, compact_manifest
+    from connectors.manifest import compact_manifest
+    from connectors.run import RunFormatError
 
     try:
         done = compact_manifest(output)

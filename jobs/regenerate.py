@@ -67,7 +67,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.run import FAILED, OK, RESULT_SCHEMA, RunDir, new_attempt_id, referenced_paths
+from connectors.manifest import FAILED, OK, RESULT_SCHEMA, new_attempt_id, referenced_paths
+from connectors.run import RunDir
 from extractor.options import flag
 from jobs.corpus_regenerated import FINISHED, REGEN_JSON
 from jobs.progress import progress_bar, set_total

@@ -64,9 +64,9 @@ class DoneSet:
 
     @classmethod
     def load(cls, run, *, retry_failed: bool = False) -> DoneSet:
-        """The ids a resume of `run` skips (connectors.run.settled_rows: committed, skipped for good, or failing the
+        """The ids a resume of `run` skips (connectors.manifest.settled_rows: committed, skipped for good, or failing the
         same way every time unless `retry_failed`), hashed a slice at a time: the id strings are never all held."""
-        from connectors.run import SETTLED_COLUMNS, read_manifest, settled_rows
+        from connectors.manifest import SETTLED_COLUMNS, read_manifest, settled_rows
 
         ids = settled_rows(read_manifest(run, columns=list(SETTLED_COLUMNS)), retry_failed=retry_failed)["sample_id"]
         step = 1 << 16

@@ -112,7 +112,8 @@ def collect(config: ReportConfig) -> dict[str, Any]:
     import time
 
     from connectors.lease import snapshot_writer
-    from connectors.run import RunDir, RunFormatError, committed_rows, read_manifest, read_run_spec
+    from connectors.manifest import committed_rows, read_manifest
+    from connectors.run import RunDir, RunFormatError, read_run_spec
     from jobs.manifest import summarize
     from jobs.verify import latest_report
 
@@ -234,8 +235,8 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
 
     from connectors import storage
     from connectors.format import HIDDEN_STATES, LOSS_MASK
+    from connectors.manifest import row_path_problem, sample_range
     from connectors.reader import read_rows
-    from connectors.run import row_path_problem, sample_range
 
     ids = list(spec.layer_ids)
     layers = len(ids)

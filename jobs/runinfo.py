@@ -17,7 +17,8 @@ import time
 from types import EllipsisType
 
 from connectors.fingerprint import FINGERPRINT_SCHEME
-from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, manifest_parts, read_run_spec, write_run_spec
+from connectors.manifest import manifest_parts
+from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, read_run_spec, write_run_spec
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile
 from jobs.model import ModelFacts

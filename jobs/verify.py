@@ -18,7 +18,7 @@ final norm and lm_head must pick each generated token (greedy runs) or give it a
 (sampled runs).
 
 Marking: each failed sample gets an "invalid" manifest row with its reason (under the run's writer lease); such a
-sample is no longer committed (connectors.run.committed_rows), so the next `hsx run` of the same command extracts it
+sample is no longer committed (connectors.manifest.committed_rows), so the next `hsx run` of the same command extracts it
 again. The report lists every failure; the CLI exits 1 when there is one.
 """
 
@@ -36,22 +36,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.outputs import check_output_file, write_output_file
-from connectors.run import (
+from connectors.manifest import (
     INVALID,
-    RUN_JSON,
-    RunDir,
-    RunFormatError,
-    RunSpec,
     committed_rows,
     new_attempt_id,
     read_manifest,
-    read_run_spec,
     row_file_problem,
     row_path_problem,
     sample_range,
     write_manifest_part,
 )
+from connectors.outputs import check_output_file, write_output_file
+from connectors.run import RUN_JSON, RunDir, RunFormatError, RunSpec, read_run_spec
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from typing import Any
 import pyarrow as pa
 
 from connectors import KVTransferConfig
-from connectors.run import FAILED, OK, RESULT_SCHEMA, SKIPPED, RunDir, RunSpec
+from connectors.manifest import FAILED, OK, RESULT_SCHEMA, SKIPPED
+from connectors.run import RunDir, RunSpec
 from connectors.safetensors_connector import HiddenStatesConnectorConfig
 from extractor import EngineConfig, SamplingParams
 from jobs.corpus import storable_text

@@ -18,7 +18,7 @@
                                        the spec in its first "ok" file's header
 
 A run is the folder (or URL) an extraction job writes; `connectors.run` owns its format (run.json, data/,
-manifest/). Opening reads run.json and the manifest (`connectors.run.ok_rows`: one "ok" row per sample, the last
+manifest/). Opening reads run.json and the manifest (`connectors.manifest.ok_rows`: one "ok" row per sample, the last
 written when a resume wrote it twice), never the data files — unless the run has no run.json, which costs one header
 read of the first file. Items are read by `connectors.reader.read_rows`: one small request for a small file (header
 and data together), or header + byte ranges for a large one, so `max_length` fetches only the leading tokens; local
@@ -62,16 +62,9 @@ from connectors.format import (
     HiddenStatesFileError,
 )
 from connectors.header import HiddenStatesFileInfo
+from connectors.manifest import ok_rows, row_file_problem, row_path_problem, sample_range
 from connectors.reader import read_hidden_states_info, read_rows
-from connectors.run import (
-    RunDir,
-    RunSpec,
-    ok_rows,
-    read_run_spec,
-    row_file_problem,
-    row_path_problem,
-    sample_range,
-)
+from connectors.run import RunDir, RunSpec, read_run_spec
 from extractor.norm import FinalNorm
 
 logger = logging.getLogger(__name__)

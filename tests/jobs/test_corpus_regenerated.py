@@ -64,7 +64,7 @@ def test_only_committed_records_are_read_each_checked_against_its_row(tmp_path):
 
     # a planted manifest row pointing outside the corpus: that record fails, nothing outside is read
     (tmp_path / "secret.jsonl").write_text('{"prompt": "outside"}\n')
-    from connectors.run import write_manifest_part
+    from connectors.manifest import write_manifest_part
 
     write_manifest_part(run, [{"sample_id": "evil", "status": "ok", "path": "../../secret.jsonl", "offset": 0,
                                "bytes": 22}], "20261204T000001.000000Z-evil0001", 0)

@@ -14,7 +14,8 @@ import pytest
 
 from cli.args import EXIT_USAGE
 from cli.main import main
-from connectors.run import RunDir, live_manifest_parts, read_manifest, write_manifest_part
+from connectors.manifest import live_manifest_parts, read_manifest, write_manifest_part
+from connectors.run import RunDir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -114,7 +115,7 @@ def test_a_run_json_fixed_by_hand_resumes_without_extracting_again(finished_run,
     # re-extraction); put back by hand (other key order and indentation), the same job resumes and extracts nothing
     import dataclasses
 
-    from connectors.run import committed_rows
+    from connectors.manifest import committed_rows
     from jobs.pipeline import run_job
 
     out = _copy(finished_run, tmp_path)

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from connectors.run import read_manifest
+from connectors.manifest import read_manifest
 from tests.connectors.http_proxy import LoopbackProxy
 from tests.jobs.conftest import word_corpus
 from tests.jobs.multinode import MultiNodeCluster

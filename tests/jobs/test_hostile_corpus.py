@@ -363,7 +363,7 @@ def test_hostile_parquet_rows_each_become_one_record(hostile_parquet, sample_tok
 @pytest.mark.slow
 def test_a_job_over_the_hostile_corpus_writes_one_row_per_record_and_succeeds(ray_cluster, tiny_llama, tmp_path,
                                                                              hostile_parquet):
-    from connectors.run import read_manifest
+    from connectors.manifest import read_manifest
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
 

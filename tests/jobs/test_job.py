@@ -21,7 +21,8 @@ import torch
 from cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from cli.main import main
 from connectors import load_hidden_states, read_hidden_states_info
-from connectors.run import RunDir, committed_ids, read_manifest
+from connectors.manifest import committed_ids, read_manifest
+from connectors.run import RunDir
 from jobs.config import JobConfig
 from jobs.estimate import estimate
 from jobs.pipeline import run_job
@@ -232,7 +233,7 @@ def test_rerunning_the_same_command_skips_committed_samples(demo, capsys):
     assert table.num_rows == before + 2  # only the two broken records were retried
     assert_exactly_once(output, set(_ok_rows(output)))
     # the job ended by merging its parts (every row kept); `hsx compact` then has nothing to do
-    from connectors.run import live_manifest_parts
+    from connectors.manifest import live_manifest_parts
 
     assert len(live_manifest_parts(output)) == 1
     assert main(["compact", output]) == EXIT_OK

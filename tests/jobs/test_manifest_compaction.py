@@ -13,9 +13,7 @@ import threading
 import pyarrow as pa
 import pytest
 
-from connectors.run import (
-    RunDir,
-    RunFormatError,
+from connectors.manifest import (
     committed_ids,
     committed_rows,
     compact_manifest,
@@ -23,6 +21,7 @@ from connectors.run import (
     ok_rows,
     read_manifest,
 )
+from connectors.run import RunDir, RunFormatError
 from jobs.manifest import ManifestWriter, summarize
 from tests.jobs.test_manifest import _rows
 

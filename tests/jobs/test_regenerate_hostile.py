@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 
 from cli.main import main
-from connectors.run import FAILED, OK, RunDir, read_manifest
+from connectors.manifest import FAILED, OK, read_manifest
+from connectors.run import RunDir
 from jobs.corpus import read_records
 from jobs.corpus_regenerated import FINISHED, REGEN_JSON
 from jobs.records import CorpusFile

@@ -92,7 +92,8 @@ def test_report_flags_a_dead_layer(planted, tmp_path):
 def test_report_figures_against_the_manifest(planted, tmp_path):
     """Lengths, bytes per token, loss-mask coverage: the report's numbers equal the ones computed here from the
     manifest and the samples, and --sample bounds what is read."""
-    from connectors.run import RunDir, ok_rows
+    from connectors.manifest import ok_rows
+    from connectors.run import RunDir
 
     _, data = _report(planted["good"], tmp_path, sample=5, seed=1)
     rows = ok_rows(RunDir(planted["good"])).to_pylist()
@@ -127,7 +128,8 @@ def test_report_cli_and_status_mention(planted, tmp_path, capsys):
 
 
 def test_report_of_a_damaged_sample_lists_it_and_goes_on(planted, tmp_path):
-    from connectors.run import RunDir, ok_rows
+    from connectors.manifest import ok_rows
+    from connectors.run import RunDir
 
     damaged = str(tmp_path / "damaged")
     shutil.copytree(planted["good"], damaged)

@@ -18,7 +18,8 @@ import torch
 from cli.args import EXIT_FAILED, EXIT_OK
 from cli.main import main
 from connectors import load_hidden_states
-from connectors.run import RunDir, ok_rows, read_manifest
+from connectors.manifest import ok_rows, read_manifest
+from connectors.run import RunDir
 from connectors.shards import SHARD_ALIGN, SHARD_DIR, SHARD_SUFFIX
 from jobs.config import JobConfig
 from jobs.pipeline import run_job

@@ -14,6 +14,7 @@ import pytest
 from cli.args import EXIT_USAGE
 from cli.main import main
 from connectors import HiddenStatesSpec
+from connectors.manifest import read_manifest
 from connectors.run import (
     LEGACY_DATA_LAYOUT,
     RUN_JSON,
@@ -21,7 +22,6 @@ from connectors.run import (
     RunFormatError,
     RunSpec,
     data_path,
-    read_manifest,
     read_run_spec,
     write_run_spec,
 )
@@ -258,7 +258,7 @@ def test_flipped_bits_anywhere_in_a_manifest_part_are_caught_by_the_checksum_in_
     catches each of 300 random flips, before pyarrow reads the part."""
     import random
 
-    from connectors.run import OK, write_manifest_part
+    from connectors.manifest import OK, write_manifest_part
 
     out = str(tmp_path / "run")
     rows = [{"sample_id": f"s{i:03d}", "status": OK, "path": data_path(f"s{i:03d}"), "num_tokens": 10 + i}
@@ -282,7 +282,7 @@ def test_flipped_bits_anywhere_in_a_manifest_part_are_caught_by_the_checksum_in_
 
 
 def test_a_manifest_part_named_without_a_checksum_older_runs_still_reads(tmp_path):
-    from connectors.run import OK, write_manifest_part
+    from connectors.manifest import OK, write_manifest_part
 
     out = str(tmp_path / "run")
     name = write_manifest_part(out, [{"sample_id": "a", "status": OK, "path": data_path("a"), "num_tokens": 3}],

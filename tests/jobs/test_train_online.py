@@ -37,6 +37,7 @@ def _config(tiny_llama, corpus, out, **kw) -> TrainDrafterConfig:
 
 def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, ray_cluster, tmp_path):
     from jobs.online import LiveBatches, extraction_config, plan_stream
+
     from jobs.registry import DoneSet
     from tests.extractor.oracle import load_reference, reference_states
     from training.collate import PackCollator
@@ -131,7 +132,7 @@ def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in
     """--cache: the first pass is an `hsx run` into the cache (every sample once, checksums that verify), later
     epochs read it (the target runs once per sample in all); stopped after 2 steps and resumed, each epoch still
     trains on every sample once."""
-    from connectors.run import ok_rows, read_manifest
+    from connectors.manifest import ok_rows, read_manifest
     from jobs.train import train_drafter
     from jobs.verify import VerifyConfig, verify_run
 

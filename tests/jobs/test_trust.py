@@ -8,8 +8,9 @@ import os
 
 import pytest
 
+from connectors.manifest import read_manifest
 from connectors.paths import safe_file_stem
-from connectors.run import LEGACY_DATA_LAYOUT, RunDir, data_path, read_manifest
+from connectors.run import LEGACY_DATA_LAYOUT, RunDir, data_path
 
 # two ids that the first round's names mapped to one file: the second is the first's sanitised form
 COLLIDING = ("col 951", "col_951-" + hashlib.sha1(b"col 951").hexdigest()[:10])
@@ -127,7 +128,7 @@ def test_a_run_that_recorded_the_first_rounds_fingerprint_still_resumes(own_mode
 
 
 def test_a_run_whose_run_json_was_deleted_is_not_started_again(own_model, tmp_path):
-    from connectors.run import new_attempt_id, write_manifest_part
+    from connectors.manifest import new_attempt_id, write_manifest_part
     from jobs.pipeline import prepare_job
     from jobs.runinfo import RunMismatch
 
@@ -246,7 +247,7 @@ def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama
 
 # -- "invalid" rows: what hsx verify found bad is extracted again --------------------------------------------------
 def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path):
-    from connectors.run import committed_ids, new_attempt_id, ok_rows, write_manifest_part
+    from connectors.manifest import committed_ids, new_attempt_id, ok_rows, write_manifest_part
     from jobs.manifest import summarize
 
     run = RunDir(str(tmp_path))

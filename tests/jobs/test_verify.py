@@ -13,7 +13,8 @@ import torch
 
 from cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from cli.main import main
-from connectors.run import RunDir, committed_rows, read_manifest
+from connectors.manifest import committed_rows, read_manifest
+from connectors.run import RunDir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

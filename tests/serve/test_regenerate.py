@@ -14,7 +14,7 @@ import sys
 import torch
 
 from connectors import load_hidden_states
-from connectors.run import ok_rows
+from connectors.manifest import ok_rows
 from jobs.corpus import expand_corpus, read_records
 from jobs.regenerate import RegenerateConfig, regenerate
 from tests.serve.conftest import API_KEY, LAYERS

@@ -14,7 +14,8 @@ import time
 import pyarrow.compute as pc
 import pytest
 
-from connectors.run import OK, RunDir, committed_rows, live_manifest_parts, read_manifest, referenced_paths
+from connectors.manifest import OK, committed_rows, live_manifest_parts, read_manifest, referenced_paths
+from connectors.run import RunDir
 from tests.serve.conftest import API_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@
                                             (each row with the file's size and header checksum, as the job
                                             records them) and run.json via connectors.run: an `hsx run` OUTPUT
     spec_run_json(spec) -> RunSpec          the run.json of a run whose files carry `spec`
-    write_manifest(output, rows, parts=)    rows as manifest parts (connectors.run.write_manifest_part)
+    write_manifest(output, rows, parts=)    rows as manifest parts (connectors.manifest.write_manifest_part)
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
 from connectors.header import read_header
-from connectors.run import MANIFEST_DIR, RunDir, RunSpec, manifest_parts, write_manifest_part, write_run_spec
+from connectors.manifest import manifest_parts, write_manifest_part
+from connectors.run import MANIFEST_DIR, RunDir, RunSpec, write_run_spec
 from connectors.storage import open_url
 
 

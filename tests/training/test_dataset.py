@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from connectors import HiddenStatesSpec, load_hidden_states
-from connectors.run import write_manifest_part, write_run_spec
+from connectors.manifest import write_manifest_part
+from connectors.run import write_run_spec
 from extractor.norm import FinalNorm
 from tests.training.conftest import ORACLE_LAYERS
 from tests.training.runs import random_samples, spec_run_json, write_manifest, write_run

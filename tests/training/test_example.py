@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from connectors.run import ok_rows
+from connectors.manifest import ok_rows
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "eagle3_tiny_head.py")
 

@@ -157,7 +157,7 @@ def test_the_feed_gives_an_fp8_runs_stored_states_only_when_asked_and_only_in_th
 
 
 def _run_rows(out):
-    from connectors.run import ok_rows
+    from connectors.manifest import ok_rows
 
     return ok_rows(out).to_pylist()
 

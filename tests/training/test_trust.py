@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from connectors import HiddenStatesSpec
-from connectors.run import RunDir, read_manifest
+from connectors.manifest import read_manifest
+from connectors.run import RunDir
 from tests.training.runs import random_samples, small_train_config, tree_digest, write_manifest, write_run
 from training.trainer import TrainingStopped, save_checkpoint, train_drafter
 
