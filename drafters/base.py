@@ -44,7 +44,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from connectors import storage
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
+from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
 from extractor.norm import FinalNorm
 
@@ -306,9 +308,6 @@ def write_checkpoint(out_dir: str, config: Mapping[str, Any], tensors: Mapping[s
     safetensors bytes (each tensor written from its own memory, so tensors sharing storage need no copy); the
     config's keys are sorted, so the same drafter gives the same bytes."""
     import fsspec
-
-    from connectors import storage
-    from connectors.safetensors_file import safetensors_content
 
     fs = fsspec.filesystem("file")
     os.makedirs(out_dir, exist_ok=True)

@@ -41,13 +41,11 @@ def test_training_lowers_the_loss_over_every_slot(trained_head):
     assert drafter.embed_tokens.weight.grad is None
 
 
-def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head, tiny_llama, oracle_model):
+def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head, engine_runner, oracle_model):
     """The proposer (cached context keys, one forward per step) drafts what the training forward's block at anchor T
     predicts: the same attention (context before the anchor, the block both ways), the same positions."""
     from drafters.base import DrafterBatch
     from drafters.dflash_proposer import DFlashProposer
-    from extractor.config import EngineConfig
-    from extractor.runner import ModelRunner
     from extractor.sampling import SamplingParams, sampling_probs
     from tests.training.runs import pre_norm_hidden_states
 
@@ -56,8 +54,7 @@ def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head
     ctx = tokenizer("the quick model reads a batch of hidden states")["input_ids"]
     states = pre_norm_hidden_states(model, torch.tensor(ctx[:-1]))
     aux = torch.stack([states[i] for i in LAYERS[:2]], dim=1)  # [T, 2, H] = states of x_0..x_{T-1}
-    runner = ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", device="cpu"))
-    proposer = DFlashProposer(folder, runner, 3)
+    proposer = DFlashProposer(folder, engine_runner, 3)
     calls, blocks = [], proposer.drafter.blocks
     proposer.drafter.blocks = lambda *a: calls.append(tuple(a[0].shape)) or blocks(*a)
     proposer.start([ctx])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from drafters.vocab import DraftVocab, build_draft_vocab, count_tokens
-from tests.drafters.helpers import family_setup, train_steps
+from tests.drafters.helpers import family_setup
 from tests.drafters.helpers import packed_batch as _batch
 
 # -- draft vocabulary -----------------------------------------------------------------------------------------------
@@ -254,23 +254,17 @@ def test_runs_without_aux_layers_are_refused_naming_the_layers(tiny_llama, tmp_p
 # -- the proposer, driven by hand with states from a plain transformers forward -----------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_head(eagle3_setup, tiny_llama, tmp_path_factory):
-    """(checkpoint folder, drafter): a few training steps on the run, saved in the speculators layout."""
-    ds, target, _ = eagle3_setup
-    drafter = _fresh(eagle3_setup)
-    train_steps(drafter, target, _batch(ds, [0, 1, 2], max_tokens=256), 2)
-    folder = str(tmp_path_factory.mktemp("eagle3-head"))
-    drafter.eval().save_pretrained(folder, verifier=tiny_llama)
+@pytest.fixture
+def trained_head(family_head):
+    """(checkpoint folder, drafter): the session's EAGLE-3 head (conftest.family_head: a 48-token draft vocabulary,
+    two training steps on the run), saved in the speculators layout."""
+    folder, drafter, _ = family_head("eagle3")
     return folder, drafter
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama):
-    from extractor.config import EngineConfig
-    from extractor.runner import ModelRunner
-
-    return ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", device="cpu"))
+@pytest.fixture
+def runner(engine_runner):
+    return engine_runner
 
 
 def _aux_states(model, ids: list[int], layer_ids) -> torch.Tensor:
@@ -437,24 +431,13 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     LLM(speculative_config={"method": "eagle3", ...}): the output equals transformers generate token for token, and
     the head's drafts are mostly accepted — which holds only if the engine hands the proposer the right layers'
     states of the right tokens."""
-    from connectors import HiddenStatesSpec
     from extractor import LLM, SamplingParams
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    from tests.drafters.helpers import PROMPTS, greedy_run
     from training.trainer import TrainDrafterConfig, train_drafter
 
     model, tokenizer = oracle_model
-    prompts = ["the quick model reads a batch", "one two three four five", "a small dog jumps over the river"]
-    layers, samples, refs = (1, 2, 4), [], []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            full = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0]
-        refs.append(full.tolist()[len(ids):])
-        states = pre_norm_hidden_states(model, full)
-        samples.append(Sample(f"g{i}", full, torch.stack([states[k] for k in layers], 1).contiguous(),
-                              torch.ones(len(full), dtype=torch.uint8)))
-    spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
-    write_run(str(tmp_path / "run"), samples, spec)
+    prompts = list(PROMPTS)
+    refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), (1, 2, 4))
     head = str(tmp_path / "head")
     train_drafter(TrainDrafterConfig(run=str(tmp_path / "run"), model=tiny_llama, out=head, steps=30, lr=1e-2,
                                      batch_tokens=128, draft_vocab_size=64, max_grad_norm=1.0, device="cpu",

@@ -27,8 +27,8 @@ OPTIONS = {"medusa": {"medusa_num_layers": 2}, "mlp_speculator": {"inner_dim": 4
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama) -> TargetHead:
-    return TargetHead.from_model_dir(tiny_llama)
+def target(target_head) -> TargetHead:
+    return target_head
 
 
 @pytest.fixture(scope="module")
@@ -260,11 +260,8 @@ def test_configs_refuse_bad_values():
 
 # -- proposers -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runner(tiny_llama):
-    from extractor.config import EngineConfig
-    from extractor.runner import ModelRunner
-
-    return ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", device="cpu"))
+def runner(engine_runner):
+    return engine_runner
 
 
 @pytest.fixture(scope="module")

@@ -50,14 +50,7 @@ def test_cod_keeps_nested_shrinking_fractions_of_chains(peagle_setup):
     assert all(bool((kept[d] <= kept[d - 1]).all()) for d in range(1, 6))  # a chain kept at d is kept before
 
 
-def _runner(tiny_llama):
-    from extractor.config import EngineConfig
-    from extractor.runner import ModelRunner
-
-    return ModelRunner(EngineConfig(model=tiny_llama, dtype="float32", device="cpu"))
-
-
-def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, tiny_llama, oracle_model):
+def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, engine_runner, oracle_model):
     """The proposer calls the drafter once per step (the verified entries and k-1 mask entries together), and its
     drafts are the unroll's: depth d of chain t = len(ctx) - 2."""
     from drafters.peagle_proposer import PEagleProposer
@@ -69,7 +62,7 @@ def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, tiny
     ctx = tokenizer("the quick model reads a batch of hidden states")["input_ids"]
     states = pre_norm_hidden_states(model, torch.tensor(ctx[:-1]))
     aux_ctx = torch.stack([states[i] for i in LAYERS[:2]], dim=1)  # [T-1, 2, H]
-    proposer = PEagleProposer(folder, _runner(tiny_llama), 4)
+    proposer = PEagleProposer(folder, engine_runner, 4)
     calls, decode = [], proposer.drafter.decode
     proposer.drafter.decode = lambda tok, *a: calls.append(tuple(tok.shape)) or decode(tok, *a)
     proposer.start([ctx])
@@ -136,7 +129,7 @@ def test_speculators_own_class_loads_every_weight(trained_head):
     assert all(torch.equal(theirs[k].float(), ours[k].float()) for k in loaded)
 
 
-def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_path, peagle_setup):
+def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_path, peagle_setup, engine_runner):
     from drafters.eagle3 import Eagle3Drafter
     from extractor.config import SpeculativeConfig, speculative_config_from_dict
 
@@ -160,7 +153,7 @@ def test_parallel_drafting_in_speculative_config(trained_head, tiny_llama, tmp_p
     from drafters.peagle_proposer import PEagleProposer
 
     with pytest.raises(ValueError, match="trained for 4 depths.*--ttt-steps 5"):
-        PEagleProposer(folder, _runner(tiny_llama), 5)
+        PEagleProposer(folder, engine_runner, 5)
 
 
 @pytest.mark.slow
