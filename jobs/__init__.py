@@ -1,6 +1,7 @@
 """hsx jobs: Ray batch jobs over prompt corpora, the manifest and exactly-once resume (their commands: cli/jobs.py).
 
-The only package that knows both the engine (extractor) and the storage side (connectors). In pipeline order:
+The only package that knows both the engine (extractor) and the storage side (connectors); the Ray session is
+cluster.session's. In pipeline order:
 
     config.py        JobConfig: every setting of a job, typed; the CLI and job files map onto it one to one
     model.py         ModelFacts: layers, dtype, sizes, length limit resolved from the model's config (no weights)
@@ -17,7 +18,6 @@ The only package that knows both the engine (extractor) and the storage side (co
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
     verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
     report.py        `hsx report`: one HTML page of plots from the manifest and sampled files, and the checks they fail
-    cluster.py       the Ray session of a job or `hsx serve`: connect or start, probe, fit resources
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from cluster.session import first_line, ray_cluster
 from connectors.format import LOSS_MASK, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, TOKEN_IDS
 from connectors.run import OK, RunDir, new_attempt_id, row_file_problem
-from jobs.cluster import first_line, ray_cluster
 from jobs.config import JobConfig
 from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from cluster.session import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from connectors.lease import LeaseLost, WriterLease
 from connectors.manifest import FAILED, SKIPPED, new_attempt_id
 from connectors.outputs import check_run_output, corpus_inputs
 from connectors.run import RunDir, RunSpec, read_run_spec
-from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter

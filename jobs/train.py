@@ -30,8 +30,8 @@ import time
 import uuid
 from typing import Any
 
+from cluster.session import check_fits, first_line, gpus_default, ray_cluster
 from connectors.lease import LeaseLost
-from jobs.cluster import check_fits, first_line, gpus_default, ray_cluster
 from jobs.worker import own_temp_folder
 from training.trainer import (
     CheckedFeed,

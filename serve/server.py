@@ -4,7 +4,7 @@
                               max_ongoing_requests = 2 x max_num_seqs: one batch running, one gathering;
                               max_queued_requests + Retry-After at the caller) bound into the Ingress deployment
     check(config)             what can fail before anything starts: settings, model folder, output storage
-    run(config, ready)        start Ray (jobs.cluster.ray_cluster) and Serve, deploy, wait for the replicas (SIGTERM
+    run(config, ready)        start Ray (cluster.session.ray_cluster) and Serve, deploy, wait for the replicas (SIGTERM
                               stops the wait), serve until SIGTERM/SIGINT, then drain (Ingress.drain: new requests
                               503, in-flight ones finish and their files become durable) and shut down; returns the
                               exit status. On an existing cluster (--address) only what hsx started is removed
@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from cluster.session import check_fits, first_line, gpus_default, ray_cluster
 from serve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ def check(config: ServeConfig) -> None:
     from transformers import AutoConfig
 
     from extractor.facts import target_facts
-    from jobs.cluster import first_line
 
     try:
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
@@ -99,8 +99,6 @@ def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:
     """
     import ray
     from ray import serve
-
-    from jobs.cluster import check_fits, gpus_default, ray_cluster
 
     stop = threading.Event()
     with ray_cluster(config.address) as local:
@@ -181,8 +179,6 @@ def _deploy(config: ServeConfig, gpus: float):
     ingress handle. ValueError when Serve refuses it (e.g. route prefix / taken by another application)."""
     from ray import serve
     from ray.serve.exceptions import RayServeException
-
-    from jobs.cluster import first_line
 
     target = serve.RunTarget(target=build_app(config, gpus), name=config.name, route_prefix=config.route_prefix,
                              logging_config={"log_level": "WARNING", "enable_access_log": False})

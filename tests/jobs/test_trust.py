@@ -273,7 +273,7 @@ def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path)
 def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     """`ray start` (or one that died) leaves its address in <tmp>/ray/ray_current_cluster; `hsx run` without
     --address used to hit Ray's "num_cpus and num_gpus must not be provided" instead of running. Every command
-    connects through jobs.cluster.ray_cluster: in a fresh process (its own RAY_TMPDIR) it starts a private local Ray
+    connects through cluster.session.ray_cluster: in a fresh process (its own RAY_TMPDIR) it starts a private local Ray
     beside the stale file and says how to use the registered cluster instead."""
     import subprocess
     import sys
@@ -283,7 +283,7 @@ def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write("127.0.0.1:1")
-    script = ("import ray\nfrom jobs.cluster import ray_cluster\n"
+    script = ("import ray\nfrom cluster.session import ray_cluster\n"
               "with ray_cluster(None) as local:\n"
               "    print('local', local, int(ray.cluster_resources()['CPU']), ray.get(ray.put(7)))\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": ray_tmp}
@@ -297,7 +297,7 @@ def test_a_ray_address_file_left_behind_does_not_stop_a_local_run(tmp_path):
 
 def test_an_unreachable_ray_address_is_a_usage_error(tiny_llama, tmp_path, capsys):
     """In this process (connected to a Ray already or not, as other tests leave it): the address given is probed
-    first (jobs.cluster.ray_cluster), so nothing runs on another cluster than the one asked for."""
+    first (cluster.session.ray_cluster), so nothing runs on another cluster than the one asked for."""
     import socket
     import time
 

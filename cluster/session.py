@@ -1,4 +1,4 @@
-"""The Ray session of an `hsx` command, for jobs and `hsx serve` alike.
+"""The Ray session of an `hsx` command, for jobs and `hsx serve` alike: connect or start, probe, fit resources.
 
     ray_cluster(address, quiet=)   context manager: the session's Ray if connected, `address` / $RAY_ADDRESS
                               (probed first: an unreachable address fails in one line), else a private local Ray
@@ -9,15 +9,19 @@
     check_fits(problems, local=, fix=, waiting=)   resources a command needs and the cluster lacks: an error on a
                               private local Ray, a warning on a cluster that may autoscale
     first_line(error)         an exception's first line, for one-line Ray errors
+
+Ray itself is imported where it is used (a command's --help never loads it); the quiet console's filter of Ray's
+C++ core lines is cluster/console.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from collections.abc import Iterator
+
+from cluster.console import core_echo_off
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ def ray_cluster(address: str | None, quiet: bool = False) -> Iterator[bool]:
 
     `quiet`: the console gets hsx's lines alone. Ray's own stay in its session logs (ray_logs_dir()): its workers'
     output (not forwarded), its driver's notices and warnings (logged at ERROR only), its C++ core's error echo
-    (_core_echo_off). Errors still reach the driver as exceptions, and "(raylet)" messages (a worker killed, out of
+    (cluster.console.core_echo_off). Errors still reach the driver as exceptions, and "(raylet)" messages (a worker killed, out of
     memory) are printed as before. Off: Ray's console output as Ray prints it (`hsx run --verbose`).
 
     Yields True when the cluster was started here (its resources are all there will be).
@@ -47,7 +51,7 @@ def ray_cluster(address: str | None, quiet: bool = False) -> Iterator[bool]:
         {"logging_level": logging.WARNING}
     if address:
         try:
-            with _core_echo_off() if quiet else contextlib.nullcontext():
+            with core_echo_off() if quiet else contextlib.nullcontext():
                 ray.init(address=address, **console)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ValueError(f"--address {address}: cannot connect to a Ray cluster there ({first_line(e)}). "
@@ -58,7 +62,7 @@ def ray_cluster(address: str | None, quiet: bool = False) -> Iterator[bool]:
             logger.warning("a Ray cluster started with `ray start` is registered on this machine (%s); this job "
                            "starts a private local Ray instead. Pass --address auto to run on that cluster", existing)
         # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
-        with _core_echo_off() if quiet else contextlib.nullcontext():
+        with core_echo_off() if quiet else contextlib.nullcontext():
             ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **console)
     try:
         yield not address
@@ -75,75 +79,6 @@ def ray_logs_dir() -> str | None:
         return ray._private.worker._global_node.get_logs_dir_path()  # no public API names it (Ray 2.60)
     except AttributeError:
         return None
-
-
-@contextlib.contextmanager
-def _core_echo_off() -> Iterator[None]:
-    """While ray.init starts the driver's C++ core, C's `stderr` stream is a filter: its logger picks the stream it
-    echoes lines to then (and writes every line to the session's python-core-driver-*.log as well). Ray has no
-    setting for that echo (RAY_BACKEND_LOG_LEVEL=fatal would empty every C++ log file of the cluster, and prints a
-    line of its own), and Ray Data's actor pools always trip one false alarm there ("constructor arguments in the
-    object store and max_restarts > 0", ray-project/ray#57733). The filter (_core_echo_filter) drops the core's
-    info, warning and error lines and passes everything else to the console: a FATAL line and the stack trace after
-    it still say why the process died. Python's sys.stderr (fd 2) is untouched. glibc only (what Ray's Linux wheels
-    need); elsewhere nothing changes."""
-    import ctypes
-    import platform
-
-    filtered = _core_echo_filter() if platform.libc_ver()[0] == "glibc" else None
-    if not filtered:
-        yield
-        return
-    stream = ctypes.c_void_p.in_dll(ctypes.CDLL(None), "stderr")
-    saved = stream.value
-    stream.value = filtered
-    try:
-        yield
-    finally:
-        stream.value = saved
-
-
-CORE_ECHO_DROPPED = r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [IWE] \d+ \d+\] "
-"""The driver core's info / warning / error lines (`[2026-12-06 07:15:39,821 E 22809 22809] file.cc:12: ...`),
-which the quiet console drops; fatal lines (`C`), stack traces and anything else pass."""
-_FILTER = ("import re, sys\n"
-           f"drop = re.compile({CORE_ECHO_DROPPED.encode()!r})\n"
-           "for line in sys.stdin.buffer:\n"
-           "    if not drop.match(line):\n"
-           "        sys.stderr.buffer.write(line)\n"
-           "        sys.stderr.buffer.flush()\n")
-
-
-_FILTER_PROCESS: list = []
-
-
-@functools.cache
-def _core_echo_filter() -> int | None:
-    """A C `FILE *` (line-buffered) on a pipe read by a small filter process that writes what passes to this
-    process's stderr (None if it cannot be started). A process of its own, so that the line a dying driver writes
-    last still reaches the console after the driver is gone: the filter ends when the pipe's last writer closes.
-    Opened once and never closed: Ray's logger keeps writing to it for the process's life."""
-    import ctypes
-    import subprocess
-    import sys
-
-    try:
-        read, write = os.pipe()  # not inherited by Ray's own processes (O_CLOEXEC)
-        _FILTER_PROCESS.append(subprocess.Popen(  # kept: reaped at exit, no "still running" ResourceWarning
-            [sys.executable, "-S", "-c", _FILTER], stdin=read, stdout=subprocess.DEVNULL,
-            start_new_session=True))  # Ctrl-C reaches hsx, not the filter: it ends at end of input
-        os.close(read)
-    except OSError as e:
-        logger.debug("no filter for Ray's core console lines (%s); they are shown as they come", e)
-        return None
-    libc = ctypes.CDLL(None)
-    libc.fdopen.restype = ctypes.c_void_p
-    libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
-    libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
-    stream = libc.fdopen(write, b"w")
-    if stream:
-        libc.setvbuf(stream, None, 1, 0)  # _IOLBF: a line reaches the filter when it is written
-    return stream
 
 
 def _existing_local_cluster() -> str | None:
