@@ -36,7 +36,8 @@ import numpy as np
 
 from cluster.session import first_line, ray_cluster
 from connectors.format import LOSS_MASK, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, TOKEN_IDS
-from connectors.run import OK, RunDir, new_attempt_id, row_file_problem
+from connectors.manifest import OK, new_attempt_id, row_file_problem
+from connectors.run import RunDir
 from jobs.config import JobConfig
 from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts
@@ -217,7 +218,7 @@ class LiveBatches:
         import queue
         import threading
 
-        from connectors.run import ok_rows
+        from connectors.manifest import ok_rows
         from jobs.pipeline import execute_job, prepare_job
 
         plan = prepare_job(self.plan.config)  # run.json written or checked, the cache's lease taken
@@ -273,7 +274,7 @@ class LiveBatches:
             thread.join()
 
     def _stored_item(self, plan: JobPlan, row: dict[str, Any]) -> dict[str, Any]:
-        from connectors.run import sample_range
+        from connectors.manifest import sample_range
 
         self.extracted += 1
         try:

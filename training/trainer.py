@@ -351,7 +351,8 @@ def _warn_if_other_weights(run_spec, model_dir: str, hf) -> None:
 
 def _committed_samples(config: TrainDrafterConfig) -> int | None:
     """Samples the run's manifest commits (None: no manifest to count, the dataset says what is wrong)."""
-    from connectors.run import MANIFEST_DIR, REQUIRED_COLUMNS, RunDir, committed_rows, read_manifest
+    from connectors.manifest import REQUIRED_COLUMNS, committed_rows, read_manifest
+    from connectors.run import MANIFEST_DIR, RunDir
 
     try:
         run = RunDir(config.run, config.storage_options)
