@@ -228,7 +228,8 @@ def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None,
     """(report, None) after training `kind` on `run` into `out`, or (None, why it was skipped)."""
     try:
         from drafters.registry import drafter_class
-        from training.trainer import TrainDrafterConfig, train_drafter
+        from jobs.train import train_drafter
+        from training.train_config import TrainDrafterConfig
 
         drafter_class(kind)
     except (ImportError, ValueError) as e:

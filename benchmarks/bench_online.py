@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from jobs.train import train_drafter
-    from training.trainer import TrainDrafterConfig
+    from jobs.train_config import TrainJobConfig
 
     target, work, corpus, run, timings = regenerated_run(args)  # bench_storage_quality's run: the same settings
 
@@ -119,14 +119,14 @@ def main(argv=None) -> int:
         tag = f"e{args.epochs}-b{args.batch_tokens}-seed{seed}"
         outs[("offline", seed)] = os.path.join(work, "drafters", f"eagle3-offline-{tag}")
         t0 = time.perf_counter()
-        reports[("offline", seed)] = train_drafter(TrainDrafterConfig(run=run, out=outs[("offline", seed)],
+        reports[("offline", seed)] = train_drafter(TrainJobConfig(run=run, out=outs[("offline", seed)],
                                                                       seed=seed, **recipe))
         timings[f"train offline seed {seed}"] = time.perf_counter() - t0
         outs[("online", seed)] = os.path.join(work, "drafters", f"eagle3-online-{tag}-sh{args.shuffle_mb:g}")
         t0 = time.perf_counter()
         reset_peak_rss()
         with ProcessPeaks() as rss:
-            reports[("online", seed)] = train_drafter(TrainDrafterConfig(
+            reports[("online", seed)] = train_drafter(TrainJobConfig(
                 online=True, corpus=(corpus,), out=outs[("online", seed)], extract=extract_settings, seed=seed,
                 inflight_mb=args.inflight_mb, shuffle_mb=args.shuffle_mb, **recipe))
         timings[f"train online seed {seed} (extraction included)"] = time.perf_counter() - t0

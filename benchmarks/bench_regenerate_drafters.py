@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     from connectors.run import read_run_spec
     from jobs.regenerate import RegenerateConfig, regenerate
     from jobs.train import train_drafter
+    from jobs.train_config import TrainJobConfig
     from tests.serve.conftest import API_KEY, ServeProcess
-    from training.trainer import TrainDrafterConfig
 
     target, work, corpus, engine_run, timings = regenerated_run(args)
     layers = tuple(read_run_spec(engine_run).layer_ids)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
             tag = f"e{args.epochs}-b{args.batch_tokens}-seed{seed}"
             outs[(how, seed)] = os.path.join(work, "drafters", f"eagle3-{how.replace(' ', '-')}-{tag}")
             t0 = time.perf_counter()
-            reports[(how, seed)] = train_drafter(TrainDrafterConfig(run=run, out=outs[(how, seed)], seed=seed,
+            reports[(how, seed)] = train_drafter(TrainJobConfig(run=run, out=outs[(how, seed)], seed=seed,
                                                                     **recipe))
             timings[f"train {how} seed {seed}"] = time.perf_counter() - t0
     rows, lossless = compare_drafters(target, args, outs, reports, ("one engine", "hsx regenerate"), timings)

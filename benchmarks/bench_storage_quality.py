@@ -130,8 +130,9 @@ def run_bytes(run: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jobs.train import train_drafter
     from training.evaluate import evaluate_speculation
-    from training.trainer import TrainDrafterConfig, train_drafter
+    from training.train_config import TrainDrafterConfig
 
     target, work, corpus, source, timings = regenerated_run(args)
     runs = {}

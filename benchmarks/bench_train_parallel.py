@@ -52,8 +52,8 @@ def main() -> None:
     from connectors import HiddenStatesSpec
     from jobs.tiny_models import build_tiny_model
     from jobs.train import train_drafter
+    from jobs.train_config import TrainJobConfig
     from tests.training.runs import random_samples, write_run
-    from training.trainer import TrainDrafterConfig
 
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-train-", dir=args.out)
@@ -78,7 +78,7 @@ def main() -> None:
                                             gpus_per_worker=1 if args.device == "cuda" else 0))):
         out = os.path.join(work, name.replace(" ", "-"))
         started = time.perf_counter()
-        report = train_drafter(TrainDrafterConfig(out=out, **common, **extra))
+        report = train_drafter(TrainJobConfig(out=out, **common, **extra))
         rate, losses = steady(out)
         results[name] = {"wall_s": time.perf_counter() - started, "tokens_per_s": rate, "losses": losses,
                          "trained_tokens": report["tokens"]}

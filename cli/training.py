@@ -23,15 +23,16 @@ def register(sub) -> None:
                             "--snapshot; damaged data exits 1.")
 
     # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
-    # one onto training.trainer.TrainDrafterConfig (cheap to import: torch loads when the command runs)
-    from training.trainer import TrainDrafterConfig
+    # one onto jobs.train_config.TrainJobConfig, the trainer's settings and Ray's (cheap to import: torch loads when
+    # the command runs)
+    from jobs.train_config import TrainJobConfig
 
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
         from connectors.lease import LeaseLost
         from jobs.train import ReplicasFailed, train_drafter
-        from training.trainer import TrainingStopped
+        from training.feed import TrainingStopped
 
-        config: TrainDrafterConfig = config_from_args(args, TrainDrafterConfig)
+        config: TrainJobConfig = config_from_args(args, TrainJobConfig)
         try:
             r = train_drafter(config)
         except (TrainingStopped, LeaseLost, ReplicasFailed) as e:  # bad data, a diverged training, dead replicas
@@ -59,7 +60,7 @@ def register(sub) -> None:
                   f"{r['samples']} samples committed then (report.json says so)")
         return EXIT_OK
 
-    add_command(sub, "train-drafter", TrainDrafterConfig, _cmd_train_drafter,
+    add_command(sub, "train-drafter", TrainJobConfig, _cmd_train_drafter,
                 choices={"dtype": ("float32", "bfloat16", "float16")},
                 help="train a drafter (EAGLE-3, Medusa, MLPSpeculator or any registered family) on a run",
                 description="Train a drafter on an extraction run (OUTPUT) against its target model; writes the "

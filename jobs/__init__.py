@@ -22,8 +22,10 @@ cluster.session's. In pipeline order:
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run
     submit.py        `hsx submit`: Ray's job submission API
-    train.py         `hsx train-drafter --workers N`: the trainer's data-parallel replicas on Ray Train
-    online.py        `hsx train-drafter --online`: a drafter trained from a live extraction, nothing stored
+    train_config.py  TrainJobConfig: `hsx train-drafter`'s settings, the trainer's (training) and Ray's
+    train.py         train_drafter: in this process, or (--workers N) the trainer's data-parallel replicas on Ray Train
+    live.py          `hsx train-drafter --online`: a drafter trained from a live extraction, nothing stored
+    fanout.py        `hsx train-drafter --online --fanout`: several drafters trained from one live extraction
     regenerate.py    `hsx regenerate` (and `hsx run --regenerate-with`): the target's answers from OpenAI-compatible
                      servers as a new corpus, exactly once
     answers.py       what a server's answer must be before hsx regenerate keeps it: bounded, ids against the text

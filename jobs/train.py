@@ -1,14 +1,19 @@
-"""`hsx train-drafter --workers N`: the drafter trainer's data-parallel replicas on Ray Train.
+"""`hsx train-drafter`: the one train_drafter, which picks where a training session runs, and the data-parallel
+replicas on Ray Train.
 
-    train_drafter(config) -> report   --workers 1 without --address: training.trainer.train_drafter (this process);
-                                      otherwise N replicas (TorchTrainer: DDP over gloo on CPU, NCCL on GPU)
+    train_drafter(config) -> report   a TrainDrafterConfig, or a TrainJobConfig (jobs.train_config) that trains
+                                      in this process: training.trainer.Trainer over a StoredRun; with --online:
+                                      jobs.live.train_online; with --online --fanout: jobs.fanout.train_fanout;
+                                      with --workers N or --address: train_on_ray
+    train_on_ray(config) -> report    the same session, its steps on N replicas (RayTrain: TorchTrainer, DDP over
+                                      gloo on CPU, NCCL on GPU)
 
 The driver does what one process does before training (checks --out, --checkpoint-dir, --log-dir and the run,
 initialises and prepares the drafter from --seed, takes their leases, reads a checkpoint to resume), then starts the
 replicas. Each replica
 opens the run itself (a local folder on one machine, s3:// or gs:// across nodes), takes the prepared drafter and
 the target head from Ray's object store (the target folder need not exist on other nodes) and runs
-training.trainer.train_loop with training.replicas.TorchDistributed: its share of each global batch (--workers x
+training.loop.Loop with training.replicas.TorchDistributed: its share of each global batch (--workers x
 --batch-tokens), gradients averaged by DDP and weighted by loss tokens, the same optimizer and schedule as one
 process.
 
@@ -24,32 +29,30 @@ training without restarts, with its message.
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import threading
-import time
 import uuid
 from typing import Any
 
+import torch
+
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster
 from connectors.lease import LeaseLost
+from jobs.fanout import train_fanout
+from jobs.live import train_online
+from jobs.train_config import TrainJobConfig
 from jobs.worker import own_temp_folder
-from training.trainer import (
-    CheckedFeed,
-    Checkpoints,
-    TrainDrafterConfig,
-    TrainingStopped,
-    checkpoint_folder,
-    finish,
-    load_checkpoint,
-    open_dataset,
-    prepare_training,
-    read_checkpoint,
-    run_identity,
-    train_loop,
-)
-from training.trainer import train_drafter as train_in_process
+from training.checkpoint import Checkpoints, read_checkpoint, run_identity
+from training.checks import open_dataset
+from training.feed import CheckedFeed, RunBatches, TrainingStopped
+from training.loop import Loop
+from training.replicas import TorchDistributed
+from training.train_config import TrainDrafterConfig, checkpoint_folder
+from training.trainer import StoredRun, Trainer
 
 logger = logging.getLogger(__name__)
+
 
 class ReplicasFailed(RuntimeError):
     """The replicas kept dying (more than --max-failures restarts); the message says the last reason."""
@@ -60,60 +63,26 @@ _FATAL = {"TrainingStopped": TrainingStopped, "LeaseLost": LeaseLost, "ValueErro
 
 
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
-    """Train `config.kind` on `config.run`: in this process (--workers 1, no --address) or as --workers replicas on
-    Ray. The report (training.trainer's, plus "workers" and "worker_restarts"), also in OUT/report.json. --online:
-    jobs.online.train_online (a live extraction feeds the trainer)."""
-    if config.online:
-        from jobs.online import train_online
+    """Train `config.kind`: in this process on a stored run, or (a TrainJobConfig's --online, --fanout, --workers,
+    --address) on Ray. The report (training.trainer's; on Ray Train plus "worker_restarts", --online plus "online";
+    --fanout: jobs.fanout.train_fanout's), also in OUT/report.json."""
+    if isinstance(config, TrainJobConfig):
+        if config.online and config.fanout:
+            return train_fanout(config)
+        if config.online:
+            return train_online(config)
+        if config.distributed():
+            return train_on_ray(config)
+    return Trainer(config, StoredRun(config)).run()
 
-        return train_online(config)
-    if not config.distributed():
-        return train_in_process(config)
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    started = time.monotonic()
-    out, ds, target, identity, drafter, snapshot = prepare_training(config)
+def train_on_ray(config: TrainJobConfig) -> dict[str, Any]:
+    """The training session with its steps on --workers replicas on Ray Train (see the module docstring)."""
+    replicas = RayTrain(config)
+    trainer = Trainer(config, StoredRun(config), replicas)  # every check before Ray starts
     with ray_cluster(config.address) as local:
-        gpus = _gpus(config)
-        _check_fits(config, gpus, local)
-        with out.open():
-            state = load_checkpoint(checkpoint_folder(config), config, identity)
-            if state is None:
-                drafter.prepare(CheckedFeed(ds, skip=config.skip_bad_samples))
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            keeper = ray.remote(num_cpus=0, max_restarts=0)(_Keeper).options(scheduling_strategy=here).remote(
-                config, (state or {}).get("sample_log_bytes", 0))
-            storage = own_temp_folder(STORAGE_PREFIX)  # Ray Train's records; our checkpoints: OUT
-            done = threading.Event()
-            threading.Thread(target=_watch_lease, args=(out, keeper, done), daemon=True).start()
-            try:
-                trainer = TorchTrainer(
-                    _replica, train_loop_config={
-                        "config": config, "keeper": keeper, "identity": identity, "gpus": gpus,
-                        "drafter": ray.put(drafter.cpu()), "target": ray.put(target)},
-                    scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=gpus > 0,
-                                                 resources_per_worker={"CPU": 1, **({"GPU": gpus} if gpus else {})}),
-                    run_config=RunConfig(name=f"hsx-train-{uuid.uuid4().hex[:8]}", storage_path=storage,
-                                         failure_config=FailureConfig(max_failures=config.max_failures)))
-                try:
-                    trainer.fit()
-                except Exception as e:  # Ray Train's TrainingFailedError and the like: say what the replicas said
-                    stopped = ray.get(keeper.stopped.remote())
-                    if stopped is not None:
-                        raise _FATAL[stopped[0]](stopped[1]) from None
-                    raise ReplicasFailed(f"the {config.workers} training replicas failed (restarted up to "
-                                       f"--max-failures {config.max_failures} times): {first_line(e)}") from e
-                restarts = ray.get(keeper.starts.remote()) - 1
-            finally:
-                done.set()
-                shutil.rmtree(storage, ignore_errors=True)
-            final = read_checkpoint(checkpoint_folder(config), config.storage_options)
-            return finish(config, out, drafter, final, ds, identity, started,
-                          resumed_from=state["step"] if state is not None else None, worker_restarts=restarts,
-                          snapshot=snapshot)
+        replicas.check_fits(local)
+        return trainer.run()
 
 
 STORAGE_PREFIX = "hsx-train-"
@@ -121,7 +90,65 @@ STORAGE_PREFIX = "hsx-train-"
 and by the next driver on the machine when it was killed before."""
 
 
-def _gpus(config: TrainDrafterConfig) -> float:
+class RayTrain:
+    """Where a session's steps run on Ray Train (a training.trainer.Replicas): --workers replicas (TorchTrainer),
+    checkpoints written by a keeper actor on the driver's node."""
+
+    def __init__(self, config: TrainJobConfig) -> None:
+        self.config = config
+        self.gpus = 0.0
+
+    def check_fits(self, local: bool) -> None:
+        """The GPUs each replica takes, and whether the cluster has room for the replicas (raises when a local one
+        has not)."""
+        self.gpus = _gpus(self.config)
+        _check_fits(self.config, self.gpus, local)
+
+    def train(self, session: Trainer, state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        config = self.config
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        keeper = ray.remote(num_cpus=0, max_restarts=0)(_Keeper).options(scheduling_strategy=here).remote(
+            config, (state or {}).get("sample_log_bytes", 0))
+        storage = own_temp_folder(STORAGE_PREFIX)  # Ray Train's records; our checkpoints: OUT
+        done = threading.Event()
+        threading.Thread(target=_watch_lease, args=(session.out, keeper, done), daemon=True).start()
+        try:
+            restarts = self._fit(session, keeper, storage)
+        finally:
+            done.set()
+            shutil.rmtree(storage, ignore_errors=True)
+        return read_checkpoint(checkpoint_folder(config), config.storage_options), {"worker_restarts": restarts}
+
+    def _fit(self, session: Trainer, keeper, storage: str) -> int:
+        """Run the replicas to the end; the restarts they took. The error a replica recorded, else ReplicasFailed."""
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        config, gpus = self.config, self.gpus
+        trainer = TorchTrainer(
+            _replica, train_loop_config={
+                "config": config, "keeper": keeper, "identity": session.identity, "gpus": gpus,
+                "drafter": ray.put(session.drafter.cpu()), "target": ray.put(session.target)},
+            scaling_config=ScalingConfig(num_workers=config.workers, use_gpu=gpus > 0,
+                                         resources_per_worker={"CPU": 1, **({"GPU": gpus} if gpus else {})}),
+            run_config=RunConfig(name=f"hsx-train-{uuid.uuid4().hex[:8]}", storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=config.max_failures)))
+        try:
+            trainer.fit()
+        except Exception as e:  # Ray Train's TrainingFailedError and the like: say what the replicas said
+            stopped = ray.get(keeper.stopped.remote())
+            if stopped is not None:
+                raise _FATAL[stopped[0]](stopped[1]) from None
+            raise ReplicasFailed(f"the {config.workers} training replicas failed (restarted up to "
+                                 f"--max-failures {config.max_failures} times): {first_line(e)}") from e
+        return ray.get(keeper.starts.remote()) - 1
+
+
+def _gpus(config: TrainJobConfig) -> float:
     gpus = config.gpus_per_worker
     if gpus is None:
         gpus = 0.0 if config.device == "cpu" else gpus_default()
@@ -133,7 +160,7 @@ def _gpus(config: TrainDrafterConfig) -> float:
     return float(gpus)
 
 
-def _check_fits(config: TrainDrafterConfig, gpus: float, local: bool) -> None:
+def _check_fits(config: TrainJobConfig, gpus: float, local: bool) -> None:
     import ray
 
     have = ray.cluster_resources()
@@ -163,7 +190,7 @@ class _Keeper:
     replicas that (re)start, and the error that ended the training, if a replica met one that restarts cannot
     mend."""
 
-    def __init__(self, config: TrainDrafterConfig, sample_log_bytes: int) -> None:
+    def __init__(self, config: TrainJobConfig, sample_log_bytes: int) -> None:
         self.config = config
         self.revoked: str | None = None
         self.fatal: tuple[str, str] | None = None
@@ -197,14 +224,9 @@ class _Keeper:
 
 def _replica(cfg: dict[str, Any]) -> None:
     """One replica (a Ray Train worker): its share of every step, from the keeper's last checkpoint."""
-    import random
-
     import ray
-    import torch
 
-    from training.replicas import TorchDistributed
-
-    config: TrainDrafterConfig = cfg["config"]
+    config: TrainJobConfig = cfg["config"]
     keeper = cfg["keeper"]
     stopped = ray.get(keeper.stopped.remote())
     if stopped is not None:  # a restart after an error that another start would meet again
@@ -229,8 +251,9 @@ def _replica(cfg: dict[str, Any]) -> None:
         def save(current: dict[str, Any], logged: list[dict[str, Any]]) -> None:
             ray.get(keeper.save.remote(current, logged))
 
-        train_loop(config, CheckedFeed(ds, skip=config.skip_bad_samples), target, drafter, state, cfg["identity"],
-                   device, getattr(torch, config.dtype), replica, save)
+        source = RunBatches(config, CheckedFeed(ds, skip=config.skip_bad_samples), replica)
+        Loop(config, source, drafter, target, cfg["identity"], device, getattr(torch, config.dtype), replica,
+             save).run(state)
     except (TrainingStopped, LeaseLost, ValueError) as e:
         cause = getattr(e, "cause", None) or e  # a keeper call's error comes wrapped in Ray's RayTaskError
         kind = next(name for name, cls in _FATAL.items() if isinstance(cause, cls))

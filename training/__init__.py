@@ -6,13 +6,19 @@ for another trainer.
     collate.py     PadCollator, PackCollator: batches padded to the longest sample, or packed rows for varlen attention
     export/        export_run(output, dest, fmt): the run in speculators', SpecForge's or ModelOpt's on-disk layout
                    (`hsx export`), one module per layout
-    trainer.py     TrainDrafterConfig, train_drafter(config) -> report: `hsx train-drafter` for any registered family
-                   (checks before training, the checked feed, packed batches, resumable checkpoints, report.json);
-                   train_loop: the steps of one process or of one data-parallel replica (jobs/train.py starts those)
+    train_config.py  TrainDrafterConfig: one training's settings in this process (jobs/train_config.py adds Ray's)
+    checks.py      the checks before training: the target folder, the run, the layers --kind needs
+    feed.py        CheckedFeed (every item checked), BatchSource (what a source of batches offers), RunBatches
+    checkpoint.py  resumable checkpoints: atomic, durable writes, the resume checks, the sample-id log
+    loop.py        Loop: the optimizer steps of one process or of one data-parallel replica (jobs/train.py starts
+                   those): a step (forward, backward, finite guard) and its hooks (replica exchange, logging)
+    trainer.py     Trainer(config, data, replicas).run() -> report: one `hsx train-drafter` session for any
+                   registered family, whatever feeds it (a stored run here; jobs/: a live extraction, Ray Train)
     curves.py      Curves: the training's TensorBoard curves (a resumed training continues them)
     replicas.py    OneProcess / TorchDistributed: a replica's share of each global batch and its collectives
     evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
                    tokens/s, losslessness against plain greedy decoding
+    eval_result.py EvalResult, SpecDecodeCounts, check_lossless: what an evaluation finds, per method
     acceptance.py  what `hsx eval-drafter --out DIR` writes: acceptance.csv per method in the layout drafter
                    benchmarks publish, summary.csv, the acceptance-per-position plot
     plot_text.py   text from data drawn as it is in hsx's plots (no mathtext, no TeX, "_" labels kept): here

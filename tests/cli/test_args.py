@@ -128,14 +128,14 @@ def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
     from jobs.regenerate import RegenerateConfig
     from jobs.report import ReportConfig
+    from jobs.train_config import TrainJobConfig
     from jobs.verify import VerifyConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
     from training.export import ExportConfig
-    from training.trainer import TrainDrafterConfig
 
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
-            "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainDrafterConfig,
+            "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainJobConfig,
             "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig,
             "regenerate": RegenerateConfig, "report": ReportConfig}
 

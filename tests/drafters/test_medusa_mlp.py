@@ -381,7 +381,8 @@ def test_medusa_heads_start_as_the_targets_lm_head(run_batch, target):
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kind, tmp_path, oracle_run, tiny_llama,
                                                                               target, runner):
-    from training.trainer import TrainDrafterConfig, train_drafter
+    from jobs.train import train_drafter
+    from training.train_config import TrainDrafterConfig
 
     out = str(tmp_path / kind)
     report = train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=out, kind=kind, steps=6,
@@ -400,7 +401,8 @@ def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path, oracle_run, tiny_llama):
-    from training.trainer import TrainDrafterConfig, train_drafter
+    from jobs.train import train_drafter
+    from training.train_config import TrainDrafterConfig
 
     with pytest.raises(ValueError, match="bad family option"):
         train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,

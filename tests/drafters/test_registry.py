@@ -74,7 +74,7 @@ def test_an_unknown_kind_names_the_registered_families(tiny_llama, tmp_path):
     import re
 
     from drafters.registry import families
-    from training.trainer import TrainDrafterConfig
+    from training.train_config import TrainDrafterConfig
 
     assert {"eagle", "eagle3", "medusa", "mlp_speculator", "peagle", "dflash"} <= set(families())
     with pytest.raises(ValueError, match=re.escape(f"--kind 'nope' is not a drafter family; choose one of "

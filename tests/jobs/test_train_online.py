@@ -1,4 +1,4 @@
-"""`hsx train-drafter --online` (jobs/online.py): a drafter trained from a live extraction through Ray's object
+"""`hsx train-drafter --online` (jobs/live.py, jobs/fanout.py): a drafter trained from a live extraction through Ray's object
 store, nothing stored; the streamed states against a plain transformers forward; resume skips what was consumed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jobs.tiny_models import sample_text
-from training.trainer import TrainDrafterConfig
+from jobs.train_config import TrainJobConfig
 
 pytestmark = [pytest.mark.ray]
 
@@ -28,26 +28,25 @@ def corpus(tmp_path):
     return str(path), texts
 
 
-def _config(tiny_llama, corpus, out, **kw) -> TrainDrafterConfig:
+def _config(tiny_llama, corpus, out, **kw) -> TrainJobConfig:
     defaults = dict(online=True, model=tiny_llama, corpus=(corpus[0],), out=str(out), extract={"layers": "1,2,4"},
                     batch_tokens=64, draft_vocab_size=48, lr=3e-3, device="cpu", progress=False,
                     log_sample_ids=True, checkpoint_every=2)
-    return TrainDrafterConfig(**{**defaults, **kw})
+    return TrainJobConfig(**{**defaults, **kw})
 
 
 def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, ray_cluster, tmp_path):
-    from jobs.online import LiveBatches, extraction_config, plan_stream
-
+    from jobs.live import LiveBatches, extraction_config, plan_stream
     from jobs.registry import DoneSet
     from tests.extractor.oracle import load_reference, reference_states
     from training.collate import PackCollator
-    from training.trainer import CheckedFeed
+    from training.feed import CheckedFeed
 
     config = _config(tiny_llama, corpus, tmp_path / "out")
     plan = plan_stream(extraction_config(config))
     assert plan.spec.layer_ids == LAYERS
     source = LiveBatches(config, plan, CheckedFeed(None, skip=False, spec=plan.spec), PackCollator(64), False, None)
-    items = list(source._items(DoneSet()))
+    items = list(source.items(DoneSet()))
     assert sorted(it["sample_id"] for it in items) == [f"p{i:02d}" for i in range(12)]
     ref = load_reference(tiny_llama)
     from transformers import AutoTokenizer
@@ -189,7 +188,7 @@ def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_pat
     from jobs.train import train_drafter
 
     with pytest.raises(ValueError, match="give --corpus FILES and no --run"):
-        TrainDrafterConfig(online=True, model=tiny_llama, out=str(tmp_path / "o"))
+        TrainJobConfig(online=True, model=tiny_llama, out=str(tmp_path / "o"))
     for bad, match in [
                        (dict(run="./run"), "no --run"),
                        (dict(workers=2), "one process"),

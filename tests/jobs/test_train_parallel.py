@@ -16,19 +16,20 @@ import pytest
 import torch
 
 from jobs.train import train_drafter
+from jobs.train_config import TrainJobConfig
 from tests.jobs.conftest import wait_for_file
-from training.trainer import TrainDrafterConfig
+from training.train_config import TrainDrafterConfig
 
 pytestmark = [pytest.mark.ray]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _config(oracle_run, tiny_llama, out, **kw) -> TrainDrafterConfig:
+def _config(oracle_run, tiny_llama, out, **kw) -> TrainJobConfig:
     defaults = dict(run=oracle_run[0], model=tiny_llama, out=str(out), kind="eagle3", steps=8, lr=3e-3,
                     batch_tokens=64, draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False,
                     log_sample_ids=True)
-    return TrainDrafterConfig(**{**defaults, **kw})
+    return TrainJobConfig(**{**defaults, **kw})
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -140,10 +141,8 @@ def test_replica_settings_are_checked_before_any_work(oracle_run, tiny_llama, tm
                        (dict(workers=2, device="cuda:1"), "use --gpus-per-worker")]:
         with pytest.raises(ValueError, match=match):
             _config(oracle_run, tiny_llama, tmp_path, **bad)
-    with pytest.raises(ValueError, match="call jobs.train.train_drafter"):
-        from training.trainer import train_drafter as in_process
-
-        in_process(_config(oracle_run, tiny_llama, tmp_path, workers=2))
+    with pytest.raises(TypeError, match="workers"):  # the in-process trainer's settings hold no Ray ones
+        TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), workers=2)
     assert not os.listdir(tmp_path)
 
 

@@ -168,7 +168,7 @@ def tree_digest(folder: str, *, dirs: bool = False) -> dict[str, str]:
 
 def small_train_config(run, model, out, **kw):
     """A TrainDrafterConfig of a few CPU steps on a small run (EAGLE-3 by default), `kw` over it."""
-    from training.trainer import TrainDrafterConfig
+    from training.train_config import TrainDrafterConfig
 
     defaults = dict(run=str(run), model=str(model), out=str(out), kind="eagle3", steps=2, lr=3e-3, batch_tokens=64,
                     draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)

@@ -1,4 +1,4 @@
-"""The drafter trainer (training/trainer.py) and `hsx train-drafter`: checks before training, the report,
+"""The drafter trainer (training/trainer.py and its modules) and `hsx train-drafter`: checks before training, the report,
 resume after a kill, exit codes."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from connectors import HiddenStatesSpec
+from jobs.train import train_drafter
 from tests.training.runs import random_samples, write_run
-from training.trainer import TrainDrafterConfig, train_drafter
+from training.train_config import TrainDrafterConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -186,7 +187,7 @@ def test_a_run_whose_model_fingerprint_differs_is_warned_about(oracle_run, tiny_
         run = tmp_path / name
         write_run(str(run), samples, spec, run_json=RunSpec.from_file_spec(spec, model_fingerprint=recorded))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="training.trainer"):
+        with caplog.at_level(logging.WARNING, logger="training.checks"):
             train_drafter(_config(oracle_run, tiny_llama, tmp_path / f"out-{name}", run=str(run), steps=1))
         assert ("records model fingerprint v2:0123456789abcdef" in caplog.text) is warned, caplog.text
         assert (fingerprint in caplog.text) is warned

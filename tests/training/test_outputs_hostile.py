@@ -15,9 +15,9 @@ import pytest
 from cli.args import EXIT_USAGE
 from connectors.lease import LeaseHeld, WriterLease
 from connectors.run import RunDir
+from jobs.train import train_drafter
 from tests.training.runs import small_train_config, tree_digest
-from training import trainer
-from training.trainer import TrainDrafterConfig, train_drafter
+from training.loop import Loop
 
 
 @pytest.fixture
@@ -39,13 +39,13 @@ def run_copy(oracle_run, tmp_path):
 def steps_taken(monkeypatch):
     """Calls of the training loop (the real one runs): a refused training must make none."""
     calls = []
-    loop = trainer.train_loop
+    run = Loop.run
 
-    def counting_loop(*args, **kwargs):
+    def counting_run(self, *args, **kwargs):
         calls.append(1)
-        return loop(*args, **kwargs)
+        return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_loop", counting_loop)
+    monkeypatch.setattr(Loop, "run", counting_run)
     return calls
 
 
@@ -103,13 +103,14 @@ def test_checkpoint_and_log_dirs_of_their_own_are_leased_for_the_training(oracle
 
 
 def test_fanout_trainers_sharing_one_checkpoint_dir_are_refused(tiny_llama, tmp_path):
-    from jobs.online import fanout_configs
+    from jobs.fanout import fanout_configs
+    from jobs.train_config import TrainJobConfig
 
     (tmp_path / "corpus.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     (tmp_path / "fanout.json").write_text(json.dumps([{"out": str(tmp_path / "a")}, {"out": str(tmp_path / "b")}]))
-    config = TrainDrafterConfig(model=str(tiny_llama), out=str(tmp_path / "a"), online=True,
-                                corpus=(str(tmp_path / "corpus.jsonl"),), fanout=str(tmp_path / "fanout.json"),
-                                checkpoint_dir=str(tmp_path / "shared"), draft_vocab_size=48)
+    config = TrainJobConfig(model=str(tiny_llama), out=str(tmp_path / "a"), online=True,
+                            corpus=(str(tmp_path / "corpus.jsonl"),), fanout=str(tmp_path / "fanout.json"),
+                            checkpoint_dir=str(tmp_path / "shared"), draft_vocab_size=48)
     with pytest.raises(ValueError, match=r"trainer 2 writes its checkpoint_dir to .*shared, as an earlier one does"):
         fanout_configs(config)
 

@@ -1,7 +1,13 @@
 """`hsx train-drafter --online`: a drafter trained from a live extraction, no files written.
 
-    train_online(config) -> report     the trainer (training.trainer.train_loop, one process) fed by LiveBatches
-    LiveBatches                         one pass over the corpus through `hsx run`'s stages, as packed batches
+    train_online(config) -> report     one training session (training.trainer.Trainer) fed by LiveStream
+    LiveStream(config, plan)           the session's data: checks against the stream's run spec, the corpus's tokens
+                                       for Drafter.prepare, LiveBatches, the stream's counts for report.json
+    LiveBatches                        one pass over the corpus through `hsx run`'s stages, as packed batches
+    StreamHub                          one live extraction feeding several trainers (--fanout: jobs/fanout.py)
+    CorpusTokens                       the corpus's tokens, tokenized here (EAGLE-3's draft vocabulary pass)
+    extraction_config / plan_stream / stream_identity   the `hsx run` settings, plan and identity of the stream
+    run_online(trainer) -> report      trainer.run(), a Ray error of the stream said as the extraction's failure
 
 The corpus goes through the same stages as `hsx run` (jobs/pipeline.py: readers, the sample registry, tokenization
 with chat loss masks, extraction workers with the job's layers, dtype and `max_tokens` / `include_output_tokens`
@@ -26,54 +32,55 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
-import time
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import fsspec
 import numpy as np
+import torch
 
 from cluster.session import first_line, ray_cluster
-from connectors.format import LOSS_MASK, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, TOKEN_IDS
-from connectors.manifest import OK, new_attempt_id, row_file_problem
+from connectors.format import HIDDEN_STATES, LOSS_MASK, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, TOKEN_IDS
+from connectors.manifest import OK, new_attempt_id, ok_rows, row_file_problem, sample_range
+from connectors.reader import read_rows
 from connectors.run import RunDir
+from drafters.base import TargetHead
 from jobs.config import JobConfig
 from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts
 from jobs.pipeline import (
     JobPlan,
-    _data_context,
-    _resolve_resources,
     build_dataset,
+    data_context,
+    execute_job,
     load_chat_template,
+    prepare_job,
     registry_stats,
+    resolve_resources,
     tokenize_settings,
     tokens_per_unit,
 )
 from jobs.records import records_table
 from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec
-from training.trainer import (
-    CheckedFeed,
-    Checkpoints,
-    TrainDrafterConfig,
-    check_layers,
-    checkpoint_folder,
-    finish,
-    load_checkpoint,
-    log_folder,
-    target_config,
-    torch_device,
-    train_loop,
-)
+from jobs.tokenization import TokenizeStage
+from jobs.train_config import TrainJobConfig
+from training.checks import check_layers, open_dataset, target_config
+from training.collate import PackCollator
+from training.feed import CheckedFeed, RunBatches
+from training.replicas import OneProcess
+from training.trainer import Checked, Trainer
 
 logger = logging.getLogger(__name__)
 
 MAX_FAILURES_KEPT = 100
 
 
-def extraction_config(config: TrainDrafterConfig) -> JobConfig:
+def extraction_config(config: TrainJobConfig) -> JobConfig:
     """The `hsx run` settings of --online's extraction: --model, --corpus and --extract's keys."""
     reserved = {"model", "corpus", "output", "progress", "address", "layout"} & set(config.extract)
     if reserved:
@@ -100,7 +107,7 @@ def plan_stream(job: JobConfig) -> JobPlan:
                    attempt=new_attempt_id())
 
 
-def stream_identity(plan: JobPlan, config: TrainDrafterConfig) -> dict[str, Any]:
+def stream_identity(plan: JobPlan, config: TrainJobConfig) -> dict[str, Any]:
     """What a resumed --online training must find unchanged: the run spec the stream's samples follow (model,
     layers, dtype, generation) and the corpus files' names and sizes."""
     doc = {k: v for k, v in plan.spec.to_json().items() if k != "created_at"}
@@ -118,10 +125,6 @@ class CorpusTokens:
         self.plan = plan
 
     def token_items(self) -> Iterator[dict[str, Any]]:
-        import torch
-
-        from jobs.tokenization import TokenizeStage
-
         c = self.plan.config
         stage = TokenizeStage(tokenize_settings(self.plan))
         every_token = c.include_output_tokens  # the loss goes to generated tokens: count the prompts' instead
@@ -137,14 +140,12 @@ class CorpusTokens:
 
 
 class LiveBatches:
-    """Packed batches of a live extraction, one pass over the corpus per epoch (a train_loop source)."""
+    """Packed batches of a live extraction, one pass over the corpus per epoch (a training.feed.BatchSource)."""
 
     per_epoch = None  # a live corpus has no known length
 
-    def __init__(self, config: TrainDrafterConfig, plan: JobPlan, feed: CheckedFeed, collate, local: bool,
+    def __init__(self, config: TrainJobConfig, plan: JobPlan, feed: CheckedFeed, collate, local: bool,
                  resumed: dict[str, Any] | None) -> None:
-        import fsspec
-
         self.config, self.plan, self.feed, self.collate, self.local = config, plan, feed, collate, local
         self.consumed = list(np.asarray((resumed or {}).get("consumed", np.zeros(0, np.uint64)), np.uint64))
         """Keys of the samples this epoch has trained on (a resumed stream skips them)."""
@@ -173,7 +174,7 @@ class LiveBatches:
         pending: list[dict[str, Any]] = []
         bad: list[tuple[str, str]] = []
         used = 0
-        items = self._pass_items(epoch, DoneSet(np.asarray(self.consumed, dtype=np.uint64)))
+        items = self.pass_items(epoch, DoneSet(np.asarray(self.consumed, dtype=np.uint64)))
         for item in shuffled(items, int(self.config.shuffle_mb * 2**20), random.Random(self.config.seed * 7919 + epoch)):
             if "bad" in item:
                 bad.append(item["bad"])
@@ -188,9 +189,9 @@ class LiveBatches:
             yield self._batch(pending, bad)
         self.passes += 1
 
-    def _pass_items(self, epoch: int, consumed: DoneSet) -> Iterator[dict[str, Any]]:
+    def pass_items(self, epoch: int, consumed: DoneSet) -> Iterator[dict[str, Any]]:
         """The training items of pass `epoch`, minus `consumed`."""
-        return self._cached_items(consumed) if self.config.cache else self._items(consumed)
+        return self._cached_items(consumed) if self.config.cache else self.items(consumed)
 
     def _batch(self, items: list[dict[str, Any]], bad: list[tuple[str, str]]):
         self._last = id_keys([it["sample_id"] for it in items] + [sid for sid, _ in bad]).tolist()
@@ -204,9 +205,6 @@ class LiveBatches:
 
     def _stored(self, epoch: int, done: int) -> Iterator[tuple[Any, list]]:
         """An epoch after the first of a --cache training: the stored run, as a training on --run reads it."""
-        from training.replicas import OneProcess
-        from training.trainer import RunBatches, open_dataset
-
         self._last = []
         feed = CheckedFeed(open_dataset(self.config, self.config.cache), skip=self.config.skip_bad_samples)
         yield from RunBatches(self.config, feed, OneProcess(), feed.collate(self.collate)).epoch(epoch, done)
@@ -215,12 +213,6 @@ class LiveBatches:
         """The first pass of a --cache training: `hsx run` into --cache (its manifest, checksums and resume), each
         committed sample read back from the run for training. A resumed pass first trains on what the run already
         holds and this epoch did not consume, then extracts the rest."""
-        import queue
-        import threading
-
-        from connectors.manifest import ok_rows
-        from jobs.pipeline import execute_job, prepare_job
-
         plan = prepare_job(self.plan.config)  # run.json written or checked, the cache's lease taken
         rows = queue.Queue(maxsize=4)  # batches of rows between the job and the trainer: the job waits when full
         stop = threading.Event()
@@ -274,8 +266,6 @@ class LiveBatches:
             thread.join()
 
     def _stored_item(self, plan: JobPlan, row: dict[str, Any]) -> dict[str, Any]:
-        from connectors.manifest import sample_range
-
         self.extracted += 1
         try:
             item = _read_item(plan.output.fs, plan.output.path(row["path"]), self.plan.spec, row,
@@ -284,13 +274,13 @@ class LiveBatches:
             return {"bad": (row["sample_id"], " ".join(str(e).split()))}
         return self.feed.check(item)
 
-    def _items(self, done: DoneSet) -> Iterator[dict[str, Any]]:
+    def items(self, done: DoneSet) -> Iterator[dict[str, Any]]:
         """The pass's samples as checked training items, in the order the workers finish them."""
         import ray
         import ray.data
 
         job = self.plan.config
-        gpus, cpus = _resolve_resources(job, self.local)
+        gpus, cpus = resolve_resources(job, self.local)
         registry = start_registry(done, job.registry_shards)
         ctx = ray.data.DataContext.get_current()
         saved = ctx.execution_options.resource_limits, ctx.execution_options.preserve_order
@@ -298,7 +288,7 @@ class LiveBatches:
             object_store_memory=int(self.config.inflight_mb * 2**20))
         ctx.execution_options.preserve_order = True  # the corpus's order: a training that can be repeated
         try:
-            with _data_context(tokens_per_unit(job, self.plan.spec)):
+            with data_context(tokens_per_unit(job, self.plan.spec)):
                 ds = build_dataset(self.plan, registry, gpus, cpus, self.plan.attempt, layout="online")
                 for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                     self.peak_inflight_bytes = max(self.peak_inflight_bytes, _store_bytes())
@@ -348,9 +338,6 @@ class StreamHub:
     END = object()
 
     def __init__(self, stream: LiveBatches, trainers: int, queue_items: int = 64) -> None:
-        import queue
-        import threading
-
         self.stream = stream
         self.queues = [queue.Queue(maxsize=queue_items) for _ in range(trainers)]
         self.resumed: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, np.uint64))] * trainers
@@ -387,7 +374,7 @@ class StreamHub:
                     epoch, consumed = self.resumed[i]
                     keys = set(consumed.tolist()) if epoch == p else set()
                     skip = keys if skip is None else skip & keys
-                for item in self.stream._items(DoneSet(np.asarray(sorted(skip), dtype=np.uint64))):
+                for item in self.stream.items(DoneSet(np.asarray(sorted(skip), dtype=np.uint64))):
                     for i in needing:
                         self._put(i, (p, item))
                 for i in needing:
@@ -399,7 +386,6 @@ class StreamHub:
             raise
 
     def _put(self, i: int, what) -> None:
-        import queue
 
         while self.active[i]:
             try:
@@ -410,7 +396,6 @@ class StreamHub:
 
     def items(self, i: int, epoch: int) -> Iterator[dict[str, Any]]:
         """Trainer i's items of pass `epoch`."""
-        import queue
 
         with self._changed:
             self.asking[i] = epoch
@@ -426,22 +411,6 @@ class StreamHub:
                 return
             yield item
 
-
-class FanoutBatches(LiveBatches):
-    """One --fanout trainer's batches: its share of the hub's stream, packed to its own --batch-tokens."""
-
-    def __init__(self, config: TrainDrafterConfig, hub: StreamHub, i: int, collate,
-                 resumed: dict[str, Any] | None) -> None:
-        super().__init__(config, hub.stream.plan, hub.stream.feed, collate, hub.stream.local, resumed)
-        self.hub, self.i = hub, i
-        hub.resume(i, self.epoch_of_consumed, np.asarray(self.consumed, dtype=np.uint64))
-
-    def _pass_items(self, epoch: int, consumed: DoneSet) -> Iterator[dict[str, Any]]:
-        for item in self.hub.items(self.i, epoch):
-            sid = item["bad"][0] if "bad" in item else item["sample_id"]
-            if not consumed.contains(id_keys([sid]))[0]:
-                self.extracted += 1
-                yield item
 
 
 class _Stopped(Exception):
@@ -474,9 +443,6 @@ def _item_bytes(item: dict[str, Any]) -> int:
 def _read_item(fs, path: str, spec, row: dict[str, Any], max_length: int,
                byte_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """A streamed sample's file read as the training feed reads a stored one (training.dataset's raw layout)."""
-    from connectors.format import HIDDEN_STATES
-    from connectors.reader import read_rows
-
     names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) + (
         (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if spec.target_top_k is not None else ())
     info, tensors = read_rows(fs, path, max_length, verify=True, names=names, byte_range=byte_range)
@@ -504,163 +470,60 @@ def _store_bytes() -> int:
     return int(max(0, total - free))
 
 
-class _Trained:
-    """What finish() reports of the data of an --online training (it has no dataset)."""
 
-    def __init__(self, spec, samples: int) -> None:
-        self.run_info, self.samples = spec, samples
+class LiveStream:
+    """--online's data (a training.trainer.TrainingData): the stream's run spec checked against --kind and the
+    target before any stream starts, the corpus's tokens for Drafter.prepare, the batches (`make_batches`, given
+    once the Ray cluster is up), the stream's counts for report.json."""
 
-    def __len__(self) -> int:
-        return self.samples
+    def __init__(self, config: TrainJobConfig, plan: JobPlan) -> None:
+        self.config, self.plan = config, plan
+        self.make_batches: Callable[[CheckedFeed, Any, dict[str, Any] | None], LiveBatches] | None = None
+        """(feed, collate, resumed source state) -> the batches: LiveBatches, or a --fanout trainer's share."""
+        self.live: LiveBatches | None = None
 
-
-class _OnlineTrainer:
-    """One drafter trained from the stream: checked and initialised before any stream starts."""
-
-    def __init__(self, config: TrainDrafterConfig, plan: JobPlan) -> None:
-        import torch
-
-        from drafters.base import TargetHead
-        from drafters.registry import drafter_class
-
-        self.started = time.monotonic()
-        self.config, self.plan, self.spec = config, plan, plan.spec
-        self.out = config.output_folder()
-        self.out.check()
-        target_config(config.model)
-        check_layers(config, self.spec, "--online's extraction", "add \"layers\": \"{ids}\" to --extract")
-        self.identity = stream_identity(plan, config)
-        self.target = TargetHead.from_model_dir(config.model)
-        torch.manual_seed(config.seed)
-        try:
-            cls = drafter_class(config.kind)
-            self.drafter = cls.for_run(self.spec, self.target, config.drafts_per_step(cls), **config.drafter_options())
-        except TypeError as e:
-            raise ValueError(f"--kind {config.kind}: bad family option ({e}); see the family's config for its "
-                             "fields") from e
-
-    def run(self, make_source) -> dict[str, Any]:
-        """Train under --out's lease; `make_source(feed, collate, resumed source state)` gives the batches."""
-        import torch
-
-        from training.collate import PackCollator
-        from training.replicas import OneProcess
-
+    def check(self) -> Checked:
         c = self.config
-        device, dtype = torch_device(c.device), getattr(torch, c.dtype)
-        with self.out.open():
-            state = load_checkpoint(checkpoint_folder(c), c, self.identity)
-            feed = CheckedFeed(None, skip=c.skip_bad_samples, spec=self.spec)
-            collate = PackCollator(c.batch_tokens, pad_to_max=False, overlong="truncate")
-            source = make_source(feed, collate, state.get("source") if state else None)
-            if state is None:
-                self.drafter.prepare(CorpusTokens(self.plan))
-            try:
-                final = train_loop(c, feed, self.target, self.drafter, state, self.identity, device, dtype,
-                                   OneProcess(), Checkpoints(c, self.out.check_lease, state).save,
-                                   progress=c.progress, source=source, spec=self.spec)
-            except Exception as e:
-                import ray
+        target_config(c.model)
+        check_layers(c, self.plan.spec, "--online's extraction", "add \"layers\": \"{ids}\" to --extract")
+        identity = stream_identity(self.plan, c)
+        return Checked(self.plan.spec, TargetHead.from_model_dir(c.model), identity)
 
-                if isinstance(e, ray.exceptions.RayError):
-                    raise RuntimeError(f"the online extraction failed: {first_line(e)}") from e
-                raise
-            online = {"extracted": source.extracted, "failed": source.failed, "passes": source.passes,
-                      "target_forwards": source.target_forwards, "inflight_mb": c.inflight_mb,
-                      "peak_object_store_bytes": source.peak_inflight_bytes,
-                      "failures": dict(list(source.failures.items())[:20])}
-            return finish(c, self.out, self.drafter, final, _Trained(self.spec, source.extracted), self.identity,
-                          self.started, resumed_from=state["step"] if state is not None else None, online=online)
+    def vocabulary(self) -> CorpusTokens:
+        return CorpusTokens(self.plan)
+
+    def batches(self, replica, resumed: dict[str, Any] | None) -> LiveBatches:
+        assert self.make_batches is not None, "make_batches is set once the Ray cluster is up"
+        feed = CheckedFeed(None, skip=self.config.skip_bad_samples, spec=self.plan.spec)
+        collate = PackCollator(self.config.batch_tokens, pad_to_max=False, overlong="truncate")
+        self.live = self.make_batches(feed, collate, resumed)
+        return self.live
+
+    def report(self) -> tuple[int, dict[str, Any]]:
+        live, c = self.live, self.config
+        online = {"extracted": live.extracted, "failed": live.failed, "passes": live.passes,
+                  "target_forwards": live.target_forwards, "inflight_mb": c.inflight_mb,
+                  "peak_object_store_bytes": live.peak_inflight_bytes,
+                  "failures": dict(list(live.failures.items())[:20])}
+        return live.extracted, {"online": online}
 
 
-def train_online(config: TrainDrafterConfig) -> dict[str, Any]:
-    """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
-    samples extracted and failed, passes, the target's forward count, the peak of the object store). With
-    --fanout: train_fanout's report."""
-    if config.fanout:
-        return train_fanout(config)
-    plan = plan_stream(extraction_config(config))
-    trainer = _OnlineTrainer(config, plan)
-    with ray_cluster(config.address) as local:
-        return trainer.run(lambda feed, collate, resumed: LiveBatches(config, plan, feed, collate, local, resumed))
-
-
-FANOUT_FIXED = ("model", "corpus", "extract", "online", "cache", "fanout", "address", "inflight_mb", "workers",
-                "gpus_per_worker", "max_failures", "run")
-"""Settings every --fanout trainer shares (the stream's); an entry may set any other, and must set its own out."""
-
-
-def fanout_configs(config: TrainDrafterConfig) -> list[TrainDrafterConfig]:
-    """The trainers of --fanout FILE: a YAML or JSON list of settings (or {"trainers": [...]}), each over the
-    command's own."""
-    import dataclasses
-
-    import fsspec
-    import yaml
+def run_online(trainer: Trainer) -> dict[str, Any]:
+    """trainer.run(); a Ray error (of the stream) is said as the online extraction's failure."""
+    import ray
 
     try:
-        with fsspec.open(config.fanout, "rt", encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"--fanout {config.fanout}: cannot be read ({first_line(e)})") from e
-    entries = doc.get("trainers") if isinstance(doc, dict) else doc
-    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-        raise ValueError(f"--fanout {config.fanout} must list the trainers: a list of settings (or trainers: [...]), "
-                         "each a mapping with its own out")
-    fields = {f.name for f in dataclasses.fields(TrainDrafterConfig)}
-    configs, outs = [], set()
-    for n, entry in enumerate(entries, 1):
-        unknown = sorted(set(entry) - fields)
-        fixed = sorted(set(entry) & set(FANOUT_FIXED))
-        if unknown or fixed or "out" not in entry:
-            why = (f"unknown settings {unknown}" if unknown else f"{fixed} are the stream's, shared by every trainer"
-                   if fixed else "no out (each trainer writes its own folder)")
-            raise ValueError(f"--fanout {config.fanout}: trainer {n}: {why}")
-        c = dataclasses.replace(config, fanout=None, **entry)
-        for flag, path in (("out", c.out), ("checkpoint_dir", checkpoint_folder(c)), ("log_dir", log_folder(c))):
-            where = path if "://" in path else os.path.realpath(path)
-            if where in outs:
-                raise ValueError(f"--fanout {config.fanout}: trainer {n} writes its {flag} to {path}, as an earlier "
-                                 f"one does; give each trainer its own {flag} (or leave it to the default in its out)")
-            outs.add(where)
-        configs.append(c)
-    if config.cache:
-        raise ValueError("--fanout with --cache is not supported yet: train the trainers on the cached run instead")
-    return configs
+        return trainer.run()
+    except ray.exceptions.RayError as e:
+        raise RuntimeError(f"the online extraction failed: {first_line(e)}") from e
 
 
-def train_fanout(config: TrainDrafterConfig) -> dict[str, Any]:
-    """Several drafters trained from one live extraction (--fanout): the target runs once per sample and pass for
-    all of them. {"trainers": [report or {"out", "error"}], "online": the stream's counts}; a trainer that fails does
-    not stop the others."""
-    import threading
-
-    configs = fanout_configs(config)
+def train_online(config: TrainJobConfig) -> dict[str, Any]:
+    """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
+    samples extracted and failed, passes, the target's forward count, the peak of the object store)."""
     plan = plan_stream(extraction_config(config))
-    trainers = [_OnlineTrainer(c, plan) for c in configs]  # every check before the stream starts
-    reports: list[dict[str, Any] | None] = [None] * len(trainers)
+    stream = LiveStream(config, plan)
+    trainer = Trainer(config, stream)  # every check before the stream starts
     with ray_cluster(config.address) as local:
-        stream = LiveBatches(config, plan, CheckedFeed(None, skip=config.skip_bad_samples, spec=plan.spec), None,
-                             local, None)
-        hub = StreamHub(stream, len(trainers))
-
-        def work(i: int) -> None:
-            try:
-                reports[i] = trainers[i].run(lambda feed, collate, resumed: FanoutBatches(
-                    configs[i], hub, i, collate, resumed))
-            except Exception as e:  # noqa: BLE001 - reported with the trainer's out; the others go on
-                logger.error("fan-out trainer %d (%s) failed: %s", i + 1, configs[i].out, first_line(e))
-                reports[i] = {"out": configs[i].out, "error": f"{type(e).__name__}: {first_line(e)}"}
-            finally:
-                hub.finished(i)
-
-        threads = [threading.Thread(target=work, args=(i,), name=f"hsx-fanout-{i + 1}") for i in range(len(configs))]
-        for t in threads:
-            t.start()
-        try:
-            hub.run()
-        finally:
-            for t in threads:  # a stream that failed ends every trainer's wait (hub.error)
-                t.join()
-    return {"trainers": reports, "online": {"passes": stream.passes, "target_forwards": stream.target_forwards,
-                                            "failed": stream.failed, "peak_object_store_bytes": stream.peak_inflight_bytes}}
+        stream.make_batches = lambda feed, collate, resumed: LiveBatches(config, plan, feed, collate, local, resumed)
+        return run_online(trainer)
