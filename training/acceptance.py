@@ -31,10 +31,11 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # evaluate.py's run_eval imports this module
-    from training.evaluate import EvalResult, SpecDecodeCounts
+from connectors.csvfile import csv_bytes
+from connectors.outputs import write_output_file
+from training.eval_result import EvalResult, SpecDecodeCounts
+from training.plot_text import figure, legend_label, literal_text, png
 
 ACCEPTANCE_COLUMNS = ("subset", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length")
 """acceptance.csv's leading columns; acceptance_at_pos_0 .. _{k-1} follow."""
@@ -125,9 +126,7 @@ def acceptance_figure(results: Sequence[EvalResult]):
     """The figure of plot_acceptance (a matplotlib Figure on Agg's canvas), or None when no speculative method ran.
     Labels (a drafter's folder name among them) are drawn as they are: `x$_$` is no math, `_hidden` is not left out
     of the legend (training/plot_text.py)."""
-    from matplotlib.ticker import MaxNLocator
-
-    from training.plot_text import figure, legend_label, literal_text
+    from matplotlib.ticker import MaxNLocator  # matplotlib loads when a plot is drawn
 
     lines = [(label, r.acceptance_per_position) for r, label in zip(results, method_labels(results))
              if has_acceptance(r)]
@@ -150,8 +149,6 @@ def acceptance_figure(results: Sequence[EvalResult]):
 def plot_acceptance(results: Sequence[EvalResult]) -> bytes | None:
     """A PNG of acceptance per position (x: position 0..k-1, y: drafts whose token there was accepted / drafts), one
     line per speculative method that ran; None when there is none."""
-    from training.plot_text import png
-
     fig = acceptance_figure(results)
     return None if fig is None else png(fig, dpi=120)
 
@@ -161,9 +158,6 @@ def write_eval_outputs(folder: str, results: Sequence[EvalResult]) -> list[str]:
     (checked and taken by the caller: connectors.outputs); method folders an earlier run of this command left that
     this one does not write are removed. Returns the paths written, acceptance files first. The plot is
     write_eval_plot's, called after: a figure that cannot be drawn never costs the numbers."""
-    from connectors.csvfile import csv_bytes
-    from connectors.outputs import write_output_file
-
     written = []
     slugs = method_slugs(results)
     for r, slug in zip(results, slugs):
@@ -189,13 +183,11 @@ def write_eval_outputs(folder: str, results: Sequence[EvalResult]) -> list[str]:
 def write_eval_plot(folder: str, results: Sequence[EvalResult]) -> str | None:
     """DIR/acceptance_per_position.png: its path, or None when no speculative method ran. An earlier run's plot is
     removed first, so a plot that cannot be drawn (this raises then) never leaves another evaluation's picture."""
-    from connectors.outputs import write_output_file
-
     path = os.path.join(folder, PLOT_PNG)
     if os.path.isfile(path):
         os.remove(path)
-    png = plot_acceptance(results)
-    if png is None:
+    picture = plot_acceptance(results)
+    if picture is None:
         return None
-    write_output_file(path, png)
+    write_output_file(path, picture)
     return path

