@@ -217,7 +217,7 @@ def tokenize_settings(plan: JobPlan) -> TokenizeSettings:
 def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str,
                   layout: str | None = None):
     """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA); `attempt` names the
-    shards its workers write (--layout sharded). `layout` "online" (jobs/online.py): rows carry each sample's file
+    shards its workers write (--layout sharded). `layout` "online" (jobs/live.py): rows carry each sample's file
     bytes instead (worker.ONLINE_SCHEMA), nothing is stored."""
     import ray.data
 
@@ -299,7 +299,7 @@ def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
 def execute_job(plan: JobPlan, on_batch=None) -> JobResult:
     """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back.
     `on_batch(rows)` sees every batch of rows once it is handed to the manifest writer (a trainer reading the run as
-    it is written: jobs/online.py); an exception it raises stops the job, the rows received are committed."""
+    it is written: jobs/live.py); an exception it raises stops the job, the rows received are committed."""
     attempt = plan.attempt or new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()

@@ -64,7 +64,7 @@ class WorkerSettings:
     layout: str = "files"
     """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards);
     "online": nothing stored, each sample's file bytes returned in the row's `payload` (ONLINE_SCHEMA) for a trainer
-    that reads the stream (jobs/online.py)."""
+    that reads the stream (jobs/live.py)."""
     attempt: str = ""
     """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
 
