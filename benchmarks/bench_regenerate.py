@@ -39,9 +39,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from jobs.regenerate import RegenerateConfig, regenerate
+    from jobs.regenerate import regenerate
+    from jobs.regenerate_config import RegenerateConfig
     from jobs.tiny_models import build_tiny_model, sample_text
-    from tests.serve.conftest import API_KEY, ServeProcess
+    from tests.serving import API_KEY, ServeProcess
 
     work = args.work or tempfile.mkdtemp(prefix="hsx-bench-regenerate-")
     model = build_tiny_model("llama", os.path.join(work, "model"), hidden_size=args.hidden_size,

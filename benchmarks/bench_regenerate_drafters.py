@@ -63,10 +63,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from connectors.run import read_run_spec
-    from jobs.regenerate import RegenerateConfig, regenerate
+    from jobs.regenerate import regenerate
+    from jobs.regenerate_config import RegenerateConfig
     from jobs.train import train_drafter
     from jobs.train_config import TrainJobConfig
-    from tests.serve.conftest import API_KEY, ServeProcess
+    from tests.serving import API_KEY, ServeProcess
 
     target, work, corpus, engine_run, timings = regenerated_run(args)
     layers = tuple(read_run_spec(engine_run).layer_ids)

@@ -178,7 +178,7 @@ def main() -> None:
     from extractor import LLM
     from jobs.tiny_models import build_tiny_model
     from tests.extractor.conftest import spec_config
-    from tests.serve.conftest import ServeProcess
+    from tests.serving import ServeProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=256)

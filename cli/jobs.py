@@ -34,7 +34,7 @@ def register(sub) -> None:
     add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
                 description="Counts by sample (ok, failed, skipped), tokens and bytes, failure and skip reasons; "
                             "of an extraction run or of a corpus of hsx regenerate.")
-    from jobs.regenerate import REASONING, RegenerateConfig
+    from jobs.regenerate_config import REASONING, RegenerateConfig
 
     add_command(sub, "regenerate", RegenerateConfig, _cmd_regenerate, choices={"reasoning": REASONING},
                 help="the target's own answers from OpenAI-compatible servers (vLLM, SGLang, hsx serve), as a corpus",
@@ -98,7 +98,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
     from connectors.lease import LeaseHeld
-    from jobs.regenerate import RegenerateConfig, execute_regeneration, prepare_regeneration
+    from jobs.regenerate import execute_regeneration, prepare_regeneration
+    from jobs.regenerate_config import RegenerateConfig
 
     config: RegenerateConfig = config_from_args(args, RegenerateConfig)
     try:
@@ -169,7 +170,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     config: StatusConfig = config_from_args(args, StatusConfig)
     output = RunDir(config.output, config.storage_options)
-    from jobs.regenerate import read_spec
+    from jobs.corpus_regenerated import read_spec
 
     try:
         regenerated = read_spec(output)

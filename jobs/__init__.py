@@ -8,7 +8,8 @@ cluster.session's. In pipeline order:
     corpus.py        corpus files -> records (any fsspec URL, globs; a reader per format); bad lines -> failed records
     corpus_jsonl.py  the JSONL reader (compressed, JSON arrays, broken streams)
     corpus_parquet.py the Parquet reader (row batches, non-UTF-8 cells)
-    corpus_regenerated.py a folder of `hsx regenerate` read as records: committed ones only, through its manifest
+    corpus_regenerated.py the regenerated corpus (`hsx regenerate`'s OUTPUT), its one owner: regenerate.json, the
+                     part writer, orphans; read as records: committed ones only, through its manifest
     records.py       CorpusFile, Record, sample ids and the text rules every reader applies
     registry.py      SampleRegistry actor: skip committed ids, fail duplicate ids
     chat.py          chat records -> ids + assistant loss mask, for any chat template
@@ -28,7 +29,9 @@ cluster.session's. In pipeline order:
     fanout.py        `hsx train-drafter --online --fanout`: several drafters trained from one live extraction
     regenerate.py    `hsx regenerate` (and `hsx run --regenerate-with`): the target's answers from OpenAI-compatible
                      servers as a new corpus, exactly once
-    answers.py       what a server's answer must be before hsx regenerate keeps it: bounded, ids against the text
+    regenerate_config.py RegenerateConfig: `hsx regenerate`'s settings, the pool's and regenerate.json's share
+    regenerator.py   one record regenerated through the pool: turn replay, the record assembled, its Outcome
+    answers.py       a server's answer: read bounded, parsed into a Turn, its ids checked against its text
     server_pool.py   the OpenAI-server pool hsx regenerate sends requests to: slots, set-aside, back-off, retries
     demo.py          `hsx demo`: tiny model + corpus + a real run, no downloads
     tiny_models.py   small random models + a locally trained tokenizer: the demo's, the tests' and the benchmarks'

@@ -1,9 +1,13 @@
-"""What a server's answer must be before `hsx regenerate` keeps its record (jobs/regenerate.py): a server is a peer
-the job does not control, so its bytes are bounded and its token ids are checked against what was asked and what it
-said.
+"""A server's answer as `hsx regenerate` reads it (jobs/regenerate.py), and what it must be before its record is
+kept: a server is a peer the job does not control, so its bytes are bounded, its JSON is read into a Turn only where
+it has an OpenAI completion's shape, and its token ids are checked against what was asked and what it said.
 
     answer_cap(max_tokens, max_answer_bytes) -> int     the most bytes of one answer read (--max-answer-bytes)
     read_bounded(response, cap) -> bytes | None         an aiohttp response's body, or None once it passes cap
+    parse_completion(doc) / parse_chat(doc) -> Turn     a /v1/completions or /v1/chat/completions answer: text, the
+                                                        prompt's and the generated token ids (None where the server
+                                                        returns none), finish reason, reasoning, tool calls;
+                                                        NotAnAPI where it is not shaped as OpenAI's
     load_tokenizer(name, revision, trust_remote_code)   --tokenizer, loaded (ValueError with the fix)
     ids_problem(ids, max_tokens, tokenizer)             why ids cannot be the answer's (too many, not in the
                                                         vocabulary), or None
@@ -21,6 +25,7 @@ must be in the ids).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 ANSWER_FLOOR_BYTES = 8 << 20
@@ -51,6 +56,63 @@ async def read_bounded(response: Any, cap: int) -> bytes | None:
         if len(body) > cap:
             return None
     return bytes(body)
+
+
+# -- what the answer says ---------------------------------------------------------------------------------------
+
+
+class NotAnAPI(Exception):
+    """An answer that is not an OpenAI API's."""
+
+
+
+@dataclass
+class Turn:
+    """One answer: its text, the prompt's and the generated token ids (None: the server returned none), why it
+    stopped, and a chat answer's reasoning and tool calls."""
+
+    text: str
+    prompt_ids: list[int] | None
+    ids: list[int] | None
+    finish_reason: str | None
+    reasoning: str | None = None
+    tool_calls: list | None = None
+
+
+def _ids(value: Any, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise NotAnAPI(f"{what} is not a list of token ids")
+    return value
+
+
+def parse_completion(doc: dict[str, Any]) -> Turn:
+    choice = doc["choices"][0]
+    if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
+        raise NotAnAPI("the completion's choices[0].text is not a string")
+    return Turn(choice["text"], _ids(choice.get("prompt_token_ids"), "prompt_token_ids"),
+                _ids(choice.get("token_ids"), "token_ids"), choice.get("finish_reason"))
+
+
+def parse_chat(doc: dict[str, Any]) -> Turn:
+    choice = doc["choices"][0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise NotAnAPI("the chat completion's choices[0].message is not an object")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise NotAnAPI("the chat completion's message content is not a string")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    return Turn(content or "", _ids(doc.get("prompt_token_ids"), "prompt_token_ids"),
+                _ids(choice.get("token_ids"), "token_ids"), choice.get("finish_reason"),
+                reasoning if isinstance(reasoning, str) and reasoning else None,
+                message.get("tool_calls") or None)
+
+
+
+# -- whether it can be kept --------------------------------------------------------------------------------------
 
 
 def load_tokenizer(name: str | None, revision: str | None = None, trust_remote_code: bool = False) -> Any | None:

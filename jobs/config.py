@@ -184,8 +184,8 @@ class JobConfig(EngineOptions):
         return {**super().connector_settings(), "write_retry_s": float(self.storage_retry_seconds)}
 
     def regenerate_config(self):
-        """hsx regenerate's settings for --regenerate-with (jobs.regenerate.RegenerateConfig)."""
-        from jobs.regenerate import RegenerateConfig
+        """hsx regenerate's settings for --regenerate-with (jobs.regenerate_config.RegenerateConfig)."""
+        from jobs.regenerate_config import RegenerateConfig
 
         opts = dict(self.regenerate)
         fixed = {"server", "corpus", "corpus_storage_options", "id_field", "progress"}

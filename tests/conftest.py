@@ -1,7 +1,8 @@
 """Shared fixtures: tiny models built locally (no downloads), a quiet environment for Ray and transformers.
 
 Heavier shared services (loopback S3 server, GCS emulator, local Ray) live in the conftest of the test package
-that needs them, each started once per session.
+that needs them, each started once per session. The live `hsx serve` (`server`, tests/serving.py) is here: the tests
+of `hsx serve` (tests/serve/) and of `hsx regenerate` against it (tests/jobs/) share one per session.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from tests.serving import ServeProcess, SharedServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -95,3 +98,22 @@ def oracle_run(tmp_path_factory, tiny_llama, oracle_model):
     out = str(tmp_path_factory.mktemp("oracle-run"))
     write_run(out, samples, spec)
     return out, samples, spec
+
+
+@pytest.fixture(scope="session")
+def serve_model(tiny_llama) -> str:
+    return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def _servers(serve_model, tmp_path_factory):
+    servers = SharedServer(serve_model, tmp_path_factory.mktemp("serve"))
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def server(_servers) -> ServeProcess:
+    """The shared live server: two engine replicas, 8 prompts per batch, a queue of 8, small limits to hit. Started
+    once per session, shared by tests/serve/ and tests/jobs/test_regenerate*.py (Ray Serve's start is what costs)."""
+    return _servers.get()

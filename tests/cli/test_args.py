@@ -126,7 +126,7 @@ def test_help_lists_every_command(capsys):
 
 def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
-    from jobs.regenerate import RegenerateConfig
+    from jobs.regenerate_config import RegenerateConfig
     from jobs.report import ReportConfig
     from jobs.train_config import TrainJobConfig
     from jobs.verify import VerifyConfig

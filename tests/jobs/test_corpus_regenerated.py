@@ -11,9 +11,9 @@ import time
 
 from connectors.run import RunDir
 from jobs.corpus import expand_corpus, read_records
-from jobs.corpus_regenerated import FINISHED, REGEN_JSON
+from jobs.corpus_regenerated import FINISHED, REGEN_JSON, PartWriter, remove_orphans
 from jobs.records import CorpusFile
-from jobs.regenerate import Outcome, PartWriter, remove_orphans
+from jobs.regenerator import Outcome
 
 
 def outcome(i: int, ok: bool = True) -> Outcome:

@@ -22,9 +22,11 @@ from cli.main import main
 from connectors.manifest import FAILED, OK, read_manifest
 from connectors.run import RunDir
 from jobs.corpus import read_records
-from jobs.corpus_regenerated import FINISHED, REGEN_JSON
+from jobs.corpus_regenerated import FINISHED, REGEN_JSON, PartWriter
 from jobs.records import CorpusFile
-from jobs.regenerate import Outcome, PartWriter, RegenerateConfig, regenerate
+from jobs.regenerate import regenerate
+from jobs.regenerate_config import RegenerateConfig
+from jobs.regenerator import Outcome
 
 MAX_TOKENS = 48
 GOOD = " the quick fox"

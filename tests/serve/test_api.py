@@ -13,7 +13,7 @@ from connectors import load_hidden_states
 from extractor import LLM, SamplingParams
 from tests.extractor.conftest import spec_config
 from tests.extractor.oracle import load_reference, reference_states, stop_string_cut
-from tests.serve.conftest import LAYERS
+from tests.serving import LAYERS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

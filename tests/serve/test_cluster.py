@@ -26,7 +26,7 @@ import torch
 from cli.main import main
 from connectors import load_hidden_states
 from tests.extractor.oracle import load_reference, reference_states
-from tests.serve.conftest import LAYERS, ServeProcess, free_port
+from tests.serving import LAYERS, ServeProcess, free_port
 
 CLUSTER_CPUS = 3
 

@@ -1,11 +1,15 @@
-"""A live `hsx serve` on loopback: the real CLI in its own process (its private local Ray), one per test module.
+"""A live `hsx serve` on loopback for the tests of `hsx serve` (tests/serve/) and of `hsx regenerate` against it
+(tests/jobs/test_regenerate.py, test_regenerate_faults.py): the real CLI in its own process (its private local Ray).
 
-    ServeProcess(model, output, **flags)   start `hsx serve`, wait for /health; .client() is the official openai
-                                           client, .post()/.get() plain requests; .stop() sends SIGTERM
+    ServeProcess(model, output, log_path, **flags)   start `hsx serve`, wait for /health; .client() is the official
+                                           openai client, .post()/.get() plain requests; .stop() sends SIGTERM
     served(...)                            the same as a context manager (the process group is killed at the end)
+    SharedServer(model, base)              the session's one shared server (the `server` fixture of
+                                           tests/conftest.py): started on first use, again only if a test stopped it
+    free_port(), API_KEY, LAYERS
 
-Ray Serve takes 20-40 s to start on a 2-core machine, so every test of the package shares one server (`server`);
-the SIGTERM test, which stops it, runs last, and a test after it would get a fresh one.
+Ray Serve takes 20-40 s to start on a 2-core machine, so every test that needs a live server shares one (`server`);
+the SIGTERM test, which stops it, runs last in tests/serve/, and a test after it would get a fresh one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import requests
 
 API_KEY = "hsx-test-key"
@@ -122,12 +125,7 @@ def served(model: str, output: str, log_path: str, **flags):
         server.kill()
 
 
-@pytest.fixture(scope="session")
-def serve_model(tiny_llama) -> str:
-    return tiny_llama
-
-
-class _Servers:
+class SharedServer:
     """The shared server, started on first use and again only if a test stopped it (the SIGTERM test does, last)."""
 
     def __init__(self, model: str, base) -> None:
@@ -152,17 +150,3 @@ class _Servers:
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = self.current = None
-
-
-@pytest.fixture(scope="session")
-def _servers(serve_model, tmp_path_factory):
-    servers = _Servers(serve_model, tmp_path_factory.mktemp("serve"))
-    yield servers
-    servers.close()
-
-
-@pytest.fixture
-def server(_servers) -> ServeProcess:
-    """The shared live server: two engine replicas, 8 prompts per batch, a queue of 8, small limits to hit. Started
-    once for the whole tests/serve session (Ray Serve's start is what costs)."""
-    return _servers.get()

@@ -16,8 +16,9 @@ import torch
 from connectors import load_hidden_states
 from connectors.manifest import ok_rows
 from jobs.corpus import expand_corpus, read_records
-from jobs.regenerate import RegenerateConfig, regenerate
-from tests.serve.conftest import API_KEY, LAYERS
+from jobs.regenerate import regenerate
+from jobs.regenerate_config import RegenerateConfig
+from tests.serving import API_KEY, LAYERS
 
 MAX_TOKENS = 6
 
