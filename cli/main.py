@@ -8,7 +8,7 @@
     hsx verify   OUTPUT [--sample N | --all] [--recompute K]            check files, recompute some, mark bad ones
     hsx export   OUTPUT DEST --format ...                              rewrite a run for another trainer
     hsx serve    --model M --output URL [--api-key K] [--replicas N]   the OpenAI-compatible service (serve/)
-    hsx train-drafter --kind K --run OUTPUT --model M --out DIR        train an EAGLE-3 / Medusa / MLPSpeculator head
+    hsx train-drafter --kind K --run OUTPUT --model M --out DIR        train a head of a drafter family
     hsx eval-drafter  --model M --drafter [METHOD:]DIR ...             speculative decoding: AL, tokens/s vs none
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key

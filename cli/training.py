@@ -22,7 +22,7 @@ def register(sub) -> None:
                             "DEST/hsx_export.json is written last). A run a live `hsx run` writes is refused unless "
                             "--snapshot; damaged data exits 1.")
 
-    # hsx train-drafter --kind eagle3|medusa|mlp_speculator --run OUTPUT --model TARGET --out DIR: flags map one to
+    # hsx train-drafter --kind FAMILY --run OUTPUT --model TARGET --out DIR: flags map one to
     # one onto jobs.train_config.TrainJobConfig, the trainer's settings and Ray's (cheap to import: torch loads when
     # the command runs)
     from jobs.train_config import TrainJobConfig
@@ -62,7 +62,7 @@ def register(sub) -> None:
 
     add_command(sub, "train-drafter", TrainJobConfig, _cmd_train_drafter,
                 choices={"dtype": ("float32", "bfloat16", "float16")},
-                help="train a drafter (EAGLE-3, Medusa, MLPSpeculator or any registered family) on a run",
+                help="train a drafter of any registered family on a run",
                 description="Train a drafter on an extraction run (OUTPUT) against its target model; writes the "
                             "checkpoint serving engines load (speculative_config method = --kind) and report.json to "
                             "--out. Re-running the same command resumes from --out/checkpoint. --workers N trains N "

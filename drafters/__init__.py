@@ -1,4 +1,4 @@
-"""Drafters trained on hsx runs (EAGLE, EAGLE-3, P-EAGLE, DFlash, Medusa, MLPSpeculator).
+"""Drafters trained on hsx runs, one family per module pair (the families: registry.py, filled from pyproject.toml).
 
 One convention for every family NAME: drafters/NAME.py holds its config, its Drafter (model, training step,
 checkpoint), FEATURES (what it reads from a run) and FAMILY (its registry entry); drafters/NAME_proposer.py holds its

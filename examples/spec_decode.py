@@ -29,7 +29,7 @@ from extractor.metrics import Counter, Vector
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    heads = drafter_methods()  # eagle, eagle3, medusa, mlp_speculator, ...: the registry's families
+    heads = drafter_methods()  # the registry's drafter families
     p.add_argument("--method", choices=["ngram", "draft_model", *heads], default="ngram",
                    help=f"{' / '.join(heads)}: a head trained with `hsx train-drafter` (--draft-model DIR)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="k, tokens drafted per step")
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target model folder (default: a tiny Llama built locally)")
     p.add_argument("--draft-model", default=None,
                    help="draft_model: draft folder, same vocabulary (default with the tiny target: its first 2 layers); "
-                        "eagle3 / medusa / mlp_speculator: the trained head's folder")
+                        "a drafter family: the trained head's folder")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per prompt")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--num-prompts", type=int, default=16)

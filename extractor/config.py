@@ -1,7 +1,7 @@
 """Engine configuration: the typed form of what `LLM(...)` accepts, validated up front.
 
     EngineConfig                          every engine setting, checked in __post_init__
-    SpeculativeConfig                     speculative decoding (ngram, draft_model, eagle3, medusa, mlp_speculator)
+    SpeculativeConfig                     speculative decoding (ngram, draft_model, or a registered drafter family)
     checkpoint_method(dir)                the method a draft checkpoint is for (vLLM's inference when 'method' is unset)
     speculative_config_from_dict(spec)    vLLM's speculative_config dict -> (SpeculativeConfig | None, layer ids)
     layer_ids_from_speculative_config     vLLM's speculative_config dict -> layer ids (None = default)
@@ -29,7 +29,7 @@ STORED_DTYPES = DTYPES[1:]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 SPECULATIVE_METHOD = "extract_hidden_states"
 ENGINE_METHODS = ("ngram", "draft_model")
-"""Speculative methods the engine drafts for itself; the trained-head ones (eagle3, medusa, mlp_speculator, ...) come
+"""Speculative methods the engine drafts for itself; the trained-head ones (every drafter family) come
 from the drafter registry (extractor/methods.py). extract_hidden_states is not a speculative decoding method."""
 _SPEC_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
               "draft_model": ("method", "num_speculative_tokens", "model")}
@@ -143,7 +143,7 @@ class SpeculativeConfig:
 
     method: str
     """"ngram" (prompt lookup in the request's own tokens), "draft_model" (a smaller causal LM, same vocabulary), or a
-    head trained on the target's states: "eagle3", "medusa", "mlp_speculator" (drafters/)."""
+    head trained on the target's states: a drafter family's name (extractor/methods.py's registry, filled by drafters/)."""
     num_speculative_tokens: int
     """k, tokens drafted per step (>= 1)."""
     prompt_lookup_max: int | None = None
@@ -152,8 +152,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     """ngram: shortest suffix n-gram tried; no match of any length = no draft this step."""
     model: str | None = None
-    """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's); eagle3 /
-    medusa / mlp_speculator: the trained head's checkpoint folder (`hsx train-drafter --out`)."""
+    """draft_model: a local folder holding the draft causal LM (its vocabulary must equal the target's); a drafter
+    family: the trained head's checkpoint folder (`hsx train-drafter --out`)."""
     parallel_drafting: bool = False
     """vLLM's flag: all k drafts from one drafter forward. Only for a checkpoint trained for it (P-EAGLE: method
     "peagle", or "eagle3" on a P-EAGLE checkpoint, which becomes "peagle"); a family that drafts in parallel sets
@@ -231,9 +231,9 @@ def _read_checkpoint_config(model_dir: str) -> dict:
 
 
 def checkpoint_method(model_dir: str) -> str | None:
-    """The speculative method a draft checkpoint is for, from its config.json (as vLLM infers it): a speculators
-    EAGLE-3 config -> "eagle3", model_type "mlp_speculator" / "medusa" -> those, any causal LM -> "draft_model";
-    None when the config is none of these."""
+    """The speculative method a draft checkpoint is for, from its config.json (as vLLM infers it): the drafter
+    family whose checkpoints it matches (the one hsx recorded when several do), any causal LM -> "draft_model"; None
+    when the config is none of these."""
     from extractor.methods import families
 
     raw = _read_checkpoint_config(model_dir)

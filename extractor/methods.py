@@ -1,4 +1,4 @@
-"""The speculative methods whose draft is a trained head (EAGLE-3, Medusa, MLPSpeculator, ...): one registry, which
+"""The speculative methods whose draft is a trained head (the drafter families): one registry, which
 the drafters package fills, so the engine finds a proposer without naming a package above it.
 
     DrafterMethod         what the engine needs of a drafter family (a Protocol; drafters.registry.Family is one)

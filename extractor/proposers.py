@@ -22,7 +22,8 @@ contexts[b][:-1] for every row, i.e. every token but the newest, whose state the
     make_proposer(config, runner)   the proposer a SpeculativeConfig names (a trained head's: the drafter family's
                                     proposer, found through the registry, extractor/methods.py)
 
-A new drafter (EAGLE-3, Medusa, MLPSpeculator) is one more Proposer subclass; the verification loop does not change.
+A new drafter family is one more Proposer subclass (drafters/NAME_proposer.py, found through the registry); the
+verification loop does not change.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ cluster.session's. In pipeline order:
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
     verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
     report.py        `hsx report`: one HTML page of plots from the manifest and sampled files, and the checks they fail
+    report_figures.py  the report page's figures, drawn from its numbers
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run

@@ -3,7 +3,8 @@ hours of training rather than after.
 
     ReportConfig(output, out="report.html", sample=64, ...)   the CLI's flags map onto it one to one
     collect(config) -> dict        the numbers behind every plot, and the checks ("flags") they raise
-    plots(data) -> (images, not drawn)   every figure as PNG; one that fails is a note, never a lost page
+    plots(data) -> (images, not drawn)   every figure as PNG (jobs/report_figures.py); one that fails is a note,
+                                         never a lost page
     render(data) -> str            the page: matplotlib plots as embedded PNGs, the numbers as embedded JSON
     check_page_path(path, spec, output)  where a page may go: not the run, its model or a corpus file; an existing
                                          file only an earlier page
@@ -50,7 +51,6 @@ Checks (each a {"check", "severity", "message"} in data["flags"]):
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import logging
@@ -59,10 +59,23 @@ import os
 import posixpath
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from connectors import storage
+from connectors.format import HIDDEN_STATES, LOSS_MASK
+from connectors.lease import snapshot_writer
+from connectors.manifest import committed_rows, read_manifest, row_path_problem, sample_range
+from connectors.outputs import check_output_file, write_output_file
+from connectors.run import RunDir, RunFormatError, read_run_spec
+from connectors.storage import parse_storage_options
+from jobs.manifest import summarize
+from jobs.progress import human_bytes, human_count
+from jobs.report_figures import FIGURES, plots
+from jobs.verify import latest_report
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +107,6 @@ class ReportConfig:
     on the page. Without it such a run is refused."""
 
     def __post_init__(self) -> None:
-        from connectors.storage import parse_storage_options
-
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         if self.sample < 0:
             raise ValueError(f"--sample must be >= 0, got {self.sample}")
@@ -109,14 +120,6 @@ class ReportConfig:
 def collect(config: ReportConfig) -> dict[str, Any]:
     """The numbers behind the page; ValueError when OUTPUT holds no readable run, or a run a live writer holds
     without config.snapshot."""
-    import time
-
-    from connectors.lease import snapshot_writer
-    from connectors.manifest import committed_rows, read_manifest
-    from connectors.run import RunDir, RunFormatError, read_run_spec
-    from jobs.manifest import summarize
-    from jobs.verify import latest_report
-
     run = RunDir(config.output, config.storage_options)
     writer = snapshot_writer(run, snapshot=config.snapshot, what=run.url, harm="a report would show a moment of it",
                              doing="draw the rows committed so far")
@@ -231,11 +234,8 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
     """Per stored layer: RMS by token position (mean over the sampled files), the coefficient of variation of the
     per-token RMS, the share of all-zero and of non-finite rows; per sampled file its loss-mask coverage. A file that
     cannot be read is listed with its error (the report goes on)."""
-    import torch
+    import torch  # torch and connectors.reader (which imports it) load when a report is drawn, not with the CLI
 
-    from connectors import storage
-    from connectors.format import HIDDEN_STATES, LOSS_MASK
-    from connectors.manifest import row_path_problem, sample_range
     from connectors.reader import read_rows
 
     ids = list(spec.layer_ids)
@@ -366,131 +366,6 @@ def _flags(data: dict[str, Any]) -> list[dict[str, str]]:
 # -- the page -------------------------------------------------------------------------------------------------------
 
 
-def _png(fig) -> str:
-    from training.plot_text import png
-
-    return base64.b64encode(png(fig, dpi=90, bbox_inches="tight")).decode()
-
-
-def _figure(width: float, height: float):
-    """A figure of two axes side by side (training.plot_text.figure: Agg's canvas, no pyplot)."""
-    from training.plot_text import figure
-
-    fig = figure(width, height)
-    return fig, fig.subplots(1, 2)
-
-
-def _note(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-
-
-def _bars(ax, hist: dict[str, Any], label: str | None = None, bottom=None):
-    edges = hist["edges"]
-    if len(edges) < 2:
-        _note(ax, "no data")
-        return None
-    counts = np.asarray(hist["counts"], dtype=float)
-    ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", bottom=bottom, label=label, edgecolor="white")
-    return counts
-
-
-def _draw_lengths(data: dict[str, Any]):
-    from training.plot_text import legend_label
-
-    lengths = data["lengths"]
-    fig, axes = _figure(11, 3.4)
-    for ax, name, title in ((axes[0], "prompt", "prompt tokens"), (axes[1], "output", "generated tokens")):
-        ax.set_title(f"{title} per sample")
-        if name == "output" and not data["run"]["max_tokens"]:
-            _note(ax, "prompt-only run: no generated tokens")
-            continue
-        bottom = None
-        for f in lengths["files"]:  # corpus file names: data, drawn as they are
-            c = _bars(ax, {"edges": lengths[name]["edges"], "counts": lengths[name]["by_file"][f]}, legend_label(f),
-                      bottom)
-            bottom = c if bottom is None else bottom + c
-        ax.set_xlabel("tokens"), ax.set_ylabel("samples")
-        if lengths["files"]:
-            ax.legend(fontsize=7)
-    return fig
-
-
-def _draw_states(data: dict[str, Any]):
-    from training.plot_text import legend_label
-
-    s = data["states"]
-    fig, axes = _figure(11, 3.6)
-    for j, label in enumerate(s["labels"]):
-        if s["positions"]:
-            axes[0].plot(s["positions"], s["rms_by_position"][j], label=legend_label(label),
-                         linewidth=2.2 if s["layer_ids"][j] == data["run"]["num_hidden_layers"] else 1.2)
-    axes[0].set_yscale("symlog", linthresh=1e-3)
-    axes[0].set_title("RMS of the stored states by token position"), axes[0].set_xlabel("token position")
-    axes[0].set_ylabel("RMS over the hidden size (mean of samples)"), axes[0].legend(fontsize=7)
-    x = np.arange(len(s["layer_ids"]))
-    zero = [v or 0 for v in s["zero_row_fraction"]]
-    bad = [v or 0 for v in s["nonfinite_row_fraction"]]
-    axes[1].bar(x - 0.2, zero, 0.4, label="all-zero rows"), axes[1].bar(x + 0.2, bad, 0.4, label="NaN/Inf rows")
-    axes[1].set_xticks(x, [str(i) for i in s["layer_ids"]]), axes[1].set_ylim(0, 1)
-    axes[1].set_title("share of bad rows per layer"), axes[1].set_xlabel("layer id"), axes[1].legend(fontsize=7)
-    return fig
-
-
-def _draw_mask_bytes(data: dict[str, Any]):
-    s = data["states"]
-    fig, axes = _figure(11, 3.2)
-    cov = [c for c in s["loss_mask_coverage"] if c is not None]
-    if cov:
-        axes[0].hist(cov, bins=np.linspace(0, 1, 21), edgecolor="white")
-    else:
-        _note(axes[0], "no loss masks stored")
-    axes[0].set_title("loss-mask coverage per sampled sample"), axes[0].set_xlabel("share of tokens learned")
-    _bars(axes[1], data["bytes_per_token"])
-    axes[1].set_title("bytes per token per sample"), axes[1].set_xlabel("bytes / token")
-    return fig
-
-
-def _draw_failures_throughput(data: dict[str, Any]):
-    fig, axes = _figure(11, 3.2)
-    failures = data["failures"]
-    if failures:  # failure reasons: data (a record's role, a file name), drawn as they are
-        names = list(failures)[:12]
-        axes[0].barh(range(len(names)), [failures[k] for k in names])
-        axes[0].set_yticks(range(len(names)), [k[:40] for k in names], fontsize=7), axes[0].invert_yaxis()
-    else:
-        _note(axes[0], "no failures")
-    axes[0].set_title("failed samples by reason")
-    tp = data["throughput"]
-    if len(tp["t"]) > 1:
-        axes[1].plot(tp["t"], tp["tokens_per_s"])
-    else:
-        _note(axes[1], "one commit: no rate to draw")
-    axes[1].set_title("tokens committed per second"), axes[1].set_xlabel("seconds since the first commit")
-    return fig
-
-
-FIGURES = {"lengths": _draw_lengths, "states": _draw_states, "mask_bytes": _draw_mask_bytes,
-           "failures_throughput": _draw_failures_throughput}
-"""The page's figures by section name, in page order."""
-
-
-def plots(data: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
-    """(every figure drawn, as base64 PNG by section name; why each figure that could not be drawn was not). One
-    figure failing is a warning: the page is still written, that figure replaced by a note."""
-    from training.plot_text import literal_text
-
-    images, failed = {}, {}
-    for name, draw in FIGURES.items():
-        try:
-            with literal_text():  # text from data (file names, failure reasons) is never math or TeX
-                images[name] = _png(draw(data))
-        except Exception as e:  # noqa: BLE001 - a figure is a view of numbers the page keeps as JSON
-            failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            logger.warning("report figure %s not drawn: %s", name, failed[name])
-            logger.debug("figure %s", name, exc_info=True)
-    return images, failed
-
-
 _CSS = """body{font-family:sans-serif;margin:2em;max-width:1100px}h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:.9em}
 .error{color:#b00020}.warning{color:#9a6700}.info{color:#555}.ok{color:#1a7f37}img{max-width:100%}"""
@@ -513,8 +388,6 @@ def embedded_json(data: dict[str, Any]) -> str:
 def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
     """The page: the checks, the plots (embedded PNGs; a figure that could not be drawn is a note naming why), the
     run's facts, a banner when it is a snapshot of a run being written, and `data` as embedded JSON."""
-    from jobs.progress import human_bytes, human_count
-
     if images is None:
         images, failed = plots(data)
         data = {**data, "figures_not_drawn": failed}
@@ -574,8 +447,6 @@ def check_page_path(path: str, spec, output: str) -> str:
     """The resolved `path` once it may take a page: connectors.outputs.check_output_file's rules (never the run, its
     model, inside either; an existing file only when it is a page hsx report wrote), a corpus file run.json lists
     named as such (whatever the spelling: symlinks resolved); ValueError otherwise."""
-    from connectors.outputs import check_output_file
-
     resolved = os.path.realpath(os.path.expanduser(str(path)))
     for c in spec.corpus if spec is not None else ():
         if "://" not in str(c) and os.path.realpath(os.path.expanduser(str(c))) == resolved:
@@ -590,8 +461,6 @@ def write_report(config: ReportConfig) -> tuple[str, dict[str, Any]]:
     """Collect, draw and write the page to config.out, checked before any work: never over the run, its model or a
     corpus file run.json lists, and over an existing file only when it is an earlier page of hsx report. A figure
     that cannot be drawn is a note on the page (data["figures_not_drawn"] says why), never a lost page."""
-    from connectors.outputs import write_output_file
-    from connectors.run import RunDir, RunFormatError, read_run_spec
 
     try:
         spec = read_run_spec(RunDir(config.output, config.storage_options))

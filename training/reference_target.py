@@ -387,8 +387,6 @@ def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig
 def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list[CorpusFile], out_dir: str, *,
            progress: bool) -> None:
     import torch
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
@@ -404,42 +402,9 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
             raise ValueError("the corpus is shorter than one block; lower context_length or raise max_train_files")
         g = torch.Generator().manual_seed(config.seed)
 
-        model_config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.context_length,
-            rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attention_dropout=0.0)
-        torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=config.learning_rate, betas=(0.9, 0.95))
-
-        order = torch.randperm(len(train_blocks), generator=g)
-        cursor, epochs = 0, 0
-        losses: list[float] = []
-        model.train()
+        model, optimizer = _new_model(config, tokenizer)
         train_started = time.perf_counter()
-        bar = tqdm(range(config.steps), desc="reference target", disable=not progress, unit="step")
-        for step in bar:
-            if cursor + config.batch_size > len(order):
-                order, cursor, epochs = torch.randperm(len(train_blocks), generator=g), 0, epochs + 1
-            idx = order[cursor:cursor + config.batch_size]
-            cursor += config.batch_size
-            batch = train_blocks[idx]  # [B, S]
-            for group in optimizer.param_groups:
-                group["lr"] = _lr(step, config)
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        bar.close()
+        losses, epochs = _train(model, optimizer, train_blocks, g, config, progress)
         train_s = time.perf_counter() - train_started
 
         model.eval()
@@ -473,6 +438,58 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
                     report["final_train_loss"], heldout_loss, report["heldout_perplexity"], report["build_seconds"])
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _new_model(config: ReferenceTargetConfig, tokenizer):
+    """An untrained Llama of the config's sizes (weights drawn from config.seed) and its AdamW (no weight decay on
+    norms and biases)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.context_length,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attention_dropout=0.0)
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.learning_rate, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+def _train(model, optimizer, train_blocks, g, config: ReferenceTargetConfig, progress: bool) -> tuple[list[float], int]:
+    """config.steps optimizer steps over the blocks [n, S] in an order drawn from `g`, drawn again each epoch: the
+    loss of every step and the epochs completed."""
+    import torch
+    from tqdm.auto import tqdm
+
+    order = torch.randperm(len(train_blocks), generator=g)
+    cursor, epochs = 0, 0
+    losses: list[float] = []
+    model.train()
+    bar = tqdm(range(config.steps), desc="reference target", disable=not progress, unit="step")
+    for step in bar:
+        if cursor + config.batch_size > len(order):
+            order, cursor, epochs = torch.randperm(len(train_blocks), generator=g), 0, epochs + 1
+        idx = order[cursor:cursor + config.batch_size]
+        cursor += config.batch_size
+        batch = train_blocks[idx]  # [B, S]
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, config)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+    return losses, epochs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ class TrainDrafterConfig:
     out: str = ""
     """Local folder for the trained drafter (serving layout), OUT/report.json and OUT/checkpoint/."""
     kind: str = "eagle3"
-    """Drafter family: eagle3, medusa, mlp_speculator, or any other in the registry (drafters/registry.py)."""
+    """Drafter family: any in the registry (drafters/registry.py)."""
     steps: int | None = None
     """Optimizer steps to train (one packed batch each); default: --epochs."""
     epochs: float | None = None

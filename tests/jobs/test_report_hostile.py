@@ -77,7 +77,7 @@ def test_a_dollar_in_corpus_file_names_and_roles_and_an_underscore_file_are_draw
     page_path = tmp_path / "r.html"
     assert main(["report", out, "--out", str(page_path)]) == 0
     capsys.readouterr()
-    from jobs.report import FIGURES
+    from jobs.report_figures import FIGURES
 
     page, data = _page(page_path)
     assert data["figures_not_drawn"] == {} and page.count('src="data:image/png;base64,') == len(FIGURES)
