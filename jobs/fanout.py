@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 class FanoutBatches(LiveBatches):
     """One --fanout trainer's batches: its share of the hub's stream, packed to its own --batch-tokens."""
 
-    def __init__(self, config: TrainJobConfig, hub: StreamHub, i: int, collate,
+    def __init__(self, config: TrainJobConfig, hub: StreamHub, i: int, feed: CheckedFeed, collate,
                  resumed: dict[str, Any] | None) -> None:
-        super().__init__(config, hub.stream.plan, hub.stream.feed, collate, hub.stream.local, resumed)
+        # the hub's stream checked the items; `feed` is this trainer's own (its samples skipped, its stop)
+        super().__init__(config, hub.stream.plan, feed, collate, hub.stream.local, resumed)
         self.hub, self.i = hub, i
         hub.resume(i, self.epoch_of_consumed, np.asarray(self.consumed, dtype=np.uint64))
 
@@ -102,8 +103,8 @@ def train_fanout(config: TrainJobConfig) -> dict[str, Any]:
                              local, None)
         hub = StreamHub(stream, len(trainers))
         for i, share in enumerate(shares):
-            share.make_batches = lambda feed, collate, resumed, i=i: FanoutBatches(configs[i], hub, i, collate,
-                                                                                  resumed)
+            share.make_batches = lambda feed, collate, resumed, i=i: FanoutBatches(configs[i], hub, i, feed,
+                                                                                  collate, resumed)
 
         def work(i: int) -> None:
             try:
