@@ -3,7 +3,7 @@
     python benchmarks/bench_dataset.py [--rows 100000] [--walk-files 100000] [--samples 300] [--out DIR]
 
 1. Open time: HiddenStatesDataset over manifests of 10k and --rows rows (run.json + Parquet, written through
-   connectors.run; no data file is touched), next to a walk (os.walk, what loaders that discover files do) of
+   connectors.run and connectors.manifest; no data file is touched), next to a walk (os.walk, what loaders that discover files do) of
    --walk-files files in sub-folders.
 2. Read throughput from local disk: --samples files written by the connector (bf16, T ~ U[64, 512], L=4, H=1024 by
    default), read as dataset items (raw and EAGLE-3 layouts) vs `safetensors.torch.load_file` in a loop over the same

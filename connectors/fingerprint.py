@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 """Weight files of a model folder, as the fingerprint hashes them."""
@@ -53,8 +54,6 @@ def model_fingerprint(model: str, hf, scheme: str = FINGERPRINT_SCHEME) -> str:
 
 def _safetensors_header(path: str) -> bytes:
     """The header (tensor names, dtypes, shapes, offsets) of a safetensors file: 8 + N bytes, however large it is."""
-    import struct
-
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import fsspec
 
+from connectors.storage import LOCK_SUFFIX, TEMP_NAME_EXTRA, writes_in_place
+
 FILE_SUFFIX = ".safetensors"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_STEM = 120
@@ -96,8 +98,6 @@ _NAME_MAX, _PATH_MAX, _KEY_MAX = 255, 4095, 1024
 
 def _check_lengths(custom: str, path: str, local: bool, cls: type) -> None:
     """Refuse a path no storage can hold, before anything is written (it would fail at write time instead)."""
-    from connectors.storage import LOCK_SUFFIX, TEMP_NAME_EXTRA, writes_in_place
-
     if local:
         name = posixpath.basename(path).encode()
         long_part = next((p for p in path.split("/")[:-1] if len(p.encode()) > _NAME_MAX), None)
@@ -225,7 +225,7 @@ def _check_local_way(raw: str, path: str, root: str) -> None:
     walks folders without following links, and a link can be re-pointed between the check and the write), or a folder
     on the way below the root that holds a model or an extraction run (a file there would change the model's fingerprint, or
     replace a run's data)."""
-    from connectors.outputs import holds_model, holds_run  # outputs -> run -> paths: imported here
+    from connectors.outputs import holds_model, holds_run  # a cycle at the top: outputs -> run -> paths
 
     def guarded(folder: str) -> None:
         what = "a model" if holds_model(folder) else "an extraction run" if holds_run(folder) else None

@@ -13,10 +13,13 @@ as its help text.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.storage import parse_storage_options
 from extractor.options import EngineOptions, flag, flag_errors
+from jobs.regenerate_config import RegenerateConfig
 
 OVERLENGTH_POLICIES = ("truncate", "skip")
 LAYOUTS = ("files", "sharded")
@@ -128,8 +131,6 @@ class JobConfig(EngineOptions):
     be gone; a lease whose process died, or that was not renewed for 5 minutes, is broken without this)."""
 
     def __post_init__(self) -> None:
-        from connectors.storage import parse_storage_options
-
         super().__post_init__()
         for name in ("corpus", "regenerate_with"):
             value = getattr(self, name)
@@ -185,8 +186,6 @@ class JobConfig(EngineOptions):
 
     def regenerate_config(self):
         """hsx regenerate's settings for --regenerate-with (jobs.regenerate_config.RegenerateConfig)."""
-        from jobs.regenerate_config import RegenerateConfig
-
         opts = dict(self.regenerate)
         fixed = {"server", "corpus", "corpus_storage_options", "id_field", "progress"}
         known = {f.name for f in dataclasses.fields(RegenerateConfig)} - fixed
@@ -207,7 +206,7 @@ class JobConfig(EngineOptions):
 
     def sampling_params(self):
         """The SamplingParams every sample runs with (each gets its own kv_transfer_params on top)."""
-        from extractor.sampling import SamplingParams
+        from extractor.sampling import SamplingParams  # imports torch: loaded when a job is built, not for --help
 
         return flag_errors(self, SamplingParams, max_tokens=self.max_tokens, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, seed=self.seed)
@@ -256,8 +255,6 @@ class SubmitConfig(JobConfig):
     """Stream the job's logs and exit with its status."""
 
     def runtime_env_dict(self) -> dict | None:
-        import json
-
         if not self.runtime_env:
             return None
         try:
@@ -283,8 +280,6 @@ class StatusConfig:
     """Machine-readable output."""
 
     def __post_init__(self) -> None:
-        from connectors.storage import parse_storage_options
-
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         if self.errors < 0:
             raise ValueError(f"--errors must be >= 0, got {self.errors}")
@@ -304,8 +299,6 @@ class CompactConfig:
     """Take over the output's writer lease even though its holder looks alive (only when that job is gone)."""
 
     def __post_init__(self) -> None:
-        from connectors.storage import parse_storage_options
-
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         if self.rows_per_part < 1:
             raise ValueError(f"--rows-per-part must be >= 1, got {self.rows_per_part}")

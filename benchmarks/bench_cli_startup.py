@@ -1,0 +1,81 @@
+"""Measure how long the command line takes to answer `--help`: what every `hsx` invocation pays before it does work.
+
+    python benchmarks/bench_cli_startup.py [--repeat 5] [--out DIR]
+
+Each command runs --repeat times, each in a fresh interpreter (`python -m cli ...`, no import cached), and the
+median wall time is reported beside the target (0.5 s), with a bare `python -c pass` for the interpreter's own
+start. A last run of each lists the heavy packages it loaded (torch, transformers, ray must not be among them).
+
+Writes DIR/bench_cli_startup.json and DIR/bench_cli_startup.md with --out; never passes or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET_S = 0.5
+COMMANDS = {"python -c pass": ["-c", "pass"], "hsx --help": ["-m", "cli", "--help"],
+            "hsx run --help": ["-m", "cli", "run", "--help"]}
+HEAVY = ("torch", "transformers", "ray", "pyarrow", "numpy", "matplotlib")
+PROBE = ("import json, runpy, sys\nsys.argv = ['hsx', *sys.argv[1:]]\ntry:\n    runpy.run_module('cli', run_name='__main__')\n"
+         "except SystemExit:\n    pass\nsys.stdout = sys.__stderr__\n"
+         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(%r))), file=sys.__stderr__)")
+
+
+def wall_times(args: list[str], repeat: int) -> list[float]:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, check=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def heavy_loaded(args: list[str]) -> list[str]:
+    """The heavy packages in sys.modules after the command ran (its own output discarded)."""
+    if args[0] != "-m":
+        return []
+    done = subprocess.run([sys.executable, "-c", PROBE % (HEAVY,), *args[2:]], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5, help="fresh processes per command (the median is reported)")
+    parser.add_argument("--out", help="write bench_cli_startup.json and .md here")
+    args = parser.parse_args()
+    rows = {}
+    for name, argv in COMMANDS.items():
+        times = wall_times(argv, args.repeat)
+        rows[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                      "runs": times, "heavy_modules": heavy_loaded(argv)}
+    results = {"target_s": TARGET_S, "repeat": args.repeat, "commands": rows,
+               "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                           "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}}
+    lines = [f"CLI start-up, median of {args.repeat} fresh processes (target {TARGET_S} s for --help); load average "
+             f"{results['machine']['load_average'][0]:.1f} on {os.cpu_count()} CPUs", "",
+             "| command | median s | min s | max s | heavy packages loaded |", "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| `{name}` | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | "
+                     f"{', '.join(r['heavy_modules']) or '-'} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_cli_startup.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(args.out, "bench_cli_startup.md"), "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()
