@@ -240,11 +240,6 @@ class Drafter(nn.Module, ABC):
     """The family's name (FAMILY.name): the speculative_config method that decodes with it."""
     features: ClassVar[Features] = Features()
     """What it reads from a run (drafters/features.py): the family module's FEATURES, also its Family.features."""
-    reads_topk_target: ClassVar[bool] = False
-    """features.top_k, kept for callers that read it: whether it trains on a top-k target run (`hsx run --target
-    top_k:K`: the target's top-K next-token log-probabilities kept in place of layer N, in DrafterBatch.target_topk).
-    Families that read layer N's state itself (as an input, or for the target's full distribution) leave it False
-    and such runs are refused."""
 
     @classmethod
     def required_layer_ids(cls, num_hidden_layers: int, config: Any = None) -> tuple[int, ...]:

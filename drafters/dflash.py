@@ -180,7 +180,6 @@ class DFlashDrafter(Drafter):
 
     kind = "dflash"
     features = FEATURES
-    reads_topk_target = FEATURES.top_k
 
     def __init__(self, config: DFlashConfig, layer_config, aux_layer_ids, target: TargetHead,
                  num_speculative_tokens: int | None = None, verifier: str = "",

@@ -144,7 +144,6 @@ class Eagle3Drafter(Drafter):
 
     kind = "eagle3"
     features = FEATURES
-    reads_topk_target = FEATURES.top_k
     speculators_model_type: str = SPECULATORS_MODEL_TYPE
     """config.json's speculators_model_type (and the speculators_config algorithm) of this class's checkpoints."""
     architecture: str = ARCHITECTURE

@@ -94,7 +94,7 @@ def train_fanout(config: TrainJobConfig) -> dict[str, Any]:
     all of them. {"trainers": [report or {"out", "error"}], "online": the stream's counts}; a trainer that fails does
     not stop the others."""
     configs = fanout_configs(config)
-    plan = plan_stream(extraction_config(config))
+    plan = plan_stream(extraction_config(config, configs))
     shares = [LiveStream(c, plan) for c in configs]
     trainers = [Trainer(c, share) for c, share in zip(configs, shares)]  # every check before the stream starts
     reports: list[dict[str, Any] | None] = [None] * len(trainers)

@@ -7,10 +7,12 @@
     StreamHub                          one live extraction feeding several trainers (--fanout: jobs/fanout.py)
     CorpusTokens                       the corpus's tokens, tokenized here (EAGLE-3's draft vocabulary pass)
     extraction_config / plan_stream / stream_identity   the `hsx run` settings, plan and identity of the stream
+    stream_layers(config, trainers)    the layers it captures by default: what the trainers' families read
     run_online(trainer) -> report      trainer.run(), a Ray error of the stream said as the extraction's failure
 
 The corpus goes through the same stages as `hsx run` (jobs/pipeline.py: readers, the sample registry, tokenization
-with chat loss masks, extraction workers with the job's layers, dtype and `max_tokens` / `include_output_tokens`
+with chat loss masks, extraction workers with the job's layers (--extract's, else those the family declares it
+reads: drafters.features), dtype and `max_tokens` / `include_output_tokens`
 regeneration) with the workers' "online" layout: each sample's file is made in the worker's memory and its bytes
 travel in the row through Ray's object store to the trainer, which reads it back with every check a stored run gets
 (header against the run spec, the row's sample id, token count and checksum) and packs consecutive samples into
@@ -49,6 +51,7 @@ from connectors.manifest import OK, new_attempt_id, ok_rows, row_file_problem, s
 from connectors.reader import read_rows
 from connectors.run import RunDir
 from drafters.base import TargetHead
+from drafters.registry import default_layer_ids, family_features
 from jobs.config import JobConfig
 from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts
@@ -80,17 +83,32 @@ logger = logging.getLogger(__name__)
 MAX_FAILURES_KEPT = 100
 
 
-def extraction_config(config: TrainJobConfig) -> JobConfig:
-    """The `hsx run` settings of --online's extraction: --model, --corpus and --extract's keys."""
+def stream_layers(config: TrainJobConfig, trainers: list[TrainJobConfig]) -> tuple[int, ...]:
+    """The layers --online's extraction captures when --extract names none: what the trainers' families declare
+    they read (drafters.features: each one's aux layers, then N), so that no layer is captured for nothing; with
+    --cache, `hsx run`'s default (every registered family's layers), so that the kept run trains any family later."""
+    text = target_config(config.model)
+    n = int((text.get_text_config() if hasattr(text, "get_text_config") else text).num_hidden_layers)
+    if config.cache:
+        return default_layer_ids(n)
+    wanted = (family_features(c.kind).extraction_layer_ids(n, c.drafter_options().get("aux_layer_ids"))
+              for c in trainers)
+    return tuple(sorted({i for ids in wanted for i in ids}))
+
+
+def extraction_config(config: TrainJobConfig, trainers: list[TrainJobConfig] | None = None) -> JobConfig:
+    """The `hsx run` settings of --online's extraction: --model, --corpus and --extract's keys; the layers the
+    `trainers` (default: this one) read unless --extract names them (stream_layers)."""
     reserved = {"model", "corpus", "output", "progress", "address", "layout"} & set(config.extract)
     if reserved:
         raise ValueError(f"--extract sets {sorted(reserved)}, which --online decides (--model, --corpus, --address "
                          "are train-drafter's own flags; the states are not stored)")
+    layers = {} if "layers" in config.extract else {"layers": stream_layers(config, trainers or [config])}
     try:
         output = config.cache or f"memory://hsx-online/{uuid.uuid4().hex}"
         options = {"storage_options": config.storage_options} if config.cache else {}
         return JobConfig(model=config.model, corpus=config.corpus, output=output, progress=False,
-                         **options, **config.extract)
+                         **options, **layers, **config.extract)
     except TypeError as e:
         raise ValueError(f"--extract: {e} (use `hsx run` config keys, e.g. layers, max_tokens, workers)") from e
 

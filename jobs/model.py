@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint
+from drafters.registry import default_layer_ids
 from extractor.facts import TargetFacts
 from jobs.config import JobConfig
 
@@ -43,8 +44,11 @@ class ModelFacts(TargetFacts):
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
+        # the default layers serve every registered family (what each declares it reads: drafters.features)
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        layer_ids = config.layers or default_layer_ids(int(text.num_hidden_layers))
         # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
-        f = target_facts(hf, model=model, revision=config.revision, layer_ids=config.layers, dtype=config.dtype,
+        f = target_facts(hf, model=model, revision=config.revision, layer_ids=layer_ids, dtype=config.dtype,
                          max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,
                          target_flag="--target")
         max_len = f.max_model_len

@@ -38,7 +38,8 @@ class TrainJobConfig(TrainDrafterConfig):
     """--online: the corpus files (JSONL or Parquet, globs, any fsspec URL), as `hsx run --corpus`."""
     extract: dict[str, Any] = field(default_factory=dict)
     """--online: further `hsx run` settings for the extraction, as JSON with its config keys (e.g. '{"layers":
-    "1,2,4", "max_tokens": 64, "include_output_tokens": true, "workers": 2}')."""
+    "1,2,4", "max_tokens": 64, "include_output_tokens": true, "workers": 2}'). Without layers: those the --kind
+    (or --fanout's kinds) reads, or `hsx run`'s default with --cache."""
     fanout: str | None = None
     """--online: train several drafters from one stream (the target runs once per sample and pass for all): a YAML
     or JSON file listing each trainer's settings over this command's (each its own out; e.g. kind, lr, seed, steps,

@@ -21,7 +21,8 @@ from connectors.lease import snapshot_writer
 from connectors.manifest import REQUIRED_COLUMNS, committed_rows, read_manifest
 from connectors.run import MANIFEST_DIR, RunDir, RunSpec
 from drafters.base import TargetHead
-from drafters.registry import drafter_class
+from drafters.features import run_fit
+from drafters.registry import family_features
 from extractor.facts import target_facts
 from training.dataset import HiddenStatesDataset
 from training.feed import CheckedFeed
@@ -105,7 +106,6 @@ def check_layers(config: TrainDrafterConfig, spec, what: str, layers_fix: str) -
     """ValueError when the states `spec` describes cannot train --kind: another layer convention, a post-norm last
     layer, a top-k target for a kind that reads layer N, layers missing (`layers_fix` names the fix, {ids} the
     layers to ask for)."""
-    cls = drafter_class(config.kind)
     if spec.layer_id_convention != "vllm":
         raise ValueError(f"{what} counts layers in the {spec.layer_id_convention!r} convention; drafters "
                          "read hsx runs in vLLM's ids — re-extract with hsx")
@@ -113,19 +113,16 @@ def check_layers(config: TrainDrafterConfig, spec, what: str, layers_fix: str) -
     if spec.last_layer_normalized and n in spec.layer_ids:
         raise ValueError(f"{what} stored layer {n} after the final norm; drafters apply the target's "
                          "final norm themselves and need it pre-norm (hsx's default) — re-extract without normalising")
-    need = cls.required_layer_ids(n, None)
-    if spec.target_top_k is not None:
-        if not cls.reads_topk_target:
-            raise ValueError(f"--kind {config.kind} trains on the state of layer {n} itself, but {what} "
-                             f"keeps a {spec.target} target in its place (the target's top-{spec.target_top_k} "
-                             "next-token log-probabilities, which only EAGLE-3-style training reads); re-extract "
-                             f"with --target states and layer {n} in --layers for {config.kind}")
-        need = tuple(i for i in need if i != n)  # the top-k target stands in for N
-    missing = [i for i in need if i not in spec.layer_ids]
-    if missing:
-        ids = ",".join(str(i) for i in sorted({*spec.layer_ids, *need}))
-        raise ValueError(f"--kind {config.kind} needs layers {list(need)} but {what} stores {list(spec.layer_ids)} "
-                         f"(missing {missing}); " + layers_fix.format(ids=ids))
+    fit = run_fit(family_features(config.kind), spec)  # what the family declares it reads (drafters.features)
+    if fit.top_k_refused:
+        raise ValueError(f"--kind {config.kind} trains on the state of layer {n} itself, but {what} "
+                         f"keeps a {spec.target} target in its place (the target's top-{spec.target_top_k} "
+                         "next-token log-probabilities, which only EAGLE-3-style training reads); re-extract "
+                         f"with --target states and layer {n} in --layers for {config.kind}")
+    if fit.missing:
+        ids = ",".join(str(i) for i in fit.suggested)
+        raise ValueError(f"--kind {config.kind} needs layers {list(fit.needed)} but {what} stores "
+                         f"{list(spec.layer_ids)} (missing {list(fit.missing)}); " + layers_fix.format(ids=ids))
 
 
 def check_run(config: TrainDrafterConfig):

@@ -22,7 +22,6 @@ FAMILIES = sorted(families())
 def test_a_family_declares_what_it_reads_from_a_run_once(kind, oracle_dataset):
     cls, features = drafter_class(kind), family_features(kind)
     assert cls.features is features and families()[kind].features is features
-    assert cls.reads_topk_target == features.top_k  # the old flag the trainer reads says the same
     spec = oracle_dataset.run_info
     assert cls.required_layer_ids(4, None) == features.required_layer_ids(4) == (4,)
     assert run_fit(features, spec).ok

@@ -184,6 +184,29 @@ def test_fanout_trains_three_drafters_from_one_stream_each_as_if_alone(tiny_llam
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_online_extraction_captures_the_layers_the_families_declare_unless_extract_names_them(tiny_llama, corpus,
+                                                                                            tmp_path):
+    """No --extract layers: the stream captures what the trainers' families read (drafters.features: EAGLE-3 its
+    three aux layers and N, Medusa N alone, a fan-out the union); with --cache, hsx run's default, which trains any
+    family later; --extract's layers always win."""
+    from transformers import AutoConfig
+
+    from extractor.layers import default_layer_ids
+    from jobs.live import extraction_config
+
+    n = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
+    eagle3 = tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)} | {n}))
+    plain = dict(extract={}, draft_vocab_size=None)
+    assert extraction_config(_config(tiny_llama, corpus, tmp_path / "a", **plain)).layers == eagle3
+    medusa = _config(tiny_llama, corpus, tmp_path / "b", kind="medusa", **plain)
+    assert extraction_config(medusa).layers == (n,)
+    assert extraction_config(medusa, [medusa, _config(tiny_llama, corpus, tmp_path / "c", **plain)]).layers == eagle3
+    cached = _config(tiny_llama, corpus, tmp_path / "d", kind="medusa", cache=str(tmp_path / "cache"), **plain)
+    assert extraction_config(cached).layers == default_layer_ids(n)  # the engine's own default, as `hsx run`
+    assert extraction_config(_config(tiny_llama, corpus, tmp_path / "e", kind="medusa", draft_vocab_size=None)
+                             ).layers == (1, 2, 4)
+
+
 def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_path):
     from jobs.train import train_drafter
 
