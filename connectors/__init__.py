@@ -14,6 +14,7 @@
     run.py                             the run format: RunDir (the output root), RunSpec (run.json), data layout
     manifest.py                        the manifest: schema, atomic parts, readers, compaction, committed/settled rows
     fingerprint.py                     model_fingerprint: a model's identity as run.json records it
+    folders.py                         what a folder holds (a model, a run): the names the guards look for
     paths.py                           default file names, custom-path containment
     lease.py                           WriterLease: one writer per folder (FOLDER/writer.lease), renewed while it runs
     outputs.py                         OutputFolder / check_output_file: outputs that cannot destroy inputs

@@ -22,7 +22,7 @@ a folder has one writer.
     check_run_output(path, inputs=)  `hsx run --output`: the rules above for a run's OUTPUT (a run is resumed)
     check_output_place(path, flag=, inputs=)   the relations alone (`hsx serve --output`, `--allowed-roots`)
     corpus_inputs(given, files) / within_output(path, folder) / inside(path, folder)   helpers of the callers
-    holds_model(folder) / holds_run(folder)                  what the rules look for
+    holds_model / holds_run (connectors/folders.py)          what the rules look for
 
 The rules, for local paths (symlinks resolved, so `./m`, `m/` and the absolute path are one folder):
 - the output is not one of the inputs, does not lie inside one, and does not contain one;
@@ -51,17 +51,15 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import fsspec
 
-from connectors import fingerprint, storage
+from connectors import storage
 from connectors.lease import LEASE_FILE, LeaseLost, WriterLease
-from connectors.run import MANIFEST_DIR, RUN_JSON, RunDir
+from connectors.folders import MANIFEST_DIR, RUN_JSON, holds_model, holds_run
+from connectors.run import RunDir
 
 logger = logging.getLogger(__name__)
 
 MARKER = ".hsx-output.json"
 """An output folder's ownership marker: {"command", "created", "host"}, written when the folder is first taken."""
-WEIGHT_SUFFIXES = (*fingerprint.WEIGHT_SUFFIXES, ".ckpt", ".safetensors.index.json", ".bin.index.json")
-"""What makes a folder beside config.json a model to protect: the fingerprint's weight files, checkpoints, and the
-index of sharded weights."""
 
 
 def _local(path: str | None) -> str | None:
@@ -72,20 +70,6 @@ def _local(path: str | None) -> str | None:
     if protocol not in ("file", "local"):
         return None
     return os.path.realpath(os.path.expanduser(str(path).removeprefix("file://")))
-
-
-def holds_model(folder: str) -> bool:
-    """Whether `folder` holds a model: a config.json beside weight files (a Hugging Face checkpoint, a drafter)."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return False
-    return "config.json" in names and any(n.endswith(WEIGHT_SUFFIXES) for n in names)
-
-
-def holds_run(folder: str) -> bool:
-    """Whether `folder` holds an extraction run (run.json, or a manifest/ folder)."""
-    return os.path.isfile(os.path.join(folder, RUN_JSON)) or os.path.isdir(os.path.join(folder, MANIFEST_DIR))
 
 
 def _what(folder: str) -> str | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import fsspec
 
+from connectors.folders import holds_model, holds_run
 from connectors.storage import LOCK_SUFFIX, TEMP_NAME_EXTRA, writes_in_place
 
 FILE_SUFFIX = ".safetensors"
@@ -225,8 +226,6 @@ def _check_local_way(raw: str, path: str, root: str) -> None:
     walks folders without following links, and a link can be re-pointed between the check and the write), or a folder
     on the way below the root that holds a model or an extraction run (a file there would change the model's fingerprint, or
     replace a run's data)."""
-    from connectors.outputs import holds_model, holds_run  # a cycle at the top: outputs -> run -> paths
-
     def guarded(folder: str) -> None:
         what = "a model" if holds_model(folder) else "an extraction run" if holds_run(folder) else None
         if what is not None:

@@ -44,11 +44,9 @@ from connectors.format import (
     LAYER_ID_CONVENTION,
     HiddenStatesSpec,
 )
+from connectors.folders import DATA_DIR, MANIFEST_DIR, RUN_JSON
 from connectors.paths import FILE_SUFFIX, id_digest
 
-RUN_JSON = "run.json"
-DATA_DIR = "data"
-MANIFEST_DIR = "manifest"
 RUN_FORMAT = "hsx.run"
 RUN_FORMAT_VERSION = "2"
 SHARDED_RUN_FORMAT_VERSION = "3"

@@ -44,14 +44,11 @@ LAZY_LOADERS = {
 rules read as edges ("module:Name" and "package.module" strings), or from transformers (extractor/norm.py)."""
 
 ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
-"""TEMPORARY, to be emptied by issue 43's remaining slices: the `_private` names a module takes from another today,
-as (path, module, name). The rule reports an entry that no longer occurs, so this list only shrinks."""
+"""`_private` names a module may take from another, as (path, module, name): none (the rule takes the list so that
+its mutation test can plant one)."""
 
-ALLOWED_MODULE_CYCLES = {
-    ("connectors.lease", "connectors.outputs", "connectors.paths", "connectors.run"),
-}
-"""TEMPORARY, to be emptied by issue 43's remaining slices: module cycles that exist today (connectors/paths.py
-imports connectors.outputs inside a function). Reported when gone, so this list only shrinks."""
+ALLOWED_MODULE_CYCLES: set[tuple[str, ...]] = set()
+"""Module cycles tolerated: none (the rule takes the list so that its mutation test can plant one)."""
 
 
 @pytest.fixture(scope="module")
