@@ -1,17 +1,25 @@
 """The OpenAI-server pool of `hsx regenerate` (jobs/server_pool.py) against aiohttp's own test servers on loopback, in
-milliseconds: every kind of answer does to its request and its server what the module docstring says (set-aside and
-back-off, retries, refusals, keys refused, answers that are not an API's, redirects, slots per server)."""
+milliseconds, without an `hsx serve`: every kind of answer does to its request and its server what the module
+docstring's table says — 408/429/503 and other 4xx set the server aside for a while (Retry-After honoured, else a
+back-off growing to 30 s) and the request moves on, as when a server refuses connections; 400/413/422 fail the request
+once with the server's message; 500s and answers not in time are retried, then fail; 401/403 and answers that are not
+an API's set the server aside for good; redirects and answers over the cap fail the request, the server stays; an
+answer resets the back-off. Slots per server, the server with the most free slots first, the key, the probe's
+refusals, the error bodies of every server kind. Each rule was checked by hand against a mutated pool."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from jobs.server_pool import BadAnswer, NoServer, Pool, PoolSettings, Refused, Transient
+from jobs.server_pool import BadAnswer, NoServer, Pool, PoolSettings, Refused, Transient, base_url, error_message
+
+pytestmark = pytest.mark.timeout(60)  # a pool that loops on a server it should set aside fails, not hangs
 
 OK = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "fine"}]}
 
@@ -25,8 +33,12 @@ class Scripted:
     """A server that answers each POST with the next of `answers` (the last one repeats): (status, body, headers)
     or a callable(request) -> Response. `hits` counts POSTs; `in_flight` / `most_in_flight` count concurrent ones."""
 
-    def __init__(self, *answers, delay: float = 0.0) -> None:
+    def __init__(self, *answers, delay: float = 0.0, models=(200, {"data": [{"id": "m"}]})) -> None:
         self.answers, self.delay, self.hits, self.in_flight, self.most_in_flight = list(answers), delay, 0, 0, 0
+        self.models_answer = models
+        """What GET /v1/models answers: (status, body[, headers])."""
+        self.keys: list[str | None] = []
+        """The Authorization header of each POST."""
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_get("/v1/models", self.models)
@@ -39,24 +51,27 @@ class Scripted:
         self.url = str(self.server.make_url("/v1"))
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m"}]})
+        return _response(self.models_answer)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         answer = self.answers[min(self.hits, len(self.answers) - 1)]
         self.hits += 1
+        self.keys.append(request.headers.get("Authorization"))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
-            if callable(answer):
-                return answer(request)
-            status, body, headers = (*answer, {})[:3]
-            if isinstance(body, (dict, list)):
-                return web.json_response(body, status=status, headers=headers)
-            return web.Response(body=body, status=status, headers=headers)
+            return answer(request) if callable(answer) else _response(answer)
         finally:
             self.in_flight -= 1
+
+
+def _response(answer) -> web.Response:
+    status, body, headers = (*answer, {})[:3]
+    if isinstance(body, (dict, list)):
+        return web.json_response(body, status=status, headers=headers)
+    return web.Response(body=body, status=status, headers=headers)
 
 
 def run(*servers: Scripted, scenario, **kw):
@@ -173,3 +188,175 @@ def test_a_server_that_does_not_answer_backs_off_longer_each_time():
 def test_probe_names_each_servers_models():
     server = Scripted((200, OK))
     assert run(server, scenario=lambda p: p.probe()) == {server.url: ["m"]}
+
+
+class Gone:
+    """A server that is not there: connections to its port are refused."""
+
+    def __init__(self) -> None:
+        self.server, self.hits, self.url = self, 0, ""
+
+    async def start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+
+    async def close(self) -> None:
+        pass
+
+
+def _moved_to_the_other(first, **kw):
+    """`first` is tried first (it has the most free slots); a fair server beside it. (answer, url, seconds `first` is
+    set aside for, its misses, why it was set aside for good)."""
+    fair = Scripted((200, OK))
+
+    async def scenario(pool):
+        pool.servers[0].free += 1
+        doc, url = await pool.call("/completions", {"prompt": "x"})
+        s = pool.servers[0]
+        return doc, url, s.down_until - asyncio.get_running_loop().time(), s.misses, s.broken
+
+    doc, url, down_for, misses, broken = run(first, fair, scenario=scenario, **kw)
+    assert doc == OK and url == fair.url and fair.hits == 1
+    return down_for, misses, broken
+
+
+@pytest.mark.parametrize("answer,down_for", [
+    ((408, "request timeout", {"Retry-After": "2"}), (1.9, 2.0)),
+    ((408, "request timeout"), (0.4, 0.5)),  # no Retry-After: the first back-off, half a second
+    ((429, {"error": {"message": "rate limited"}}, {"Retry-After": "3"}), (2.9, 3.0)),
+    ((429, "slow down"), (0.4, 0.5)),
+    ((503, "unavailable", {"Retry-After": "1.5"}), (1.4, 1.5)),
+    ((503, "unavailable", {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}), (0.4, 0.5)),  # a date: the back-off
+    ((404, {"detail": "Not Found"}), (0.4, 0.5)),  # Ray Serve's proxy while the app (re)deploys
+    ((405, "method not allowed"), (0.4, 0.5)),  # any other 4xx alike
+])
+def test_a_busy_or_unavailable_server_is_set_aside_for_a_while_and_the_request_moves_on(answer, down_for):
+    first = Scripted(answer)
+    waited, misses, broken = _moved_to_the_other(first)
+    assert first.hits == 1 and misses == 1 and broken is None  # only for a while
+    assert down_for[0] < waited <= down_for[1]
+
+
+def test_a_server_that_refuses_connections_is_set_aside_and_the_request_moves_on():
+    waited, misses, broken = _moved_to_the_other(Gone())
+    assert misses == 1 and broken is None and 0.4 < waited <= 0.5
+
+
+@pytest.mark.parametrize("status,body,message", [
+    (400, {"object": "error", "message": "'top_p' must be in (0, 1]"}, "'top_p' must be in (0, 1]"),  # vLLM, SGLang
+    (413, {"error": {"message": "body too large"}}, "body too large"),  # OpenAI's shape
+    (422, {"detail": "field required: messages"}, "field required: messages"),  # FastAPI's
+    (400, "plain text reason", "plain text reason"),
+])
+def test_every_refusal_fails_the_request_once_with_the_message_and_keeps_the_server(status, body, message):
+    refusing = Scripted((status, body))
+
+    async def scenario(pool):
+        with pytest.raises(Refused) as e:
+            await pool.call("/completions", {})
+        return str(e.value), pool.servers[0]
+
+    error, server = run(refusing, scenario=scenario)
+    assert error == f"{refusing.url} answered {status}: {message}"
+    assert refusing.hits == 1 and server.misses == 0 and server.down_until == 0 and server.broken is None
+
+
+@pytest.mark.parametrize("answer,why", [
+    ((401, {"error": {"message": "bad key"}}), "refused the API key (401: bad key)"),
+    ((403, {"detail": "forbidden"}), "refused the API key (403: forbidden)"),
+    ((200, {"object": "list", "data": []}), "answered 200 with what is not an OpenAI completion (no 'choices' list"),
+])
+def test_a_server_set_aside_for_good_gets_no_more_requests_while_the_others_answer(answer, why):
+    bad, fair = Scripted(answer), Scripted((200, OK))
+
+    async def scenario(pool):
+        pool.servers[0].free += 1
+        urls = [(await pool.call("/completions", {}))[1] for _ in range(5)]
+        return urls, pool.servers[0].broken
+
+    urls, broken = run(bad, fair, scenario=scenario)
+    assert urls == [fair.url] * 5 and bad.hits == 1 and broken.startswith(why)
+
+
+def test_an_answer_after_misses_resets_the_back_off_and_the_wait_for_a_server():
+    flaky = Scripted((503, "busy", {"Retry-After": "0.01"}), (503, "busy", {"Retry-After": "0.01"}), (200, OK))
+
+    async def scenario(pool):
+        doc, _ = await pool.call("/completions", {})
+        return doc, pool.servers[0].misses, pool.none_since, pool.servers[0].answered
+
+    doc, misses, none_since, answered = run(flaky, scenario=scenario)
+    assert doc == OK and flaky.hits == 3 and misses == 0 and none_since is None and answered == 1
+
+
+def test_no_answer_in_time_is_retried_and_then_fails_the_request():
+    slow = Scripted((200, OK), delay=1.0)
+    started = time.monotonic()
+    with pytest.raises(Transient, match=r"no answer within 0.1 s \(--request-timeout-s\)"):
+        run(slow, scenario=lambda p: p.call("/completions", {}), request_timeout_s=0.1, retries=2)
+    assert slow.hits == 2 and time.monotonic() - started < 5
+
+
+def test_the_key_goes_to_every_server_as_a_bearer_token():
+    keyed, plain = Scripted((200, OK)), Scripted((200, OK))
+    run(keyed, scenario=lambda p: p.call("/completions", {}), api_key="sk-test")
+    run(plain, scenario=lambda p: p.call("/completions", {}))
+    assert keyed.keys == ["Bearer sk-test"] and plain.keys == [None]
+
+
+@pytest.mark.parametrize("models,why", [
+    ((401, {"error": {"message": "bad key"}}), r"refuses the API key \(401: bad key\); pass the server's key"),
+    ((403, "no"), r"refuses the API key \(403: no\)"),
+    ((500, {"detail": "broken"}), r"GET /v1/models answered 500 \(broken\); is it an OpenAI-compatible server"),
+    ((404, "nothing here"), r"GET /v1/models answered 404 \(nothing here\)"),
+    ((302, "", {"Location": "http://elsewhere.invalid/v1/models"}),
+     r"a redirect to 'http://elsewhere.invalid/v1/models'; hsx regenerate follows no redirects"),
+    ((200, "<html>hello</html>"), r"did not answer an OpenAI model list"),
+    ((200, {"data": [{"name": "m"}]}), r"did not answer an OpenAI model list \('id'"),
+    ((200, {"data": [{"id": 7}]}), r"did not answer an OpenAI model list \(model ids are not strings"),
+    ((200, {"data": [{"id": "x" * 5000}]}), r"answered more than 2048 bytes \(--max-answer-bytes\)"),
+])
+def test_probe_refuses_a_server_it_cannot_use_naming_it_and_the_fix(models, why):
+    server = Scripted((200, OK), models=models)
+    with pytest.raises(ValueError, match=r"--server http://127\.0\.0\.1:\d+/v1.*" + why):
+        run(server, scenario=lambda p: p.probe(), answer_cap=2048)
+
+
+def test_probe_of_a_server_that_is_not_there_says_to_start_it():
+    with pytest.raises(ValueError, match=r"no answer \(.*\); start the server first, or fix the URL"):
+        run(Gone(), scenario=lambda p: p.probe())
+
+
+def test_a_request_goes_to_the_live_server_with_the_most_free_slots():
+    a, b = Scripted((200, OK), delay=0.2), Scripted((200, OK), delay=0.2)
+
+    async def scenario(pool):
+        first = asyncio.create_task(pool.call("/completions", {}))  # a tie: the first server
+        while a.in_flight == 0:
+            await asyncio.sleep(0.005)
+        second = await pool.call("/completions", {})  # a has one slot taken, b none: b
+        return (await first)[1], second[1]
+
+    assert run(a, b, scenario=scenario, concurrency=2) == (a.url, b.url)
+    assert a.hits == 1 and b.hits == 1
+
+
+def test_a_server_url_is_its_v1_base_with_or_without_v1_given():
+    assert base_url(" http://h:8000/ ") == "http://h:8000/v1"
+    assert base_url("https://h/prefix/v1/") == "https://h/prefix/v1"
+    with pytest.raises(ValueError, match=r"--server 'h:8000' is not an http\(s\) URL; pass e.g. http://127.0.0.1:8000"):
+        base_url("h:8000")
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b'{"error": {"message": "openai"}}', "openai"),
+    (b'{"object": "error", "message": "vllm"}', "vllm"),
+    (b'{"detail": "fastapi"}', "fastapi"),
+    (b'{"error": "flat"}', "flat"),
+    (b"  <html>oops</html>  ", "<html>oops</html>"),
+    (b"", "(empty body)"),
+    (b"x" * 500, "x" * 300),
+])
+def test_an_error_body_says_its_message_in_every_shape_servers_use(raw, message):
+    assert error_message(raw) == message
