@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 
 from cluster.console import core_echo_off
@@ -101,8 +102,6 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast (ValueError) when a HOST:PORT or ray://HOST:PORT address refuses connections or does not answer
     gRPC, the protocol of Ray's GCS and client server: Ray itself keeps retrying an unreachable GCS for minutes, and
     a listener that is not Ray (the dashboard's 8265, a web server) accepts the TCP connection all the same."""
-    import socket
-
     import grpc  # shipped with Ray (its GCS and client protocol)
 
     target = address.split("://", 1)[-1].rsplit("/", 1)[0]

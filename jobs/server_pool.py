@@ -22,6 +22,7 @@ What an answer does to its request and its server (in `call`):
                                   vouched for); the server stays in use
     more than `answer_cap` bytes  BadAnswer: read no further (an endless answer costs a bounded amount of memory)
 A request goes to the live server with the most free slots; each server takes `concurrency` requests at once.
+aiohttp is imported when a pool opens (this module's settings are read by the CLI's parser, which stays light).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
+
+from jobs.answers import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +162,6 @@ class Pool:
         used (does not answer, refuses the key, answers something that is not an OpenAI API)."""
         import aiohttp
 
-        from jobs.answers import read_bounded
-
         out = {}
         for s in self.servers:
             try:
@@ -195,8 +198,6 @@ class Pool:
     async def call(self, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """(the JSON answer, the URL of the server that gave it) to POST `route`. Raises Refused (4xx), Transient
         (--retries used up), NoServer, BadAnswer (over the cap, a redirect)."""
-        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
-
         s = self.settings
         retrying = AsyncRetrying(stop=stop_after_attempt(s.retries), reraise=True,
                                  wait=wait_exponential(multiplier=s.retry_base_s, max=MAX_BACK_OFF_S)
@@ -254,8 +255,6 @@ class Pool:
 
     async def _post(self, server: Server, route: str, body: dict[str, Any]) -> dict[str, Any]:
         import aiohttp
-
-        from jobs.answers import read_bounded
 
         loop = asyncio.get_running_loop()
         start = loop.time()
