@@ -18,12 +18,13 @@ from cli.args import (
     config_to_argv,
 )
 from jobs.config import CompactConfig, DemoConfig, EstimateConfig, JobConfig, StatusConfig, SubmitConfig
+from jobs.regenerate_config import REASONING, RegenerateConfig
+from jobs.report_config import ReportConfig
+from jobs.verify_config import VerifyConfig
 
 
 def register(sub) -> None:
     """Add this floor's subcommands to the `hsx` subparsers."""
-    from jobs.verify import VerifyConfig  # imports torch (through connectors): only when the parser is built
-
     add_command(sub, "run", JobConfig, _cmd_run, help="run an extraction job (local Ray unless --address)",
                 description="Run an extraction job: corpus -> OUTPUT/data/**.safetensors + OUTPUT/manifest. "
                             "Re-running the same command resumes: committed samples are skipped.")
@@ -34,8 +35,6 @@ def register(sub) -> None:
     add_command(sub, "status", StatusConfig, _cmd_status, help="progress and counts of a run, from its manifest",
                 description="Counts by sample (ok, failed, skipped), tokens and bytes, failure and skip reasons; "
                             "of an extraction run or of a corpus of hsx regenerate.")
-    from jobs.regenerate_config import REASONING, RegenerateConfig
-
     add_command(sub, "regenerate", RegenerateConfig, _cmd_regenerate, choices={"reasoning": REASONING},
                 help="the target's own answers from OpenAI-compatible servers (vLLM, SGLang, hsx serve), as a corpus",
                 description="Regenerate every assistant turn (chats, turn by turn) or the answer (prompts) of a corpus "
@@ -61,8 +60,6 @@ def register(sub) -> None:
                             "recompute --recompute K of them with a plain transformers forward, and mark failed "
                             "samples so that re-running the same `hsx run` re-extracts them. Writes a JSON report "
                             "to OUTPUT/verify/; exits 1 when anything fails.")
-    from jobs.report import ReportConfig
-
     add_command(sub, "report", ReportConfig, _cmd_report,
                 help="one HTML page with plots of a run: lengths, loss masks, per-layer state magnitudes, failures",
                 description="Draw a run from its manifest and a random sample of its files into one self-contained "
@@ -224,7 +221,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from jobs.report import ReportConfig, write_report
+    from jobs.report import write_report
 
     config: ReportConfig = config_from_args(args, ReportConfig)
     try:
@@ -293,7 +290,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from connectors.lease import LeaseHeld
-    from jobs.verify import VerifyConfig, verify_run
+    from jobs.verify import verify_run
 
     config: VerifyConfig = config_from_args(args, VerifyConfig)
     try:

@@ -49,8 +49,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from connectors.folders import MANIFEST_DIR, RUN_JSON
 from connectors.format import CHECKSUM_ALGORITHM, data_checksum
-from connectors.run import MANIFEST_DIR, RUN_JSON, RunDir, RunFormatError, as_run_dir
+from connectors.run import RunDir, RunFormatError, as_run_dir
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -52,8 +52,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import fsspec
 
 from connectors import storage
-from connectors.lease import LEASE_FILE, LeaseLost, WriterLease
 from connectors.folders import MANIFEST_DIR, RUN_JSON, holds_model, holds_run
+from connectors.lease import LEASE_FILE, LeaseLost, WriterLease
 from connectors.run import RunDir
 
 logger = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors import storage
+from connectors.folders import DATA_DIR, RUN_JSON
 from connectors.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     LAYER_ID_CONVENTION,
     HiddenStatesSpec,
 )
-from connectors.folders import DATA_DIR, MANIFEST_DIR, RUN_JSON
 from connectors.paths import FILE_SUFFIX, id_digest
 
 RUN_FORMAT = "hsx.run"

@@ -17,7 +17,9 @@ cluster.session's. In pipeline order:
     worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     manifest.py      ManifestWriter (buffered atomic parts), summaries for `hsx status`
+    verify_config.py VerifyConfig: `hsx verify`'s settings (the parser builds without pyarrow or torch)
     verify.py        `hsx verify`: files against the manifest, recompute with transformers, mark bad samples
+    report_config.py ReportConfig: `hsx report`'s settings
     report.py        `hsx report`: one HTML page of plots from the manifest and sampled files, and the checks they fail
     report_figures.py  the report page's figures, drawn from its numbers
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop

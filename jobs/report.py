@@ -1,7 +1,7 @@
 """`hsx report OUTPUT`: one self-contained HTML page that shows a run, so that silently wrong states are seen before
 hours of training rather than after.
 
-    ReportConfig(output, out="report.html", sample=64, ...)   the CLI's flags map onto it one to one
+    ReportConfig(output, out="report.html", sample=64, ...)   jobs/report_config.py; the CLI's flags map onto it
     collect(config) -> dict        the numbers behind every plot, and the checks ("flags") they raise
     plots(data) -> (images, not drawn)   every figure as PNG (jobs/report_figures.py); one that fails is a note,
                                          never a lost page
@@ -60,7 +60,6 @@ import posixpath
 import random
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,9 +70,9 @@ from connectors.lease import snapshot_writer
 from connectors.manifest import committed_rows, read_manifest, row_path_problem, sample_range
 from connectors.outputs import check_output_file, write_output_file
 from connectors.run import RunDir, RunFormatError, read_run_spec
-from connectors.storage import parse_storage_options
 from jobs.manifest import summarize
 from jobs.progress import human_bytes, human_count
+from jobs.report_config import ReportConfig
 from jobs.report_figures import FIGURES, plots
 from jobs.verify import latest_report
 
@@ -84,34 +83,6 @@ FLAT_CV = 0.08
 """A layer whose per-token RMS varies less than this (coefficient of variation) and under a third of the other
 stored layers' is flat: normalized. Measured: RMSNorm with weight 1 (a fresh model) gives 0; the 2.1M reference
 target's trained final norm (weights 1.39 +- 0.14) 0.029, its pre-norm last layer 0.145 and an aux layer 0.113."""
-
-
-@dataclass(frozen=True)
-class ReportConfig:
-    """`hsx report OUTPUT`."""
-
-    output: str = field(metadata={"cli": {"positional": True}})
-    """The run's output folder or URL."""
-    out: str = "report.html"
-    """Where to write the page (a local file)."""
-    sample: int = 64
-    """Committed samples whose files are read for the state, mask and zero-row figures (drawn at random)."""
-    seed: int = 0
-    """Seed of the sample draw (the same seed, the same samples)."""
-    max_positions: int = 512
-    """Token positions charted per sample (the first ones)."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec options for OUTPUT, as JSON (e.g. '{"anon": true}')."""
-    snapshot: bool = False
-    """Draw a run that an `hsx run` is writing now (a live writer.lease): the rows committed at this moment, said so
-    on the page. Without it such a run is refused."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
-        if self.sample < 0:
-            raise ValueError(f"--sample must be >= 0, got {self.sample}")
-        if self.max_positions < 1:
-            raise ValueError(f"--max-positions must be >= 1, got {self.max_positions}")
 
 
 # -- the numbers ------------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "ray")
+HEAVY = ("torch", "transformers", "ray", "pyarrow")
+"""pyarrow too: the parser builds from the commands' config modules (jobs/*_config.py), never from their work."""
 
 CHEAP_MODULES = ("cli.main", "jobs.config", "connectors.run", "connectors.lease")
 
@@ -23,14 +24,19 @@ def _heavy_modules_after(code: str) -> list[str]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_cli_job_config_and_run_format_import_without_torch_transformers_or_ray():
+def test_cli_job_config_and_run_format_import_without_torch_transformers_ray_or_pyarrow():
     code = "\n".join(f"import {m}" for m in CHEAP_MODULES) + "\ncli.main.build_parser()"
     assert _heavy_modules_after(code) == []
 
 
-@pytest.mark.parametrize("module", ["connectors.lease", "connectors.run", "connectors.format", "connectors.config", "connectors.base", "connectors"])
+@pytest.mark.parametrize("module", ["connectors.lease", "connectors.run", "connectors.format", "connectors.config",
+                                    "connectors.base", "connectors"])
 def test_each_run_format_module_alone_imports_no_torch(module):
     assert _heavy_modules_after(f"import {module}") == []
+
+
+def test_the_probe_sees_pyarrow_where_a_command_works():
+    assert _heavy_modules_after("import jobs.verify") == ["pyarrow"]
 
 
 def test_the_probe_sees_a_heavy_import():

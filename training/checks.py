@@ -17,9 +17,10 @@ import logging
 import os
 
 from connectors.fingerprint import FINGERPRINT_SCHEME, model_fingerprint
+from connectors.folders import MANIFEST_DIR
 from connectors.lease import snapshot_writer
 from connectors.manifest import REQUIRED_COLUMNS, committed_rows, read_manifest
-from connectors.run import MANIFEST_DIR, RunDir, RunSpec
+from connectors.run import RunDir, RunSpec
 from drafters.base import TargetHead
 from drafters.features import run_fit
 from drafters.registry import family_features

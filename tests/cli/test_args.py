@@ -127,9 +127,9 @@ def test_help_lists_every_command(capsys):
 def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
     from jobs.regenerate_config import RegenerateConfig
-    from jobs.report import ReportConfig
+    from jobs.report_config import ReportConfig
     from jobs.train_config import TrainJobConfig
-    from jobs.verify import VerifyConfig
+    from jobs.verify_config import VerifyConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
     from training.export import ExportConfig

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cli.main import main
-from jobs.report import ReportConfig, read_report_data, write_report
+from jobs.report import read_report_data, write_report
+from jobs.report_config import ReportConfig
 from tests.training.runs import ORACLE_LAYERS, oracle_samples, write_run
 
 N_LAYERS = 4  # the tiny Llama's decoder layers: ORACLE_LAYERS = (1, 2, 4), 4 = N stored pre-norm

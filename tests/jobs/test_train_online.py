@@ -133,7 +133,8 @@ def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in
     trains on every sample once."""
     from connectors.manifest import ok_rows, read_manifest
     from jobs.train import train_drafter
-    from jobs.verify import VerifyConfig, verify_run
+    from jobs.verify import verify_run
+    from jobs.verify_config import VerifyConfig
 
     out, cache = tmp_path / "hybrid", tmp_path / "cache"
     first = train_drafter(_config(tiny_llama, corpus, out, cache=str(cache), steps=2))

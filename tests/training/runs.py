@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from connectors import HiddenStatesSpec, KVTransferConfig, RequestInfo
+from connectors.folders import MANIFEST_DIR
 from connectors.header import read_header
 from connectors.manifest import manifest_parts, write_manifest_part
-from connectors.run import MANIFEST_DIR, RunDir, RunSpec, write_run_spec
+from connectors.run import RunDir, RunSpec, write_run_spec
 from connectors.storage import open_url
 
 
