@@ -118,7 +118,9 @@ class HiddenStatesSpec:
     """Further producer facts (architecture, template, ...) copied into every file."""
     storage_dtype: str = ""
     """How hidden_states are stored when not in `dtype` (STORAGE_DTYPES: bfloat16, float16, float32, or
-    float8_e4m3fn with hidden_states_scales); "" = in `dtype`, the model's. Readers give back `dtype`."""
+    float8_e4m3fn with hidden_states_scales); "" = in `dtype`, the model's. Readers give back `dtype`. "" is the
+    files' and run.json's spelling of the model dtype (absent in older files); settings spell it "model" (MODEL),
+    and this spec is the one place that turns one into the other."""
     target: str = TARGET_STATES
     """What stands for the last layer N: "" = nothing but the listed layers (N among them when listed), or
     "top_k:K" = files carry target_topk_ids / target_topk_logprobs [T, K] from layer N through the final norm and

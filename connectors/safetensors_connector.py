@@ -88,8 +88,8 @@ class HiddenStatesConnectorConfig:
     write_retry_s: float | None = None
     """Retry a failing write for this many seconds instead of max_write_attempts times: an outage of the store up to
     that long costs time, not samples (hsx run sets it from --storage-retry-seconds)."""
-    storage_dtype: str = ""
-    """How hidden_states are stored (connectors.format.STORAGE_DTYPES): "" or "model" = the model dtype, bfloat16,
+    storage_dtype: str = MODEL
+    """How hidden_states are stored (connectors.format.STORAGE_DTYPES): "model" = the model dtype, bfloat16,
     float16, float32, or float8_e4m3fn ("fp8") with a float32 scale per token and layer. Recorded in every file."""
     check_states: bool = True
     """Refuse to commit states holding NaN/Inf or a layer of zeros (the request fails with BadStates, naming the token

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.format import HiddenStatesSpec, LayerIds, check_layer_ids, check_target, target_top_k
+from connectors.format import MODEL, HiddenStatesSpec, LayerIds, check_layer_ids, check_target, target_top_k
 from extractor.config import resolve_dtype
 from extractor.layers import default_layer_ids
 
@@ -50,8 +50,8 @@ class TargetFacts:
             return self.layer_ids
         return LayerIds((*self.layer_ids, self.num_hidden_layers), self.num_hidden_layers)
 
-    def file_spec(self, storage_dtype: str = "") -> HiddenStatesSpec:
-        """The spec of this model's files; `storage_dtype` as the connector stores them ("" = the model dtype)."""
+    def file_spec(self, storage_dtype: str = MODEL) -> HiddenStatesSpec:
+        """The spec of this model's files; `storage_dtype` as the connector stores them (MODEL = the model dtype)."""
         return HiddenStatesSpec(layer_ids=self.layer_ids, num_hidden_layers=self.num_hidden_layers,
                                 hidden_size=self.hidden_size, dtype=self.dtype, model=self.model,
                                 model_revision=self.revision, last_layer_normalized=False,
