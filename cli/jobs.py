@@ -17,7 +17,10 @@ from cli.args import (
     config_from_args,
     config_to_argv,
 )
+from connectors.lease import LeaseHeld, WriterLease
+from connectors.run import RUN_JSON, RunDir, RunFormatError, read_run_spec
 from jobs.config import CompactConfig, DemoConfig, EstimateConfig, JobConfig, StatusConfig, SubmitConfig
+from jobs.demo import run_demo
 from jobs.regenerate_config import REASONING, RegenerateConfig
 from jobs.report_config import ReportConfig
 from jobs.verify_config import VerifyConfig
@@ -72,7 +75,7 @@ def register(sub) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from jobs.pipeline import JobFailed, execute_job, prepare_job
+    from jobs.pipeline import JobFailed, execute_job, prepare_job  # torch, pyarrow: the CLI's parser must stay cheap
 
     config = config_from_args(args, JobConfig, required=JOB_REQUIRED)
     try:
@@ -94,9 +97,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    from connectors.lease import LeaseHeld
-    from jobs.regenerate import execute_regeneration, prepare_regeneration
-    from jobs.regenerate_config import RegenerateConfig
+    from jobs.regenerate import execute_regeneration, prepare_regeneration  # pyarrow: the CLI's parser must stay cheap
 
     config: RegenerateConfig = config_from_args(args, RegenerateConfig)
     try:
@@ -114,7 +115,7 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from jobs.submit import follow_job, submit_job
+    from jobs.submit import follow_job, submit_job  # requests: the CLI's parser must stay cheap
 
     config: SubmitConfig = config_from_args(args, SubmitConfig, required=(*JOB_REQUIRED, "address"))
     entrypoint = shlex.join(["hsx", "run", *config_to_argv(config, exclude=("address",))])
@@ -132,9 +133,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from connectors.lease import LeaseHeld, WriterLease
-    from connectors.manifest import compact_manifest, new_attempt_id
-    from connectors.run import RUN_JSON, RunDir, RunFormatError
+    from connectors.manifest import compact_manifest, new_attempt_id  # pyarrow: the CLI's parser must stay cheap
 
     config: CompactConfig = config_from_args(args, CompactConfig)
     output = RunDir(config.output, config.storage_options)
@@ -160,14 +159,13 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from connectors.run import RunDir, RunFormatError, read_run_spec
-    from jobs.manifest import summarize
-    from jobs.progress import human_bytes, human_count
-    from jobs.verify import latest_report
+    from jobs.manifest import summarize  # pyarrow: the CLI's parser must stay cheap
+    from jobs.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
+    from jobs.verify import latest_report  # pyarrow: the CLI's parser must stay cheap
 
     config: StatusConfig = config_from_args(args, StatusConfig)
     output = RunDir(config.output, config.storage_options)
-    from jobs.corpus_regenerated import read_spec
+    from jobs.corpus_regenerated import read_spec  # pyarrow: the CLI's parser must stay cheap
 
     try:
         regenerated = read_spec(output)
@@ -221,7 +219,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from jobs.report import write_report
+    from jobs.report import write_report  # pyarrow: the CLI's parser must stay cheap
 
     config: ReportConfig = config_from_args(args, ReportConfig)
     try:
@@ -242,8 +240,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _regenerated_status(output, doc: dict, config: StatusConfig) -> int:
     """`hsx status` of a corpus of hsx regenerate: its settings and counts (ok + failed == records tried)."""
-    from jobs.manifest import summarize
-    from jobs.progress import human_bytes, human_count
+    from jobs.manifest import summarize  # pyarrow: the CLI's parser must stay cheap
+    from jobs.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
 
     s = summarize(output, max_errors=config.errors)
     if config.json:
@@ -270,7 +268,7 @@ def _regenerated_status(output, doc: dict, config: StatusConfig) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from jobs.estimate import estimate
+    from jobs.estimate import estimate  # torch, pyarrow: the CLI's parser must stay cheap
 
     config: EstimateConfig = config_from_args(args, EstimateConfig, required=("model", "corpus"))
     try:
@@ -282,15 +280,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from jobs.demo import run_demo
-
     config: DemoConfig = config_from_args(args, DemoConfig)
     return run_demo(config.dir, workers=config.workers, progress=config.progress, verbose=config.verbose)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from connectors.lease import LeaseHeld
-    from jobs.verify import verify_run
+    from jobs.verify import verify_run  # pyarrow: the CLI's parser must stay cheap
 
     config: VerifyConfig = config_from_args(args, VerifyConfig)
     try:

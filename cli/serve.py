@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from cli.args import UsageError, add_command, config_from_args
+from serve.config import ServeConfig
+from serve.server import check, open_server_warning, run
 
 
 def register(sub) -> None:
     """Add the `serve` subcommand to the `hsx` subparsers."""
-    from serve.config import ServeConfig
-
     add_command(sub, "serve", ServeConfig, _cmd_serve,
                 help="an OpenAI-compatible extraction service (Ray Serve): /v1/completions, /v1/chat/completions",
                 description="Serve the model over HTTP with vLLM's OpenAI routes: every request writes the hidden "
@@ -21,9 +21,6 @@ def register(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from serve.config import ServeConfig
-    from serve.server import check, open_server_warning, run
-
     config: ServeConfig = config_from_args(args, ServeConfig)
     try:
         check(config)

@@ -8,12 +8,15 @@ import sys
 import time
 
 from cli.args import EXIT_FAILED, EXIT_OK, UsageError, add_command, config_from_args
+from connectors.lease import LeaseHeld, LeaseLost
+from connectors.run import RunFormatError
+from jobs.train_config import TrainJobConfig
+from training.evaluate import EvalDrafterConfig, run_eval
+from training.export.config import FORMATS, ExportConfig
 
 
 def register(sub) -> None:
     """Add this floor's subcommands to the `hsx` subparsers."""
-    from training.export.config import FORMATS, ExportConfig
-
     add_command(sub, "export", ExportConfig, _cmd_export, positional=("output", "dest"), choices={"format": FORMATS},
                 help="write a run in the layout of speculators, SpecForge or ModelOpt",
                 description="Rewrite an extraction run (OUTPUT, with run.json and manifest/) into DEST in the on-disk "
@@ -25,12 +28,9 @@ def register(sub) -> None:
     # hsx train-drafter --kind FAMILY --run OUTPUT --model TARGET --out DIR: flags map one to
     # one onto jobs.train_config.TrainJobConfig, the trainer's settings and Ray's (cheap to import: torch loads when
     # the command runs)
-    from jobs.train_config import TrainJobConfig
-
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
-        from connectors.lease import LeaseLost
-        from jobs.train import ReplicasFailed, train_drafter
-        from training.feed import TrainingStopped
+        from jobs.train import ReplicasFailed, train_drafter  # torch, pyarrow: the CLI's parser must stay cheap
+        from training.feed import TrainingStopped  # torch: the CLI's parser must stay cheap
 
         config: TrainJobConfig = config_from_args(args, TrainJobConfig)
         try:
@@ -68,8 +68,6 @@ def register(sub) -> None:
                             "--out. Re-running the same command resumes from --out/checkpoint. --workers N trains N "
                             "data-parallel replicas on Ray (a private local Ray, or --address).")
 
-    from training.evaluate import EvalDrafterConfig  # hsx eval-drafter: AL and tokens/s per method
-
     add_command(sub, "eval-drafter", EvalDrafterConfig, _cmd_eval_drafter,
                 help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
                 description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no "
@@ -82,9 +80,7 @@ def register(sub) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     """Checks first (a refusal: exit 2, nothing written), then the work (a damaged sample, a full disk, a lost lease:
     exit 1, one line, the files written so far kept for a resume)."""
-    from connectors.lease import LeaseHeld
-    from connectors.run import RunFormatError
-    from training.export import ExportConfig, execute_export, prepare_export
+    from training.export import ExportConfig, execute_export, prepare_export  # torch: the CLI's parser must stay cheap
 
     config: ExportConfig = config_from_args(args, ExportConfig)
     last = [time.monotonic(), None]  # report every 5 s, not at the first sample; the last summary seen
@@ -123,8 +119,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval_drafter(args: argparse.Namespace) -> int:
-    from training.evaluate import EvalDrafterConfig, run_eval
-
     config: EvalDrafterConfig = config_from_args(args, EvalDrafterConfig)
     try:
         return run_eval(config)

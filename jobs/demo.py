@@ -18,12 +18,13 @@ import os
 import random
 from collections.abc import Iterator
 
+from jobs.config import JobConfig
+from jobs.tiny_models import build_tiny_model, sample_text
+
 DEMO_RECORDS = 48
 
 
 def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
-    from jobs.tiny_models import build_tiny_model, sample_text
-
     root = os.path.abspath(root)
     model = os.path.join(root, "model")
     if not os.path.exists(os.path.join(model, "config.json")):
@@ -82,8 +83,7 @@ def _no_transformers_bars() -> Iterator[None]:
 
 
 def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool = False) -> int:
-    from jobs.config import JobConfig
-    from jobs.pipeline import run_job
+    from jobs.pipeline import run_job  # torch, pyarrow: the CLI's parser must stay cheap
 
     root = os.path.abspath(root)
     print(f"hsx demo: building a tiny model and a corpus in {root} (no downloads) ...", flush=True)
@@ -94,7 +94,7 @@ def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool =
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
     result = run_job(config)
     print("\n".join(result.lines()))
-    from connectors.manifest import committed_rows, read_manifest
+    from connectors.manifest import committed_rows, read_manifest  # pyarrow: the CLI's parser must stay cheap
 
     table = read_manifest(output)  # every row (failed ones too); committed_rows: each sample's committed "ok" row
     ok = committed_rows(table)

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster
+from connectors import storage
+from connectors.outputs import check_output_place
 from serve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -31,8 +33,8 @@ def build_app(config: ServeConfig, gpus_per_replica: float):
     from ray import serve
     from ray.serve.config import BackpressureConfig
 
-    from serve.app import Ingress
-    from serve.engine import Engine
+    from serve.app import Ingress  # ray: the CLI's parser must stay cheap
+    from serve.engine import Engine  # ray: the CLI's parser must stay cheap
 
     backpressure = BackpressureConfig(status_code=503, retry_after_s=config.retry_after_s)
     ongoing = 2 * config.max_num_seqs
@@ -56,8 +58,6 @@ def check(config: ServeConfig) -> None:
     without a config, layer ids the model does not have, an output that cannot be written."""
     import os
 
-    from connectors import storage
-
     config.check_required()
     config.engine_config()  # the engine's own checks
     if os.path.isdir(config.model) and not os.path.exists(os.path.join(config.model, "config.json")):
@@ -66,7 +66,7 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--model {config.model}: no such folder")
     from transformers import AutoConfig
 
-    from extractor.facts import target_facts
+    from extractor.facts import target_facts  # torch: the CLI's parser must stay cheap
 
     try:
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
@@ -76,7 +76,6 @@ def check(config: ServeConfig) -> None:
                          "hub id in the local cache") from e
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
                  layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
-    from connectors.outputs import check_output_place
 
     # files keep landing there: never in or around the model, inside a run or another model
     check_output_place(config.output, flag="--output", inputs={"--model": config.model})
