@@ -65,7 +65,6 @@ class NotAnAPI(Exception):
     """An answer that is not an OpenAI API's."""
 
 
-
 @dataclass
 class Turn:
     """One answer: its text, the prompt's and the generated token ids (None: the server returned none), why it
@@ -109,7 +108,6 @@ def parse_chat(doc: dict[str, Any]) -> Turn:
                 _ids(choice.get("token_ids"), "token_ids"), choice.get("finish_reason"),
                 reasoning if isinstance(reasoning, str) and reasoning else None,
                 message.get("tool_calls") or None)
-
 
 
 # -- whether it can be kept --------------------------------------------------------------------------------------

@@ -153,7 +153,6 @@ class RegenerateResult:
         return out
 
 
-
 def prepare_regeneration(config: RegenerateConfig, within: str | None = None) -> RegenerationPlan:
     """Everything checked before the first request (ValueError for what the user must fix). `within`: the folder
     OUTPUT may lie inside (hsx run --regenerate-with's OUTPUT, which holds its regeneration)."""

@@ -38,7 +38,6 @@ class BadRecord(ValueError):
     """A record that cannot be regenerated (fails the same way every time)."""
 
 
-
 @dataclass
 class Outcome:
     """One input record settled: its regenerated record, or why it failed (retry False: it fails the same way every
@@ -53,7 +52,6 @@ class Outcome:
     tokens: int = 0
     exact: bool = False
     text_only_reason: str | None = None
-
 
 
 def request_seed(seed: int | None, sample_id: str, turn: int) -> int | None:
