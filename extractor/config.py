@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.format import check_layer_ids, check_target
+from extractor.methods import families
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORED_DTYPES = DTYPES[1:]
@@ -38,8 +39,6 @@ _DRAFTER_KEYS = ("method", "num_speculative_tokens", "model", "parallel_drafting
 
 def drafter_methods() -> tuple[str, ...]:
     """Methods whose draft is a head trained on the target's states (`model` = its checkpoint): the registry's."""
-    from extractor.methods import families
-
     return tuple(sorted(families()))
 
 
@@ -210,8 +209,6 @@ class SpeculativeConfig:
 def _parallel_of(method: str | None) -> tuple[str | None, bool]:
     """(the method whose parallel_drafting a family's checkpoints serve, whether it drafts all k tokens in one
     forward) of the family `method`."""
-    from extractor.methods import families
-
     found = families().get(method) if method else None
     return getattr(found, "parallel_of", None), bool(getattr(found, "parallel", False))
 
@@ -234,8 +231,6 @@ def checkpoint_method(model_dir: str) -> str | None:
     """The speculative method a draft checkpoint is for, from its config.json (as vLLM infers it): the drafter
     family whose checkpoints it matches (the one hsx recorded when several do), any causal LM -> "draft_model"; None
     when the config is none of these."""
-    from extractor.methods import families
-
     raw = _read_checkpoint_config(model_dir)
     matching = [name for name, family in sorted(families().items()) if family.matches(raw)]
     recorded = (raw.get("hsx") or {}).get("kind") if isinstance(raw.get("hsx"), dict) else None
@@ -251,16 +246,12 @@ def checkpoint_method(model_dir: str) -> str | None:
 def checkpoint_num_speculative_tokens(model_dir: str) -> int | None:
     """The k a drafter checkpoint was built for (MLPSpeculator n_predict, Medusa num_heads, the speculators config's
     speculative_tokens), None when it does not say."""
-    from extractor.methods import families
-
     method = checkpoint_method(model_dir)
     family = families().get(method) if method else None
     return family.num_speculative_tokens(_read_checkpoint_config(model_dir)) if family is not None else None
 
 
 def _describe_checkpoint(method: str | None) -> str:
-    from extractor.methods import families
-
     if method == "draft_model":
         return "a causal LM (a draft_model draft)"
     if method is None:

@@ -30,6 +30,7 @@ from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
 from connectors.quant import BadStates
+from extractor.chat_content import message_content, messages_for_template
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
@@ -220,8 +221,6 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`) to one conversation or a list of them."""
-        from extractor.chat_content import message_content, messages_for_template
-
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         prompts = []

@@ -38,6 +38,7 @@ import torch
 
 from extractor.config import SpeculativeConfig
 from extractor.methods import family
+from extractor.runner import BatchState, can_rearrange, forward_rows
 from extractor.sampling import SamplingParams, sample_with_probs
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,6 @@ class DraftModelProposer(Proposer):
         self.join(contexts)
 
     def can_join(self) -> bool:
-        from extractor.runner import can_rearrange
-
         return self._state is None or can_rearrange(self._state.cache)
 
     @torch.inference_mode()
@@ -150,8 +149,6 @@ class DraftModelProposer(Proposer):
         """Prefill the new rows' contexts but their newest token (fed with the next propose) and append them, in
         forwards of at most the engine's max_num_batched_tokens (the rows right-aligned, cut into column chunks)."""
         from transformers import DynamicCache
-
-        from extractor.runner import BatchState, forward_rows
 
         b = len(contexts)
         new = BatchState(DynamicCache(config=self.model.config),
@@ -171,8 +168,6 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators) -> list[Draft]:
-        from extractor.runner import forward_rows
-
         k_max = max(ks, default=0)
         if k_max == 0:
             return [Draft([]) for _ in contexts]

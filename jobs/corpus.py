@@ -44,6 +44,7 @@ from jobs.records import (
     short_repr,
     storable_text,
 )
+from jobs.registry import SKIP, claim_block
 
 __all__ = ["BLOCK_BYTES", "MAX_RECORD_BYTES", "READERS", "RECORD_SCHEMA", "CorpusFile", "Record", "count_records",
            "expand_corpus", "file_format", "invalid_unicode", "read_records", "read_stage", "short_repr",
@@ -182,8 +183,6 @@ def read_stage(files: pa.Table, *, id_field: str, storage_options: dict, registr
 
     `registry` is the SampleRegistry shard actors (see registry.py); one claim call per shard and block.
     """
-    from jobs.registry import SKIP, claim_block
-
     for url, fmt in zip(files["url"].to_pylist(), files["format"].to_pylist()):
         for records in read_records(CorpusFile(url, fmt), id_field, storage_options):
             verdicts = claim_block(registry, [r.sample_id for r in records], [r.source for r in records])

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 
 from connectors.format import HiddenStatesSpec
 from connectors.header import file_entries, file_size, request_metadata
+from connectors.manifest import settled_ids
+from connectors.run import RUN_JSON, RunDir
 from jobs.config import JobConfig
 from jobs.corpus import count_records, expand_corpus, read_records
 from jobs.manifest import error_kind
 from jobs.model import ModelFacts
+from jobs.pipeline import load_chat_template
 from jobs.progress import human_bytes, human_count
 from jobs.tokenization import SampleError, SampleTokenizer, TokenizeSettings
 
@@ -82,8 +85,6 @@ def file_bytes(spec: HiddenStatesSpec, sample_id: str, num_prompt_tokens: int, n
 
 
 def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
-    from jobs.pipeline import load_chat_template
-
     config.check_required(("model", "corpus"))
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -92,9 +93,6 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     override, _, _ = load_chat_template(config, facts)
     done: set[str] = set()
     if config.output:
-        from connectors.manifest import settled_ids
-        from connectors.run import RUN_JSON, RunDir
-
         output = RunDir(config.output, config.storage_options)
         if output.exists(RUN_JSON):
             done = settled_ids(output, retry_failed=config.retry_failed)

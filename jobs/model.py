@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint
 from drafters.registry import default_layer_ids
-from extractor.facts import TargetFacts
+from extractor.facts import TargetFacts, target_facts
 from jobs.config import JobConfig
 
 
@@ -33,8 +33,6 @@ class ModelFacts(TargetFacts):
     @classmethod
     def resolve(cls, config: JobConfig) -> ModelFacts:
         from transformers import AutoConfig
-
-        from extractor.facts import target_facts
 
         model = os.path.abspath(os.path.expanduser(config.model)) if os.path.isdir(
             os.path.expanduser(config.model)) else config.model

@@ -36,15 +36,18 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
+from connectors.header import data_bytes, file_entries
 from connectors.lease import LeaseLost, WriterLease
-from connectors.manifest import FAILED, SKIPPED, new_attempt_id
+from connectors.manifest import FAILED, SKIPPED, compact_manifest, new_attempt_id, referenced_paths
 from connectors.outputs import check_run_output, corpus_inputs
-from connectors.run import RunDir, RunSpec, read_run_spec
+from connectors.run import RunDir, RunFormatError, RunSpec, read_run_spec
+from connectors.shards import SHARD_DIR, remove_orphan_shards
 from jobs.config import JobConfig
 from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
 from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress
+from jobs.regenerate import execute_regeneration, prepare_regeneration
 from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec, ensure_run_spec
 from jobs.tokenization import TokenizeSettings, TokenizeStage
@@ -125,8 +128,6 @@ def prepare_job(config: JobConfig) -> JobPlan:
     facts = ModelFacts.resolve(config)
     regeneration = None
     if config.regenerate_with:  # the servers' answers, followed as they are committed
-        from jobs.regenerate import prepare_regeneration
-
         regeneration = prepare_regeneration(config.regenerate_config(), within=config.output)
         files = [CorpusFile(regeneration.output.url, "regenerated-follow")]
     else:
@@ -255,7 +256,6 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
     (a shard is one unit's samples), from the bytes a token takes in the run's files."""
     if config.layout != "sharded":
         return config.tokens_per_task
-    from connectors.header import data_bytes, file_entries
 
     per_token = data_bytes(file_entries(spec.file_spec(), 1, loss_mask=True))
     return max(1, int(config.shard_mb * 2**20 / per_token))
@@ -336,8 +336,6 @@ class _Regenerating:
         self.thread.start()
 
     def _run(self, plan) -> None:
-        from jobs.regenerate import execute_regeneration
-
         try:
             self.result = execute_regeneration(plan, stop=self.stopping)
         except BaseException as e:  # noqa: BLE001 - reported by the job
@@ -432,9 +430,6 @@ def _execute(plan: JobPlan, result: JobResult, attempt: str, started: float, lea
 def _remove_orphan_shards(output, attempt: str, lease_lost: threading.Event) -> None:
     """Remove the shards no manifest row points into (a worker died after writing one, before its rows were
     committed): at the end of a job, under its lease. A failure leaves them; no reader counts them."""
-    from connectors.manifest import referenced_paths
-    from connectors.shards import SHARD_DIR, remove_orphan_shards
-
     try:
         if not output.list(SHARD_DIR):
             return
@@ -449,9 +444,6 @@ def _remove_orphan_shards(output, attempt: str, lease_lost: threading.Event) -> 
 
 def _compact(output) -> None:
     """Merge the manifest's parts at the end of a job (under its lease); a failure leaves the parts as they are."""
-    from connectors.manifest import compact_manifest
-    from connectors.run import RunFormatError
-
     try:
         done = compact_manifest(output)
     except (OSError, RunFormatError) as e:

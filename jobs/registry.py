@@ -66,7 +66,7 @@ class DoneSet:
     def load(cls, run, *, retry_failed: bool = False) -> DoneSet:
         """The ids a resume of `run` skips (connectors.manifest.settled_rows: committed, skipped for good, or failing the
         same way every time unless `retry_failed`), hashed a slice at a time: the id strings are never all held."""
-        from connectors.manifest import SETTLED_COLUMNS, read_manifest, settled_rows
+        from connectors.manifest import SETTLED_COLUMNS, read_manifest, settled_rows  # pyarrow: not in the shard actors
 
         ids = settled_rows(read_manifest(run, columns=list(SETTLED_COLUMNS)), retry_failed=retry_failed)["sample_id"]
         step = 1 << 16

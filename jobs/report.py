@@ -207,7 +207,7 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
     cannot be read is listed with its error (the report goes on)."""
     import torch  # torch and connectors.reader (which imports it) load when a report is drawn, not with the CLI
 
-    from connectors.reader import read_rows
+    from connectors.reader import read_rows  # torch: loads when a report is drawn (the line above)
 
     ids = list(spec.layer_ids)
     layers = len(ids)

@@ -36,6 +36,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, HiddenStatesFileError
+from connectors.lease import WriterLease
 from connectors.manifest import (
     INVALID,
     committed_rows,
@@ -149,7 +151,7 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
 
 def _default_tolerance(spec: RunSpec) -> float:
     """The model dtype's tolerance; a coarser storage dtype's when the run stores one, plus fp8's own rounding."""
-    from connectors.quant import FP8_RELATIVE_ERROR
+    from connectors.quant import FP8_RELATIVE_ERROR  # torch: hsx status reads latest_report from here
 
     tolerance = DEFAULT_TOLERANCE.get(spec.dtype, 5e-2)
     if spec.storage_dtype:
@@ -166,8 +168,7 @@ def _fail(report: VerifyReport, row: dict, problem: str, kind: str | None = None
 
 def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
     """Why the committed file of `row` is bad, or None."""
-    from connectors.format import HiddenStatesFileError
-    from connectors.reader import verify_hidden_states
+    from connectors.reader import verify_hidden_states  # torch: hsx status reads latest_report from here
 
     if (problem := row_path_problem(row.get("path"))) is not None:
         return f"path: {problem}"
@@ -200,10 +201,9 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
     import torch
     from transformers import AutoModelForCausalLM
 
-    from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
-    from connectors.reader import load_hidden_states
-    from extractor.layers import find_decoder_layers
-    from extractor.norm import FinalNorm
+    from connectors.reader import load_hidden_states  # torch: hsx status reads latest_report from here
+    from extractor.layers import find_decoder_layers  # torch: hsx status reads latest_report from here
+    from extractor.norm import FinalNorm  # torch: hsx status reads latest_report from here
 
     model_dir = config.model_dir or (spec.model if os.path.isfile(os.path.join(spec.model, "config.json")) else None)
     if model_dir is None:
@@ -270,7 +270,7 @@ def _topk_difference(ref, ids, logprobs) -> float:
 
 def _prompt_tokens(run: RunDir, row: dict) -> int:
     """For manifests that leave num_prompt_tokens out (hsx's rows record it): the file's own metadata."""
-    from connectors.reader import read_hidden_states_info
+    from connectors.reader import read_hidden_states_info  # torch: hsx status reads latest_report from here
 
     info = read_hidden_states_info(run.url_of(row["path"]), storage_options=run.storage_options,
                                    byte_range=_range(row))
@@ -304,8 +304,6 @@ def _check_generated(last, ids, num_prompt: int, norm, lm_head, greedy: bool, de
 
 
 def _mark(run: RunDir, report: VerifyReport, rows: dict[str, dict]) -> None:
-    from connectors.lease import WriterLease
-
     lease = WriterLease.acquire(run, report.attempt)  # a writer like any job: never beside a running one
     try:
         marks = [{"sample_id": f["sample_id"], "status": INVALID, "path": f["path"], "num_tokens": 0,

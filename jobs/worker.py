@@ -35,11 +35,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors import KVTransferConfig
+from connectors import KVTransferConfig, read_hidden_states_info
 from connectors.manifest import FAILED, OK, RESULT_SCHEMA, SKIPPED
 from connectors.run import RunDir, RunSpec
 from connectors.safetensors_connector import HiddenStatesConnectorConfig
-from extractor import EngineConfig, SamplingParams
+from connectors.shards import new_shard_path, write_shard
+from connectors.storage import retrying
+from connectors.writer import named_thread_pool
+from extractor import LLM, EngineConfig, SamplingParams
 from jobs.corpus import storable_text
 from jobs.tokenization import SAMPLE_SCHEMA
 
@@ -71,8 +74,6 @@ class WorkerSettings:
 
 class ExtractionWorker:
     def __init__(self, settings: WorkerSettings) -> None:
-        from connectors.writer import named_thread_pool
-
         self.settings = settings
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         # where the connector writes: the output, (sharded) a local folder the batch's shard is made from, or
@@ -85,8 +86,6 @@ class ExtractionWorker:
 
     def _load(self):
         """The engine, checked against the run's file spec (on the loader thread)."""
-        from extractor import LLM
-
         s = self.settings
         connector = s.connector if self._staging is None else dataclasses.replace(
             s.connector, shared_storage_path=self._staging, allowed_roots=None, storage_options={})
@@ -183,8 +182,6 @@ class ExtractionWorker:
     def _write_shard(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The batch's good files as one shard of the output; their rows then point into it (failed if it cannot
         be written: nothing of it is committed)."""
-        from connectors.shards import new_shard_path, write_shard
-
         good = [r for r in results if r["status"] == OK]
         if not good:
             return results
@@ -212,9 +209,6 @@ class ExtractionWorker:
         return self._result(row, out, path)
 
     def _result(self, row: dict[str, Any], out, rel_path: str) -> dict[str, Any]:
-        from connectors import read_hidden_states_info
-        from connectors.storage import retrying
-
         if out.error is not None:
             if out.error_kind == "bad_states" and self.settings.on_nonfinite == "skip":
                 return _failed(row, f"{row['source']}: {out.error}", status=SKIPPED)

@@ -30,6 +30,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from connectors import storage
+from connectors.paths import PathInUse, PathOwners, PathRejected
 from serve.config import ServeConfig
 from serve.engine import EngineReply, PromptRequest
 from serve.metrics import ServeMetrics
@@ -70,7 +72,6 @@ class Ingress:
         self._in_flight = 0
         self._draining = False
         self._info: dict[str, Any] | None = None
-        from connectors.paths import PathOwners
 
         # who owns each custom path, across replicas: each replica's connector knows only its own requests
         self._policy = config.path_policy()
@@ -230,9 +231,6 @@ class Ingress:
         replica at once): its default-named files (one per prompt id) while it runs, or its custom path. A custom
         path another request is writing, wrote without overwrite, or that exists already (another request's
         default-named file, a file from before) is 409 unless kv says overwrite."""
-        from connectors import storage
-        from connectors.paths import PathInUse, PathRejected
-
         custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
         if custom is None:
             dests = [(self._policy.default_destination(i), i) for i in ids]
@@ -319,7 +317,7 @@ class Ingress:
                            headers=retry) from None
 
     def _discard(self, path: str | None, reason: str = "request_failed") -> None:
-        from connectors import cleanup_hidden_states
+        from connectors import cleanup_hidden_states  # torch: the ingress loads it only to discard a file
 
         if path is None:
             return

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors import KVTransferConfig
+from connectors.paths import PathPolicy
 from extractor.options import EngineOptions, flag
 
 API_KEY_ENV = "HSX_API_KEY"
@@ -135,8 +137,6 @@ class ServeConfig(EngineOptions):
     def path_policy(self):
         """Where custom hidden_states_path values may go (connectors.paths.PathPolicy): under --allowed-roots, by
         default --output; what the ingress and every replica check alike."""
-        from connectors.paths import PathPolicy
-
         return PathPolicy(self.output, list(self.allowed_roots) if self.allowed_roots else None)
 
     def check_required(self) -> None:
@@ -164,7 +164,5 @@ class ServeConfig(EngineOptions):
                 "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None}
 
     def kv_transfer_config(self):
-        from connectors import KVTransferConfig
-
         return KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector", kv_role="kv_producer",
                                 kv_connector_extra_config=self.connector_settings())

@@ -29,7 +29,11 @@ from typing import Any
 
 from ray import serve
 
+from connectors import storage
+from connectors.writer import named_thread_pool
+from extractor.chat_content import messages_for_template
 from serve.config import ServeConfig
+from serve.templates import TemplateRefused, check_request_template
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +169,7 @@ class Engine:
     def __init__(self, config: ServeConfig) -> None:
         import torch
 
-        from connectors import storage
-        from connectors.writer import named_thread_pool
-        from extractor import LLM
+        from extractor import LLM  # torch: in the replica, not the ingress
 
         self.config = config
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -230,8 +232,8 @@ class Engine:
                             "prompt", "prompt_too_long")
 
     def _admit(self, r: PromptRequest) -> _Item:
-        from extractor import SamplingParams
-        from extractor.request import RequestRejected
+        from extractor import SamplingParams  # torch: in the replica, not the ingress
+        from extractor.request import RequestRejected  # torch: in the replica, not the ingress
 
         text = r.prompt
         if r.messages is not None:
@@ -274,8 +276,6 @@ class Engine:
         if r.chat_template is not None:
             self._check_request_template(r)
         try:
-            from extractor.chat_content import messages_for_template
-
             template = r.chat_template or getattr(self.tokenizer, "chat_template", None)
             out = self.tokenizer.apply_chat_template(
                 messages_for_template(r.messages, template), chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
@@ -290,8 +290,6 @@ class Engine:
     def _check_request_template(self, r: PromptRequest) -> None:
         """A client's chat_template: refused unless the server trusts them, and then rendered first under bounds
         (serve.templates): a template past them is refused before the tokenizer runs it."""
-        from serve.templates import TemplateRefused, check_request_template
-
         if not self.config.trust_request_chat_template:
             raise _Rejected(400, "this server does not render a chat_template sent with the request (a Jinja program "
                                  "from the client); leave chat_template out to use the model's own, or start hsx "
@@ -350,8 +348,6 @@ class Engine:
 
     def _generate(self, items: list[_Item]) -> list[EngineReply]:
         """On the engine thread: one LLM.generate over the batch; returns once every file is durable."""
-        from connectors import storage
-
         start = time.perf_counter()
         prompts = [{"prompt_token_ids": i.prompt_token_ids, "prompt": i.prompt_text} for i in items]
         outputs = self.llm.generate(prompts, [i.params for i in items],
@@ -382,7 +378,7 @@ class Engine:
 
     def _discard(self, reply: EngineReply) -> None:
         """Remove the file of a request whose caller went away."""
-        from connectors import cleanup_hidden_states
+        from connectors import cleanup_hidden_states  # torch: in the replica, not the ingress
 
         if reply.path is None:
             return
@@ -407,8 +403,6 @@ class Engine:
 
 
 def _fs_path(fs, path: str) -> str:
-    from connectors import storage
-
     return path if storage.is_local(fs) else fs._strip_protocol(path)
 
 

@@ -80,7 +80,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     """
     import torch  # deferred, like extractor.LLM below (extractor/llm.py imports torch): the CLI reads this module
 
-    from extractor import LLM, SamplingParams
+    from extractor import LLM, SamplingParams  # torch: the CLI's parser must stay cheap
 
     _check_arguments(temperature, prompts, max_tokens, repeats, max_num_seqs, errors)
     methods = dict(methods)

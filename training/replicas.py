@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from training.sampler import ShardSampler
+
 
 def epoch_batches(num_tokens, seed: int, epoch: int, batch_tokens: int, sample_tokens: int | None = None
                   ) -> list[list[int]]:
     """The epoch's batches: ShardSampler's order (seed, epoch), consecutive samples while they fit batch_tokens
     (each counted at most `sample_tokens`, default batch_tokens: longer samples are truncated to it)."""
-    from training.sampler import ShardSampler
-
     cap = batch_tokens if sample_tokens is None else sample_tokens
     sampler = ShardSampler(len(num_tokens), num_replicas=1, rank=0, shuffle=True, seed=seed)
     sampler.set_epoch(epoch)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.storage import parse_storage_options
+
 FORMATS = ("speculators", "specforge", "modelopt")
 
 
@@ -33,8 +35,6 @@ class ExportConfig:
     names the writer). Without it, such a run is refused."""
 
     def __post_init__(self) -> None:
-        from connectors.storage import parse_storage_options
-
         if self.format not in FORMATS:
             raise ValueError(f"unknown export format {self.format!r}; choose one of {list(FORMATS)} (--format)")
         if not self.output:

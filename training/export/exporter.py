@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from connectors.lease import snapshot_writer
 from connectors.outputs import OutputFolder
 from connectors.paths import safe_file_stem
-from connectors.run import RunSpec
+from connectors.run import RunDir, RunSpec
 from extractor.norm import FinalNorm
 from training.dataset import RUN_COMPARED, HiddenStatesDataset
 from training.export import files
@@ -229,9 +230,6 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     """Every check of an export, before anything is written: DEST (never the run, the model, inside either, another
     command's folder), a live writer of the run (refused unless --snapshot), the run's format, the norm's model,
     DEST's earlier export. ValueError (or FileNotFoundError) naming the fix."""
-    from connectors.lease import snapshot_writer
-    from connectors.run import RunDir
-
     start = time.perf_counter()
     output, dest, fmt = config.output, config.dest, config.format
     out = OutputFolder(dest, command="export", flag="DEST", inputs={"OUTPUT": output, "--model-dir": config.model_dir},
