@@ -11,7 +11,7 @@ cluster.session's. In pipeline order:
     corpus_regenerated.py the regenerated corpus (`hsx regenerate`'s OUTPUT), its one owner: regenerate.json, the
                      part writer, orphans; read as records: committed ones only, through its manifest
     records.py       CorpusFile, Record, sample ids and the text rules every reader applies
-    registry.py      SampleRegistry actor: skip committed ids, fail duplicate ids
+    sample_registry.py SampleRegistry actors: skip committed ids, fail duplicate ids
     chat.py          chat records -> ids + assistant loss mask, for any chat template
     tokenization.py  records -> token ids + loss mask (the CPU stage)
     worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows

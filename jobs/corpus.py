@@ -44,7 +44,7 @@ from jobs.records import (
     short_repr,
     storable_text,
 )
-from jobs.registry import SKIP, claim_block
+from jobs.sample_registry import SKIP, claim_block
 
 __all__ = ["BLOCK_BYTES", "MAX_RECORD_BYTES", "READERS", "RECORD_SCHEMA", "CorpusFile", "Record", "count_records",
            "expand_corpus", "file_format", "invalid_unicode", "read_records", "read_stage", "short_repr",

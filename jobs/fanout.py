@@ -23,7 +23,7 @@ import yaml
 
 from cluster.session import first_line, ray_cluster
 from jobs.live import LiveBatches, LiveStream, StreamHub, extraction_config, plan_stream, run_online
-from jobs.registry import DoneSet, id_keys
+from jobs.sample_registry import DoneSet, id_keys
 from jobs.train_config import TrainJobConfig
 from training.feed import CheckedFeed
 from training.train_config import checkpoint_folder, log_folder

@@ -20,7 +20,7 @@ batches of --batch-tokens. Nothing is stored anywhere but --out.
 
 Backpressure: Ray Data holds at most --inflight-mb of object-store memory for the stream's blocks
 (ExecutionOptions.resource_limits); when the trainer is slower than the extraction, the workers wait.
-Resume: a checkpoint records the ids of the samples the epoch has trained on (8-byte keys, jobs.registry.id_keys);
+Resume: a checkpoint records the ids of the samples the epoch has trained on (8-byte keys, jobs.sample_registry.id_keys);
 a resumed training's stream skips them (the registry's done set), so it trains on the rest of the pass. Samples
 extracted but not trained on when the training stopped are extracted again. Each further epoch is a new pass
 (the target runs again). EAGLE-3's draft vocabulary comes from a tokens-only pass over the corpus before training
@@ -68,8 +68,8 @@ from jobs.pipeline import (
     tokens_per_unit,
 )
 from jobs.records import records_table
-from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec
+from jobs.sample_registry import DoneSet, id_keys, start_registry
 from jobs.tokenization import TokenizeStage
 from jobs.train_config import TrainJobConfig
 from training.checks import check_layers, open_dataset, target_config

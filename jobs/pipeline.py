@@ -48,8 +48,8 @@ from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
 from jobs.progress import JobResult, Progress
 from jobs.regenerate import execute_regeneration, prepare_regeneration
-from jobs.registry import DoneSet, id_keys, start_registry
 from jobs.runinfo import build_run_spec, ensure_run_spec
+from jobs.sample_registry import DoneSet, id_keys, start_registry
 from jobs.tokenization import TokenizeSettings, TokenizeStage
 from jobs.worker import ExtractionWorker, WorkerSettings
 

@@ -81,7 +81,7 @@ from jobs.progress import progress_bar, set_total
 from jobs.records import Record
 from jobs.regenerate_config import RegenerateConfig
 from jobs.regenerator import Outcome, Regenerator
-from jobs.registry import DoneSet, id_keys
+from jobs.sample_registry import DoneSet, id_keys
 from jobs.server_pool import Pool, base_url
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ def _config(tiny_llama, corpus, out, **kw) -> TrainJobConfig:
 
 def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, ray_cluster, tmp_path):
     from jobs.live import LiveBatches, extraction_config, plan_stream
-    from jobs.registry import DoneSet
+    from jobs.sample_registry import DoneSet
     from tests.extractor.oracle import load_reference, reference_states
     from training.collate import PackCollator
     from training.feed import CheckedFeed

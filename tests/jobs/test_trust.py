@@ -395,7 +395,7 @@ def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
     import ray
 
     from jobs.pipeline import registry_stats
-    from jobs.registry import DoneSet, id_keys, start_registry
+    from jobs.sample_registry import DoneSet, id_keys, start_registry
 
     registry = start_registry(DoneSet(id_keys(["a"])), shards=2)
     assert registry_stats(registry) == {"skipped": 0, "duplicates": 0, "claimed": 0}
