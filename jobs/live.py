@@ -539,6 +539,9 @@ def run_online(trainer: Trainer) -> dict[str, Any]:
 def train_online(config: TrainJobConfig) -> dict[str, Any]:
     """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
     samples extracted and failed, passes, the target's forward count, the peak of the object store)."""
+    if config.fanout:
+        raise ValueError(f"--fanout {config.fanout} trains several drafters: call jobs.train.train_drafter (or "
+                         "jobs.fanout.train_fanout), not train_online, which trains one")
     plan = plan_stream(extraction_config(config))
     stream = LiveStream(config, plan)
     trainer = Trainer(config, stream)  # every check before the stream starts

@@ -269,7 +269,8 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
 
 class _Run:
     """One execution of a plan: the reader feeds unsettled records to the workers (--concurrency per server), their
-    outcomes go to the committer. Built inside the event loop (its queues are that loop's)."""
+    outcomes go to the committer. Built before asyncio.run starts the loop: its queues bind to the loop that
+    first uses them (Python >= 3.10)."""
 
     def __init__(self, plan: RegenerationPlan, result: RegenerateResult, lost: threading.Event,
                  stop: threading.Event) -> None:

@@ -186,7 +186,7 @@ def _watch_lease(out, keeper, done: threading.Event) -> None:
 
 
 class _Keeper:
-    """On the driver's node: the training's checkpoints in OUT (training.trainer.Checkpoints), the latest one for
+    """On the driver's node: the training's checkpoints in OUT (training.checkpoint.Checkpoints), the latest one for
     replicas that (re)start, and the error that ended the training, if a replica met one that restarts cannot
     mend."""
 

@@ -213,6 +213,13 @@ def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_pat
 
     with pytest.raises(ValueError, match="give --corpus FILES and no --run"):
         TrainJobConfig(online=True, model=tiny_llama, out=str(tmp_path / "o"))
+    from jobs.live import train_online
+
+    fanout = tmp_path / "fanout.yaml"
+    fanout.write_text("trainers: []\n")
+    with pytest.raises(ValueError, match="call jobs.train.train_drafter"):  # one trainer never drops the others
+        train_online(_config(tiny_llama, corpus, tmp_path / "f", fanout=str(fanout)))
+    assert not (tmp_path / "f").exists()
     for bad, match in [
                        (dict(run="./run"), "no --run"),
                        (dict(workers=2), "one process"),
