@@ -51,7 +51,7 @@ from drafters.base import (
     verifier_head,
 )
 from drafters.features import Features
-from drafters.llama_layers import llama_layer_config, with_sdpa
+from drafters.llama_layers import cache_kwarg, llama_layer_config, with_sdpa
 from drafters.registry import Family
 from drafters.ttt import one_document_per_row, shift_left, ttt_mask
 
@@ -137,7 +137,7 @@ class EagleDrafter(Drafter):
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         rope = self.rotary_emb(x, position_ids)
         for layer in self.layers:
-            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, **cache_kwarg(cache),
                       position_embeddings=rope)
         return x
 

@@ -53,7 +53,7 @@ from drafters.base import (
     topk_distribution,
 )
 from drafters.features import Features, aux_layers_for_run
-from drafters.llama_layers import llama_layer_config, with_sdpa
+from drafters.llama_layers import cache_kwarg, llama_layer_config, with_sdpa
 from drafters.registry import Family
 from drafters.ttt import one_document_per_row, shift_left, ttt_mask
 from drafters.vocab import DraftVocab, build_draft_vocab
@@ -134,7 +134,7 @@ class Eagle3FirstLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [R, S, 2H]
         x, _ = self.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                              cache=cache)
+                              **cache_kwarg(cache))
         x = residual + x
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -248,7 +248,7 @@ class Eagle3Drafter(Drafter):
         rope = self.rotary_emb(hidden, position_ids)  # cos, sin [R, S, head_dim]
         x = self.layers[0](embeds, hidden, rope, attention_mask, cache)
         for layer in self.layers[1:]:
-            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, **cache_kwarg(cache),
                       position_embeddings=rope)
         return x
 

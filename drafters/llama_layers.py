@@ -5,10 +5,14 @@ like the target's own layers, taking sizes, not a family's config.
                                 the draft layers' LlamaConfig: heads, kv heads, head_dim, eps, positions and RoPE
                                 read from the target's config; the width, vocabulary, depth and MLP width given
     with_sdpa(layer_config)     the same config, its attention set to "sdpa" (the draft layers take boolean masks)
+    cache_kwarg(cache)          {name: cache} under the keyword the installed transformers' Llama layers take their
+                                cache by ("cache" since 5.20, "past_key_values" before)
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 
@@ -42,3 +46,22 @@ def with_sdpa(layer_config):
     called with boolean masks over their own caches, which sdpa takes as they are."""
     layer_config._attn_implementation = "sdpa"
     return layer_config
+
+
+@functools.cache
+def _cache_keyword() -> str:
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+    names = [set(inspect.signature(m.forward).parameters) for m in (LlamaAttention, LlamaDecoderLayer)]
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if all(name in n for n in names):
+            return name
+    raise RuntimeError("transformers' Llama layers take their KV cache by none of cache / past_key_values / "
+                       "past_key_value; hsx supports the transformers versions pyproject.toml names")
+
+
+def cache_kwarg(cache) -> dict[str, Any]:
+    """{keyword: cache} for a Llama attention or decoder layer call. transformers renamed the keyword (5.20:
+    past_key_values -> cache), and a layer given the other name takes it as an unknown kwarg and runs without the
+    cache: the keys of earlier unrolled steps go missing and the mask no longer fits."""
+    return {_cache_keyword(): cache}

@@ -84,9 +84,14 @@ def drafter_class(name: str) -> type:
     if not hasattr(found, "drafter_class"):
         raise ValueError(f"--kind {name}: this family can decode but not be trained by hsx (it has no Drafter)")
     try:
-        return found.drafter_class()
+        cls = found.drafter_class()
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--kind {name}: {getattr(found, 'drafter', name)} is not available in this hsx ({e})") from e
+    declared = getattr(found, "features", None) or Features()
+    if getattr(cls, "features", declared) != declared:  # the trainer's checks read one, the Drafter the other
+        raise ValueError(f"--kind {name}: its Family declares {declared} but its Drafter {cls.__name__} declares "
+                         f"{cls.features}; a family declares what it reads once (FEATURES, passed to both)")
+    return cls
 
 
 def family_features(name: str) -> Features:

@@ -92,3 +92,22 @@ def test_an_uninstalled_source_tree_finds_its_own_families(monkeypatch):
     monkeypatch.setattr(methods, "_families", {})
     assert {"eagle3", "medusa", "mlp_speculator"} <= set(methods.families())
     assert methods.family("medusa").proposer_class == "drafters.medusa_proposer:MedusaProposer"
+
+
+def test_a_family_whose_drafter_declares_other_features_is_refused_naming_both():
+    """The trainer's checks read Family.features, the Drafter its own: a plug-in declaring two answers is refused
+    when its Drafter is loaded, not trained on layers one of them does not read."""
+    import dataclasses
+
+    from drafters.features import Features
+    from tests.drafters.toy import FAMILY
+
+    other = dataclasses.replace(FAMILY, name="toy_mismatch", features=Features(aux_layers=3, top_k=True))
+    registry.register(other)
+    try:
+        with pytest.raises(ValueError, match="declares .* but its Drafter ToyDrafter declares"):
+            registry.drafter_class("toy_mismatch")
+        registry.register(dataclasses.replace(other, features=Features()))
+        assert registry.drafter_class("toy_mismatch").__name__ == "ToyDrafter"
+    finally:
+        registry.unregister("toy_mismatch")
