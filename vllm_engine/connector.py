@@ -1,0 +1,244 @@
+"""hsx's connector as a vLLM KV-connector plug-in: vLLM's `extract_hidden_states` pseudo-drafter captures the layers,
+hsx's writer stores them (any fsspec URL, fp8 / storage dtypes, checksums, atomic commit, the custom-path policy).
+
+    LLM(model, speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}}},
+        kv_transfer_config=KVTransferConfig(kv_connector="HsxHiddenStatesConnector",
+            kv_connector_module_path="vllm_engine.connector", kv_role="kv_producer",
+            kv_connector_extra_config={"shared_storage_path": "s3://bucket/run", ...}))
+
+kv_connector_extra_config takes hsx's connector settings (connectors.safetensors_connector.HiddenStatesConnectorConfig:
+shared_storage_path, allow_custom_save_path, allowed_roots, storage_options, storage_dtype, ...); per-request
+kv_transfer_params as vLLM's: hidden_states_path, include_output_tokens (prompt + output minus the last token).
+
+vLLM calls it from two processes (grouped by who calls what, in call order):
+
+Scheduler, per step and per request:
+    build_connector_meta(out)         each new request's file, located once by hsx's path policy (a custom path
+                                      outside the allowed roots is refused: the request's output says so and no
+                                      file is written); the finished requests' saves handed to the worker
+    request_finished[_all_groups](req, blocks) -> (True, {"hidden_states_path"})   the request's tokens and the
+                                      blocks of the hidden-state cache, kept until the worker has written them
+Worker (TP rank 0 writes; the other ranks hold no file):
+    register_kv_caches(caches)        the CacheOnlyAttentionLayer's cache: [blocks, layers, block_size, hidden]
+    get_finished(ids) -> (done, None) each handed-over save gathered from its slots, written by hsx's connector and
+                                      made durable before the request is reported done (its blocks freed)
+
+The file is hsx's: `load_hidden_states` of hsx reads it (token_ids [T], hidden_states [T, L, H] and the spec's
+metadata); the states are those vLLM's pseudo-drafter cached, layer ids in vLLM's convention (0 = embeddings, k = the
+output of decoder layer k-1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+from connectors.base import RequestInfo
+from connectors.format import HiddenStatesSpec
+from connectors.paths import PathPolicy, PathRejected
+from connectors.safetensors_connector import HiddenStatesConnectorConfig, SafetensorsHiddenStatesConnector
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Save:
+    """One finished request's save, from the scheduler to the worker."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    kv_transfer_params: dict[str, Any]
+
+
+@dataclass
+class HsxConnectorMetadata(KVConnectorMetadata):
+    saves: list[_Save] = field(default_factory=list)
+
+
+def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
+    """The KV-cache group of the hidden-state cache (found by its spec, the same on both sides)."""
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    found = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(found) == 1:
+        return found[0]
+    if not found and len(groups) == 1:
+        return 0
+    raise ValueError(f"cannot tell the hidden-state cache among {len(groups)} KV-cache groups; the "
+                     "extract_hidden_states method needs its cache in a group of its own")
+
+
+def file_spec(vllm_config: VllmConfig) -> HiddenStatesSpec:
+    """The spec of the files: the pseudo-drafter's layer ids, the target's sizes and dtype."""
+    model = vllm_config.model_config
+    text = model.hf_config.get_text_config() if hasattr(model.hf_config, "get_text_config") else model.hf_config
+    draft = vllm_config.speculative_config.draft_model_config.hf_config
+    layer_ids = tuple(int(i) for i in getattr(draft, "eagle_aux_hidden_state_layer_ids", ()) or ())
+    return HiddenStatesSpec(layer_ids=layer_ids, num_hidden_layers=int(text.num_hidden_layers),
+                            hidden_size=int(text.hidden_size), dtype=str(model.dtype).removeprefix("torch."),
+                            model=str(model.model), model_revision=model.revision or "",
+                            extra={"engine": "vllm", "architecture": (text.architectures or [""])[0]
+                                   if getattr(text, "architectures", None) else ""})
+
+
+class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.speculative_config is None or vllm_config.speculative_config.method != "extract_hidden_states":
+            raise ValueError("HsxHiddenStatesConnector stores the states of the extract_hidden_states method: pass "
+                             'speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1, ...}')
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings: HiddenStatesConnectorConfig = SafetensorsHiddenStatesConnector.parse_extra_config(extra)
+        self.spec = file_spec(vllm_config)
+        self._group = hidden_state_group(kv_cache_config)
+        self._block_size = (kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
+                            if kv_cache_config is not None else vllm_config.cache_config.block_size)
+        # scheduler side
+        self._paths = PathPolicy(self.settings.shared_storage_path,
+                                 list(self.settings.allowed_roots) if self.settings.allowed_roots else None)
+        self._located: dict[str, tuple[str | None, str | None]] = {}  # request id -> (path, refusal)
+        self._saves: list[_Save] = []
+        # worker side
+        self._cache: torch.Tensor | None = None
+        self._writes = False
+        self._writer: SafetensorsHiddenStatesConnector | None = None
+
+    # -- scheduler ----------------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # it stores, never loads
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        pass
+
+    def _locate(self, request_id: str, params: dict[str, Any]) -> tuple[str | None, str | None]:
+        custom = params.get("hidden_states_path")
+        if custom is not None and not self.settings.allow_custom_save_path:
+            logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; writing "
+                           "to the default path instead", request_id, custom)
+            custom = None
+        try:
+            dest = self._paths.locate(custom) if custom is not None else self._paths.default_destination(request_id)
+        except PathRejected as e:
+            return None, f"{e}; nothing was written"
+        return dest.path, None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
+            self._located[new.req_id] = self._locate(new.req_id, dict(extra.get("kv_transfer_params") or {}))
+        meta = HsxConnectorMetadata(saves=self._saves)
+        self._saves = []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        located = self._located.pop(request.request_id, None)
+        if located is None:  # aborted before it was scheduled: nothing was captured
+            return False, None
+        path, refusal = located
+        if refusal is not None:
+            return False, {"hidden_states_path": None, "error": refusal}
+        params = dict(request.kv_transfer_params or {})
+        prompt = list(request.prompt_token_ids or [])
+        tokens = list(request.all_token_ids)[:-1] if params.get("include_output_tokens") else prompt
+        self._saves.append(_Save(request.request_id, tokens, len(prompt), list(block_ids), params))
+        return True, {"hidden_states_path": path}
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if not 0 <= self._group < len(block_ids):
+            self._located.pop(request.request_id, None)
+            return False, None
+        return self.request_finished(request, block_ids[self._group])
+
+    # -- worker -------------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if len(layers) != 1:
+            raise ValueError(f"expected one CacheOnlyAttentionLayer (extract_hidden_states), found {len(layers)}")
+        self._cache = kv_caches[layers[0]]  # [blocks, layers, block_size, hidden]
+        if self._cache.shape[2] != self._block_size:
+            raise ValueError(f"the hidden-state cache's block size is {self._cache.shape[2]}, its group says "
+                             f"{self._block_size}: its slots would be read wrong")
+        self._writes = get_tensor_model_parallel_rank() == 0
+        if self._writes:
+            self._writer = SafetensorsHiddenStatesConnector(self.settings, self.spec)
+
+    def start_load_kv(self, *args, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        pass  # the pseudo-drafter has cached the states; they are read when the request finishes
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def _rows(self, save: _Save) -> torch.Tensor:
+        """[T, L, H] of one request, gathered from its blocks' slots, on the CPU."""
+        blocks = torch.tensor(save.block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None, :]).flatten()
+        slots = slots[:len(save.token_ids)].to(self._cache.device)
+        return self._cache[slots // self._block_size, :, slots % self._block_size].to("cpu")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self.has_connector_metadata():
+            return None, None
+        meta = self._get_connector_metadata()
+        saves = meta.saves if isinstance(meta, HsxConnectorMetadata) else []
+        if not saves or not self._writes:
+            return None, None
+        done = set()
+        for save in saves:
+            try:
+                self._writer.start_request(RequestInfo(save.request_id, save.num_prompt_tokens,
+                                                       save.kv_transfer_params))
+                self._writer.save_hidden_states(save.request_id, torch.tensor(save.token_ids, dtype=torch.int64),
+                                                self._rows(save))
+                self._writer.request_finished(save.request_id)
+            except (ValueError, KeyError, OSError) as e:
+                logger.error("hidden states of request %s were not written: %s", save.request_id, e)
+                self._writer.abort_request(save.request_id)
+            done.add(save.request_id)
+        for rid, error in self._writer.wait_for_save().items():  # durable before the blocks are freed
+            logger.error("hidden states of request %s were not written: %s", rid, error)
+        return done, None
+
+    def get_finished_count(self) -> int:
+        return 1  # rank 0 alone reports a request done
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBNHC"  # [.., tokens, layers, hidden]: each token's states together
+
