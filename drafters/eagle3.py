@@ -329,6 +329,9 @@ class Eagle3Drafter(Drafter):
         """config.json of the speculators eagle3 format (vLLM's eagle3 method reads it)."""
         layer = self.layer_config.to_dict()
         layer.pop("_attn_implementation_autoset", None)
+        # vLLM sizes fc from the layer config's num_aux_hidden_states (else eagle_config's ids, else 3): written,
+        # a head fusing other than three aux layers loads there too
+        layer["num_aux_hidden_states"] = len(self.aux_layer_ids)
         return {
             "architectures": [self.architecture],
             "speculators_model_type": self.speculators_model_type,

@@ -468,3 +468,15 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     again = {m.name: m for m in small.get_metrics()}
     for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
         assert again[name].value == metrics[name].value, name
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_the_checkpoint_tells_vllm_how_many_aux_layers_fc_fuses(family_head, kind):
+    """vLLM sizes fc from transformer_layer_config.num_aux_hidden_states and assumes three without it (a two-layer
+    head failed its load); tests/vllm_engine/test_drafters_in_vllm.py loads such heads in real vLLM."""
+    folder, drafter, _ = family_head(kind)
+    with open(os.path.join(folder, "config.json")) as f:
+        doc = json.load(f)
+    aux = doc["eagle_aux_hidden_state_layer_ids"]
+    assert doc["transformer_layer_config"]["num_aux_hidden_states"] == len(aux) == len(drafter.aux_layer_ids)
+    assert drafter.fc.in_features == len(aux) * doc["target_hidden_size"]
