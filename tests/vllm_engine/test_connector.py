@@ -15,25 +15,45 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 LAYERS = (1, 2, 4)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_factory, tmp_path_factory):
-    """(LLM, model dir, output folder): a 4-layer Llama (head_dim 32: vLLM's CPU attention has no kernel for 16)."""
+def _llm(model: str, extra: dict, **engine):
+    """vLLM with the extract_hidden_states method and hsx's connector (kv_connector_extra_config `extra`)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    model = tiny_model_factory("llama", num_attention_heads=2, num_key_value_heads=2)
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
+                                                                        list(LAYERS)}}},
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="HsxHiddenStatesConnector", kv_connector_module_path="vllm_engine.connector",
+                   kv_role="kv_producer", kv_connector_extra_config=extra), **engine)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    """A 4-layer Llama of head_dim 32 (vLLM's CPU attention has no kernel for 16)."""
+    return tiny_model_factory("llama", num_attention_heads=2, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    """(LLM, model dir, output folder)."""
     out = str(tmp_path_factory.mktemp("vllm-out"))
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
-                                                                       list(LAYERS)}}},
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="HsxHiddenStatesConnector", kv_connector_module_path="vllm_engine.connector",
-                  kv_role="kv_producer",
-                  kv_connector_extra_config={"shared_storage_path": out, "allow_custom_save_path": True}))
+    llm = _llm(model, {"shared_storage_path": out, "allow_custom_save_path": True})
     yield llm, model, out
     del llm
+
+
+def _assert_states_of_a_forward(model: str, pairs) -> None:
+    """Each (token ids, states [T, L, H]) equals a plain transformers forward over the ids (layer N pre-norm)."""
+    import torch
+
+    from tests.extractor.oracle import load_reference, reference_states
+
+    ref = load_reference(model)
+    for ids, states in pairs:
+        torch.testing.assert_close(states, reference_states(ref, ids, LAYERS), rtol=1e-4, atol=1e-4)
 
 
 def _files(root: str) -> set[str]:
@@ -79,3 +99,42 @@ def test_a_custom_path_outside_the_allowed_roots_is_refused_and_nothing_is_writt
     assert params["hidden_states_path"] is None and "outside the allowed roots" in params["error"]
     assert "nothing was written" in params["error"]
     assert not os.path.exists(outside) and _files(out) == before
+
+
+def test_an_s3_output_through_vllm_holds_the_same_states(model, s3_bucket):
+    """shared_storage_path an S3 URL (a real S3-API server on loopback) with storage_options: the files hsx reads
+    back from the bucket hold a transformers forward's states."""
+    from vllm import SamplingParams
+
+    from connectors import load_hidden_states
+
+    url, options = s3_bucket
+    llm = _llm(model, {"shared_storage_path": f"{url}/run", "storage_options": options})
+    try:
+        results = llm.generate(["the quick brown fox", "one two three four five"], SamplingParams(max_tokens=1))
+    finally:
+        del llm
+    paths = [r.kv_transfer_params["hidden_states_path"] for r in results]
+    assert all(p.startswith(f"{url}/run/") for p in paths), paths
+    loaded = [load_hidden_states(p, storage_options=options) for p in paths]
+    assert [d["token_ids"].tolist() for d in loaded] == [list(r.prompt_token_ids) for r in results]
+    _assert_states_of_a_forward(model, [(d["token_ids"].tolist(), d["hidden_states"]) for d in loaded])
+
+
+def test_tensor_parallel_2_stores_what_one_rank_stores(model, tmp_path, monkeypatch):
+    """tensor_parallel_size=2 on CPU (one core per rank): rank 0 writes one file per request, holding a
+    transformers forward's states."""
+    from vllm import SamplingParams
+
+    from connectors import load_hidden_states
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    out = str(tmp_path / "tp2")
+    llm = _llm(model, {"shared_storage_path": out}, tensor_parallel_size=2)
+    try:
+        results = llm.generate(["the quick brown fox", "one two three four five"], SamplingParams(max_tokens=1))
+    finally:
+        del llm
+    loaded = [load_hidden_states(r.kv_transfer_params["hidden_states_path"]) for r in results]
+    assert len(_files(out)) == 2
+    _assert_states_of_a_forward(model, [(d["token_ids"].tolist(), d["hidden_states"]) for d in loaded])
