@@ -48,6 +48,7 @@ from connectors import storage
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
+from extractor.facts import text_config
 from extractor.norm import FinalNorm
 
 
@@ -114,7 +115,7 @@ class TargetHead:
         """The final norm, lm_head and input embeddings of a loaded transformers target, shared (not copied): an
         engine's proposer reads out with the very tensors the target computes with, on its device and dtype, and
         nothing is read from the target's folder again."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         return cls(FinalNorm.of_model(model), model.get_output_embeddings().weight,
                    model.get_input_embeddings().weight, model_dir, int(config.num_hidden_layers))
 

@@ -59,6 +59,11 @@ class TargetFacts:
                                 target=self.target)
 
 
+def text_config(hf_config: Any) -> Any:
+    """The config that holds the decoder's sizes: a multimodal wrapper's text config, else the config itself."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
 def target_facts(hf_config: Any, *, model: str, revision: str | None = None, layer_ids=None, dtype: str = "auto",
                  max_model_len: int | None = None, layers_flag: str = "layer_ids", target: str = "",
                  target_flag: str = "target") -> TargetFacts:
@@ -66,7 +71,7 @@ def target_facts(hf_config: Any, *, model: str, revision: str | None = None, lay
     `target_flag` or max_model_len when the settings do not fit the model."""
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ValueError(f"{model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     n, h = int(text.num_hidden_layers), int(text.hidden_size)  # a multimodal wrapper keeps them in its text config
     ids = check_layer_ids(layer_ids if layer_ids else default_layer_ids(n), n, name=f"{layers_flag} (for {model})")
     target = check_target(target, flag=target_flag)

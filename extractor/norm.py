@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from extractor.facts import text_config
+
 SUPPORTED_MODEL_TYPES = {
     "llama": "rms", "mistral": "rms", "mixtral": "rms", "qwen2": "rms", "qwen2_moe": "rms", "qwen3": "rms",
     "qwen3_moe": "rms", "gpt2": "layer",
@@ -68,7 +70,7 @@ class FinalNorm:
     def of_model(cls, model: torch.nn.Module) -> FinalNorm:
         """The final norm module of a loaded transformers model (shared, not copied); ValueError for a model type
         whose norm hsx has not checked, or a model whose norm is not where its type keeps it."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         model_type = getattr(config, "model_type", "")
         kind = SUPPORTED_MODEL_TYPES.get(model_type)
         if kind is None:

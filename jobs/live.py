@@ -52,6 +52,7 @@ from connectors.reader import read_rows
 from connectors.run import RunDir
 from drafters.base import TargetHead
 from drafters.registry import default_layer_ids, family_features
+from extractor.facts import text_config
 from jobs.config import JobConfig
 from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts
@@ -87,8 +88,7 @@ def stream_layers(config: TrainJobConfig, trainers: list[TrainJobConfig]) -> tup
     """The layers --online's extraction captures when --extract names none: what the trainers' families declare
     they read (drafters.features: each one's aux layers, then N), so that no layer is captured for nothing; with
     --cache, `hsx run`'s default (every registered family's layers), so that the kept run trains any family later."""
-    text = target_config(config.model)
-    n = int((text.get_text_config() if hasattr(text, "get_text_config") else text).num_hidden_layers)
+    n = int(text_config(target_config(config.model)).num_hidden_layers)
     if config.cache:
         return default_layer_ids(n)
     wanted = (family_features(c.kind).extraction_layer_ids(n, c.drafter_options().get("aux_layer_ids"))

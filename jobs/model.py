@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint
 from drafters.registry import default_layer_ids
-from extractor.facts import TargetFacts, target_facts
+from extractor.facts import TargetFacts, target_facts, text_config
 from jobs.config import JobConfig
 
 
@@ -43,8 +43,7 @@ class ModelFacts(TargetFacts):
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
         # the default layers serve every registered family (what each declares it reads: drafters.features)
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-        layer_ids = config.layers or default_layer_ids(int(text.num_hidden_layers))
+        layer_ids = config.layers or default_layer_ids(int(text_config(hf).num_hidden_layers))
         # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
         f = target_facts(hf, model=model, revision=config.revision, layer_ids=layer_ids, dtype=config.dtype,
                          max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,

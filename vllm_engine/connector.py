@@ -49,6 +49,7 @@ from connectors.base import RequestInfo
 from connectors.format import HiddenStatesSpec
 from connectors.paths import PathPolicy, PathRejected
 from connectors.safetensors_connector import HiddenStatesConnectorConfig, SafetensorsHiddenStatesConnector
+from extractor.facts import text_config
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -93,7 +94,7 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
 def file_spec(vllm_config: VllmConfig) -> HiddenStatesSpec:
     """The spec of the files: the pseudo-drafter's layer ids, the target's sizes and dtype."""
     model = vllm_config.model_config
-    text = model.hf_config.get_text_config() if hasattr(model.hf_config, "get_text_config") else model.hf_config
+    text = text_config(model.hf_config)
     draft = vllm_config.speculative_config.draft_model_config.hf_config
     layer_ids = tuple(int(i) for i in getattr(draft, "eagle_aux_hidden_state_layer_ids", ()) or ())
     return HiddenStatesSpec(layer_ids=layer_ids, num_hidden_layers=int(text.num_hidden_layers),
