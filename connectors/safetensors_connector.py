@@ -196,6 +196,21 @@ def _buffers(tensors) -> dict[tuple, int]:
     return out
 
 
+def request_destination(paths: PathPolicy, allow_custom_save_path: bool, request_id: str,
+                        params: Mapping[str, Any]) -> tuple[Destination, bool]:
+    """Where request `request_id`'s file goes, and whether that is its own hidden_states_path: the custom path
+    located by `paths` (PathRejected when outside the allowed roots), or the default one when it asks for none or
+    custom paths are off (said in a warning). The connector and the vLLM plug-in's scheduler decide alike."""
+    custom = params.get("hidden_states_path")
+    if custom is not None and not allow_custom_save_path:
+        logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; "
+                       "writing to the default path instead", request_id, custom)
+        custom = None
+    if custom is None:
+        return paths.default_destination(request_id), False
+    return paths.locate(custom), True
+
+
 class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
     extra_config_class = HiddenStatesConnectorConfig
 
@@ -225,16 +240,12 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
     # -- engine, per request ------------------------------------------------------------------------------------
     def start_request(self, request: RequestInfo) -> None:
         params = dict(request.kv_transfer_params or {})
-        custom = params.get("hidden_states_path")
-        if custom is not None and not self.extra_config.allow_custom_save_path:
-            logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; "
-                           "writing to the default path instead", request.request_id, custom)
-            custom = None
         overwrite = params.get("overwrite", False)
         if not isinstance(overwrite, bool):
             raise ValueError(f"request {request.request_id}: kv_transfer_params['overwrite'] must be true or false, "
                              f"got {type(overwrite).__name__} {overwrite!r}")
-        dest = self._paths.locate(custom) if custom is not None else self._paths.default_destination(request.request_id)
+        dest, is_custom = request_destination(self._paths, self.extra_config.allow_custom_save_path, request.request_id,
+                                              params)
         if request.loss_mask is not None and request.loss_mask.shape != (request.num_prompt_tokens,):
             raise ValueError(f"request {request.request_id}: loss_mask has shape {list(request.loss_mask.shape)}, "
                              f"expected [{request.num_prompt_tokens}] (one value per prompt token)")
@@ -243,7 +254,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
                 raise ValueError(f"request id {request.request_id!r} is already in flight; request ids must be unique")
             self._owners.claim(dest, request.request_id, overwrite)
             self._requests[request.request_id] = _Pending(request, dest, bool(params.get("include_output_tokens")),
-                                                          remember=custom is not None and not overwrite)
+                                                          remember=is_custom and not overwrite)
 
     def _pending(self, request_id: str) -> _Pending:
         try:

@@ -48,7 +48,11 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from connectors.base import RequestInfo
 from connectors.format import HiddenStatesSpec
 from connectors.paths import PathPolicy, PathRejected
-from connectors.safetensors_connector import HiddenStatesConnectorConfig, SafetensorsHiddenStatesConnector
+from connectors.safetensors_connector import (
+    HiddenStatesConnectorConfig,
+    SafetensorsHiddenStatesConnector,
+    request_destination,
+)
 from extractor.facts import text_config
 
 if TYPE_CHECKING:
@@ -136,13 +140,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def _locate(self, request_id: str, params: dict[str, Any]) -> tuple[str | None, str | None]:
-        custom = params.get("hidden_states_path")
-        if custom is not None and not self.settings.allow_custom_save_path:
-            logger.warning("request %s asked for hidden_states_path=%r but allow_custom_save_path is off; writing "
-                           "to the default path instead", request_id, custom)
-            custom = None
+        """(the file's path, None), or (None, why it is refused): decided as the worker's connector will decide."""
         try:
-            dest = self._paths.locate(custom) if custom is not None else self._paths.default_destination(request_id)
+            dest, _ = request_destination(self._paths, self.settings.allow_custom_save_path, request_id, params)
         except PathRejected as e:
             return None, f"{e}; nothing was written"
         return dest.path, None
