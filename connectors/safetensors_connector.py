@@ -81,6 +81,10 @@ class HiddenStatesConnectorConfig:
     """Passed to fsspec: endpoint_url, credentials, ... (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
     use_synchronization_lock: bool = True
     """Hold `<file>.lock` while writing so readers wait for complete files (vLLM's key)."""
+    keep_lock_file: bool = False
+    """Leave `<file>.lock` (unlocked) beside each file written to a local disk, as vLLM's connector does: vLLM's own
+    `load_hidden_states` opens it and fails without it. `cleanup_hidden_states` removes it with the file. The vLLM
+    plug-in (vllm_engine.connector) turns it on unless told otherwise; no effect on object stores."""
     max_write_attempts: int = 5
     """Attempts per file on transient storage errors, with exponential backoff."""
     write_retry_backoff_s: float = 0.2
@@ -107,8 +111,9 @@ class HiddenStatesConnectorConfig:
     need room for the longest sample's stored states; on a tmpfs they are memory again."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool), ("check_states", bool),
-                           ("num_writer_threads", int), ("max_bytes_in_flight", int), ("max_write_attempts", int),
+        for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool),
+                           ("keep_lock_file", bool), ("check_states", bool), ("num_writer_threads", int),
+                           ("max_bytes_in_flight", int), ("max_write_attempts", int),
                            ("write_retry_backoff_s", (int, float)), ("storage_options", dict),
                            ("max_staged_bytes_per_request", int), ("spool_dir", str)):
             value = getattr(self, name)
@@ -462,7 +467,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         cfg = self.extra_config
         retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s,
                  "for_s": cfg.write_retry_s}
-        with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root, **retry):
+        with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root,
+                                    keep=cfg.keep_lock_file, **retry):
             return safetensors_file.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
 
     def _release(self, pending: _Pending, *, written: bool) -> None:

@@ -385,8 +385,11 @@ def _open_subfolder(fd: int, part: str, path: str, root: str, where: str) -> int
 
 @contextlib.contextmanager
 def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = True, max_attempts: int = 5,
-                  backoff_s: float = 0.2, for_s: float | None = None, root: str | None = None) -> Iterator[None]:
-    """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring).
+                  backoff_s: float = 0.2, for_s: float | None = None, root: str | None = None,
+                  keep: bool = False) -> Iterator[None]:
+    """Hold `<path>.lock` while the body writes `path`; readers wait for it (see module docstring). `keep`: on local
+    disks the lock file stays, unlocked, after a write that succeeded (vLLM's `load_hidden_states` opens it and fails
+    without it; `remove` takes it away with the file).
 
     On local disks the lock is opened relative to `path`'s folder as `local_parent(path, root)` reaches it, never
     through a symlink (one under the lock's name is replaced by a lock file, as a rename replaces one under the
@@ -401,12 +404,15 @@ def pending_write(fs: fsspec.AbstractFileSystem, path: str, *, enabled: bool = T
     if is_local(fs):
         with local_parent(path, root) as (dir_fd, name):
             fd = _open_lock(dir_fd, name + LOCK_SUFFIX, lock)
+            written = False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 yield
+                written = True
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
+                if not (keep and written):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
         return

@@ -68,6 +68,20 @@ class JobConfig(EngineOptions):
     """fsspec options for reading the corpus, as JSON (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
 
     # -- execution -------------------------------------------------------------------------------------------------
+    engine: str = "hsx"
+    """What runs the target: hsx (its own engine: any Hugging Face causal LM through transformers, exact, no vLLM
+    needed) or vllm (real vLLM with hsx's connector plug-in: vLLM's kernels, model coverage and parallelism; needs
+    vLLM installed where the workers run, docs/engines.md). The files, manifest and resume are the same."""
+    tensor_parallel_size: int = 1
+    """--engine vllm: devices one engine spans by tensor parallelism; each worker reserves tensor x pipeline
+    parallel size devices on one node (GPUs; on CPU, cores) and runs vLLM's ranks inside."""
+    pipeline_parallel_size: int = 1
+    """--engine vllm: pipeline-parallel stages per engine (within one node)."""
+    enable_expert_parallel: bool = False
+    """--engine vllm: spread a MoE target's experts over the engine's ranks (vLLM's expert parallelism)."""
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+    """--engine vllm: further vllm.LLM arguments as JSON, e.g. {"gpu_memory_utilization": 0.85, "quantization":
+    "fp8", "max_num_seqs": 64}."""
     workers: int = 1
     """Extraction workers; each holds one engine (one model copy) for its lifetime. The job waits for this many."""
     max_workers: int | None = None
@@ -178,11 +192,36 @@ class JobConfig(EngineOptions):
                              f"{self.max_model_len}; lower --max-tokens or raise --max-model-len")
         if not self.id_field:
             raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
+        object.__setattr__(self, "vllm_args", parse_storage_options(self.vllm_args, "--vllm-args",
+                                                                    example='{"gpu_memory_utilization": 0.85}'))
+        self.vllm_settings()
         self.sampling_params()
         self.check_engine()  # the engine's and the connector's own checks, on the objects the workers will get
 
     def connector_settings(self) -> dict[str, Any]:
         return {**super().connector_settings(), "write_retry_s": float(self.storage_retry_seconds)}
+
+    def vllm_settings(self):
+        """--engine vllm's VllmSettings (None for --engine hsx); ValueError naming the flag that does not fit."""
+        from vllm_engine.options import ENGINES, VllmSettings  # no vLLM: names and checks only
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r} is not an engine; use hsx (the default) or vllm")
+        parallel = {"tensor_parallel_size": self.tensor_parallel_size,
+                    "pipeline_parallel_size": self.pipeline_parallel_size}
+        if self.engine == "hsx":
+            given = [flag(k) for k, v in parallel.items() if v != 1]
+            given += ["--enable-expert-parallel"] if self.enable_expert_parallel else []
+            given += ["--vllm-args"] if self.vllm_args else []
+            if given:
+                raise ValueError(f"{', '.join(given)}: settings of vLLM's engine; add --engine vllm (hsx's engine "
+                                 "runs one model copy per worker)")
+            return None
+        if self.target != "states":
+            raise ValueError(f"--target {self.target} needs the final norm and lm_head applied inside the engine; "
+                             "--engine vllm stores layer states: use --engine hsx for a top-k target")
+        return VllmSettings(enable_expert_parallel=self.enable_expert_parallel, engine_args=dict(self.vllm_args),
+                            **parallel)
 
     def regenerate_config(self):
         """hsx regenerate's settings for --regenerate-with (jobs.regenerate_config.RegenerateConfig)."""

@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -119,6 +120,11 @@ def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None
 def prepare_job(config: JobConfig) -> JobPlan:
     """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
     config.check_required()
+    if config.engine == "vllm" and not (config.address or os.environ.get("RAY_ADDRESS")):
+        from vllm_engine.options import vllm_missing  # on a cluster of one's own, the workers' environment decides
+
+        if vllm_missing():
+            raise ValueError(f"--engine vllm: {vllm_missing()}")
     output = RunDir(config.output, config.storage_options)
     corpus = [] if config.regenerate_with else expand_corpus(config.corpus, config.corpus_storage_options)
     # never the model, a corpus file, inside either or another run, a file, or a folder of other things
@@ -185,7 +191,9 @@ def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
 
     resources = ray.cluster_resources()
     available, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
-    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else gpus_default()
+    vllm = config.vllm_settings()
+    ranks = vllm.devices if vllm is not None else 1  # an engine of T x P ranks: a gang of that many devices
+    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else gpus_default() * ranks
     others = TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
     per_worker = config.cpus_per_worker
     if per_worker is None:
@@ -193,8 +201,12 @@ def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
         if gpus == 0:  # the worker's torch threads do the model's work: give them what the other stages leave
             largest_node = max((n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")),
                                default=cpus)
-            per_worker = float(max(1, min(int((cpus - others) // config.workers), int(largest_node))))
+            per_worker = float(max(ranks, min(int((cpus - others) // config.workers), int(largest_node))))
     need_cpus = config.workers * per_worker + others
+    if vllm is not None and (0 < gpus < ranks or (gpus == 0 and per_worker < ranks)):
+        given = f"--gpus-per-worker {gpus:g}" if gpus else f"--cpus-per-worker {per_worker:g}"
+        raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = {ranks} vLLM ranks need {ranks} "
+                         f"{'GPUs' if gpus else 'cores'} per worker, {given}; raise it or lower the parallel sizes")
     problems = []
     if gpus * config.workers > available:
         problems.append(f"--workers {config.workers} x --gpus-per-worker {gpus:g} needs {gpus * config.workers:g} "
@@ -231,7 +243,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         sampling=c.sampling_params(),
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
-        on_nonfinite=c.on_nonfinite, layout=layout or c.layout, attempt=attempt)
+        on_nonfinite=c.on_nonfinite, layout=layout or c.layout, attempt=attempt, engine_kind=c.engine,
+        vllm=c.vllm_settings())
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,

@@ -70,6 +70,10 @@ class WorkerSettings:
     that reads the stream (jobs/live.py)."""
     attempt: str = ""
     """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
+    engine_kind: str = "hsx"
+    """"hsx": hsx's engine (extractor.LLM); "vllm": real vLLM with hsx's plug-in (vllm_engine.engine.VllmEngine)."""
+    vllm: Any = None
+    """vllm_engine.options.VllmSettings of a "vllm" worker: its parallel sizes and further engine arguments."""
 
 
 class ExtractionWorker:
@@ -78,7 +82,9 @@ class ExtractionWorker:
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         # where the connector writes: the output, (sharded) a local folder the batch's shard is made from, or
         # (online) this process's memory, from which each file's bytes go into its row
-        self._staging = {"sharded": _staging_folder, "online": _memory_folder}.get(settings.layout, lambda: None)()
+        # (vLLM writes from its own processes: its online files go through a local folder instead of memory)
+        online = _staging_folder if settings.engine_kind == "vllm" else _memory_folder
+        self._staging = {"sharded": _staging_folder, "online": online}.get(settings.layout, lambda: None)()
         self.files = self.output if self._staging is None else RunDir(self._staging)
         self.llm = None
         self._loader = named_thread_pool(1, "hsx-load")
@@ -89,8 +95,15 @@ class ExtractionWorker:
         s = self.settings
         connector = s.connector if self._staging is None else dataclasses.replace(
             s.connector, shared_storage_path=self._staging, allowed_roots=None, storage_options={})
-        llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
-                                                          kv_connector_extra_config=connector))
+        if s.engine_kind == "vllm":
+            from vllm_engine.engine import VllmEngine  # the only import of vLLM, in the workers of --engine vllm
+
+            # files on a local disk keep vLLM's <file>.lock: vLLM's own load_hidden_states reads them too
+            llm = VllmEngine(s.engine, dataclasses.replace(connector, keep_lock_file=self._staging is None),
+                             s.vllm)
+        else:
+            llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
+                                                              kv_connector_extra_config=connector))
         diff = s.run.file_spec().differences(llm.spec)
         if diff:
             llm.shutdown()
@@ -161,10 +174,10 @@ class ExtractionWorker:
                 return self._with_payloads(results)
             return results if self._staging is None else self._write_shard(results)
         finally:
-            if self.settings.layout == "online":  # the batch's files, in their rows now
+            if self._staging is not None and "://" in self._staging:  # online: the batch's files, in their rows now
                 if self.files.fs.exists(self.files.root):
                     self.files.fs.rm(self.files.root, recursive=True)
-            elif self._staging is not None:  # the batch's local files: in its shard now, or failed
+            elif self._staging is not None:  # the batch's local files: in its shard (rows) now, or failed
                 shutil.rmtree(self._staging, ignore_errors=True)
                 os.makedirs(self._staging, exist_ok=True)
 

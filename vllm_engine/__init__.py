@@ -3,4 +3,8 @@
 
     connector.py     HsxHiddenStatesConnector: hsx's connector as vLLM's KV-connector plug-in for the
                      `extract_hidden_states` method (kv_connector_module_path="vllm_engine.connector")
+    engine.py        VllmEngine: vLLM behind the engine API hsx's workers use (`hsx run --engine vllm`), each
+                     reported file durable before `generate` returns
+    outcomes.py      each written file's outcome, from vLLM's workers back to the engine (worker_extension_cls)
+    options.py       --engine and vLLM's parallel settings, checked without vLLM (jobs' configs import it)
 """

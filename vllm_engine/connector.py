@@ -26,7 +26,8 @@ Worker (TP rank 0 writes; the other ranks hold no file):
 
 The file is hsx's: `load_hidden_states` of hsx reads it (token_ids [T], hidden_states [T, L, H] and the spec's
 metadata); the states are those vLLM's pseudo-drafter cached, layer ids in vLLM's convention (0 = embeddings, k = the
-output of decoder layer k-1).
+output of decoder layer k-1), in the order `eagle_aux_hidden_state_layer_ids` lists them (vLLM captures them in
+ascending order, and its own connector stores that order whatever was asked: [2, 1, 4] gives [1, 2, 4] there).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from connectors.base import RequestInfo
 from connectors.format import HiddenStatesSpec
-from connectors.paths import PathPolicy, PathRejected
+from connectors.paths import PathInUse, PathPolicy, PathRejected
+from connectors.quant import BadStates
 from connectors.safetensors_connector import (
     HiddenStatesConnectorConfig,
     SafetensorsHiddenStatesConnector,
     request_destination,
 )
 from extractor.facts import text_config
+from vllm_engine import outcomes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -117,8 +120,12 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("HsxHiddenStatesConnector stores the states of the extract_hidden_states method: pass "
                              'speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1, ...}')
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        extra.setdefault("keep_lock_file", True)  # vLLM's load_hidden_states opens <file>.lock
         self.settings: HiddenStatesConnectorConfig = SafetensorsHiddenStatesConnector.parse_extra_config(extra)
         self.spec = file_spec(vllm_config)
+        # vLLM captures the layers in ascending order (sorted(set(ids)), SupportsEagle3); files keep the order asked
+        captured = sorted(set(self.spec.layer_ids))
+        self._order = [captured.index(i) for i in self.spec.layer_ids]
         self._group = hidden_state_group(kv_cache_config)
         self._block_size = (kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
                             if kv_cache_config is not None else vllm_config.cache_config.block_size)
@@ -207,7 +214,10 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = torch.tensor(save.block_ids, dtype=torch.long)
         slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None, :]).flatten()
         slots = slots[:len(save.token_ids)].to(self._cache.device)
-        return self._cache[slots // self._block_size, :, slots % self._block_size].to("cpu")
+        rows = self._cache[slots // self._block_size, :, slots % self._block_size]
+        if self._order != sorted(self._order):
+            rows = rows[:, self._order]
+        return rows.to("cpu")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self.has_connector_metadata():
@@ -216,20 +226,41 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         saves = meta.saves if isinstance(meta, HsxConnectorMetadata) else []
         if not saves or not self._writes:
             return None, None
-        done = set()
+        done, tickets = set(), {}
         for save in saves:
+            ticket = tickets[save.request_id] = save.kv_transfer_params.get(outcomes.TICKET)
             try:
-                self._writer.start_request(RequestInfo(save.request_id, save.num_prompt_tokens,
-                                                       save.kv_transfer_params))
+                mask = save.kv_transfer_params.get("loss_mask")
+                self._writer.start_request(RequestInfo(
+                    save.request_id, save.num_prompt_tokens, save.kv_transfer_params,
+                    sample_id=save.kv_transfer_params.get("sample_id"),
+                    loss_mask=None if mask is None else torch.tensor(mask, dtype=torch.uint8)))
+            except (ValueError, TypeError) as e:
+                logger.error("hidden states of request %s were not written: %s", save.request_id, e)
+                outcomes.record(ticket, "path_in_use" if isinstance(e, PathInUse) else "invalid", str(e))
+                done.add(save.request_id)
+                continue
+            try:
                 self._writer.save_hidden_states(save.request_id, torch.tensor(save.token_ids, dtype=torch.int64),
                                                 self._rows(save))
                 self._writer.request_finished(save.request_id)
             except (ValueError, KeyError, OSError) as e:
                 logger.error("hidden states of request %s were not written: %s", save.request_id, e)
                 self._writer.abort_request(save.request_id)
+                outcomes.record(ticket, "write_failed", f"hidden states were not saved: {type(e).__name__}: {e}")
+                tickets.pop(save.request_id)
             done.add(save.request_id)
-        for rid, error in self._writer.wait_for_save().items():  # durable before the blocks are freed
+        failures = self._writer.wait_for_save()  # durable before the blocks are freed
+        for rid, ticket in tickets.items():
+            error = failures.get(rid)
+            if error is None:
+                outcomes.record(ticket)
+                continue
             logger.error("hidden states of request %s were not written: %s", rid, error)
+            if isinstance(error, BadStates):
+                outcomes.record(ticket, "bad_states", f"hidden states not committed: {error}")
+            else:
+                outcomes.record(ticket, "write_failed", f"hidden states were not saved: {type(error).__name__}: {error}")
         return done, None
 
     def get_finished_count(self) -> int:
