@@ -13,6 +13,8 @@
 #      the connector's staging bound (its own small model, bf16; the states come to host memory chunk by chunk);
 #   6. on a machine with 2 GPUs or more: benchmarks/bench_train_parallel.py --device cuda, drafter training on 2 Ray
 #      Train replicas (NCCL) vs one process on the same global batch (target: >= 1.8x tokens/s).
+#   7. where vLLM is installed (`pip install "hsx[vllm]"`): benchmarks/bench_engines.py on the same 8B model, hsx's
+#      engine vs vLLM with hsx's plug-in: prompt tokens/s plain and extracting, each engine's extraction overhead.
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -71,5 +73,12 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     timeout 240 python3 benchmarks/bench_train_parallel.py --out "$scratch/train" --device cuda --samples 1024 \
         --hidden-size 1024 --batch-tokens 8192 --steps 30 2>&1 | tee "$results/train-parallel.log" || status=1
     cp "$scratch"/train/train-parallel.md "$results"/train-parallel.md 2>/dev/null
+fi
+# 7. hsx's engine vs vLLM (hsx's plug-in) on the same 8B model, where vLLM is installed
+if python3 -c 'import vllm' 2>/dev/null; then
+    timeout 200 python3 benchmarks/bench_engines.py --out "$scratch/engines" --model-dir "$scratch/model" \
+        --device cuda --shape llama3-8b --dtype bfloat16 --num-samples 128 --max-len 2048 --repeats 2 2>&1 \
+        | tee "$results/engines.log" || status=1
+    cp "$scratch"/engines/results-engines.md "$results"/engines.md 2>/dev/null
 fi
 exit $status

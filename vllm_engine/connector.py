@@ -32,6 +32,8 @@ ascending order, and its own connector stores that order whatever was asked: [2,
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,6 +57,7 @@ from connectors.safetensors_connector import (
     SafetensorsHiddenStatesConnector,
     request_destination,
 )
+from connectors.storage import is_local, open_url, pending_write
 from extractor.facts import text_config
 from vllm_engine import outcomes
 
@@ -80,6 +83,9 @@ class _Save:
 @dataclass
 class HsxConnectorMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
+    new_files: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """request id -> (path, allowed root) of the requests scheduled for the first time: their locks are taken in
+    this step, before their outputs can reach the client."""
 
 
 def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
@@ -133,11 +139,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._paths = PathPolicy(self.settings.shared_storage_path,
                                  list(self.settings.allowed_roots) if self.settings.allowed_roots else None)
         self._located: dict[str, tuple[str | None, str | None]] = {}  # request id -> (path, refusal)
+        self._new_files: dict[str, tuple[str, str | None]] = {}
         self._saves: list[_Save] = []
         # worker side
         self._cache: torch.Tensor | None = None
         self._writes = False
         self._writer: SafetensorsHiddenStatesConnector | None = None
+        self._locks: dict[str, contextlib.ExitStack] = {}  # request id -> its file's lock, held until durable
 
     # -- scheduler ----------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -152,14 +160,15 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             dest, _ = request_destination(self._paths, self.settings.allow_custom_save_path, request_id, params)
         except PathRejected as e:
             return None, f"{e}; nothing was written"
+        self._new_files[request_id] = (dest.path, dest.root)
         return dest.path, None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         for new in scheduler_output.scheduled_new_reqs:
             extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
             self._located[new.req_id] = self._locate(new.req_id, dict(extra.get("kv_transfer_params") or {}))
-        meta = HsxConnectorMetadata(saves=self._saves)
-        self._saves = []
+        meta = HsxConnectorMetadata(saves=self._saves, new_files=self._new_files)
+        self._saves, self._new_files = [], {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -195,7 +204,11 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                              f"{self._block_size}: its slots would be read wrong")
         self._writes = get_tensor_model_parallel_rank() == 0
         if self._writes:
-            self._writer = SafetensorsHiddenStatesConnector(self.settings, self.spec)
+            # the plug-in holds each file's lock from the step its request is scheduled until the file is durable
+            # (vLLM returns the path a step before the write): the writer takes none of its own
+            self._writer = SafetensorsHiddenStatesConnector(
+                dataclasses.replace(self.settings, use_synchronization_lock=False), self.spec)
+            self._fs, _ = open_url(self.settings.shared_storage_path, self.settings.storage_options)
 
     def start_load_kv(self, *args, **kwargs: Any) -> None:
         pass
@@ -207,7 +220,32 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         pass  # the pseudo-drafter has cached the states; they are read when the request finishes
 
     def wait_for_save(self) -> None:
-        pass
+        """The locks of this step's new requests' files, taken before their outputs can reach the client: a reader
+        (hsx's or vLLM's load_hidden_states) that has the path waits for the file instead of missing it."""
+        if not self._writes or not self.settings.use_synchronization_lock or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for rid, (path, root) in (meta.new_files if isinstance(meta, HsxConnectorMetadata) else {}).items():
+            if rid in self._locks:
+                continue
+            stack = contextlib.ExitStack()
+            try:
+                stack.enter_context(pending_write(self._fs, path if is_local(self._fs) else
+                                                  self._fs._strip_protocol(path), root=root,
+                                                  keep=self.settings.keep_lock_file,
+                                                  max_attempts=self.settings.max_write_attempts,
+                                                  backoff_s=self.settings.write_retry_backoff_s,
+                                                  for_s=self.settings.write_retry_s))
+            except (OSError, ValueError) as e:  # the write will meet it again, and report it
+                logger.warning("cannot take the lock of %s: %s", path, e)
+                continue
+            self._locks[rid] = stack
+
+    def _unlock(self, request_id: str, written: bool) -> None:
+        stack = self._locks.pop(request_id, None)
+        if stack is not None:
+            failed = RuntimeError("not written")
+            stack.__exit__(None, None, None) if written else stack.__exit__(RuntimeError, failed, None)
 
     def _rows(self, save: _Save) -> torch.Tensor:
         """[T, L, H] of one request, gathered from its blocks' slots, on the CPU."""
@@ -226,47 +264,53 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         saves = meta.saves if isinstance(meta, HsxConnectorMetadata) else []
         if not saves or not self._writes:
             return None, None
-        done, tickets = set(), {}
+        done = {save.request_id for save in saves}
+        failed = {rid: self._failure(rid, e) for rid, e in
+                  ((save.request_id, self._hand_over(save)) for save in saves) if e is not None}
+        failed.update({rid: self._failure(rid, e)  # durable before the blocks are freed
+                       for rid, e in self._writer.wait_for_save().items() if rid not in failed})
         for save in saves:
-            ticket = tickets[save.request_id] = save.kv_transfer_params.get(outcomes.TICKET)
-            try:
-                mask = save.kv_transfer_params.get("loss_mask")
-                self._writer.start_request(RequestInfo(
-                    save.request_id, save.num_prompt_tokens, save.kv_transfer_params,
-                    sample_id=save.kv_transfer_params.get("sample_id"),
-                    loss_mask=None if mask is None else torch.tensor(mask, dtype=torch.uint8)))
-            except (ValueError, TypeError) as e:
-                logger.error("hidden states of request %s were not written: %s", save.request_id, e)
-                outcomes.record(ticket, "path_in_use" if isinstance(e, PathInUse) else "invalid", str(e))
-                done.add(save.request_id)
-                continue
-            try:
-                self._writer.save_hidden_states(save.request_id, torch.tensor(save.token_ids, dtype=torch.int64),
-                                                self._rows(save))
-                self._writer.request_finished(save.request_id)
-            except (ValueError, KeyError, OSError) as e:
-                logger.error("hidden states of request %s were not written: %s", save.request_id, e)
-                self._writer.abort_request(save.request_id)
-                outcomes.record(ticket, "write_failed", f"hidden states were not saved: {type(e).__name__}: {e}")
-                tickets.pop(save.request_id)
-            done.add(save.request_id)
-        failures = self._writer.wait_for_save()  # durable before the blocks are freed
-        for rid, ticket in tickets.items():
-            error = failures.get(rid)
-            if error is None:
-                outcomes.record(ticket)
-                continue
-            logger.error("hidden states of request %s were not written: %s", rid, error)
-            if isinstance(error, BadStates):
-                outcomes.record(ticket, "bad_states", f"hidden states not committed: {error}")
-            else:
-                outcomes.record(ticket, "write_failed", f"hidden states were not saved: {type(error).__name__}: {error}")
+            kind, error = failed.get(save.request_id, (None, None))
+            self._unlock(save.request_id, written=kind is None)
+            outcomes.record(save.kv_transfer_params.get(outcomes.TICKET), kind, error)
         return done, None
+
+    def _hand_over(self, save: _Save) -> BaseException | None:
+        """Give one finished request's rows to the writer; the error that stopped it, if any."""
+        params = save.kv_transfer_params
+        try:
+            mask = params.get("loss_mask")
+            self._writer.start_request(RequestInfo(save.request_id, save.num_prompt_tokens, params,
+                                                   sample_id=params.get("sample_id"),
+                                                   loss_mask=None if mask is None else torch.tensor(mask,
+                                                                                                    dtype=torch.uint8)))
+        except (ValueError, TypeError) as e:
+            return e
+        try:
+            self._writer.save_hidden_states(save.request_id, torch.tensor(save.token_ids, dtype=torch.int64),
+                                            self._rows(save))
+            self._writer.request_finished(save.request_id)
+        except (ValueError, KeyError, OSError) as e:
+            self._writer.abort_request(save.request_id)
+            return e
+        return None
+
+    @staticmethod
+    def _failure(request_id: str, error: BaseException) -> tuple[str, str]:
+        """(hsx's error kind, message) of a file that was not written; logged, as vLLM's own callers see nothing."""
+        logger.error("hidden states of request %s were not written: %s", request_id, error)
+        if isinstance(error, BadStates):
+            return "bad_states", f"hidden states not committed: {error}"
+        if isinstance(error, (ValueError, TypeError)) and not isinstance(error, OSError):
+            return ("path_in_use" if isinstance(error, PathInUse) else "invalid"), str(error)
+        return "write_failed", f"hidden states were not saved: {type(error).__name__}: {error}"
 
     def get_finished_count(self) -> int:
         return 1  # rank 0 alone reports a request done
 
     def shutdown(self) -> None:
+        for rid in list(self._locks):  # requests that never finished: their files were never written
+            self._unlock(rid, written=False)
         if self._writer is not None:
             self._writer.shutdown()
 

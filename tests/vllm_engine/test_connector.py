@@ -65,6 +65,9 @@ def test_vllms_states_stored_by_hsx_equal_a_plain_transformers_forward(engine):
     (and generated) token ids and the states of a plain transformers forward over them (layer N pre-norm)."""
     import torch
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states as vllm_load,
+    )
 
     from connectors import load_hidden_states
     from tests.extractor.oracle import load_reference, reference_states
@@ -78,7 +81,11 @@ def test_vllms_states_stored_by_hsx_equal_a_plain_transformers_forward(engine):
     ref = load_reference(model)
     paths = [r.kv_transfer_params["hidden_states_path"] for r in results]
     assert paths[1] == custom and os.path.dirname(paths[0]) == out
-    for r, path in zip(results, paths):
+    # at once, as vLLM's example does: the path came back a step before the file was written, and vLLM's loader
+    # opens <file>.lock (held from the step the request was scheduled) and waits on it
+    theirs = [vllm_load(p) for p in paths]
+    for r, path, their in zip(results, paths, theirs):
+        assert torch.equal(their["hidden_states"], load_hidden_states(path)["hidden_states"])
         states = load_hidden_states(path)
         ids = list(r.prompt_token_ids) + (list(r.outputs[0].token_ids)[:-1] if path == custom else [])
         assert states["token_ids"].tolist() == ids
@@ -102,21 +109,30 @@ def test_a_custom_path_outside_the_allowed_roots_is_refused_and_nothing_is_writt
 
 
 def test_an_s3_output_through_vllm_holds_the_same_states(model, s3_bucket):
-    """shared_storage_path an S3 URL (a real S3-API server on loopback) with storage_options: the files hsx reads
-    back from the bucket hold a transformers forward's states."""
+    """shared_storage_path an S3 URL (a real S3-API server on loopback, behind a proxy that answers the first uploads
+    of files and locks 503, so each file lands seconds after vLLM returned its path) with storage_options: hsx's loader, called
+    at once, waits for each file (its lock object is there from the step the request was scheduled) and reads back a
+    transformers forward's states."""
     from vllm import SamplingParams
 
     from connectors import load_hidden_states
+    from tests.connectors.http_proxy import LoopbackProxy
 
-    url, options = s3_bucket
-    llm = _llm(model, {"shared_storage_path": f"{url}/run", "storage_options": options})
-    try:
-        results = llm.generate(["the quick brown fox", "one two three four five"], SamplingParams(max_tokens=1))
-    finally:
-        del llm
-    paths = [r.kv_transfer_params["hidden_states_path"] for r in results]
+    url, direct = s3_bucket
+    with LoopbackProxy(direct["client_kwargs"]["endpoint_url"]) as proxy:
+        # the uploads of each file and of its lock: hsx's writer retries them (0.2 s backoff, doubling)
+        proxy.targets = lambda method, path: method in ("PUT", "POST") and ".safetensors" in path
+        proxy.fail_next = 6
+        options = {"client_kwargs": {"endpoint_url": proxy.endpoint}, "skip_instance_cache": True}
+        llm = _llm(model, {"shared_storage_path": f"{url}/run", "storage_options": options})
+        try:
+            results = llm.generate(["the quick brown fox", "one two three four five"], SamplingParams(max_tokens=1))
+            paths = [r.kv_transfer_params["hidden_states_path"] for r in results]
+            loaded = [load_hidden_states(p, storage_options=direct) for p in paths]
+        finally:
+            del llm
+        assert proxy.injected_failures > 0
     assert all(p.startswith(f"{url}/run/") for p in paths), paths
-    loaded = [load_hidden_states(p, storage_options=options) for p in paths]
     assert [d["token_ids"].tolist() for d in loaded] == [list(r.prompt_token_ids) for r in results]
     _assert_states_of_a_forward(model, [(d["token_ids"].tolist(), d["hidden_states"]) for d in loaded])
 
@@ -136,5 +152,5 @@ def test_tensor_parallel_2_stores_what_one_rank_stores(model, tmp_path, monkeypa
     finally:
         del llm
     loaded = [load_hidden_states(r.kv_transfer_params["hidden_states_path"]) for r in results]
-    assert len(_files(out)) == 2
+    assert len([f for f in _files(out) if f.endswith(".safetensors")]) == 2
     _assert_states_of_a_forward(model, [(d["token_ids"].tolist(), d["hidden_states"]) for d in loaded])
