@@ -58,7 +58,8 @@ def thread_binding(cores: Sequence[int], ranks: int) -> str:
                          f"({cores}): lower --tensor-parallel-size / --pipeline-parallel-size")
     share = len(cores) // ranks
     groups = [cores[i * share:(i + 1) * share] for i in range(ranks)]
-    return "|".join(f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 else ",".join(map(str, g)) for g in groups)
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 and g[-1] - g[0] == len(g) - 1 else ",".join(map(str, g))
+                    for g in groups)
 
 
 def extra_config(connector: HiddenStatesConnectorConfig) -> dict[str, Any]:

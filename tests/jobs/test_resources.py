@@ -89,3 +89,14 @@ def test_the_job_reports_what_its_workers_reserved(ray_cluster, tiny_llama, tmp_
     share = float(int(RAY_TEST_CPUS - TOKENIZER_CPUS - READ_TASK_CPUS))
     assert (result.gpus_per_worker, result.cpus_per_worker) == (0, share)
     assert f"  workers:  on CPU, {share:g} CPU(s) each" in result.lines()
+
+
+def test_a_vllm_worker_reserves_a_device_per_rank_and_fewer_is_refused_naming_the_flag(ray_cluster):
+    """--engine vllm --tensor-parallel-size 2: a worker is a gang of 2 ranks, a core each on CPU (the default share
+    never drops below that) and 2 GPUs each on GPU; a reservation below that is refused, whatever the cluster."""
+    assert resolve_resources(config(engine="vllm", tensor_parallel_size=2, workers=3), local=False)[1] >= 2
+    with pytest.raises(ValueError, match=r"= 2 vLLM ranks need 2 cores per worker, --cpus-per-worker 1; raise it"):
+        resolve_resources(config(engine="vllm", tensor_parallel_size=2, cpus_per_worker=1), local=True)
+    with pytest.raises(ValueError, match=r"= 4 vLLM ranks need 4 GPUs per worker, --gpus-per-worker 2"):
+        resolve_resources(config(engine="vllm", tensor_parallel_size=2, pipeline_parallel_size=2, gpus_per_worker=2),
+                          local=False)
