@@ -179,3 +179,29 @@ def test_a_vllm_worker_killed_mid_job_leaves_every_sample_exactly_once(model, tm
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     assert " 0 failed" in out, out
     assert_exactly_once(output, ids)
+
+
+def test_online_training_extracts_through_vllm(model, corpus, tmp_path):
+    """`hsx train-drafter --online --extract '{"engine": "vllm", ...}'`: the stream's workers hold vLLM engines (their
+    files pass through a local folder of the worker, vLLM writing from its own processes), the trainer trains on them,
+    the first pass stored by --cache is vLLM's (its files say so), and nothing is left in the temp folder."""
+    import json
+    import tempfile
+
+    path, ids = corpus
+    out = tmp_path / "online"
+    before = set(os.listdir(tempfile.gettempdir()))
+    extract = {"engine": "vllm", "layers": "1,2,4", "dtype": "float32", "max_model_len": 256}
+    proc = subprocess.run([sys.executable, "-m", "cli", "train-drafter", "--online", "--model", model, "--corpus", path,
+                           "--out", str(out), "--extract", json.dumps(extract), "--cache", str(tmp_path / "cache"), "--steps", "2", "--batch-tokens", "64",
+                           "--draft-vocab-size", "48", "--device", "cpu", "--no-progress"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "trained eagle3 for 2 steps" in proc.stdout, proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["online"]["extracted"] > 0 and report["online"].get("failed", 0) == 0, report["online"]
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("hsx")}
+    from connectors import read_hidden_states_info
+
+    cached = run_files(str(tmp_path / "cache"), ids)
+    assert {read_hidden_states_info(p).metadata.get("engine") for p in cached.values()} == {"vllm"}
