@@ -27,10 +27,12 @@ Checkpoint (what speculators' DFlashDraftModel.from_pretrained loads): config.js
 "dflash", architectures ["DFlashSpeculator"], transformer_layer_config (a Qwen3 config dict: num_hidden_layers = the
 draft's depth, vocab_size = the target's), draft_vocab_size (= the target's vocabulary: hsx drafts in the whole
 vocabulary, so no lm_head, d2t or t2d is written, as speculators omits them then), block_size,
-aux_hidden_state_layer_ids, mask_token_id, sliding_window_non_causal false, sample_from_anchor false, target_hidden_size,
+aux_hidden_state_layer_ids, mask_token_id, sliding_window_non_causal true, sample_from_anchor false, target_hidden_size,
 speculators_config (algorithm "dflash", greedy proposal of block_size-1 tokens, the verifier); weights fc,
 hidden_norm, layers.N.self_attn.{q,k,v,o}_proj, .{q,k}_norm, layers.N.mlp.*, layers.N.{input,post_attention}_layernorm,
-norm.
+norm. sliding_window_non_causal is true because the block attends both ways: speculators makes a layer without a
+sliding window non-causal either way, but vLLM (0.32, configs/speculators/algos.py) turns the key into
+dflash_config.causal = not sliding_window_non_causal for every layer, so false would make vLLM draft causally.
 """
 
 from __future__ import annotations
@@ -345,7 +347,7 @@ class DFlashDrafter(Drafter):
             "architectures": [ARCHITECTURE], "speculators_model_type": SPECULATORS_MODEL_TYPE,
             "transformer_layer_config": layer, "draft_vocab_size": int(self.layer_config.vocab_size),
             "block_size": self.block_size, "aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "mask_token_id": self.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False,
+            "mask_token_id": self.mask_token_id, "sliding_window_non_causal": True, "sample_from_anchor": False,
             "target_hidden_size": self.target_hidden_size,
             "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
             "speculators_config": {

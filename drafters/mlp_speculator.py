@@ -22,7 +22,9 @@ up to its epsilon, and is how vLLM computes it, so a checkpoint decodes here as 
 loss is the cross-entropy to the target's next-token distribution at the position that predicts its token
 (distillation; `targets="tokens"`: the run's tokens), averaged over the stages as IBM's trainer does.
 
-Checkpoint: IBM's HF layout, which vLLM's `mlp_speculator` method loads: config.json with model_type
+Checkpoint: IBM's HF layout, which vLLM's `mlp_speculator` model class reads (vLLM 0.32's V1 engine does not serve
+it: its registry entry is commented out and the model runner has no drafter for the method, docs/drafters.md
+"hsx's drafters in real vLLM"; hsx's engine decodes it): config.json with model_type
 "mlp_speculator", architectures ["MLPSpeculatorPreTrainedModel"], vocab_size, emb_dim (the target's hidden size),
 inner_dim, n_predict, top_k_tokens_per_head, n_candidates, tie_weights, scale_input; weights emb.{i}.weight [V, D],
 proj.{i}.weight [D, H or D], head.{i}.weight [V, D], ln.{i}.weight / ln.{i}.bias [D] (ln0 has no weights).
