@@ -63,7 +63,8 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                          *, repeats: int = 1, warmup_prompts: int = 2, warmup_tokens: int = 8, ignore_eos: bool = True,
                          reference_token_ids: Sequence[Sequence[int]] | None = None, device: str | None = None,
                          threads: int | None = None, strict: bool = True, errors: str = "raise",
-                         progress: bool = False, max_num_seqs: int | None = None) -> list[EvalResult]:
+                         progress: bool = False, max_num_seqs: int | None = None,
+                         engine: str = "hsx") -> list[EvalResult]:
     """Decode `prompts` with every method; figures per method, outputs checked against the reference.
 
     A prompt is text or a dict for LLM.generate; a dict's "category" (a string) is taken out of it and counts the
@@ -77,6 +78,8 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     prompt at once, as vLLM's offline example submits them). 1 is the latency regime speculative decoding is for:
     each step costs about the same at any width on a small model, so a wide batch runs until its slowest row is
     done, while one request at a time gains its own acceptance length.
+    engine "vllm": real vLLM decodes every method (vllm_engine/speculative.py: a family's checkpoint served with the
+    method vLLM serves it with), its own counters read; per-category counts need hsx's engine.
     """
     import torch  # deferred, like extractor.LLM below (extractor/llm.py imports torch): the CLI reads this module
 
@@ -91,6 +94,10 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    if engine == "vllm":
+        from vllm_engine.speculative import VllmSpeculativeLLM as LLM  # noqa: N814 - the engine evaluated
+    elif engine != "hsx":
+        raise ValueError(f"engine={engine!r}: use hsx or vllm")
     try:
         decoding.build(LLM, target_path, methods, len(prompts), device, max_num_seqs)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
@@ -369,6 +376,10 @@ class EvalDrafterConfig:
     """Torch CPU threads."""
     device: str | None = None
     """Torch device (default: the engine's choice)."""
+    engine: str = "hsx"
+    """What decodes: hsx (its own engine) or vllm (real vLLM, each drafter served with the method vLLM serves its
+    checkpoints with; vLLM's own counters; needs vLLM installed, docs/engines.md). Per-category acceptance needs
+    hsx."""
     json: str | None = field(default=None, metadata={"cli": {"metavar": "PATH"}})
     """Write the results as JSON to PATH (checked before any work like --out: never the --prompts file, the
     --model, a --drafter or a run, nor inside one)."""
@@ -392,6 +403,8 @@ class EvalDrafterConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {list(self.max_num_seqs)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.engine not in ("hsx", "vllm"):
+            raise ValueError(f"--engine {self.engine!r} is not an engine; use hsx (the default) or vllm")
 
 
 def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ngram: bool = True
@@ -410,6 +423,11 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
 def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
+    if args.engine == "vllm":
+        from vllm_engine.options import vllm_missing  # names only: no vLLM imported
+
+        if vllm_missing():
+            raise ValueError(f"--engine vllm: {vllm_missing()}")
     drafters = _drafters(args.drafter)
     model = args.model
     if model is None:
@@ -429,10 +447,10 @@ def run_eval(args: EvalDrafterConfig) -> int:
     for width in args.max_num_seqs or [None]:
         batch = evaluate_speculation(model, prompts, methods, args.max_tokens, repeats=args.repeats,
                                      threads=args.threads, device=args.device, strict=False, errors="record",
-                                     max_num_seqs=width)
+                                     max_num_seqs=width, engine=args.engine)
         for r in batch:
             print("\n".join(result_lines(r)))
-        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, target {model}, "
+        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, target {model}, engine {args.engine}, "
               + ("one request at a time" if width == 1 else f"max_num_seqs {width or 'default (256)'}"))
         print("\n".join(comparison_table(batch)))
         results += batch

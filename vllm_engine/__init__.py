@@ -6,5 +6,7 @@
     engine.py        VllmEngine: vLLM behind the engine API hsx's workers use (`hsx run --engine vllm`), each
                      reported file durable before `generate` returns
     outcomes.py      each written file's outcome, from vLLM's workers back to the engine (worker_extension_cls)
+    speculative.py   VllmSpeculativeLLM: speculative decoding in vLLM for `hsx eval-drafter --engine vllm`, each
+                     family's checkpoint served with the method vLLM serves it with
     options.py       --engine and vLLM's parallel settings, checked without vLLM (jobs' configs import it)
 """

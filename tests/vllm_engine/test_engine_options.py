@@ -80,3 +80,14 @@ def test_hsx_run_with_engine_vllm_where_vllm_is_missing_says_how_to_install_it(t
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"--engine vllm: {INSTALL_HINT}" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "run.json").exists()  # refused before anything was written
+
+
+def test_eval_drafter_engine_is_checked_and_vllm_missing_says_how_to_install_it(tmp_path):
+    from training.evaluate import EvalDrafterConfig, run_eval
+
+    with pytest.raises(ValueError, match=r"--engine 'sglang' is not an engine; use hsx \(the default\) or vllm"):
+        EvalDrafterConfig(engine="sglang")
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the message is for machines without it")
+    with pytest.raises(ValueError, match=r"--engine vllm: vLLM is not installed here: .*infra/vllm_cpu_venv.sh"):
+        run_eval(EvalDrafterConfig(model=str(tmp_path), engine="vllm"))
