@@ -87,7 +87,10 @@ def _vllm(args, corpus, layer_ids, files: str | None) -> list[float]:
     prompts = [{"prompt_token_ids": ids} for ids in corpus]
     eager = {"enforce_eager": True} if args.device == "cpu" else {}
     if files is None:
+        # the extraction engine's batching (VllmEngine passes EngineConfig's), so only extraction differs
+        batching = EngineConfig(args.model_dir)
         llm = vllm.LLM(args.model_dir, dtype=args.dtype, max_model_len=args.max_len + 8, enable_prefix_caching=False,
+                       max_num_batched_tokens=batching.max_num_batched_tokens, max_num_seqs=batching.max_num_seqs,
                        **eager)
         params = vllm.SamplingParams(max_tokens=1, temperature=0)
 

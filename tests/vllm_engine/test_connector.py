@@ -154,3 +154,37 @@ def test_tensor_parallel_2_stores_what_one_rank_stores(model, tmp_path, monkeypa
     loaded = [load_hidden_states(r.kv_transfer_params["hidden_states_path"]) for r in results]
     assert len([f for f in _files(out) if f.endswith(".safetensors")]) == 2
     _assert_states_of_a_forward(model, [(d["token_ids"].tolist(), d["hidden_states"]) for d in loaded])
+
+
+@pytest.mark.parametrize("where", ["local disk", "s3"])
+def test_the_example_script_writes_files_hsx_reads(model, where, tmp_path, request):
+    """examples/vllm_extract_hidden_states.py (vLLM's extract_hidden_states example, hsx's plug-in named in its
+    KVTransferConfig), as a user runs it: a prompt-only request on the default path and an include_output_tokens
+    request on a custom path; hsx's loader reads both, on a local folder and on an S3 URL (moto on loopback)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from connectors import load_hidden_states
+
+    output, options = str(tmp_path / "hs"), {}
+    if where == "s3":
+        url, options = request.getfixturevalue("s3_bucket")
+        output = f"{url}/hs"
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "vllm_extract_hidden_states.py")
+    proc = subprocess.run([sys.executable, script, "--model", model, "--output", output, "--dtype", "float32",
+                           "--storage-options", json.dumps(options)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [x["path"].rsplit("/", 1)[-1] == "custom_output.safetensors" for x in lines] == [False, True]
+    for line in lines:
+        obj = load_hidden_states(line["path"], storage_options=options)
+        assert list(obj["hidden_states"].shape) == line["hidden_states"] and obj["hidden_states"].shape[1:] == (4, 64)
+        assert torch.isfinite(obj["hidden_states"]).all() and line["path"].startswith(output)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    assert lines[0]["token_ids"] == len(tok(lines[0]["prompt"]).input_ids)  # prompt only
+    assert lines[1]["token_ids"] > len(tok(lines[1]["prompt"]).input_ids)  # and the generated tokens' states
