@@ -126,7 +126,10 @@ def aux_layers_for_run(run_spec: Any, aux_layer_ids: Sequence[int] | None, *, ki
                        suggest: Sequence[int]) -> tuple[int, ...]:
     """The aux layers a family fusing them trains on (aux_layer_ids, else every stored layer but N), checked against
     the run: it must hold them and N (a top-k target stands in for N); ValueError naming the re-extraction otherwise.
-    `uses`: what the family does with them, for the message; `suggest`: the layers to propose (those in 1..N)."""
+    `uses`: what the family does with them, for the message; `suggest`: the layers to propose (those in 1..N).
+    Ascending whatever order the run or aux_layer_ids lists them in: vLLM captures aux layers in ascending order
+    (SupportsEagle3 keeps sorted(set(ids))) and feeds them to the head's fc so; a head trained on [29, 16, 2] would
+    be served its inputs permuted, silently."""
     n = int(run_spec.num_hidden_layers)
     stored = tuple(run_spec.layer_ids)
     aux = tuple(aux_layer_ids or ()) or tuple(i for i in stored if i != n)
@@ -140,4 +143,4 @@ def aux_layers_for_run(run_spec: Any, aux_layer_ids: Sequence[int] | None, *, ki
         raise ValueError(f"{kind} needs layers {list(Features(aux_layers=len(aux)).required_layer_ids(n, aux))} but "
                          f"the run stores {list(stored)} (missing {missing}); re-extract with --layers {suggestion} or "
                          "pass aux_layer_ids the run holds")
-    return aux
+    return tuple(sorted(aux))

@@ -65,3 +65,10 @@ def test_aux_layers_for_run_takes_the_runs_layers_and_names_the_reextraction():
 def test_features_refuse_contradictions(bad, message):
     with pytest.raises(ValueError, match=message):
         Features(**bad)
+
+
+def test_aux_layers_are_trained_in_ascending_order_as_vllm_feeds_them():
+    """vLLM captures aux layers sorted and feeds the head's fc in that order: a run (or aux_layer_ids) listing them
+    out of order still gives a head whose fc reads them ascending, and whose checkpoint says so."""
+    assert aux_layers_for_run(spec((3, 1, 2, 4)), None, kind="K", uses="fuses", suggest=(2, 4)) == (1, 2, 3)
+    assert aux_layers_for_run(spec((1, 2, 3, 4)), (3, 1), kind="K", uses="fuses", suggest=(2, 4)) == (1, 3)
