@@ -84,6 +84,8 @@ class _Save:
 class HsxConnectorMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     new_files: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    releases: list[str] = field(default_factory=list)
+    """Requests that finished without a save (aborted, errored): their locks go, nothing is written."""
     """request id -> (path, allowed root) of the requests scheduled for the first time: their locks are taken in
     this step, before their outputs can reach the client."""
 
@@ -141,6 +143,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._located: dict[str, tuple[str | None, str | None]] = {}  # request id -> (path, refusal)
         self._new_files: dict[str, tuple[str, str | None]] = {}
         self._saves: list[_Save] = []
+        self._releases: list[str] = []
         # worker side
         self._cache: torch.Tensor | None = None
         self._writes = False
@@ -167,8 +170,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         for new in scheduler_output.scheduled_new_reqs:
             extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
             self._located[new.req_id] = self._locate(new.req_id, dict(extra.get("kv_transfer_params") or {}))
-        meta = HsxConnectorMetadata(saves=self._saves, new_files=self._new_files)
-        self._saves, self._new_files = [], {}
+        meta = HsxConnectorMetadata(saves=self._saves, new_files=self._new_files, releases=self._releases)
+        self._saves, self._new_files, self._releases = [], {}, []
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -178,6 +181,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         path, refusal = located
         if refusal is not None:
             return False, {"hidden_states_path": None, "error": refusal}
+        from vllm.v1.request import RequestStatus
+
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            # not every slot was computed: a file of it would hold other requests' stale rows
+            self._releases.append(request.request_id)
+            return False, {"hidden_states_path": None,
+                           "error": f"the request ended {request.status.name.lower()}; nothing was written"}
         params = dict(request.kv_transfer_params or {})
         prompt = list(request.prompt_token_ids or [])
         tokens = list(request.all_token_ids)[:-1] if params.get("include_output_tokens") else prompt
@@ -187,7 +197,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self._group < len(block_ids):
-            self._located.pop(request.request_id, None)
+            if self._located.pop(request.request_id, None) is not None:
+                self._releases.append(request.request_id)
             return False, None
         return self.request_finished(request, block_ids[self._group])
 
@@ -262,6 +273,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         meta = self._get_connector_metadata()
         saves = meta.saves if isinstance(meta, HsxConnectorMetadata) else []
+        if self._writes and isinstance(meta, HsxConnectorMetadata):
+            for rid in meta.releases:
+                self._release(rid, written=False)
         if not saves or not self._writes:
             return None, None
         done = {save.request_id for save in saves}
@@ -271,9 +285,16 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                        for rid, e in self._writer.wait_for_save().items() if rid not in failed})
         for save in saves:
             kind, error = failed.get(save.request_id, (None, None))
-            self._unlock(save.request_id, written=kind is None)
+            self._release(save.request_id, written=kind is None)
             outcomes.record(save.kv_transfer_params.get(outcomes.TICKET), kind, error)
         return done, None
+
+    def _release(self, request_id: str, written: bool) -> None:
+        """_unlock, never raising into vLLM's step (a lock that cannot be cleaned up is logged)."""
+        try:
+            self._unlock(request_id, written)
+        except Exception as e:  # noqa: BLE001 - vLLM's step must go on; the file itself is settled
+            logger.error("the lock of request %s's file could not be released: %s", request_id, e)
 
     def _hand_over(self, save: _Save) -> BaseException | None:
         """Give one finished request's rows to the writer; the error that stopped it, if any."""
@@ -284,13 +305,13 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                                                    sample_id=params.get("sample_id"),
                                                    loss_mask=None if mask is None else torch.tensor(mask,
                                                                                                     dtype=torch.uint8)))
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - a client's bad loss_mask (RuntimeError) must not stop vLLM's step
             return e
         try:
             self._writer.save_hidden_states(save.request_id, torch.tensor(save.token_ids, dtype=torch.int64),
                                             self._rows(save))
             self._writer.request_finished(save.request_id)
-        except (ValueError, KeyError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - that request fails, the others and the engine go on
             self._writer.abort_request(save.request_id)
             return e
         return None
@@ -310,7 +331,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         for rid in list(self._locks):  # requests that never finished: their files were never written
-            self._unlock(rid, written=False)
+            self._release(rid, written=False)
         if self._writer is not None:
             self._writer.shutdown()
 

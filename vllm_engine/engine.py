@@ -91,7 +91,8 @@ class VllmEngine:
         if on_cpu and settings.devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(os.sched_getaffinity(0), settings.devices)
         args: dict[str, Any] = {"enforce_eager": True} if on_cpu else {}  # CPU: no minutes of compiling per start
-        args.update(settings.engine_args)
+        args["max_num_seqs"] = config.max_num_seqs
+        args.update(settings.engine_args)  # --vllm-args win over these defaults (max_num_seqs, enforce_eager, ...)
         if config.max_model_len is not None:
             args["max_model_len"] = config.max_model_len
         if settings.devices > 1:
@@ -101,7 +102,7 @@ class VllmEngine:
         self._llm = vllm.LLM(
             model=config.model, tokenizer=config.tokenizer or config.model, revision=config.revision,
             dtype=config.dtype, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, trust_remote_code=config.trust_remote_code,
+            trust_remote_code=config.trust_remote_code,
             tensor_parallel_size=settings.tensor_parallel_size, pipeline_parallel_size=settings.pipeline_parallel_size,
             enable_expert_parallel=settings.enable_expert_parallel, enable_prefix_caching=False,
             worker_extension_cls=outcomes.EXTENSION,

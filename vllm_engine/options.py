@@ -52,6 +52,10 @@ class VllmSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: hsx's plug-in does not run "
+                             "pipeline stages yet (vLLM keeps the captured states on the last stage only); use "
+                             "--tensor-parallel-size")
         if not isinstance(self.engine_args, dict):
             raise ValueError(f"--vllm-args must be a JSON object of vllm.LLM arguments, got "
                              f"{type(self.engine_args).__name__}")

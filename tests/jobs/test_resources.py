@@ -98,5 +98,4 @@ def test_a_vllm_worker_reserves_a_device_per_rank_and_fewer_is_refused_naming_th
     with pytest.raises(ValueError, match=r"= 2 vLLM ranks need 2 cores per worker, --cpus-per-worker 1; raise it"):
         resolve_resources(config(engine="vllm", tensor_parallel_size=2, cpus_per_worker=1), local=True)
     with pytest.raises(ValueError, match=r"= 4 vLLM ranks need 4 GPUs per worker, --gpus-per-worker 2"):
-        resolve_resources(config(engine="vllm", tensor_parallel_size=2, pipeline_parallel_size=2, gpus_per_worker=2),
-                          local=False)
+        resolve_resources(config(engine="vllm", tensor_parallel_size=4, gpus_per_worker=2), local=False)

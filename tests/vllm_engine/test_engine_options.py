@@ -30,6 +30,8 @@ def job(**kw) -> JobConfig:
      r"--vllm-args sets enable_prefix_caching \(set by hsx \(a cached prefix is not captured again.*model \(set by "
      r"--model\); drop them"),
     ({"engine": "vllm", "vllm_args": "[1, 2]"}, r"--vllm-args must be a JSON object, got list"),
+    ({"engine": "vllm", "pipeline_parallel_size": 2},
+     r"--pipeline-parallel-size 2: hsx's plug-in does not run pipeline stages yet .* use --tensor-parallel-size"),
     ({"engine": "vllm", "vllm_args": "{not json"}, r"--vllm-args is not valid JSON"),
     ({"engine": "vllm", "target": "top_k:8"}, r"--target top_k:8 needs the final norm and lm_head .* --engine hsx"),
 ])
@@ -39,9 +41,10 @@ def test_settings_that_do_not_fit_the_engine_are_refused_naming_the_flag(flags, 
 
 
 def test_vllm_settings_carry_the_parallel_sizes_and_the_further_arguments():
-    settings = job(engine="vllm", tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True,
-                   vllm_args='{"gpu_memory_utilization": 0.8}').vllm_settings()
-    assert settings == VllmSettings(2, 2, True, {"gpu_memory_utilization": 0.8}) and settings.devices == 4
+    settings = job(engine="vllm", tensor_parallel_size=4, enable_expert_parallel=True,
+                   vllm_args='{"gpu_memory_utilization": 0.8, "max_num_seqs": 64}').vllm_settings()
+    assert settings == VllmSettings(4, 1, True, {"gpu_memory_utilization": 0.8, "max_num_seqs": 64})
+    assert settings.devices == 4
     assert job().vllm_settings() is None
 
 
