@@ -33,6 +33,14 @@ class BadStates(ValueError):
     """A sample's states must not be committed (NaN, Inf, a layer of zeros); the request fails, nothing is written."""
 
 
+def write_failure(error: BaseException) -> tuple[str, str]:
+    """(error kind, message) of a request whose file a writer did not commit: "bad_states" for BadStates, else
+    "write_failed" (the kinds of extractor.llm.RequestOutput.error_kind; the vLLM plug-in reports the same)."""
+    if isinstance(error, BadStates):
+        return "bad_states", f"hidden states not committed: {error}"
+    return "write_failed", f"hidden states were not saved: {type(error).__name__}: {error}"
+
+
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 FP8_RELATIVE_ERROR = 16.0 / FP8_MAX

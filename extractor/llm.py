@@ -29,7 +29,7 @@ import torch
 from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
-from connectors.quant import BadStates
+from connectors.quant import write_failure
 from extractor.chat_content import message_content, messages_for_template
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.metrics import Metric, SpecDecodingStats
@@ -202,12 +202,7 @@ class LLM:
         failures = self.connector.wait_for_save()
         for r in requests:
             if r.request_id in failures:
-                err = failures[r.request_id]
-                if isinstance(err, BadStates):
-                    r.error, r.error_kind = f"hidden states not committed: {err}", "bad_states"
-                else:
-                    r.error = f"hidden states were not saved: {type(err).__name__}: {err}"
-                    r.error_kind = "write_failed"
+                r.error_kind, r.error = write_failure(failures[r.request_id])
             if r.error is None:
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
                 self.stats.generation_tokens += len(r.output_ids)

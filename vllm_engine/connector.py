@@ -51,7 +51,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from connectors.base import RequestInfo
 from connectors.format import HiddenStatesSpec
 from connectors.paths import PathInUse, PathPolicy, PathRejected
-from connectors.quant import BadStates
+from connectors.quant import BadStates, write_failure
 from connectors.safetensors_connector import (
     HiddenStatesConnectorConfig,
     SafetensorsHiddenStatesConnector,
@@ -320,11 +320,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _failure(request_id: str, error: BaseException) -> tuple[str, str]:
         """(hsx's error kind, message) of a file that was not written; logged, as vLLM's own callers see nothing."""
         logger.error("hidden states of request %s were not written: %s", request_id, error)
-        if isinstance(error, BadStates):
-            return "bad_states", f"hidden states not committed: {error}"
-        if isinstance(error, (ValueError, TypeError)) and not isinstance(error, OSError):
+        if isinstance(error, (ValueError, TypeError)) and not isinstance(error, (OSError, BadStates)):
             return ("path_in_use" if isinstance(error, PathInUse) else "invalid"), str(error)
-        return "write_failed", f"hidden states were not saved: {type(error).__name__}: {error}"
+        return write_failure(error)
 
     def get_finished_count(self) -> int:
         return 1  # rank 0 alone reports a request done

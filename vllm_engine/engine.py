@@ -62,6 +62,44 @@ def thread_binding(cores: Sequence[int], ranks: int) -> str:
                     for g in groups)
 
 
+def import_vllm():
+    """The vllm package; VllmMissing saying how to install it when it cannot be imported."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VllmMissing(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
+    return vllm
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on CPU here (its CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def platform_args() -> dict[str, Any]:
+    """vllm.LLM arguments this platform needs by default: on CPU enforce_eager (no minutes of compiling per start)."""
+    return {"enforce_eager": True} if on_cpu() else {}
+
+
+def vllm_sampling_params(params: SamplingParams, kv_transfer_params: dict[str, Any] | None = None):
+    """vLLM's SamplingParams for hsx's (prompt-only, hsx's max_tokens 0, becomes vLLM's minimum of 1), with
+    `kv_transfer_params` as vLLM takes them (extra_args)."""
+    from vllm import SamplingParams as VllmParams
+
+    return VllmParams(max_tokens=max(params.max_tokens, 1), temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k or 0, seed=params.seed, stop=params.stop,
+                      stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                      include_stop_str_in_output=params.include_stop_str_in_output,
+                      extra_args=None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params})
+
+
+def shutdown_llm(llm) -> None:
+    """Stop a vllm.LLM's engine core (and its workers) now, not when it is collected."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def extra_config(connector: HiddenStatesConnectorConfig) -> dict[str, Any]:
     """kv_connector_extra_config for the plug-in: the connector's settings as plain values."""
     out = dataclasses.asdict(connector)
@@ -75,22 +113,18 @@ class VllmEngine:
 
     def __init__(self, config: EngineConfig, connector: HiddenStatesConnectorConfig,
                  settings: VllmSettings | None = None) -> None:
-        try:
-            import vllm
-            from vllm.config import KVTransferConfig
-            from vllm.platforms import current_platform
-        except ImportError as e:
-            raise VllmMissing(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
+        vllm = import_vllm()
+        from vllm.config import KVTransferConfig
+
         settings = settings or VllmSettings()
         if config.speculative is not None:
             raise ValueError("VllmEngine extracts hidden states; decode speculatively with vllm.LLM itself")
         if config.target:
             raise ValueError(f"--target {config.target} needs the final norm and lm_head applied to layer N inside "
                              "the engine; --engine vllm stores layer states only: use --engine hsx for it")
-        on_cpu = current_platform.is_cpu()
-        if on_cpu and settings.devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        args: dict[str, Any] = platform_args()
+        if on_cpu() and settings.devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(os.sched_getaffinity(0), settings.devices)
-        args: dict[str, Any] = {"enforce_eager": True} if on_cpu else {}  # CPU: no minutes of compiling per start
         args["max_num_seqs"] = config.max_num_seqs
         args.update(settings.engine_args)  # --vllm-args win over these defaults (max_num_seqs, enforce_eager, ...)
         if config.max_model_len is not None:
@@ -136,7 +170,7 @@ class VllmEngine:
     def shutdown(self) -> None:
         llm = getattr(self, "_llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
             self._llm = None
 
     # -- pieces -------------------------------------------------------------------------------------------------
@@ -144,19 +178,13 @@ class VllmEngine:
     def _params(prompt, params: SamplingParams, ticket: str):
         """vLLM's SamplingParams for hsx's, the request's kv_transfer_params tagged with its ticket and carrying
         the sample id and loss mask the file records."""
-        from vllm import SamplingParams as VllmParams
-
         kv = dict(params.kv_transfer_params or {})
         kv[outcomes.TICKET] = ticket
         if isinstance(prompt, Mapping):
             for key in ("sample_id", "loss_mask"):
                 if prompt.get(key) is not None:
                     kv[key] = list(prompt[key]) if key == "loss_mask" else str(prompt[key])
-        return VllmParams(max_tokens=max(params.max_tokens, 1), temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or 0, seed=params.seed, stop=params.stop,
-                          stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                          include_stop_str_in_output=params.include_stop_str_in_output,
-                          extra_args={"kv_transfer_params": kv})
+        return vllm_sampling_params(params, kv)
 
     def _outcomes(self, tickets: list[str]) -> dict[str, tuple[str | None, str | None]]:
         """Each ticket's outcome as the plug-in reported it; a ticket unanswered after OUTCOME_WAIT_S is missing."""

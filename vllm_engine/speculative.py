@@ -13,16 +13,14 @@ disabled): the evaluation records it as that method's error. Outputs carry no pe
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from extractor.config import resolve_dtype
 from extractor.llm import CompletionOutput, RequestOutput
 from extractor.methods import family
 from extractor.sampling import SamplingParams
-from vllm_engine.engine import VllmMissing
-from vllm_engine.options import INSTALL_HINT
+from vllm_engine.engine import import_vllm, platform_args, shutdown_llm, vllm_sampling_params
 
 
 def vllm_speculative_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -37,41 +35,25 @@ def vllm_speculative_config(config: Mapping[str, Any] | None) -> dict[str, Any] 
     return out
 
 
-def _checkpoint_dtype(model: str) -> str:
-    """The target checkpoint's dtype (vLLM's "auto" may pick another on some platforms): config.json's."""
-    try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return "auto"
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    return dtype if isinstance(dtype, str) else "auto"
-
-
 class VllmSpeculativeLLM:
     """See the module docstring."""
 
     def __init__(self, model: str, speculative_config: Mapping[str, Any] | None = None, device: str | None = None,
                  max_num_seqs: int | None = None) -> None:
-        try:
-            import vllm
-            from vllm.platforms import current_platform
-        except ImportError as e:
-            raise VllmMissing(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
-        args: dict[str, Any] = {"enforce_eager": True} if current_platform.is_cpu() else {}
+        vllm = import_vllm()
+        from transformers import AutoConfig
+
+        args = platform_args()
         if max_num_seqs:
             args["max_num_seqs"] = max_num_seqs
-        self._llm = vllm.LLM(model=model, dtype=_checkpoint_dtype(model), disable_log_stats=False,
+        # "auto" as hsx's engine resolves it (vLLM's own "auto" may pick another dtype on some platforms)
+        dtype = resolve_dtype("auto", AutoConfig.from_pretrained(model))
+        self._llm = vllm.LLM(model=model, dtype=dtype, disable_log_stats=False,
                              speculative_config=vllm_speculative_config(speculative_config), **args)
 
     def generate(self, prompts: Sequence[str | Mapping[str, Any]], params: SamplingParams,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        from vllm import SamplingParams as VllmParams
-
-        vparams = VllmParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                             top_k=params.top_k or 0, seed=params.seed, ignore_eos=params.ignore_eos,
-                             stop=params.stop, stop_token_ids=list(params.stop_token_ids))
-        results = self._llm.generate(list(prompts), vparams, use_tqdm=use_tqdm)
+        results = self._llm.generate(list(prompts), vllm_sampling_params(params), use_tqdm=use_tqdm)
         return [RequestOutput(request_id=str(r.request_id), prompt=r.prompt,
                               prompt_token_ids=list(r.prompt_token_ids or []),
                               outputs=[CompletionOutput(0, c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
@@ -83,5 +65,5 @@ class VllmSpeculativeLLM:
     def shutdown(self) -> None:
         llm = getattr(self, "_llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
             self._llm = None
