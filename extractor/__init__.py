@@ -13,11 +13,15 @@
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
     methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)
-    norm.py         FinalNorm: the target's final norm (transformers' own module, weights from the checkpoint)
+    norm.py         FinalNorm: the target's final norm, found by structure (the model's own module, weights from the
+                    checkpoint)
+    head.py         LogitsHead: final norm, lm_head and the family's logits transform, checked against the model
     topk.py         TopK: a top-k target's ids and log-probabilities from the last layer (the model's own modules)
+    rollback.py     RollbackPlan: how a target's cache forgets rejected drafts (full, windowed, linear attention), or
+                    the one-line refusal
     verification.py which drafted tokens the target keeps (greedy match, speculative rejection sampling)
     metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
-    layers.py       layer-id semantics, the capture hooks, early exit
+    layers.py       layer-id semantics, the decoder layers found by structure, the capture hooks, early exit
     batching.py     token-budget batches grouped by length
     chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
 """

@@ -18,7 +18,10 @@ from torch import nn
 
 # Families the engine is tested on; others work when their decoder layers are found the same way.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt2")
-_LAYER_PATHS = ("layers", "h", "blocks", "decoder.layers", "encoder.layers")
+_LAYER_NAMES = frozenset({"layers", "h", "blocks"})
+_NOT_THE_DECODER = frozenset({"vision_tower", "vision_model", "visual", "vision", "audio_tower", "audio_model",
+                              "mtp", "multi_modal_projector"})
+"""Module names on the path to a ModuleList that make it some other stack than the text decoder's."""
 
 
 def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
@@ -34,17 +37,29 @@ def default_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
 
 def find_decoder_layers(model: nn.Module, num_hidden_layers: int) -> nn.ModuleList:
     """The ModuleList of decoder layers of a HF causal LM, wherever the architecture keeps it."""
-    base = getattr(model, "base_model", model)
-    for root in (base, model):
-        for path in _LAYER_PATHS:
-            obj = root
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if isinstance(obj, nn.ModuleList) and len(obj) == num_hidden_layers:
-                return obj
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for a ModuleList of "
-                     f"{num_hidden_layers} modules at {list(_LAYER_PATHS)}); hsx supports decoder-only HF causal LMs "
-                     f"such as {', '.join(SUPPORTED_FAMILIES)}")
+    return find_decoder(model, num_hidden_layers)[2]
+
+
+def find_decoder(model: nn.Module, num_hidden_layers: int) -> tuple[str, nn.Module, nn.ModuleList]:
+    """(qualified name of the module that holds the decoder layers, that module, the layers): the ModuleList of
+    `num_hidden_layers` modules named layers / h / blocks, outside any vision, audio or multi-token-prediction part.
+    Found by structure, not by the model's class: `base_model` is only a hint (for Llama-4's text model it is the
+    CausalLM itself), so the whole module tree is searched and exactly one list must qualify."""
+    found = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child_name in _LAYER_NAMES and isinstance(child, nn.ModuleList) and len(child) == num_hidden_layers \
+                    and not (set(name.split(".")) & _NOT_THE_DECODER):
+                found.append((name, module, child, f"{name}.{child_name}" if name else child_name))
+    if len(found) > 1:  # a wrapper that repeats the decoder under two names: the one base_model names
+        base = getattr(model, "base_model", model)
+        found = [f for f in found if f[1] is base] or found
+    if len(found) == 1:
+        return found[0][:3]
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: "
+                     + (f"several ModuleLists of {num_hidden_layers} layers qualify ({[f[3] for f in found]})"
+                        if found else f"no ModuleList of {num_hidden_layers} modules named {sorted(_LAYER_NAMES)}")
+                     + f"; hsx supports decoder-only HF causal LMs such as {', '.join(SUPPORTED_FAMILIES)}")
 
 
 class EarlyExit(Exception):

@@ -144,6 +144,12 @@ class LLM:
             raise TypeError(f"kv_transfer_config must be a connectors.KVTransferConfig, got "
                             f"{type(self.kv_transfer_config).__name__}")
         self.runner = ModelRunner(self.config)
+        if config.speculative is not None:
+            try:  # a cache that cannot forget rejected drafts would make speculative decoding silently wrong
+                self.runner.prepare_speculation()
+            except ValueError:
+                self.runner.close()
+                raise
         self.tokenizer = self.runner.tokenizer
         self.spec = self.runner.facts.file_spec()  # extractor.facts: the one derivation of a model's file spec
         spec = config.speculative

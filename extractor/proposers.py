@@ -38,6 +38,7 @@ import torch
 
 from extractor.config import SpeculativeConfig
 from extractor.methods import family
+from extractor.rollback import rollback_plan
 from extractor.runner import BatchState, can_rearrange, forward_rows
 from extractor.sampling import SamplingParams, sample_with_probs
 
@@ -121,6 +122,9 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"draft model {model_dir} is an encoder-decoder model; a draft must be a causal LM")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
         self.model.requires_grad_(False)
+        if rollback_plan(self.model, target.max_model_len).even:
+            raise ValueError(f"draft model {model_dir}: its cache holds sliding-window or linear-attention layers, "
+                             "which hsx does not roll back in a draft model; use a draft with full attention only")
         vocab = self.model.get_input_embeddings().num_embeddings
         out_vocab = self.model.get_output_embeddings().out_features
         if vocab != target.vocab_size or out_vocab != target.vocab_size:

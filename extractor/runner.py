@@ -45,6 +45,7 @@ from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, check_layer
 from extractor.config import EngineConfig
 from extractor.facts import target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
+from extractor.rollback import RollbackPlan, refuse_state_space_only, rollback_plan
 from extractor.topk import TopK
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,11 @@ class BatchState:
     def select(self, keep: list[int]) -> None:
         """Drop finished rows (keep = indices of rows that continue)."""
         idx = torch.tensor(keep, device=self.attention_mask.device)
-        self.cache.batch_select_indices(idx)
+        for layer in self.cache.layers:
+            if hasattr(layer, "batch_select_indices"):
+                layer.batch_select_indices(idx)
+            else:  # linear-attention states ([B, ...] tensors): transformers has no row selection for them
+                layer.reorder_cache(idx)
         self.attention_mask = self.attention_mask[idx]
         self.next_position = self.next_position[idx]
 
@@ -248,6 +253,7 @@ class ModelRunner:
             kwargs["attn_implementation"] = config.attn_implementation
         self.model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs).to(self.device).eval()
         self.model.requires_grad_(False)
+        refuse_state_space_only(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, revision=config.revision,
                                                        trust_remote_code=config.trust_remote_code)
         self.hf_config = self.model.config
@@ -256,6 +262,7 @@ class ModelRunner:
         self.layer_ids = self.facts.layer_ids
         self.capture: LayerCapture | None = None
         self._top_k: TopK | None = None
+        self.rollback: RollbackPlan | None = None
         self.set_capture(self.facts.capture_layer_ids, top_k=self.facts.top_k)
         self.base = self.model.base_model
         self.max_model_len = self.facts.max_model_len
@@ -306,10 +313,18 @@ class ModelRunner:
             ids.update(eos if isinstance(eos, (list, tuple, set)) else [eos])
         return ids
 
+    def prepare_speculation(self) -> RollbackPlan:
+        """From now on decode in caches that can forget rejected drafts (extractor.rollback); ValueError (one line)
+        for a target whose cache hsx cannot roll back."""
+        plan = rollback_plan(self.model, self.max_model_len)
+        plan.probe(self.model, self._cache_kw)
+        self.rollback = plan
+        return plan
+
     def _new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.hf_config)
+        return self.rollback.new_cache() if self.rollback is not None else DynamicCache(config=self.hf_config)
 
     def _logits(self, **inputs) -> torch.Tensor:
         """Forward the full LM and return last-position logits [B, V]."""

@@ -39,22 +39,32 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
         raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
                            f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
     rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
+    plan = runner.rollback
+    if plan is not None and plan.even:  # every row as wide: throw-away drafts after the real ones, never verified
+        rows = [row + [runner.pad_id] * (max(map(len, rows)) - len(row)) for row in rows]
     observe = bool(proposer.capture_layer_ids)
+    width = max(map(len, rows))
+    if plan is not None:
+        plan.begin(state.cache, width)
     # [B, W, V] (and [B, W, L, H]); row b's tokens in its last columns
     target_logits, target_states = runner.extend(state, rows, capture=observe)
-    width = target_logits.shape[1]
-    accepted, kept_states = [], []
+    accepted, kept_states, removed = [], [], []
     for b, (r, d) in enumerate(zip(active, drafts)):
-        n = len(d.token_ids)
-        tokens, a = verify(target_logits[b, width - 1 - n:], d, r.params, r.generator)
+        n, start = len(d.token_ids), width - len(rows[b])  # row b: last token + n drafts (+ throw-aways) from start
+        tokens, a = verify(target_logits[b, start:start + n + 1], d, r.params, r.generator)
         stats.observe_draft(n, a)
         if r.spec_decode is not None:  # the same counts per request (RequestOutput.spec_decode)
             r.spec_decode.observe_draft(n, a)
-        state.rollback(b, n - a)  # the target cache holds last + n drafts; keep last + a
+        removed.append(len(rows[b]) - 1 - a)  # the target cache holds the whole row; keep last + a
+        state.rollback(b, removed[-1])
         accepted.append(a)
         if observe:  # the states of the last token and the a accepted drafts
-            kept_states.append(target_states[b, width - 1 - n:width - n + a])
+            kept_states.append(target_states[b, start:start + 1 + a])
         emit(r, tokens)
+    if plan is not None:
+        plan.undo(state.cache, width, removed)
+        if plan.compact and any(removed):
+            state.compact()
     t0 = _clock(runner)
     proposer.accepted(accepted)
     if observe:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import random
 
-FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "gpt2")
-
 _WORDS = ("the a model layer token hidden state drafter speculative decoding train data run fast slow small large "
           "cat dog tree river mountain city light dark green blue red old new quick lazy jumps over under near far "
           "write read store load batch worker cluster node disk cloud bucket file path byte number value one two "
@@ -60,6 +58,45 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
     return hf
 
 
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_DEEPSEEK_MOE = dict(_MOE, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1)
+_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+SLIDING_WINDOW = 8
+"""The tiny windowed families' window: shorter than the tests' prompts, so the window is exercised."""
+
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    # today's seven (the engine's first families) ...
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "mistral": ("MistralConfig", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, head_dim=16, num_experts=4, decoder_sparse_step=1)),
+    "qwen2": ("Qwen2Config", {}),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # ... and the families drafters are trained for now: windows, MLA, MoE, hybrids, post-norms, multipliers
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=SLIDING_WINDOW)),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=SLIDING_WINDOW, sliding_window_pattern=2)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=SLIDING_WINDOW, num_local_experts=4,
+                                     num_experts_per_tok=2)),
+    "exaone4": ("Exaone4Config", dict(sliding_window=SLIDING_WINDOW)),
+    "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK_MOE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
+    "glm4_moe": ("Glm4MoeConfig", dict(_DEEPSEEK_MOE, head_dim=16)),
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR, **_MOE, head_dim=16, num_experts=4)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(_LINEAR, head_dim=16)),
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128)),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
+    "falcon_h1": ("FalconH1Config", {}),
+    "mamba": ("MambaConfig", dict(state_size=8)),
+}
+"""family -> (transformers config class, its tiny sizes beyond the common ones). Also "gpt2", and "qwen3_5" (a
+Qwen3.5 text target declared through its vision-language config, the text model in `text_config`)."""
+
+FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "gpt2", *[f for f in FAMILY_CONFIGS if f not in
+                                                               ("llama", "qwen3", "mistral", "qwen3_moe")], "qwen3_5")
+
+
 def _config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
     import transformers
 
@@ -70,19 +107,18 @@ def _config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides)
         kw.update(common)
         kw.update(overrides)
         return transformers.GPT2Config(**kw)
+    if family == "qwen3_5":  # the vision-language config; AutoModelForCausalLM builds its text model
+        text = _config("qwen3_5_text", vocab_size, eos_id, pad_id, **overrides).to_dict()
+        return transformers.Qwen3_5Config(text_config=text, tie_word_embeddings=False)
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(FAMILIES)}")
+    cls_name, extra = FAMILY_CONFIGS[family]
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6)
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-           "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}.get(family)
-    if cls is None:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {list(FAMILIES)}")
-    if family == "qwen3":
-        kw["head_dim"] = 16
-    if family == "qwen3_moe":
-        kw.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    kw.update(extra)
     kw.update(common)
     kw.update(overrides)
-    return cls(**kw)
+    return getattr(transformers, cls_name)(**kw)
 
 
 def build_tiny_model(family: str, out_dir: str, *, seed: int = 0, dtype: str = "float32", **overrides) -> str:

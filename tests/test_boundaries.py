@@ -38,10 +38,9 @@ LAZY_LOADERS = {
     ("connectors/__init__.py", "__getattr__"),  # likewise
     ("connectors/config.py", "get_connector_class"),  # a registered connector's "module:Class"
     ("drafters/registry.py", "load"),  # a family's "module:Class" (its drafter, its proposer)
-    ("extractor/norm.py", "_norm_module"),  # transformers.models.<model_type>: the target's own RMSNorm class
 }
 """The functions that may import a module named at run time, by (path, function). Their names come from strings the
-rules read as edges ("module:Name" and "package.module" strings), or from transformers (extractor/norm.py)."""
+rules read as edges ("module:Name" and "package.module" strings)."""
 
 ALLOWED_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 """`_private` names a module may take from another, as (path, module, name): none (the rule takes the list so that

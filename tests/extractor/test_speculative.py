@@ -437,3 +437,15 @@ def test_sampled_speculation_follows_the_target_distribution(models, tmp_path):
     assert metric(llm, "vllm:spec_decode_num_drafts") >= n  # every request verified at least one draft token
     accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
     assert 0 < accepted < metric(llm, "vllm:spec_decode_num_draft_tokens")  # both branches ran
+
+
+def test_a_draft_model_with_a_windowed_cache_is_refused_in_one_line(tiny_llama, tiny_model_factory):
+    """hsx masks rejected drafts out of a draft model's cache, which is right for full attention only: a windowed
+    draft would keep drafting from a context it should have forgotten, so it is refused before anything runs."""
+    from extractor import LLM
+
+    draft = tiny_model_factory("gemma2")
+    with pytest.raises(ValueError, match="draft model .*sliding-window or linear-attention layers") as e:
+        LLM(model=tiny_llama, speculative_config={"method": "draft_model", "model": draft,
+                                                  "num_speculative_tokens": 2})
+    assert "\n" not in str(e.value)

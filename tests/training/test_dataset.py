@@ -123,8 +123,11 @@ def test_final_norm_of_other_families_equals_transformers(tiny_model_factory, fa
 
 
 def test_final_norm_refuses_unknown_models_and_missing_folders(tmp_path, random_run):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family", "rms_norm_eps": 1e-6}))
+    with pytest.raises(ValueError, match="cannot read this config.*no_such_family"):
+        FinalNorm.from_model_dir(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "rms_norm_eps": 1e-6}))
-    with pytest.raises(ValueError, match="gemma2.*not supported"):
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):  # Gemma-2's norm is found; no weights
         FinalNorm.from_model_dir(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
         FinalNorm.from_model_dir(str(tmp_path / "nowhere"))
