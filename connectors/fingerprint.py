@@ -5,6 +5,8 @@
                                            and safetensors header; a hub id: of its config (`hf.to_dict()`).
                                            scheme "" is the first round's (config.json + weight names and sizes)
     FINGERPRINT_SCHEME                     the prefix of fingerprints written now
+    model_quantization(hf)                 a checkpoint's quantization_config in short: "fp8 (fmt=e4m3,
+                                           weight_block_size=[128, 128], activation_scheme=dynamic)"; "" unquantized
 
 `hf` is any object with `to_dict()` (a transformers PretrainedConfig): this module never imports transformers.
 """
@@ -60,3 +62,31 @@ def _safetensors_header(path: str) -> bytes:
             return head
         (n,) = struct.unpack("<Q", head)
         return head + f.read(min(n, 100_000_000))
+
+
+# quantization_config keys that change what the model computes, in the order they are shown (the rest — module lists,
+# kernels' switches — stay in config.json, which the fingerprint hashes)
+_QUANT_KEYS = ("fmt", "weight_block_size", "activation_scheme", "bits", "group_size", "sym", "desc_act", "zero_point",
+               "weight_dtype", "format", "version", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
+               "bnb_4bit_compute_dtype", "bnb_4bit_use_double_quant")
+
+
+def model_quantization(hf) -> str:
+    """The checkpoint's quantization as run.json records it: quant_method and the keys that change numerics, e.g.
+    "fp8 (fmt=e4m3, weight_block_size=[128, 128], activation_scheme=dynamic)", "mxfp4"; "" when the config has no
+    quantization_config (a multimodal wrapper's top-level config is read first, then its text config's)."""
+    doc = hf if isinstance(hf, dict) else hf.to_dict()
+    quant = doc.get("quantization_config")
+    if not quant and isinstance(doc.get("text_config"), dict):
+        quant = doc["text_config"].get("quantization_config")
+    if not quant:
+        return ""
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {"quant_method": str(quant)}
+    method = str(quant.get("quant_method") or "unknown")
+    shown = [f"{k}={_short(quant[k])}" for k in _QUANT_KEYS if quant.get(k) is not None]
+    return f"{method} ({', '.join(shown)})" if shown else method
+
+
+def _short(value) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value)

@@ -175,6 +175,8 @@ FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model"
 _OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
 """Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
+_JOB_OMITTED_WHEN_EMPTY = ("model_quantization",)
+"""Job fields written only when set: run.json of an unquantized model's run stays as it was before the field."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,9 @@ class RunSpec:
     """How `layer_ids` count; hsx writes "vllm" (0 = embeddings, k = output of decoder layer k-1, N pre-norm)."""
     model_fingerprint: str = ""
     """sha256 prefix of the model's config and weight files' names and sizes."""
+    model_quantization: str = ""
+    """The checkpoint's quantization_config in short ("fp8 (fmt=e4m3, ...)"); "" — and absent from run.json — when
+    the model is not quantized (runs written before the field existed read as not quantized)."""
     chat_template_source: str = "none"
     """Where the chat template came from: "tokenizer", a file, or "none"."""
     chat_template_sha256: str | None = None
@@ -283,6 +288,8 @@ class RunSpec:
             if f.name in _JSON_SKIPPED:
                 continue
             value = getattr(self, f.name)
+            if f.name in _JOB_OMITTED_WHEN_EMPTY and not value:
+                continue
             if isinstance(value, Sampling):
                 value = dataclasses.asdict(value)
             elif isinstance(value, Mapping):
@@ -373,6 +380,7 @@ _RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "target": (lambda v: isinstance(v, str), "a string (\"\" or \"top_k:K\")"),
     "layer_id_convention": (lambda v: isinstance(v, str), "a string"),
     "model_fingerprint": (lambda v: isinstance(v, str), "a string"),
+    "model_quantization": (lambda v: isinstance(v, str), "a string (\"\" = not quantized)"),
     "chat_template_source": (lambda v: isinstance(v, str), "a string"),
     "chat_template_sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "max_model_len": (lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null"),

@@ -234,6 +234,30 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def _load_model(auto_cls, model: str, hf_config, kwargs: dict):
+    """from_pretrained, as transformers loads the checkpoint. A quantized one (a quantization_config: fp8, MXFP4, ...)
+    gets one line saying what transformers did — kept its quantized weights, or dequantized them where its kernels
+    are missing (transformers' own warning says why) — and a load transformers refuses is one line naming the
+    quantization."""
+    from connectors.fingerprint import model_quantization
+
+    quant = model_quantization(hf_config)
+    if not quant:
+        return auto_cls.from_pretrained(model, **kwargs)
+    try:
+        loaded = auto_cls.from_pretrained(model, **kwargs)
+    except (ImportError, RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{model} is a quantized checkpoint ({quant}) and transformers cannot load it here: "
+                         f"{first}") from e
+    kept = sorted({str(p.dtype).removeprefix("torch.") for p in loaded.parameters()
+                   if not p.dtype.is_floating_point or p.dtype.itemsize == 1})
+    logger.warning("%s is a quantized checkpoint (%s): transformers %s", model, quant,
+                   f"kept its quantized weights ({', '.join(kept)})" if kept else
+                   f"dequantized it to {str(next(loaded.parameters()).dtype).removeprefix('torch.')}")
+    return loaded
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -251,7 +275,7 @@ class ModelRunner:
         kwargs = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
         if config.attn_implementation:
             kwargs["attn_implementation"] = config.attn_implementation
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, **kwargs).to(self.device).eval()
+        self.model = _load_model(AutoModelForCausalLM, config.model, hf_config, kwargs).to(self.device).eval()
         self.model.requires_grad_(False)
         refuse_state_space_only(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, revision=config.revision,

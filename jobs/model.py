@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from connectors.fingerprint import model_fingerprint
+from connectors.fingerprint import model_fingerprint, model_quantization
 from drafters.registry import default_layer_ids
 from extractor.facts import TargetFacts, target_facts, text_config
 from jobs.config import JobConfig
@@ -29,6 +29,8 @@ class ModelFacts(TargetFacts):
     its config. See connectors.fingerprint."""
     legacy_fingerprint: str = ""
     """The first round's fingerprint (config + weight sizes), to resume runs that recorded it."""
+    quantization: str = ""
+    """The checkpoint's quantization_config in short (connectors.fingerprint.model_quantization); "" unquantized."""
 
     @classmethod
     def resolve(cls, config: JobConfig) -> ModelFacts:
@@ -53,4 +55,5 @@ class ModelFacts(TargetFacts):
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "
                              f"length limit {max_len}; lower --max-tokens or raise --max-model-len")
         return cls(**dataclasses.asdict(f), fingerprint=model_fingerprint(model, hf),
-                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""))
+                   legacy_fingerprint=model_fingerprint(model, hf, scheme=""),
+                   quantization=model_quantization(hf))

@@ -4,9 +4,10 @@
     ensure_run_spec(run, spec)   writes run.json (True), or checks a present one (False); RunMismatch when they differ
 
 The format itself (fields, versions, JSON) belongs to `connectors.run`. A resume is refused when anything that shapes
-the stored files changed — model (id, revision, weights), layer ids, dtype, chat template, generation settings, id
-field — since mixing files of two settings in one run is silent corruption for a trainer. Corpus, worker counts and
-length limits may change between resumes: the corpus list is recorded, not compared.
+the stored files changed — model (id, revision, weights, quantization), layer ids, dtype, chat template, generation
+settings, id field — since mixing files of two settings in one run is silent corruption for a trainer. Corpus, worker
+counts and length limits may change between resumes: the corpus list is recorded, not compared. A run.json without
+model_quantization (runs before it, and every unquantized model's) reads as not quantized.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jobs.model import ModelFacts
 # RunSpec field -> the flag a user changes to change it
 IDENTITY = {
     "model": "--model", "model_revision": "--revision",
+    "model_quantization": "--model (a checkpoint quantized otherwise: its config.json's quantization_config)",
     "model_fingerprint": "--model (its weights, config or tokenizer changed since the run began)",
     "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype", "target": "--target",
     "chat_template_sha256": "--chat-template",
@@ -68,6 +70,7 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed)
     return RunSpec.from_file_spec(
         facts.file_spec(config.storage_dtype), model_fingerprint=facts.legacy_fingerprint if legacy else facts.fingerprint,
+        model_quantization=facts.quantization,
         chat_template_source=template_source,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
@@ -95,13 +98,17 @@ def ensure_run_spec(run: RunDir, spec: RunSpec, present: RunSpec | None | Ellips
         write_run_spec(run, spec)
         return True
     diffs = present.differences(spec, list(IDENTITY))
+    if "model_quantization" in diffs:
+        diffs.pop("model_fingerprint", None)  # config.json changed with it: the quantization says how
     if diffs:
-        lines = "; ".join(f"{key}: run has {_show(old)}, this job has {_show(new)} ({IDENTITY[key]})"
+        lines = "; ".join(f"{key}: run has {_show(old, key)}, this job has {_show(new, key)} ({IDENTITY[key]})"
                           for key, (old, new) in diffs.items())
         raise RunMismatch(f"cannot resume into {run.url}: it was made with different settings — {lines}. Re-run "
                           "with the run's settings to resume it, or pick a new --output")
     return False
 
 
-def _show(value) -> str:
+def _show(value, key: str = "") -> str:
+    if key == "model_quantization":
+        return repr(value) if value else "none (not quantized)"
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
