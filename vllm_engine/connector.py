@@ -50,7 +50,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from connectors.base import RequestInfo
 from connectors.format import HiddenStatesSpec
-from connectors.paths import PathInUse, PathPolicy, PathRejected
+from connectors.paths import Destination, PathInUse, PathOwners, PathPolicy, PathRejected
 from connectors.quant import BadStates, write_failure
 from connectors.safetensors_connector import (
     HiddenStatesConnectorConfig,
@@ -144,6 +144,10 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._new_files: dict[str, tuple[str, str | None]] = {}
         self._saves: list[_Save] = []
         self._releases: list[str] = []
+        # who owns which file, as the worker's writer decides it (connectors.paths.PathOwners): decided here too, so a
+        # request refused there is refused before vLLM hands its client the path
+        self._owners = PathOwners()
+        self._claims: dict[str, tuple[Destination, bool]] = {}  # request id -> (its file, remembered once written)
         # worker side
         self._cache: torch.Tensor | None = None
         self._writes = False
@@ -159,12 +163,29 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _locate(self, request_id: str, params: dict[str, Any]) -> tuple[str | None, str | None]:
         """(the file's path, None), or (None, why it is refused): decided as the worker's connector will decide."""
+        overwrite = params.get("overwrite", False) is True
         try:
-            dest, _ = request_destination(self._paths, self.settings.allow_custom_save_path, request_id, params)
-        except PathRejected as e:
+            dest, is_custom = request_destination(self._paths, self.settings.allow_custom_save_path, request_id,
+                                                  params)
+            # a second writer of a running request's file would also wait on its lock inside vLLM's step, forever
+            self._owners.claim(dest, request_id, overwrite)
+        except (PathRejected, PathInUse) as e:
             return None, f"{e}; nothing was written"
+        self._claims[request_id] = (dest, is_custom and not overwrite)
         self._new_files[request_id] = (dest.path, dest.root)
         return dest.path, None
+
+    def _settled(self, request_id: str, written: bool) -> None:
+        """The request's file is durable (or failed: the worker's outcome says which; here it stays owned, which
+        only asks a later writer of it for overwrite=True) or abandoned: its path may be asked for again."""
+        claim = self._claims.pop(request_id, None)
+        if claim is not None:
+            dest, remember = claim
+            self._owners.release(dest, request_id, committed=written and remember)
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._settled(rid, written=True)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         for new in scheduler_output.scheduled_new_reqs:
@@ -186,6 +207,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             # not every slot was computed: a file of it would hold other requests' stale rows
             self._releases.append(request.request_id)
+            self._settled(request.request_id, written=False)
             return False, {"hidden_states_path": None,
                            "error": f"the request ended {request.status.name.lower()}; nothing was written"}
         params = dict(request.kv_transfer_params or {})
@@ -199,6 +221,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if not 0 <= self._group < len(block_ids):
             if self._located.pop(request.request_id, None) is not None:
                 self._releases.append(request.request_id)
+                self._settled(request.request_id, written=False)
             return False, None
         return self.request_finished(request, block_ids[self._group])
 

@@ -108,6 +108,36 @@ def test_a_custom_path_outside_the_allowed_roots_is_refused_and_nothing_is_writt
     assert not os.path.exists(outside) and _files(out) == before
 
 
+def test_a_path_in_use_is_refused_before_vllm_hands_it_out_and_overwrite_replaces_it(engine):
+    """Two requests of one batch naming the same hidden_states_path: the second would wait on the first's lock inside
+    vLLM's step, forever (one process, two flocks). It is refused as in use. Once the first is written, a request for
+    its path is refused (hsx's writer would not overwrite it unasked, and the client would have got the path of the
+    first request's file), unless it says overwrite=True."""
+    from vllm import SamplingParams
+
+    from connectors import example_hidden_states_connector
+
+    llm, _, out = engine
+    path = os.path.join(out, "shared.safetensors")
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": path}})
+    first, second = llm.generate(["a b c", "d e f g"], [params, params])
+    assert first.kv_transfer_params["hidden_states_path"] == path
+    assert second.kv_transfer_params["hidden_states_path"] is None
+    assert "being written by request" in second.kv_transfer_params["error"]
+    assert "nothing was written" in second.kv_transfer_params["error"]
+    stored = example_hidden_states_connector.load_hidden_states(path)
+    assert stored["token_ids"].tolist() == list(first.prompt_token_ids)
+    (again,) = llm.generate(["h i"], params)
+    assert again.kv_transfer_params["hidden_states_path"] is None
+    assert "was written earlier by request" in again.kv_transfer_params["error"]
+    replace = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": path,
+                                                                               "overwrite": True}})
+    (again,) = llm.generate(["h i"], replace)
+    assert again.kv_transfer_params["hidden_states_path"] == path
+    assert example_hidden_states_connector.load_hidden_states(path)["token_ids"].tolist() == \
+        list(again.prompt_token_ids)
+
+
 def test_an_s3_output_through_vllm_holds_the_same_states(model, s3_bucket):
     """shared_storage_path an S3 URL (a real S3-API server on loopback, behind a proxy that answers the first uploads
     of files and locks 503, so each file lands seconds after vLLM returned its path) with storage_options: hsx's loader, called
