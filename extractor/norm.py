@@ -28,7 +28,7 @@ import torch
 from extractor.facts import text_config
 from extractor.layers import find_decoder
 
-_BEYOND_THE_DECODER = ("mtp", "vision", "visual", "audio", "layers.")
+_BEYOND_THE_DECODER = ("mtp", "vision", "visual", "audio", "multi_modal_projector", "layers.")
 """Parts of a checkpoint key that put a norm outside the text decoder's final norm (MTP heads, encoders, layers)."""
 
 
@@ -37,7 +37,11 @@ def final_norm_name(model: torch.nn.Module) -> str:
     "backbone.norm_f"): the one norm among the children of the module that holds the decoder layers."""
     config = text_config(model.config)
     owner_name, owner, layers = find_decoder(model, int(config.num_hidden_layers))
-    norms = [name for name, child in owner.named_children() if child is not layers and _is_norm(child)]
+    children = list(owner.named_children())
+    after = [i for i, (_, child) in enumerate(children) if child is layers][0]
+    norms = [name for name, child in children if child is not layers and _is_norm(child)]
+    if len(norms) > 1:  # e.g. Bloom's word_embeddings_layernorm before its layers: the final one comes after them
+        norms = [name for name, child in children[after + 1:] if _is_norm(child)]
     if len(norms) != 1:
         raise ValueError(f"cannot find the final norm of this {getattr(config, 'model_type', '?')} model: the module "
                          f"that holds its decoder layers ({owner_name or 'the model'}, {type(owner).__name__}) has "
@@ -150,6 +154,7 @@ def _checkpoint_key(name: str, weight_map: dict[str, str], model_dir: str) -> st
     tail = ".".join(name.split(".")[-2:])
     keys = [k for k in weight_map if (k == tail or k.endswith("." + tail))
             and not any(part in k for part in _BEYOND_THE_DECODER)]
+    keys = [k for k in keys if "language_model" in k] or keys
     if len(keys) != 1:
         raise ValueError(f"{model_dir!r}: cannot find the final norm's tensor {name!r} in the checkpoint "
                          f"({'candidates: ' + str(keys) if keys else 'no key ends with ' + repr(tail)})")

@@ -102,9 +102,10 @@ class RollbackPlan:
         device = model.get_input_embeddings().weight.device
         vocab = int(model.get_input_embeddings().num_embeddings)
         ids = (torch.arange(5, device=device)[None] * 7919 + 11) % vocab  # [1, 5]
-        try:
+        try:  # the reference decodes tokens 3 and 4 one at a time: the recurrent kernel, as the recorded step uses
             reference = self.new_cache()
-            model(input_ids=ids[:, :4], use_cache=True, **{cache_kw: reference})
+            model(input_ids=ids[:, :3], use_cache=True, **{cache_kw: reference})
+            model(input_ids=ids[:, 3:4], use_cache=True, **{cache_kw: reference})
             want = model(input_ids=ids[:, 4:], use_cache=True, **{cache_kw: reference}).logits[:, -1]
             cache = self.new_cache()
             model(input_ids=ids[:, :3], use_cache=True, **{cache_kw: cache})
@@ -120,7 +121,8 @@ class RollbackPlan:
         except (RuntimeError, AttributeError, TypeError, KeyError, IndexError) as e:
             raise ValueError(self._refusal(f"its linear layers cannot be rolled back ({type(e).__name__}: {e})")
                              ) from None
-        if not torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4):
+        tol = 1e-4 if got.dtype == torch.float32 else 5e-2  # bf16 / fp16: the attention of 2 tokens vs 1 rounds apart
+        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
             raise ValueError(self._refusal("its linear layers' recorded states do not roll back to plain decoding's"))
 
     def _refusal(self, why: str) -> str:
@@ -130,7 +132,7 @@ class RollbackPlan:
 
 def rollback_plan(model, max_model_len: int) -> RollbackPlan:
     """The plan for a loaded transformers model decoding up to `max_model_len` tokens; ValueError (one line) for a
-    cache hsx cannot roll back. A window no shorter than max_model_len is full attention."""
+    cache hsx cannot roll back."""
     from transformers import DynamicCache
 
     config = model.config
@@ -141,12 +143,10 @@ def rollback_plan(model, max_model_len: int) -> RollbackPlan:
         raise ValueError(RollbackPlan(config, ())._refusal(
             f"its chunked-attention layers (chunks of {chunk} tokens, fixed to absolute positions) are not rolled "
             f"back by hsx; use max_model_len <= {chunk}"))
-    kinds = []
-    for layer in DynamicCache(config=config).layers:
-        kind = type(layer).__name__
-        window = getattr(layer, "sliding_window", None)
-        kinds.append(FULL if kind == SLIDING and window is not None and window >= max_model_len else kind)
-    plan = RollbackPlan(config, tuple(kinds))
+    # a window (or chunk) longer than any request still needs the compaction: its mask counts cache columns, and the
+    # holes rejected drafts leave would push real tokens out of it
+    kinds = tuple(type(layer).__name__ for layer in DynamicCache(config=config).layers)
+    plan = RollbackPlan(config, kinds)
     other = sorted({kind for kind in kinds if kind not in (FULL, SLIDING, LINEAR)})
     if other:
         raise ValueError(plan._refusal(f"its cache holds {', '.join(other)} layers (layers "

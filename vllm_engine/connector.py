@@ -189,6 +189,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._located:  # scheduled again (resumed after preemption): its file is decided
+                continue
             extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
             self._located[new.req_id] = self._locate(new.req_id, dict(extra.get("kv_transfer_params") or {}))
         meta = HsxConnectorMetadata(saves=self._saves, new_files=self._new_files, releases=self._releases)
