@@ -25,6 +25,8 @@ cluster.session's. In pipeline order:
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     progress.py      progress bar and end-of-job summary
     estimate.py      `hsx estimate`: exact file sizes before a run
+    device_fit.py    what the target needs of a device (weights, cache, activations) and the smallest tensor-parallel
+                     size that fits one (`hsx estimate --device-memory`)
     submit.py        `hsx submit`: Ray's job submission API
     train_config.py  TrainJobConfig: `hsx train-drafter`'s settings, the trainer's (training) and Ray's
     train.py         train_drafter: in this process, or (--workers N) the trainer's data-parallel replicas on Ray Train

@@ -274,11 +274,23 @@ class EstimateConfig(JobConfig):
     """Tokenize only the first N records and extrapolate (default: all of them)."""
     json: bool = False
     """Print the estimate as JSON."""
+    device_memory: str | None = None
+    """Memory of the device an engine rank runs on (e.g. 80GiB, 141GB): adds whether the target fits it at --dtype,
+    the smallest tensor-parallel size that does, and which engine runs that (weights, cache and activations are
+    printed in any case)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of --device-memory the engine may use (vLLM's gpu_memory_utilization)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device_memory is not None:
+            from jobs.device_fit import parse_size
+
+            parse_size(self.device_memory)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ from connectors.format import HiddenStatesSpec
 from connectors.header import file_entries, file_size, request_metadata
 from connectors.manifest import settled_ids
 from connectors.run import RUN_JSON, RunDir
+from extractor.config import EngineConfig
 from jobs.config import JobConfig
 from jobs.corpus import count_records, expand_corpus, read_records
+from jobs.device_fit import DeviceFit, device_fit, parse_size
 from jobs.manifest import error_kind
 from jobs.model import ModelFacts
 from jobs.pipeline import load_chat_template
@@ -51,6 +53,8 @@ class Estimate:
     failure_kinds: dict[str, int] = field(default_factory=dict)
     assumed_generated_tokens: int = 0
     """Generated tokens assumed per sample (upper bound), when they are stored."""
+    device: DeviceFit | None = None
+    """What the target needs of a device (jobs.device_fit), and with --device-memory what fits it."""
 
     @property
     def bytes_per_token(self) -> float:
@@ -72,6 +76,8 @@ class Estimate:
             out.append(f"note:     assumes every sample generates {self.assumed_generated_tokens} tokens (upper bound)")
         if self.failure_kinds:
             out.append("failures: " + ", ".join(f"{k} ({n})" for k, n in self.failure_kinds.items()))
+        if self.device is not None:
+            out.extend(self.device.lines())
         return out
 
 
@@ -82,6 +88,20 @@ def file_bytes(spec: HiddenStatesSpec, sample_id: str, num_prompt_tokens: int, n
                                 num_prompt_tokens=num_prompt_tokens, include_output_tokens=include_output_tokens,
                                 sample_id=sample_id)
     return file_size(file_entries(spec, num_tokens, loss_mask=True), metadata)
+
+
+def _device_fit(config: JobConfig, facts: ModelFacts) -> DeviceFit:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(facts.model, revision=config.revision, trust_remote_code=config.trust_remote_code)
+    engine = EngineConfig(model=facts.model)  # the engine's defaults where the job leaves them unset
+    memory = getattr(config, "device_memory", None)  # EstimateConfig's; a plain JobConfig sizes only
+    return device_fit(hf, dtype=facts.dtype, max_model_len=facts.max_model_len,
+                      max_num_batched_tokens=config.max_num_batched_tokens or engine.max_num_batched_tokens,
+                      max_num_seqs=engine.max_num_seqs if config.max_tokens else 1,
+                      captured_layers=len(facts.capture_layer_ids),
+                      device_memory=None if memory is None else parse_size(memory),
+                      utilization=getattr(config, "gpu_memory_utilization", 0.9))
 
 
 def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
@@ -103,7 +123,8 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     generated = max(config.max_tokens - 1, 0) if config.include_output_tokens else 0
     est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=spec.storage_dtype or facts.dtype,
                    target=spec.target,
-                   assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0)
+                   assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0,
+                   device=_device_fit(config, facts))
     kinds: Counter[str] = Counter()
     seen: set[str] = set()
     read = 0
