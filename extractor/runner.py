@@ -250,8 +250,9 @@ def _load_model(auto_cls, model: str, hf_config, kwargs: dict):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"{model} is a quantized checkpoint ({quant}) and transformers cannot load it here: "
                          f"{first}") from e
-    kept = sorted({str(p.dtype).removeprefix("torch.") for p in loaded.parameters()
-                   if not p.dtype.is_floating_point or p.dtype.itemsize == 1})
+    # GPTQ / AWQ / compressed-tensors keep their packed integer weights as buffers, fp8 as parameters
+    kept = sorted({str(t.dtype).removeprefix("torch.") for _, t in (*loaded.named_parameters(), *loaded.named_buffers())
+                   if (t.dtype.itemsize <= 1 and t.dtype != torch.bool) or t.dtype == torch.int32})
     logger.warning("%s is a quantized checkpoint (%s): transformers %s", model, quant,
                    f"kept its quantized weights ({', '.join(kept)})" if kept else
                    f"dequantized it to {str(next(loaded.parameters()).dtype).removeprefix('torch.')}")
