@@ -47,7 +47,7 @@ status=0
 xdist=$(python3 -c 'import xdist' 2>/dev/null && echo '-n 8')  # the tests' models are tiny: processes share the GPU
 # tests/extractor needs ~270 s on an H200 in 8 processes (third lease): HSX_GPU_TESTS_S=300 runs all of it (then run
 # the benchmarks as a second command with HSX_GPU_TESTS_S=0, which skips the tests)
-[ "${HSX_GPU_TESTS_S:-100}" -gt 0 ] && timeout -s INT "${HSX_GPU_TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider $xdist tests/extractor 2>&1 | tee "$results/tests.log" || status=1
+[ "${HSX_GPU_TESTS_S:-100}" -gt 0 ] && timeout -s INT "${HSX_GPU_TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider $xdist tests/extractor tests/vllm_engine/test_rows.py 2>&1 | tee "$results/tests.log" || status=1
 
 timeout 200 python3 benchmarks/bench_extraction.py --out "$scratch/bench" --model-dir "$scratch/model" \
     --device cuda --sections extraction,early_exit,storage --repeats 2 --num-samples 128 --profile "$@" 2>&1 \

@@ -156,6 +156,18 @@ class HiddenStatesConnectorConfig:
         return cls(**kwargs)
 
 
+def write_retry(cfg: HiddenStatesConnectorConfig) -> dict:
+    """The storage retry settings of a connector config, as connectors.storage's writers take them."""
+    return {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s, "for_s": cfg.write_retry_s}
+
+
+def file_lock(fs, path: str, root: str | None, cfg: HiddenStatesConnectorConfig, *, enabled: bool = True):
+    """storage.pending_write for the file at `path` (a Destination.path: local path or URL), with the connector's
+    retries and lock-file policy: what its writer and the vLLM plug-in (which takes it early) both hold."""
+    return storage.pending_write(fs, storage.fs_path(fs, path), enabled=enabled, root=root, keep=cfg.keep_lock_file,
+                                 **write_retry(cfg))
+
+
 @dataclass
 class _Pending:
     info: RequestInfo
@@ -462,14 +474,10 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             pending.spool.close()
 
     def _write_file(self, dest: Destination, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> int:
-        local = storage.is_local(self._fs)
-        path = dest.path if local else self._fs._strip_protocol(dest.path)
         cfg = self.extra_config
-        retry = {"max_attempts": cfg.max_write_attempts, "backoff_s": cfg.write_retry_backoff_s,
-                 "for_s": cfg.write_retry_s}
-        with storage.pending_write(self._fs, path, enabled=cfg.use_synchronization_lock, root=dest.root,
-                                    keep=cfg.keep_lock_file, **retry):
-            return safetensors_file.write_atomic(self._fs, path, tensors, metadata, root=dest.root, **retry)
+        with file_lock(self._fs, dest.path, dest.root, cfg, enabled=cfg.use_synchronization_lock):
+            return safetensors_file.write_atomic(self._fs, storage.fs_path(self._fs, dest.path), tensors, metadata,
+                                                 root=dest.root, **write_retry(cfg))
 
     def _release(self, pending: _Pending, *, written: bool) -> None:
         with self._lock:

@@ -96,6 +96,11 @@ def open_url(url: str, storage_options: dict | None = None) -> tuple[fsspec.Abst
         raise ImportError(f"cannot open {url!r}: {e}. Fix: {hint}") from e
 
 
+def fs_path(fs: fsspec.AbstractFileSystem, url: str) -> str:
+    """`url` (a local path, or a URL on `fs`'s store) as `fs` names it."""
+    return url if is_local(fs) else fs._strip_protocol(url)
+
+
 def parse_storage_options(value: object, flag: str = "--storage-options",
                           example: str = '{"client_kwargs": {"endpoint_url": "http://..."}}') -> dict:
     """fsspec options (or any settings object) given as a dict or as JSON text (a flag, a job file); ValueError naming

@@ -207,7 +207,14 @@ def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
         given = f"--gpus-per-worker {gpus:g}" if gpus else f"--cpus-per-worker {per_worker:g}"
         raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = {ranks} vLLM ranks need {ranks} "
                          f"{'GPUs' if gpus else 'cores'} per worker, {given}; raise it or lower the parallel sizes")
+    if vllm is not None and gpus != int(gpus):
+        raise ValueError(f"--engine vllm with --gpus-per-worker {gpus:g}: each vLLM rank takes a whole GPU; give a "
+                         f"whole number ({ranks} for {ranks} rank{'s' if ranks > 1 else ''})")
     problems = []
+    largest_gpus = max((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    if gpus > 1 and gpus > largest_gpus:  # one worker's GPUs are reserved on one node (one engine's ranks stay there)
+        problems.append(f"a worker of --gpus-per-worker {gpus:g} fits no node (the largest has {largest_gpus:g} "
+                        "GPUs); lower --tensor-parallel-size / --gpus-per-worker or add larger nodes")
     if gpus * config.workers > available:
         problems.append(f"--workers {config.workers} x --gpus-per-worker {gpus:g} needs {gpus * config.workers:g} "
                         f"GPUs, the cluster has {available:g}")

@@ -55,11 +55,13 @@ from connectors.quant import BadStates, write_failure
 from connectors.safetensors_connector import (
     HiddenStatesConnectorConfig,
     SafetensorsHiddenStatesConnector,
+    file_lock,
     request_destination,
 )
-from connectors.storage import is_local, open_url, pending_write
+from connectors.storage import open_url
 from extractor.facts import text_config
 from vllm_engine import outcomes
+from vllm_engine.rows import HostCopy
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -153,6 +155,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._writes = False
         self._writer: SafetensorsHiddenStatesConnector | None = None
         self._locks: dict[str, contextlib.ExitStack] = {}  # request id -> its file's lock, held until durable
+        self._lock_errors: dict[str, BaseException] = {}  # request id -> why its lock could not be taken
+        self._host = HostCopy()
 
     # -- scheduler ----------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -266,14 +270,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             stack = contextlib.ExitStack()
             try:
-                stack.enter_context(pending_write(self._fs, path if is_local(self._fs) else
-                                                  self._fs._strip_protocol(path), root=root,
-                                                  keep=self.settings.keep_lock_file,
-                                                  max_attempts=self.settings.max_write_attempts,
-                                                  backoff_s=self.settings.write_retry_backoff_s,
-                                                  for_s=self.settings.write_retry_s))
-            except (OSError, ValueError) as e:  # the write will meet it again, and report it
-                logger.warning("cannot take the lock of %s: %s", path, e)
+                stack.enter_context(file_lock(self._fs, path, root, self.settings))
+            except (OSError, ValueError) as e:  # written without its lock, a reader could read it half: not at all
+                self._lock_errors[rid] = e
                 continue
             self._locks[rid] = stack
 
@@ -284,14 +283,8 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             stack.__exit__(None, None, None) if written else stack.__exit__(RuntimeError, failed, None)
 
     def _rows(self, save: _Save) -> torch.Tensor:
-        """[T, L, H] of one request, gathered from its blocks' slots, on the CPU."""
-        blocks = torch.tensor(save.block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None, :]).flatten()
-        slots = slots[:len(save.token_ids)].to(self._cache.device)
-        rows = self._cache[slots // self._block_size, :, slots % self._block_size]
-        if self._order != sorted(self._order):
-            rows = rows[:, self._order]
-        return rows.to("cpu")
+        """[T, L, H] of one request, gathered from its blocks' slots, on the CPU (vllm_engine.rows)."""
+        return self._host.rows(self._cache, save.block_ids, self._block_size, len(save.token_ids), self._order)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if not self.has_connector_metadata():
@@ -300,12 +293,14 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         saves = meta.saves if isinstance(meta, HsxConnectorMetadata) else []
         if self._writes and isinstance(meta, HsxConnectorMetadata):
             for rid in meta.releases:
+                self._lock_errors.pop(rid, None)
                 self._release(rid, written=False)
         if not saves or not self._writes:
             return None, None
         done = {save.request_id for save in saves}
         failed = {rid: self._failure(rid, e) for rid, e in
-                  ((save.request_id, self._hand_over(save)) for save in saves) if e is not None}
+                  ((save.request_id, self._lock_errors.pop(save.request_id, None) or self._hand_over(save))
+                   for save in saves) if e is not None}
         failed.update({rid: self._failure(rid, e)  # durable before the blocks are freed
                        for rid, e in self._writer.wait_for_save().items() if rid not in failed})
         for save in saves:

@@ -117,6 +117,10 @@ class VllmEngine:
         from vllm.config import KVTransferConfig
 
         settings = settings or VllmSettings()
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+            raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM's engine core inside this process, where it "
+                             "steps only while generate() runs: the plug-in's last files would never be written and "
+                             "reported. Unset it for --engine vllm")
         if config.speculative is not None:
             raise ValueError("VllmEngine extracts hidden states; decode speculatively with vllm.LLM itself")
         if config.target:

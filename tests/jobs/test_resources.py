@@ -99,3 +99,8 @@ def test_a_vllm_worker_reserves_a_device_per_rank_and_fewer_is_refused_naming_th
         resolve_resources(config(engine="vllm", tensor_parallel_size=2, cpus_per_worker=1), local=True)
     with pytest.raises(ValueError, match=r"= 4 vLLM ranks need 4 GPUs per worker, --gpus-per-worker 2"):
         resolve_resources(config(engine="vllm", tensor_parallel_size=4, gpus_per_worker=2), local=False)
+    with pytest.raises(ValueError, match=r"--gpus-per-worker 1.5: each vLLM rank takes a whole GPU"):
+        resolve_resources(config(engine="vllm", gpus_per_worker=1.5), local=False)
+    # more GPUs than any node has: a worker's reservation never spans nodes (refused on a local cluster)
+    with pytest.raises(ValueError, match=r"--gpus-per-worker 64 fits no node \(the largest has \d+ GPUs\)"):
+        resolve_resources(config(engine="vllm", tensor_parallel_size=64, gpus_per_worker=64), local=True)

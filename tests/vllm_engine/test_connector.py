@@ -138,6 +138,20 @@ def test_a_path_in_use_is_refused_before_vllm_hands_it_out_and_overwrite_replace
         list(again.prompt_token_ids)
 
 
+def test_a_file_whose_lock_cannot_be_taken_is_not_written_at_all(engine):
+    """The plug-in takes each file's lock when its request is scheduled. Where it cannot (here a folder stands where
+    the lock file goes), the file is not written: written without its lock, a reader could open it half-written."""
+    from vllm import SamplingParams
+
+    llm, _, out = engine
+    path = os.path.join(out, "unlockable.safetensors")
+    os.makedirs(path + ".lock")
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": path}})
+    llm.generate(["a b c"], params)
+    llm.generate(["d e"], SamplingParams(max_tokens=1))  # more steps: the first request's save has run by now
+    assert not os.path.exists(path)
+
+
 def test_an_s3_output_through_vllm_holds_the_same_states(model, s3_bucket):
     """shared_storage_path an S3 URL (a real S3-API server on loopback, behind a proxy that answers the first uploads
     of files and locks 503, so each file lands seconds after vLLM returned its path) with storage_options: hsx's loader, called

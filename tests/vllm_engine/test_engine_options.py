@@ -94,3 +94,16 @@ def test_eval_drafter_engine_is_checked_and_vllm_missing_says_how_to_install_it(
         pytest.skip("vLLM is installed here: the message is for machines without it")
     with pytest.raises(ValueError, match=r"--engine vllm: vLLM is not installed here: .*infra/vllm_cpu_venv.sh"):
         run_eval(EvalDrafterConfig(model=str(tmp_path), engine="vllm"))
+
+
+def test_an_in_process_engine_core_is_refused_before_vllm_starts(monkeypatch, tiny_llama):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 puts vLLM's engine core in this process, where it steps only inside
+    generate(): the last files would never be written and reported (VllmEngine waited 600 s, then failed them)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from extractor.config import EngineConfig
+    from vllm_engine.engine import VllmEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM's engine core inside this process"):
+        VllmEngine(EngineConfig(model=tiny_llama), HiddenStatesConnectorConfig(shared_storage_path="/tmp/x"))
