@@ -15,6 +15,8 @@ random weights so that a wrong norm shows. Columns (each an independent oracle: 
     ngram       speculative decoding with ngram drafts (k = 3) equals `generate`; some drafts were rejected
     eagle3      speculative decoding with an EAGLE-3 head (k = 3, trained 30 steps on the target's own greedy run)
                 equals `generate`; some drafts were rejected
+    verify      the states hsx's engine extracts, stored as a run by hsx's connector, pass `hsx verify --all
+                --recompute 3` (headers, checksums, and a transformers forward of each sample)
 A family a column cannot run on gets the one-line reason hsx gives ("refused: ...") — never a wrong result.
 tests/extractor/test_family_matrix.py runs the same checks in the suite; docs/families.md is this script's output.
 """
@@ -33,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jobs.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
-COLUMNS = ("states", "final_norm", "top_k", "generation", "ngram", "eagle3")
-SLOW_COLUMNS = ("eagle3",)
+COLUMNS = ("states", "final_norm", "top_k", "generation", "ngram", "eagle3", "verify")
+SLOW_COLUMNS = ("eagle3", "verify")
 NEW_TOKENS = 32
 CHUNK = 8
 K = 3
@@ -239,8 +241,36 @@ def check_eagle3(model_dir: str, model, tmp: str, steps: int = 30) -> str:
     return _speculative(model_dir, model, {"method": "eagle3", "model": head, "num_speculative_tokens": K})
 
 
+def check_verify(model_dir: str, model, tmp: str) -> str:
+    from cli.main import main
+    from connectors import HiddenStatesSpec, KVTransferConfig, example_hidden_states_connector
+    from extractor import SamplingParams
+    from tests.training.runs import Sample, write_run
+
+    text = model.config.get_text_config()
+    n = int(text.num_hidden_layers)
+    layers = (1, n)
+    llm = _llm(model=model_dir, speculative_config={
+        "method": "extract_hidden_states", "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}},
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
+                                            kv_connector_extra_config={"shared_storage_path": os.path.join(tmp, "x")}))
+    rows = prompts(text.vocab_size)
+    samples = []
+    for i, out in enumerate(llm.generate([{"prompt_token_ids": r} for r in rows], SamplingParams(max_tokens=1))):
+        got = example_hidden_states_connector.load_hidden_states(out.kv_transfer_params["hidden_states_path"])
+        samples.append(Sample(f"s{i}", got["token_ids"], got["hidden_states"],
+                              torch.ones(len(got["token_ids"]), dtype=torch.uint8)))
+    run = os.path.join(tmp, "run")
+    write_run(run, samples, HiddenStatesSpec(layer_ids=layers, num_hidden_layers=n, hidden_size=int(text.hidden_size),
+                                             dtype="float32", model=model_dir))
+    code = main(["verify", run, "--all", "--recompute", str(len(samples))])
+    assert code == 0, f"hsx verify exited {code}"
+    return "passes"
+
+
 CHECKS = {"states": check_states, "final_norm": check_final_norm, "top_k": check_top_k,
-          "generation": check_generation, "ngram": check_ngram, "eagle3": check_eagle3}
+          "generation": check_generation, "ngram": check_ngram, "eagle3": check_eagle3, "verify": check_verify}
 
 
 def run_cell(family: str, column: str, model_dir: str, model) -> str:
