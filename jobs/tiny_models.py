@@ -131,7 +131,8 @@ def build_tiny_model(family: str, out_dir: str, *, seed: int = 0, dtype: str = "
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer(out_dir)
-    config = _config(family, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, **overrides)
+    vocab = overrides.pop("vocab_size", len(tokenizer))  # larger than the tokenizer's: ids it never produces
+    config = _config(family, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
