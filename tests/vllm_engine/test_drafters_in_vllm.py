@@ -9,9 +9,14 @@ vLLM"), recorded as junit properties (`--junitxml`)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: these tests run in the venv docs/engines.md builds")
 
@@ -302,25 +307,35 @@ def test_vllm_cpu_rms_norm_applies_row_zero_of_a_per_layer_weight():
     torch.testing.assert_close(_per_layer_context_k_norm(model, keys), normed * weights[:, None, None, :])
 
 
-def test_vllm_dflash_with_per_layer_context_k_norm_accepts_as_hsx_does(target, oracle, greedy_run, tmp_path,
-                                                                       record_property, monkeypatch):
-    """The DFlash gap is vLLM's context k_norm and nothing else: with _normalize_context_k per layer (patched in an
-    in-process engine: the engine core is spawned, a patch would not reach it), vLLM's acceptance counted as hsx counts
-    equals hsx's engine's on the same head, count for count, and both decode losslessly."""
-    import vllm.envs
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+def _patched_dflash_decode(model: str, speculative_config: dict) -> list:
+    """_vllm_decode with DFlashQwen3Model._normalize_context_k per layer, in a python process of its own: the patch
+    needs vLLM's engine core in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), and an in-process engine must not
+    meet what earlier tests loaded (vLLM's CPU kernel rebinding trips over flask's proxies, which moto loads) nor pin
+    the test process's threads."""
+    code = ("import json, sys\n"
+            "from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model\n"
+            "from tests.vllm_engine import test_drafters_in_vllm as t\n"
+            "DFlashQwen3Model._normalize_context_k = t._per_layer_context_k_norm\n"
+            "print('RESULT ' + json.dumps(t._vllm_decode(sys.argv[1], json.loads(sys.argv[2]))))\n")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code, model, json.dumps(speculative_config)], capture_output=True,
+                          text=True, env=env, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
+
+def test_vllm_dflash_with_per_layer_context_k_norm_accepts_as_hsx_does(target, oracle, greedy_run, tmp_path,
+                                                                       record_property):
+    """The DFlash gap is vLLM's context k_norm and nothing else: with _normalize_context_k per layer (patched in an
+    in-process engine of a python process of its own), vLLM's acceptance counted as hsx counts equals hsx's engine's
+    on the same head, count for count, and both decode losslessly."""
     options, steps, vllm_method = FAMILIES["dflash"]
     head = _trained_head("dflash", target, greedy_run, str(tmp_path / "head"), steps, **options)
-    monkeypatch.setattr(DFlashQwen3Model, "_normalize_context_k", _per_layer_context_k_norm)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm.envs.disable_envs_cache()  # an in-process engine caches vLLM's env: later engines must read theirs again
-    try:
-        prompt_ids, vllm_out, vllm_acc, vllm_as_hsx = _vllm_decode(
-            target, {**vllm_method, "model": head, "num_speculative_tokens": K})
-    finally:
-        vllm.envs.disable_envs_cache()
+    prompt_ids, vllm_out, vllm_acc, vllm_as_hsx = _patched_dflash_decode(
+        target, {**vllm_method, "model": head, "num_speculative_tokens": K})
     hsx_out, hsx_acc = _hsx_decode(target, {"method": "dflash", "model": head, "num_speculative_tokens": K})
+    hsx_acc = json.loads(json.dumps(hsx_acc))  # as the other process's figures came: through JSON
     record_property("vllm", vllm_acc)
     record_property("vllm_counted_as_hsx", vllm_as_hsx)
     record_property("hsx", hsx_acc)
