@@ -151,12 +151,12 @@ def main(argv=None) -> int:
         print(json.dumps(r), file=sys.stderr)
     table = markdown(rows, args)
     if args.out:
+        from benchmarks.common import write_results
+
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "training_cost.json"), "w") as f:
-            json.dump(rows, f, indent=2)
-        with open(os.path.join(args.out, "training_cost.md"), "w") as f:
-            f.write(table)
-    print(table)
+        write_results(args.out, "training_cost", {"rows": rows}, table)
+    else:
+        print(table)
     return 0
 
 

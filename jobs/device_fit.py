@@ -5,12 +5,14 @@
     parse_size("80GiB") -> bytes
 
 Weights: the model transformers builds from the config on the meta device (no memory), its parameters counted at the
-run's dtype (a quantized checkpoint's dequantized size; its own format is smaller). Key/value cache: per token, each
-attention layer's keys and values (MLA: the latent vLLM caches; windowed layers at most their window; linear-attention
-layers a fixed state per sequence), for max_num_seqs sequences of max_model_len tokens. Activations: one forward of
+run's dtype (a quantized checkpoint's dequantized size; its own format is smaller; a multimodal target's text model
+only). Key/value cache: per token, each attention layer's keys and values (MLA: the latent vLLM caches; windowed and
+chunked layers at most their window or chunk; linear-attention and convolution layers hold a state per sequence
+instead, not counted), for what an engine needs to run at all: one sequence of max_model_len tokens, or one forward's
+max_num_batched_tokens if more (vLLM fills the rest of the device with cache blocks). Activations: one forward of
 max_num_batched_tokens tokens (a layer's working set, the captured layers until they are copied out, and the
-generating rows' float32 logits). A rank of a tensor-parallel engine of size T holds 1/T of the weights and the cache
-and, conservatively, all of the activations. The smallest T that fits `utilization` of the device (T divides the
+generating rows' float32 logits). A rank of a tensor-parallel engine of size T holds 1/T of the weights, its share of
+the key/value heads (at least one head; MLA's latent whole on every rank) and, conservatively, all the activations. The smallest T that fits `utilization` of the device (T divides the
 attention heads, at most 8 on one node) names the engine: T = 1 runs in hsx's engine or vLLM, T > 1 only in vLLM.
 """
 
@@ -42,7 +44,7 @@ class DeviceFit:
     weight_bytes: int
     kv_bytes_per_token: int
     kv_cache_bytes: int
-    """For max_num_seqs sequences of max_model_len tokens."""
+    """For one sequence of max_model_len tokens (or one forward's tokens, if more)."""
     activation_bytes: int
     dtype: str
     device_memory: int | None = None
@@ -64,8 +66,8 @@ class DeviceFit:
     def lines(self) -> list[str]:
         out = [f"weights:  {human_bytes(self.weight_bytes)} ({self.parameters / 1e9:.3g}B parameters in {self.dtype}"
                + ("; the checkpoint is quantized: dequantized size" if self.quantized else "") + ")",
-               f"kv cache: {human_bytes(self.kv_bytes_per_token)}/token, {human_bytes(self.kv_cache_bytes)} for "
-               "--max-num-seqs x --max-model-len",
+               f"kv cache: {human_bytes(self.kv_bytes_per_token)}/token, {human_bytes(self.kv_cache_bytes)} for one "
+               "--max-model-len sequence (more sequences take what the device has left)",
                f"activ.:   {human_bytes(self.activation_bytes)} per forward of --max-num-batched-tokens"]
         if self.device_memory is not None:
             budget = int(self.device_memory * self.utilization)
@@ -79,8 +81,15 @@ class DeviceFit:
         return out
 
 
+_NO_KV = frozenset({"linear_attention", "conv", "mamba"})
+"""transformers' layer_types that keep no per-token keys and values (a state per sequence instead)."""
+_WINDOWED = frozenset({"sliding_attention", "chunked_attention", "hybrid_sliding"})
+
+
 def device_fit(hf_config, *, dtype: str, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-               captured_layers: int, device_memory: int | None = None, utilization: float = 0.9) -> DeviceFit:
+               captured_layers: int, device_memory: int | None = None, utilization: float = 0.9,
+               trust_remote_code: bool = False) -> DeviceFit:
+    """ValueError (one line) for a config transformers cannot build a causal LM of."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -88,27 +97,31 @@ def device_fit(hf_config, *, dtype: str, max_model_len: int, max_num_batched_tok
 
     text = text_config(hf_config)
     size = getattr(torch, dtype).itemsize
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(text)
-    parameters = sum(p.numel() for p in skeleton.parameters())
-    del skeleton
-    hidden = int(text.hidden_size)
-    layers = int(text.num_hidden_layers)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(text, trust_remote_code=trust_remote_code)
+        parameters = sum(p.numel() for p in skeleton.parameters())
+        del skeleton
+        hidden, layers, vocab = int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--device-memory: transformers cannot build this model's text decoder from its config "
+                         f"({type(e).__name__}: {e}); size it by hand") from None
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or (hidden // heads if heads else 0))
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
-    if getattr(text, "kv_lora_rank", None):  # MLA: vLLM caches the latent and the rotary part, once per layer
+    mla = bool(getattr(text, "kv_lora_rank", None))
+    if mla:  # vLLM caches the latent and the rotary part, once per layer, whole on every rank
         per_layer = int(text.kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
     else:
         per_layer = 2 * kv_heads * head_dim
-    window = getattr(text, "sliding_window", None) or max_model_len
-    full = sum(1 for k in kinds if k in ("full_attention", "attention", "hybrid"))
-    windowed = sum(1 for k in kinds if k in ("sliding_attention", "chunked_attention"))
-    kv_per_token = (full + windowed) * per_layer * size
-    kv_cache = max_num_seqs * (full * max_model_len + windowed * min(int(window), max_model_len)) * per_layer * size
+    tokens = max(max_model_len, max_num_batched_tokens)
+    span = {"sliding_attention": getattr(text, "sliding_window", None), "hybrid_sliding":
+            getattr(text, "sliding_window", None), "chunked_attention": getattr(text, "attention_chunk_size", None)}
+    attention = [k for k in kinds if k not in _NO_KV]
+    kv_per_token = len(attention) * per_layer * size
+    kv_cache = sum(min(int(span.get(k) or tokens), tokens) for k in attention) * per_layer * size
     intermediate = int(getattr(text, "intermediate_size", 4 * hidden) or 4 * hidden)
-    vocab = int(text.vocab_size)
     activations = max_num_batched_tokens * (4 * hidden + 3 * intermediate + captured_layers * hidden) * size \
         + max_num_seqs * vocab * 4
     fit = DeviceFit(parameters=parameters, weight_bytes=parameters * size, kv_bytes_per_token=kv_per_token,
@@ -118,6 +131,7 @@ def device_fit(hf_config, *, dtype: str, max_model_len: int, max_num_batched_tok
         budget = device_memory * utilization
         for t in (1, 2, 4, 8):
             if t <= MAX_TP and (not heads or heads % t == 0):
-                fit.per_rank_bytes[t] = (fit.weight_bytes + kv_cache) // t + activations
+                kv_share = 1.0 if mla or not kv_heads else -(-kv_heads // t) / kv_heads  # >= one head a rank
+                fit.per_rank_bytes[t] = fit.weight_bytes // t + int(kv_cache * kv_share) + activations
         fit.tensor_parallel_size = next((t for t, b in fit.per_rank_bytes.items() if b <= budget), None)
     return fit

@@ -95,12 +95,12 @@ def _device_fit(config: JobConfig, facts: ModelFacts) -> DeviceFit:
 
     hf = AutoConfig.from_pretrained(facts.model, revision=config.revision, trust_remote_code=config.trust_remote_code)
     engine = EngineConfig(model=facts.model)  # the engine's defaults where the job leaves them unset
-    memory = getattr(config, "device_memory", None)  # EstimateConfig's; a plain JobConfig sizes only
-    return device_fit(hf, dtype=facts.dtype, max_model_len=facts.max_model_len,
+    memory = config.device_memory
+    return device_fit(hf, dtype=facts.dtype, max_model_len=facts.max_model_len, trust_remote_code=config.trust_remote_code,
                       max_num_batched_tokens=config.max_num_batched_tokens or engine.max_num_batched_tokens,
                       max_num_seqs=engine.max_num_seqs if config.max_tokens else 1,
                       captured_layers=len(facts.capture_layer_ids),
-                      device_memory=None if memory is None else parse_size(memory),
+                      device_memory=parse_size(memory),
                       utilization=getattr(config, "gpu_memory_utilization", 0.9))
 
 
@@ -124,7 +124,7 @@ def estimate(config: JobConfig, limit: int | None = None) -> Estimate:
     est = Estimate(layer_ids=list(facts.layer_ids), hidden_size=facts.hidden_size, dtype=spec.storage_dtype or facts.dtype,
                    target=spec.target,
                    assumed_generated_tokens=config.max_tokens if config.include_output_tokens else 0,
-                   device=_device_fit(config, facts))
+                   device=_device_fit(config, facts) if getattr(config, "device_memory", None) else None)
     kinds: Counter[str] = Counter()
     seen: set[str] = set()
     read = 0

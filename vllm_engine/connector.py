@@ -274,6 +274,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             except (OSError, ValueError) as e:  # written without its lock, a reader could read it half: not at all
                 self._lock_errors[rid] = e
                 continue
+            self._lock_errors.pop(rid, None)
             self._locks[rid] = stack
 
     def _unlock(self, request_id: str, written: bool) -> None:

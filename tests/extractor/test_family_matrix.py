@@ -24,6 +24,10 @@ def _documented_transformers() -> str:
         return re.search(r"\(transformers ([0-9.]+)", f.read().split(BEGIN, 1)[1]).group(1)
 
 
+def _same_minor(a: str, b: str) -> bool:
+    return a.split(".")[:2] == b.split(".")[:2]
+
+
 def _documented() -> dict[str, dict[str, str]]:
     with open(DOCS) as f:
         table = f.read().split(BEGIN, 1)[1].split(END, 1)[0]
@@ -42,6 +46,8 @@ def models(tmp_path_factory):
             try:
                 model_dir = build(family, str(tmp_path_factory.mktemp(family)))
             except AttributeError as e:  # an older transformers without the family's config class
+                if _same_minor(transformers.__version__, _documented_transformers()):
+                    raise
                 pytest.skip(f"transformers {transformers.__version__} cannot build {family}: {e}")
             built[family] = model_dir, reference(model_dir)
         return built[family]
@@ -57,7 +63,7 @@ def test_family_column_matches_transformers_or_is_refused_as_documented(models, 
     result = run_cell(family, column, model_dir, model)  # AssertionError: hsx differs from transformers
     documented = _documented()[family][column]
     if result.startswith("refused") and not documented.startswith("refused") \
-            and transformers.__version__ != _documented_transformers():
+            and not _same_minor(transformers.__version__, _documented_transformers()):
         # another transformers than the table's may lack what a column needs: refused in one line, never wrong
         pytest.skip(f"on transformers {transformers.__version__} (the table is {_documented_transformers()}'s): "
                     f"{result}")

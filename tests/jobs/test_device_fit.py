@@ -70,3 +70,22 @@ def test_hsx_estimate_prints_the_fit_and_refuses_a_bad_size(tiny_llama, tmp_path
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--model", tiny_llama, "--corpus", str(corpus), "--device-memory", "lots"])
     assert e.value.code == 2 and "--device-memory 'lots'" in capsys.readouterr().err
+
+
+def test_mla_keeps_its_whole_latent_on_every_rank_and_heads_are_never_split_below_one(tiny_model_factory):
+    """vLLM keeps DeepSeek's MLA latent whole on every tensor-parallel rank, and a rank holds at least one key/value
+    head: the cache does not shrink 1/T past that (an estimate that assumed so would suggest a T that cannot load)."""
+    mla = _fit(tiny_model_factory("deepseek_v3"), device_memory=1 << 40)
+    assert mla.per_rank_bytes[2] - mla.weight_bytes // 2 == mla.per_rank_bytes[1] - mla.weight_bytes
+    gqa = _fit(tiny_model_factory("llama"), device_memory=1 << 40)  # 2 key/value heads
+    kv = gqa.kv_cache_bytes
+    assert gqa.per_rank_bytes[4] - gqa.weight_bytes // 4 - gqa.activation_bytes == kv // 2  # one head of two
+
+
+def test_estimate_without_device_memory_builds_no_model(tiny_llama, tmp_path, capsys):
+    from cli.main import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "one two"}) + "\n")
+    assert main(["estimate", "--model", tiny_llama, "--corpus", str(corpus)]) == 0
+    assert "weights:" not in capsys.readouterr().out
