@@ -11,7 +11,8 @@ the process's RSS after the target's head and the drafter are built), torch.cuda
 process that needs more than --memory-cap-gb (CPU: its address space is capped) is reported as "over the cap", the
 others go on.
 
-Shapes: tiny = the suite's 4-layer, 64-wide Llama (vocabulary 512); mid = 4 layers, 1024 wide, vocabulary 32,000
+Shapes: tiny = the suite's 4-layer, 64-wide Llama (vocabulary 512); small = 8 layers, 512 wide, vocabulary 4,096 (the
+shape the issue measured); mid = 4 layers, 1024 wide, vocabulary 32,000
 (the issue's H 1024 / vocab 32k); 8b = Llama-3-8B's width and vocabulary (GPU only: benchmarks/gpu_check.sh).
 """
 
@@ -30,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # the issue's measured case: a 512-wide, 8-layer tiny Llama, vocabulary 4,096 (EAGLE-3 11.3 GB at 8k tokens)
+    "small": dict(hidden_size=512, intermediate_size=1792, num_attention_heads=8, num_key_value_heads=2,
+                  vocab_size=4096, num_hidden_layers=8),
     "mid": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
                 vocab_size=32000),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -56,18 +60,20 @@ def child(args) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model("llama", os.path.join(tmp, "target"), num_hidden_layers=4,
-                                     **SHAPES[args.shape])
-        layers = (1, 2, 3, 4)
-        h = SHAPES[args.shape]["hidden_size"]
-        spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=4, hidden_size=h, dtype="float32",
-                                model=model_dir)
-        docs = -(-args.batch_tokens // DOC_TOKENS)
-        write_run(os.path.join(tmp, "run"), random_samples(docs, spec, min_len=DOC_TOKENS, max_len=DOC_TOKENS), spec)
+        shape = {"num_hidden_layers": 4, **SHAPES[args.shape]}
+        model_dir = build_tiny_model("llama", os.path.join(tmp, "target"), **shape)
+        n = shape["num_hidden_layers"]
+        layers = (1, 2, 3, n)
+        spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=n, hidden_size=shape["hidden_size"],
+                                dtype="float32", model=model_dir)
+        docs = -(-args.batch_tokens // args.doc_tokens)
+        write_run(os.path.join(tmp, "run"), random_samples(docs, spec, min_len=args.doc_tokens,
+                                                           max_len=args.doc_tokens), spec)
         ds = HiddenStatesDataset(os.path.join(tmp, "run"))
         target = TargetHead.from_model_dir(model_dir)
         torch.manual_seed(0)
-        drafter = drafter_class(args.family).for_run(ds.run_info, target, 3, **OPTIONS.get(args.family, {}))
+        options = OPTIONS.get(args.family, {}) if args.options is None else json.loads(args.options)
+        drafter = drafter_class(args.family).for_run(ds.run_info, target, 3, **options)
         drafter.prepare(ds)
         drafter = drafter.to(device=device, dtype=dtype)
         target = target.to(device, dtype)
@@ -99,7 +105,7 @@ def child(args) -> dict:
 def measure(family: str, shape: str, batch_tokens: int, args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--family", family, "--shape", shape, "--batch-tokens",
            str(batch_tokens), "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype,
-           "--memory-cap-gb", str(args.memory_cap_gb)]
+           "--memory-cap-gb", str(args.memory_cap_gb), "--doc-tokens", str(args.doc_tokens)] + ([] if args.options is None else ["--options", args.options])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         over = "MemoryError" in done.stderr or "DefaultCPUAllocator" in done.stderr or done.returncode == -9
@@ -131,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--memory-cap-gb", type=float, default=16.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS, help="tokens per document packed into the row")
+    ap.add_argument("--options", default=None, help="the families' options as JSON (default: OPTIONS; {} = the "
+                                                     "families' own defaults, as hsx train-drafter uses them)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--family", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
