@@ -49,30 +49,14 @@ from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
 from extractor.facts import text_config
-from extractor.norm import FinalNorm
-
-
-def _weight_map(model_dir: str) -> dict[str, str]:
-    """Tensor name -> safetensors file of a local checkpoint (single file or index + shards)."""
-    from safetensors import safe_open
-
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            return json.load(f)["weight_map"]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), "model.safetensors")
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; drafters read "
-                            "the target's weights from a local safetensors checkpoint (hsx never downloads models)")
+from extractor.norm import FinalNorm, checkpoint_weight_map
 
 
 def read_target_tensor(model_dir: str, names: tuple[str, ...]) -> torch.Tensor:
     """The first of `names` present in the target checkpoint at `model_dir` (e.g. lm_head or embedding weights)."""
     from safetensors import safe_open
 
-    weight_map = _weight_map(model_dir)
+    weight_map = checkpoint_weight_map(model_dir, "drafters read the target's weights")
     key = next((k for k in names if k in weight_map), None)
     if key is None:
         raise ValueError(f"the target checkpoint {model_dir!r} holds none of {list(names)}")

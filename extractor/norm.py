@@ -112,7 +112,7 @@ class FinalNorm:
         name = final_norm_name(skeleton)
         module = copy.deepcopy(skeleton.get_submodule(name))
         del skeleton
-        weight_map = _weight_map(model_dir)
+        weight_map = checkpoint_weight_map(model_dir, "the final norm is read")
         tensors = {}
         for param, _ in module.named_parameters():
             key = _checkpoint_key(f"{name}.{param}", weight_map, model_dir)
@@ -130,8 +130,9 @@ class FinalNorm:
         return cls(model_type, module.eval().requires_grad_(False))
 
 
-def _weight_map(model_dir: str) -> dict[str, str]:
-    """Checkpoint key -> safetensors file name, for a single file or an index + shards."""
+def checkpoint_weight_map(model_dir: str, reader: str) -> dict[str, str]:
+    """Checkpoint key -> safetensors file name of a local checkpoint, a single file or an index + shards;
+    FileNotFoundError saying what `reader` ("the final norm is read", ...) needs."""
     from safetensors import safe_open
 
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
@@ -141,8 +142,8 @@ def _weight_map(model_dir: str) -> dict[str, str]:
     if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
             return dict.fromkeys(f.keys(), "model.safetensors")
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; the final norm "
-                            "is read from safetensors checkpoints only")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; {reader} from a "
+                            "local safetensors checkpoint (hsx never downloads models)")
 
 
 def _checkpoint_key(name: str, weight_map: dict[str, str], model_dir: str) -> str:

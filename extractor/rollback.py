@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from extractor.facts import text_config
+
 FULL, SLIDING, LINEAR = "DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer"
 
 
@@ -133,10 +135,8 @@ class RollbackPlan:
 def rollback_plan(model, max_model_len: int) -> RollbackPlan:
     """The plan for a loaded transformers model decoding up to `max_model_len` tokens; ValueError (one line) for a
     cache hsx cannot roll back."""
-    from transformers import DynamicCache
-
     config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     layer_types = list(getattr(text, "layer_types", None) or [])
     chunk = getattr(text, "attention_chunk_size", None)
     if "chunked_attention" in layer_types and chunk and chunk < max_model_len:
@@ -145,7 +145,7 @@ def rollback_plan(model, max_model_len: int) -> RollbackPlan:
             f"back by hsx; use max_model_len <= {chunk}"))
     # a window (or chunk) longer than any request still needs the compaction: its mask counts cache columns, and the
     # holes rejected drafts leave would push real tokens out of it
-    kinds = tuple(type(layer).__name__ for layer in DynamicCache(config=config).layers)
+    kinds = cache_kinds(config)
     plan = RollbackPlan(config, kinds)
     other = sorted({kind for kind in kinds if kind not in (FULL, SLIDING, LINEAR)})
     if other:
@@ -160,12 +160,16 @@ def rollback_plan(model, max_model_len: int) -> RollbackPlan:
 def refuse_state_space_only(model) -> None:
     """ValueError (one line) for a model without attention layers (Mamba): hsx's engine feeds chunked prefill and
     padded batches through an attention mask over the whole cache, which such models read per chunk."""
-    from transformers import DynamicCache
-
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-    if kinds == {LINEAR}:
+    if set(cache_kinds(model.config)) == {LINEAR}:
         raise ValueError(f"{getattr(model.config, 'model_type', type(model).__name__)} has no attention layers (a pure "
                          "state-space model): hsx's engine runs attention and hybrid decoders only; use --engine vllm")
+
+
+def cache_kinds(config) -> tuple[str, ...]:
+    """The cache layer class of each decoder layer, as transformers builds the cache for `config`."""
+    from transformers import DynamicCache
+
+    return tuple(type(layer).__name__ for layer in DynamicCache(config=config).layers)
 
 
 def _linear_layers(cache) -> list:

@@ -83,7 +83,6 @@ class DeviceFit:
 
 _NO_KV = frozenset({"linear_attention", "conv", "mamba"})
 """transformers' layer_types that keep no per-token keys and values (a state per sequence instead)."""
-_WINDOWED = frozenset({"sliding_attention", "chunked_attention", "hybrid_sliding"})
 
 
 def device_fit(hf_config, *, dtype: str, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
