@@ -32,9 +32,11 @@ training never loads decoding code.
     mlp_speculator_proposer.py   MLPSpeculatorProposer
 
     what families share (public, each named by its concept):
-    llama_layers.py    llama_layer_config, with_sdpa: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)
-    ttt.py             shift_left, ttt_mask, one_document_per_row: the test-time-training unroll (EAGLE-3, EAGLE,
-                       P-EAGLE)
+    llama_layers.py    llama_layer_config, with_draft_attention: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)
+    attention.py       Layout, ranged_attention, TTTAttention: attention within each packed document with no [T, T]
+                       term (the TTT families' unroll, DFlash's blocks)
+    ttt.py             shift_left, needed_chains, unroll_chains: the test-time-training unroll (EAGLE-3, EAGLE,
+                       P-EAGLE), each step over the chains it trains
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
     last_state.py      predicted_mask, TeacherLogits, head_loss, ...: heads on the last post-norm state (Medusa,
                        MLPSpeculator)

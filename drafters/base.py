@@ -48,6 +48,7 @@ from connectors import storage
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
+from drafters.memory import MemoryOptions, recompute_in_backward
 from extractor.facts import text_config
 from extractor.norm import FinalNorm, checkpoint_weight_map
 
@@ -257,6 +258,21 @@ class Drafter(nn.Module, ABC):
     @abstractmethod
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         """Loss over loss-masked positions of `batch`, and per-draft-position agreement with the target."""
+
+    memory: MemoryOptions = MemoryOptions()
+    """How training_step trades compute for memory (drafters/memory.py); the trainer sets it by use_memory."""
+
+    def use_memory(self, options: MemoryOptions) -> None:
+        """Train with `options` (--gradient-checkpointing, --ce-chunk-tokens, --autocast): what is learned is the
+        same, the memory less."""
+        self.memory = options
+        if options.gradient_checkpointing:
+            for module in self.recomputable():
+                recompute_in_backward(module)
+
+    def recomputable(self) -> list[nn.Module]:
+        """The modules --gradient-checkpointing recomputes in the backward (no side effects; default none)."""
+        return []
 
     def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
         """config.json + model.safetensors in the layout serving engines load (verifier = the target's path):

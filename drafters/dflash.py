@@ -37,6 +37,7 @@ dflash_config.causal = not sliding_window_non_causal for every layer, so false w
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.attention import Layout, ranged_attention
 from drafters.base import (
     WEIGHTS_NAME,
     Drafter,
@@ -61,6 +63,7 @@ from drafters.base import (
 )
 from drafters.features import Features, aux_layers_for_run
 from drafters.llama_layers import llama_layer_config
+from drafters.memory import cross_entropy
 from drafters.registry import Family
 
 SPECULATORS_MODEL_TYPE = "dflash"
@@ -132,15 +135,18 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(r, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return _rotate(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv, mask: torch.Tensor
-                ) -> torch.Tensor:
-        """x [R, Q, H] the (normed) block slots at rope's positions; context_kv (k, v) [R, kv_heads, C, d];
-        mask [R, 1, Q, C + Q] bool -> [R, Q, H]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context_kv, mask) -> torch.Tensor:
+        """x [R, Q, H] the (normed) block slots at rope's positions; context_kv (k, v) [R, kv_heads, C, d]; mask: a
+        BlockLayout (training: blocks over packed rows, ranged attention) or a bool [R, 1, Q, C + Q] (decoding) ->
+        [R, Q, H]."""
         r, q_len, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(r, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = _rotate(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
+        if isinstance(mask, BlockLayout):
+            out = mask.attend(q, k_blk, v_blk, context_kv)
+            return self.o_proj(out.reshape(r, q_len, -1))
         k = torch.cat([context_kv[0], k_blk], dim=2)
         v = torch.cat([context_kv[1], v_blk], dim=2)
         if self.kv_heads != self.heads:
@@ -148,6 +154,40 @@ class DFlashAttention(nn.Module):
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(r, q_len, -1))
+
+
+@dataclass
+class BlockLayout:
+    """The training forward's attention: blocks of `block` slots anchored in packed rows, each slot seeing the
+    context of its anchor's document before the anchor (drafters.attention's ranged attention, no dense mask) and
+    its own block both ways (the block's keys as each slot's extra keys)."""
+
+    layout: Layout
+    rows: int
+    anchors: int
+    block: int
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> BlockLayout:
+        """anchors [R, n] row positions of the blocks."""
+        return cls(Layout.before_positions(document_ids, anchors, block, extra=block), anchors.shape[0],
+                   anchors.shape[1], block)
+
+    def attend(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, context_kv) -> torch.Tensor:
+        """q [R, H, Q, d], the blocks' k/v [R, Hkv, Q, d], the context's (k, v) [R, Hkv, C, d] -> [R, Q, H, d]."""
+        r, heads, q_len, d = q.shape
+        kv_heads = k_blk.shape[1]
+        scale = d ** -0.5
+        shape = (r, self.anchors, self.block, kv_heads)
+        qg = q.transpose(1, 2).reshape(*shape, heads // kv_heads, d)  # [R, n, B, Hkv, g, d]
+        kb = k_blk.transpose(1, 2).reshape(*shape, d)  # [R, n, B, Hkv, d]
+        vb = v_blk.transpose(1, 2).reshape(*shape, -1)
+        scores = torch.einsum("rnqhgd,rnkhd->rnqhgk", qg, kb) * scale  # each slot over its block's keys
+        flat = (r * q_len, heads)
+        main, weights = ranged_attention(q.transpose(1, 2).reshape(*flat, d), context_kv[0], context_kv[1],
+                                         self.layout, scale, scores.reshape(*flat, self.block))
+        own = torch.einsum("rnqhgk,rnkhd->rnqhgd", weights.view(*shape, heads // kv_heads, self.block), vb)
+        return (main + own.reshape(*flat, -1)).view(r, q_len, heads, -1)
 
 
 class DFlashLayer(nn.Module):
@@ -244,8 +284,9 @@ class DFlashDrafter(Drafter):
         cos, sin = self.rotary_emb(context, positions)
         return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
 
-    def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask: torch.Tensor) -> torch.Tensor:
-        """tokens / positions [R, Q] the block slots, kv from context_kv, mask [R, 1, Q, C + Q] -> [R, Q, H]."""
+    def blocks(self, tokens: torch.Tensor, positions: torch.Tensor, kv, mask) -> torch.Tensor:
+        """tokens / positions [R, Q] the block slots, kv from context_kv, mask a BlockLayout or [R, 1, Q, C + Q]
+        bool -> [R, Q, H]."""
         x = self.embed_tokens(tokens).to(self.fc.weight.dtype)
         rope = self.rotary_emb(x, positions)
         for layer, layer_kv in zip(self.layers, kv):
@@ -268,35 +309,38 @@ class DFlashDrafter(Drafter):
         score = torch.rand((r, s), device=dev).masked_fill(~ok, 2.0)
         anchors = score.topk(n, dim=-1, largest=False).indices.sort(-1).values  # [R, n]
         out, slots, trained = self.anchored_blocks(batch, anchors, ok)
-        with torch.no_grad():  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
-            rows, blk, slot = trained.nonzero(as_tuple=True)
-            at = slots[rows, blk, slot] - 1
-            if batch.target_topk is not None:
-                ids, logprobs = (t[rows, at] for t in batch.target_topk)
-                greedy = ids[:, 0]
-                index = torch.arange(self.layer_config.vocab_size, device=dev)
-                teacher = topk_distribution(ids, logprobs, index, self.layer_config.vocab_size)
-            else:
-                n_layer = max(batch.layer_ids)
-                t_logits = target.logits(batch.layer(n_layer)[rows, at]).float()
-                greedy = t_logits.argmax(-1)
-                teacher = F.softmax(t_logits, -1)
+        rows, blk, slot = trained.nonzero(as_tuple=True)
+        at = slots[rows, blk, slot] - 1  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
         steps = b_size - 1
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
         if not rows.numel():
             return StepResult(out.sum() * 0.0, correct, counted)
-        logits = self.logits(out[rows, blk, slot]).float()  # [M, V]
-        weight = torch.exp(-(slot.float() - 1) / gamma)
-        per = F.cross_entropy(logits, teacher, reduction="none")
-        loss = (per * weight).sum() / weight.sum()
+        chunk = self.memory.ce_chunk_tokens
         with torch.no_grad():
-            hit = logits.argmax(-1) == greedy
+            if batch.target_topk is not None:
+                ids, logprobs = (t[rows, at] for t in batch.target_topk)
+                greedy = ids[:, 0]
+                teacher = functools.partial(_topk_teacher, ids, logprobs, self.layer_config.vocab_size)
+            else:
+                last = batch.layer(max(batch.layer_ids))[rows, at]  # [M, H] the target's last layer there
+                teacher = functools.partial(_logits_teacher, target, last)
+                greedy = torch.cat([target.logits(part).argmax(-1) for part in last.split(chunk or last.shape[0])])
+        weight = torch.exp(-(slot.float() - 1) / gamma)
+        # [M, V] logits (in chunks with --ce-chunk-tokens), weighted cross-entropy against the target's distribution
+        total, best = cross_entropy(out[rows, blk, slot], self.logits, teacher, chunk=chunk, weight=weight)
+        loss = total / weight.sum()
+        with torch.no_grad():
+            hit = best == greedy
             for j in range(1, b_size):
                 sel = slot == j
                 counted[j - 1] = int(sel.sum())
                 correct[j - 1] = int((hit & sel).sum())
         return StepResult(loss, correct, counted)
+
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: whole draft layers (they read the context's keys, write nothing)."""
+        return list(self.layers)
 
     @staticmethod
     def _anchor_ok(batch: DrafterBatch) -> torch.Tensor:
@@ -328,15 +372,10 @@ class DFlashDrafter(Drafter):
         tokens[:, :, 0] = batch.input_ids.gather(1, anchors)
         positions = batch.position_ids.gather(1, anchors)[:, :, None] + offsets  # [R, n, B]
         # attention: slot of block i sees context j < anchor_i of its document, and its own block
-        ctx_ok = (torch.arange(s, device=dev)[None, None] < anchors[:, :, None]) & (doc[:, None, :] == a_doc[:, :, None])
-        q = n * b_size
-        mask = torch.zeros((r, q, s + q), dtype=torch.bool, device=dev)
-        mask[:, :, :s] = ctx_ok.repeat_interleave(b_size, dim=1)
-        block_id = torch.arange(q, device=dev) // b_size
-        mask[:, :, s:] = (block_id[:, None] == block_id[None, :])[None]
+        layout = BlockLayout.of(doc, anchors, b_size)
         context = self.context(aux)
         kv = self.context_kv(context, batch.position_ids)
-        out = self.blocks(tokens.view(r, q), positions.view(r, q), kv, mask[:, None])  # [R, Q, H]
+        out = self.blocks(tokens.view(r, n * b_size), positions.view(r, n * b_size), kv, layout)  # [R, Q, H]
         return out.view(r, n, b_size, -1), slots, trained
 
     # -- checkpoint (speculators' dflash layout) ------------------------------------------------------------------
@@ -403,6 +442,16 @@ class DFlashDrafter(Drafter):
                  if not k.startswith("embed_tokens.")}
         load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind="DFlash")
         return model.to(device or "cpu").eval()
+
+
+def _topk_teacher(ids: torch.Tensor, logprobs: torch.Tensor, vocab: int, index: torch.Tensor) -> torch.Tensor:
+    """[n, V] a top-k run's distribution at rows `index`."""
+    return topk_distribution(ids[index], logprobs[index], torch.arange(vocab, device=ids.device), vocab)
+
+
+def _logits_teacher(target: TargetHead, last: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[n, V] the target's distribution from its last layer's states at rows `index`."""
+    return F.softmax(target.logits(last[index]).float(), dim=-1)
 
 
 FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",

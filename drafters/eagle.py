@@ -31,6 +31,7 @@ with the verifier's path (from which hsx loads the lm_head and final norm when t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -51,9 +52,10 @@ from drafters.base import (
     verifier_head,
 )
 from drafters.features import Features
-from drafters.llama_layers import cache_kwarg, llama_layer_config, with_sdpa
+from drafters.llama_layers import cache_kwarg, llama_layer_config, with_draft_attention
+from drafters.memory import cross_entropy
 from drafters.registry import Family
-from drafters.ttt import one_document_per_row, shift_left, ttt_mask
+from drafters.ttt import needed_chains, unroll_chains
 
 ARCHITECTURE = "EagleLlamaForCausalLM"
 
@@ -100,7 +102,7 @@ class EagleDrafter(Drafter):
 
         super().__init__()
         self.config = config
-        self.layer_config = with_sdpa(layer_config)
+        self.layer_config = with_draft_attention(layer_config)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.verifier = verifier
         h, vocab = layer_config.hidden_size, layer_config.vocab_size
@@ -168,37 +170,47 @@ class EagleDrafter(Drafter):
 
     # -- training -----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
-        batch = one_document_per_row(batch)
         n = int(self.layer_config.num_target_layers)
         with torch.no_grad():
             features = self.target_norm(batch.layer(n).to(self.fc.weight.dtype))  # [R, S, H] f_t
         steps = self.config.ttt_steps
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        hidden = features
+        # chains whose x_{t+2+s} is trained and in t's document; step s runs those it or a later step trains
+        trained = [batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False) for s in range(steps)]
+        outputs = unroll_chains(self.decode, features, batch.input_ids, batch.position_ids, batch.document_ids,
+                                needed_chains(trained))
         loss = torch.zeros((), dtype=torch.float32, device=features.device)
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
-        for s in range(steps):
-            ids = shift_left(batch.input_ids, 1 + s)  # x_{t+1+s}
-            hidden = self.decode(ids, hidden, batch.position_ids + s, ttt_mask(batch.document_ids, s), cache)
-            valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # x_{t+2+s} trained
-            rows, cols = valid.nonzero(as_tuple=True)
+        for s, step in enumerate(outputs):
+            rows, cols = trained[s].nonzero(as_tuple=True)
             counted[s] = rows.numel()
             if not rows.numel():
                 continue
-            pred = hidden[rows, cols]  # [M, H] f^_{t+1+s}
+            pred = step.take(rows, cols)  # [M, H] f^_{t+1+s}
             want = features[rows, cols + 1 + s]  # [M, H] f_{t+1+s}
-            logits = self.logits(pred).float()
-            with torch.no_grad():
-                t_logits = self.logits(want).float()
+            # the token loss against the target's distribution of x_{t+2+s} (its lm_head over f_{t+1+s}); the
+            # [M, V] logits in chunks with --ce-chunk-tokens
+            total, best = cross_entropy(pred, self.logits, functools.partial(self._teacher, want),
+                                        chunk=self.memory.ce_chunk_tokens)
             step_loss = (self.config.regression_weight * F.smooth_l1_loss(pred.float(), want.float())
-                         + self.config.classification_weight * F.cross_entropy(logits, F.softmax(t_logits, -1)))
+                         + self.config.classification_weight * total / rows.numel())
             loss = loss + step_loss
             with torch.no_grad():
-                correct[s] = int((logits.argmax(-1) == t_logits.argmax(-1)).sum())
+                correct[s] = int((best == self._teacher_argmax(want)).sum())
         return StepResult(loss, correct, counted)
+
+    def _teacher(self, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[n, V] the target's distribution at features[index] (its lm_head over the feature)."""
+        return F.softmax(self.logits(features[index]).float(), dim=-1)
+
+    def _teacher_argmax(self, features: torch.Tensor) -> torch.Tensor:
+        """[M] the target's greedy token from each feature, `chunk` rows of logits at a time."""
+        chunk = self.memory.ce_chunk_tokens or features.shape[0]
+        return torch.cat([self.logits(part).argmax(-1) for part in features.split(max(chunk, 1))])
+
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: the draft layers' MLPs (their attention writes the unroll's keys)."""
+        return [layer.mlp for layer in self.layers]
 
     # -- checkpoint (vLLM's eagle layout) -------------------------------------------------------------------------
     def checkpoint_config(self) -> dict[str, Any]:

@@ -53,9 +53,10 @@ from drafters.base import (
     topk_distribution,
 )
 from drafters.features import Features, aux_layers_for_run
-from drafters.llama_layers import cache_kwarg, llama_layer_config, with_sdpa
+from drafters.llama_layers import cache_kwarg, llama_layer_config, with_draft_attention
+from drafters.memory import cross_entropy, rows_of
 from drafters.registry import Family
-from drafters.ttt import one_document_per_row, shift_left, ttt_mask
+from drafters.ttt import UnrollStep, needed_chains, unroll_chains
 from drafters.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class Eagle3Drafter(Drafter):
 
         super().__init__()
         self.config = config
-        self.layer_config = with_sdpa(layer_config)
+        self.layer_config = with_draft_attention(layer_config)
         self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
         self.target_hidden_size = int(target_hidden_size)
         self.num_speculative_tokens = int(num_speculative_tokens)
@@ -258,27 +259,35 @@ class Eagle3Drafter(Drafter):
 
     # -- training -----------------------------------------------------------------------------------------------
     def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+               document_ids: torch.Tensor, steps: int, chains: list[torch.Tensor | None] | None = None
+               ) -> list[torch.Tensor]:
         """The test-time-training unroll: aux [R, S, A, H] (aux states of x_t), input_ids / position_ids /
         document_ids [R, S] -> per step s, the pre-norm outputs [R, S, H] of chain t's draft s (`logits` of it
-        predicts x_{t+2+s})."""
-        from transformers import DynamicCache
+        predicts x_{t+2+s}); `chains` as unroll_steps' (None: every chain at every step)."""
+        return [step.grid(input_ids.shape[0])
+                for step in self.unroll_steps(aux, input_ids, position_ids, document_ids, chains or [None] * steps)]
 
-        hidden = self.fuse(aux.to(self.fc.weight.dtype))  # [R, S, H]
-        cache = DynamicCache()
-        out = []
-        for s in range(steps):
-            ids = shift_left(input_ids, 1 + s)  # [R, S] x_{t+1+s}
-            hidden = self.decode(ids, hidden, position_ids + s, ttt_mask(document_ids, s), cache)
-            out.append(hidden)
-        return out
+    def unroll_steps(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     document_ids: torch.Tensor, chains: list[torch.Tensor | None]) -> list[UnrollStep]:
+        """The unroll over the chains each step needs (drafters/ttt.unroll_chains; chains[s] flat positions, None:
+        all): step 0 reads the fused aux states, step s >= 1 the chain's own previous output."""
+        return unroll_chains(self.decode, self.fuse(aux.to(self.fc.weight.dtype)), input_ids, position_ids,
+                             document_ids, chains, self.step_inputs)
+
+    def step_inputs(self, step: int, ids: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token ids and hidden states step `step` reads: EAGLE-3's, x_{t+1+s} and the chain's previous output
+        (step 0: the fused aux states)."""
+        return ids, previous
 
     def trained_chains(self, valid: torch.Tensor, step: int) -> torch.Tensor:
         """valid [R, S] bool: the chains whose draft `step` the loss counts (EAGLE-3: all of them)."""
         return valid
 
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: the draft layers' MLPs (their attention writes the unroll's keys)."""
+        return [layer.mlp for layer in self.layers]
+
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
-        batch = one_document_per_row(batch)  # the same result; attention costs G*L^2 instead of R*S^2
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         with torch.no_grad():  # the target's prediction at u of x_{u+1}, only where x_{u+1} is trained
             need = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
@@ -298,23 +307,26 @@ class Eagle3Drafter(Drafter):
                 teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
                 del t_logits
         steps = self.config.ttt_steps
+        # chains t whose draft s (x_{t+2+s}) is trained and in t's document: only those reach the lm_head, and a
+        # step runs only the chains it or a later step trains
+        trained = [self.trained_chains(batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False), s)
+                   for s in range(steps)]
+        outputs = self.unroll_steps(aux, batch.input_ids, batch.position_ids, batch.document_ids,
+                                    needed_chains(trained))
         terms: list[tuple[int, torch.Tensor, int]] = []  # (step, mean cross-entropy, chains) per trained step
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
-        outputs = self.unroll(aux, batch.input_ids, batch.position_ids, batch.document_ids, steps)
-        for s, hidden in enumerate(outputs):
-            # chains t whose draft s (x_{t+2+s}) is trained and in t's document; only those reach the lm_head
-            valid = batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False)  # [R, S]
-            valid = self.trained_chains(valid, s)
-            rows, cols = valid.nonzero(as_tuple=True)  # [N]
+        for s, step in enumerate(outputs):
+            rows, cols = trained[s].nonzero(as_tuple=True)  # [N]
             counted[s] = rows.numel()
             if not rows.numel():
                 continue
-            logits = self.logits(hidden[rows, cols]).float()  # [N, D]
-            p = teacher[rows, cols + 1 + s]  # [N, D] the target's distribution of x_{t+2+s}
-            terms.append((s, F.cross_entropy(logits, p), int(rows.numel())))
+            # against the target's distribution of x_{t+2+s}; the [N, D] logits in chunks with --ce-chunk-tokens
+            total, best = cross_entropy(step.take(rows, cols), self.logits, rows_of(teacher, rows, cols + 1 + s),
+                                        chunk=self.memory.ce_chunk_tokens)
+            terms.append((s, total / rows.numel(), int(rows.numel())))
             with torch.no_grad():
-                guess = self.draft_ids[logits.argmax(-1)]  # [N] target ids
+                guess = self.draft_ids[best]  # [N] target ids
                 correct[s] = int((guess == greedy[rows, cols + 1 + s]).sum())
         loss = self.combine_step_losses(terms) if terms else torch.zeros((), device=aux.device)
         return StepResult(loss, correct, counted)

@@ -4,7 +4,8 @@ a draft trains on, the target's logits there, the per-draft loss, and the checks
     TARGETS                                  "target" (distillation) | "tokens" (hard labels): a config's `targets`
     predicted_mask(batch, shift)             [R, S] the token `shift` after x_t is trained and in x_t's sample
     TeacherLogits.of(batch, post, target)    the target's logits at the positions whose next token is trained
-    head_loss(logits, teacher, tokens, targets)   one draft position's mean loss (soft or hard labels)
+    head_loss(hidden, readout, teacher, tokens, targets, chunk)   one draft position's mean loss (soft or hard
+                                             labels) and argmax
     drop_draft_count(options, key, k, ...)   a family's own name for k (medusa_num_heads, n_predict) checked against k
     check_run_fits(run_spec, target)         the run's states are as wide as the target's lm_head
 
@@ -13,6 +14,7 @@ Their proposer base (the newest verified state per row) is drafters/last_state_p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DrafterBatch, TargetHead
+from drafters.memory import cross_entropy
 
 TARGETS = ("target", "tokens")
 
@@ -54,15 +57,20 @@ class TeacherLogits:
         return self.logits[index]
 
 
-def head_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor, targets: str) -> torch.Tensor:
-    """Mean over n positions of one draft's loss: logits [n, V] against the target's logits [n, V] (soft labels:
-    cross-entropy to softmax(teacher), = KL up to the teacher's entropy) or the tokens [n] (hard labels)."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0  # keeps the graph; nothing to learn from this draft position
-    logp = F.log_softmax(logits.float(), dim=-1)
-    if targets == "tokens":
-        return F.nll_loss(logp, tokens)
-    return -(F.softmax(teacher, dim=-1) * logp).sum(-1).mean()
+def head_loss(hidden: torch.Tensor, readout, teacher: torch.Tensor, tokens: torch.Tensor, targets: str,
+              chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft position's mean loss over n positions and its argmax [n]: readout(hidden [n, ...]) -> logits
+    [n, V] against the target's logits [n, V] (soft labels: cross-entropy to softmax(teacher), = KL up to the
+    teacher's entropy) or the tokens [n] (hard labels); the logits `chunk` rows at a time with --ce-chunk-tokens."""
+    if hidden.shape[0] == 0:  # nothing to learn from this draft position: a zero that keeps the graph
+        return readout(hidden).sum() * 0.0, tokens.new_zeros(0)
+    label = tokens if targets == "tokens" else functools.partial(_softmax_rows, teacher)
+    total, best = cross_entropy(hidden, readout, label, chunk=chunk)
+    return total / hidden.shape[0], best
+
+
+def _softmax_rows(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return F.softmax(logits[index], dim=-1)
 
 
 def drop_draft_count(options: dict[str, Any], key: str, k: int, family_has: str) -> None:

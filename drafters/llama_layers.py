@@ -4,7 +4,8 @@ like the target's own layers, taking sizes, not a family's config.
     llama_layer_config(target_dir, hidden_size, vocab_size, num_layers=, intermediate_size=)
                                 the draft layers' LlamaConfig: heads, kv heads, head_dim, eps, positions and RoPE
                                 read from the target's config; the width, vocabulary, depth and MLP width given
-    with_sdpa(layer_config)     the same config, its attention set to "sdpa" (the draft layers take boolean masks)
+    with_draft_attention(layer_config)   the same config, its attention set to drafters.attention's: a TTTAttention
+                                mask (training) goes through ranged attention, a boolean mask (decoding) through sdpa
     cache_kwarg(cache)          {name: cache} under the keyword the installed transformers' Llama layers take their
                                 cache by ("cache" since 5.20, "past_key_values" before)
 """
@@ -41,10 +42,13 @@ def llama_layer_config(target_dir: str, hidden_size: int, vocab_size: int, *, nu
     return LlamaConfig(**kw)
 
 
-def with_sdpa(layer_config):
-    """`layer_config` with its attention implementation set to "sdpa" (returned for chaining): the draft layers are
-    called with boolean masks over their own caches, which sdpa takes as they are."""
-    layer_config._attn_implementation = "sdpa"
+def with_draft_attention(layer_config):
+    """`layer_config` with its attention implementation set to drafters.attention.ATTN_IMPLEMENTATION (returned for
+    chaining): training passes a TTTAttention (ranged attention, no [T, T] term), decoding boolean masks over the
+    layers' own caches, which go to transformers' sdpa as they are."""
+    from drafters.attention import ATTN_IMPLEMENTATION
+
+    layer_config._attn_implementation = ATTN_IMPLEMENTATION
     return layer_config
 
 

@@ -29,6 +29,7 @@ lm_heads.{i}.weight [V, H].
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -149,6 +150,14 @@ class MedusaDrafter(Drafter):
         x = post_norm.to(self.lm_heads[0].weight.dtype)
         return torch.stack([self.lm_heads[j](self.blocks[j](x)) for j in range(k)])
 
+    def head_logits(self, j: int, post_norm: torch.Tensor) -> torch.Tensor:
+        """Head j: post_norm [..., H] -> [..., V]."""
+        return self.lm_heads[j](self.blocks[j](post_norm))
+
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: every head's residual blocks."""
+        return [block for blocks in self.blocks for block in blocks]
+
     # -- training ----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         last = batch.layer(self.last_layer_id or max(batch.layer_ids))  # [R, S, H] the stored last layer
@@ -163,11 +172,11 @@ class MedusaDrafter(Drafter):
         for j in range(self.num_heads):
             mask = predicted_mask(batch, 2 + j)  # [R, S] x_{t+2+j} is trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_j]
-            logits = self.lm_heads[j](self.blocks[j](post[rows, cols]))  # [n_j, V]
             soft = teacher.at(rows, cols + 1 + j)  # [n_j, V] the target's logits for x_{t+2+j}
-            loss = loss + weights[j] * head_loss(logits, soft, batch.input_ids[rows, cols + 2 + j],
-                                                 self.config.targets)
-            correct[j] = int((logits.argmax(-1) == soft.argmax(-1)).sum())
+            mean, best = head_loss(post[rows, cols], functools.partial(self.head_logits, j), soft, batch.input_ids[rows, cols + 2 + j],
+                                   self.config.targets, self.memory.ce_chunk_tokens)
+            loss = loss + weights[j] * mean
+            correct[j] = int((best == soft.argmax(-1)).sum())
             counted[j] = rows.numel()
         return StepResult(loss, correct, counted)
 

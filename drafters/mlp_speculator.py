@@ -189,6 +189,10 @@ class MLPSpeculatorDrafter(Drafter):
             out.append(logits)
         return torch.stack(out)
 
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: every stage's layer norm (its [.., D] activations are the stage's largest)."""
+        return list(dict.fromkeys(self.ln))
+
     # -- training ----------------------------------------------------------------------------------------------
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         n = self.config.n_predict
@@ -205,10 +209,11 @@ class MLPSpeculatorDrafter(Drafter):
             state = self.mix(i, state, batch.shifted(batch.input_ids, 1 + i))  # [R, S, D] fed x_{t+1+i}
             mask = predicted_mask(batch, 2 + i)  # [R, S] x_{t+2+i} trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_i]
-            picked = self.head[i](state[rows, cols])  # [n_i, V]
             soft = teacher.at(rows, cols + 1 + i)  # [n_i, V] the target's logits for x_{t+2+i}
-            losses.append(head_loss(picked, soft, batch.input_ids[rows, cols + 2 + i], self.config.targets))
-            correct[i] = int((picked.argmax(-1) == soft.argmax(-1)).sum())
+            mean, best = head_loss(state[rows, cols], self.head[i], soft, batch.input_ids[rows, cols + 2 + i],
+                                   self.config.targets, self.memory.ce_chunk_tokens)  # head i's [n_i, V] logits
+            losses.append(mean)
+            correct[i] = int((best == soft.argmax(-1)).sum())
             counted[i] = rows.numel()
         return StepResult(torch.stack(losses).mean(), correct, counted)
 

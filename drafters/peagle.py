@@ -14,8 +14,9 @@ the drafter produced, so every depth is computed in one forward at decoding. Its
 
 Training (speculators' COD sampling): every chain trains depth 0; depth d counts a nested random subset of chains, a
 fraction max(0.7^d, 0.2); the loss is the mean over every sampled (chain, depth), so depth 0 weighs most (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
-at every earlier depth). Here the forward still computes every chain at every depth (a one-layer head; the sampled
-forward that saves memory at 8B scale is not done), so the sampling shapes the loss, not the cost.
+at every earlier depth). The forward runs depth d only on the chains trained at d or deeper (drafters/ttt.py's
+needed_chains), so compute and memory fall with the sampling fractions; the loss and gradients are those of running
+every chain at every depth.
 
 Checkpoint (what speculators' PEagleDraftModel.from_pretrained loads, and vLLM's eagle3 method with
 parallel_drafting): EAGLE-3's config.json with speculators_model_type "peagle", architectures ["PEagleSpeculator"],
@@ -35,7 +36,6 @@ from torch import nn
 from drafters.base import resolve_mask_token_id, speculators_num_speculative_tokens
 from drafters.eagle3 import FEATURES, Eagle3Config, Eagle3Drafter
 from drafters.registry import Family
-from drafters.ttt import shift_left, ttt_mask
 
 SPECULATORS_MODEL_TYPE = "peagle"
 ARCHITECTURE = "PEagleSpeculator"
@@ -82,18 +82,12 @@ class PEagleDrafter(Eagle3Drafter):
         """[H] the fused stand-in state of a depth >= 1 entry: fc(mask_hidden)."""
         return self.fc(self.mask_hidden.to(self.fc.weight.dtype)).reshape(-1)
 
-    def unroll(self, aux, input_ids, position_ids, document_ids, steps: int) -> list[torch.Tensor]:
-        """Depth 0 as EAGLE-3; depth d >= 1 reads (mask token, fc(mask_hidden)) at position t+d."""
-        from transformers import DynamicCache
-
-        fused = self.fuse(aux.to(self.fc.weight.dtype))  # [R, S, H]
-        cache = DynamicCache()
-        mask_ids = torch.full_like(input_ids, self.mask_token_id)
-        mask_hidden = self.mask_state().expand_as(fused)
-        out = [self.decode(shift_left(input_ids, 1), fused, position_ids, ttt_mask(document_ids, 0), cache)]
-        for s in range(1, steps):
-            out.append(self.decode(mask_ids, mask_hidden, position_ids + s, ttt_mask(document_ids, s), cache))
-        return out
+    def step_inputs(self, step: int, ids: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth 0 as EAGLE-3's step 0; depth d >= 1 reads (mask token, fc(mask_hidden)), nothing the drafter
+        produced."""
+        if step == 0:
+            return ids, previous
+        return torch.full_like(ids, self.mask_token_id), self.mask_state().expand_as(previous)
 
     def trained_chains(self, valid: torch.Tensor, step: int) -> torch.Tensor:
         """COD: depth `step` keeps chains whose uniform draw (one per chain and batch) is below its ratio."""

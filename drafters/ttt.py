@@ -2,17 +2,25 @@
 P-EAGLE share.
 
     shift_left(x, shift)          x [R, S, ...] -> out[:, t] = x[:, t + shift], zeros past the end
-    ttt_mask(document_ids, step)  [R, 1, S, S*(step+1)] the attention of unroll step `step` over the keys of steps
-                                  0..step: step 0's causal within the document, each later step's own diagonal
-    one_document_per_row(batch)   a packed DrafterBatch rewritten one document per row when that makes attention
-                                  smaller (documents never see each other, so no chain's computation changes)
+    needed_chains(trained)        per step the chains to run: those trained at that step or a later one (nested)
+    unroll_chains(decode, ...)    the unroll itself: step 0 over every position of the packed rows, step s >= 1 over
+                                  the chains it needs only, attention through drafters.attention.TTTAttention (each
+                                  step sees step 0's keys of its document up to the chain's position and the chain's
+                                  own keys of steps 1..s, with no [T, T] term)
+    UnrollStep.take(rows, cols)   a step's outputs at packed positions
+
+Which chains a step runs never changes a trained chain's result: chain t's step s reads only step 0's keys and its own
+earlier steps, and a chain trained at step s (or later) is run at every step before it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from drafters.base import DrafterBatch
+from drafters.attention import TTTAttention
 
 
 def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -23,38 +31,70 @@ def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
     return out
 
 
-def ttt_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
-    """[R, 1, S, S*(step+1)] bool: step `step`'s queries over the keys of steps 0..step, concatenated. Step 0's
-    keys: causal within the document; each later step's: the chain's own key only (the diagonal)."""
-    r, s = document_ids.shape
-    ar = torch.arange(s, device=document_ids.device)
-    eye = (ar[:, None] == ar[None, :]).expand(r, s, s)  # [R, S, S]
-    causal = (ar[:, None] >= ar[None, :])[None] & (document_ids[:, :, None] == document_ids[:, None, :])
-    return torch.cat([causal | eye] + [eye] * step, dim=-1)[:, None]
+def needed_chains(trained: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """trained: per step s a [R, S] bool of the chains whose draft s the loss counts -> per step the flat positions
+    to run (None for step 0: every position, whose keys every later step reads): those trained at s or later."""
+    out: list[torch.Tensor | None] = []
+    later = torch.zeros_like(trained[-1])
+    for mask in reversed(trained[1:]):
+        later = later | mask
+        out.append(later.flatten().nonzero().squeeze(1))
+    return [None] + out[::-1]
 
 
-def one_document_per_row(batch: DrafterBatch) -> DrafterBatch:
-    """A packed batch [R, S, ...] rewritten as one document per row [G, L, ...] (L = the longest document, padding
-    after it), when that makes the attention smaller (G*L^2 < R*S^2). Documents never see each other, so every
-    chain's computation is unchanged; the TTT attention of a long packed row is mostly masked otherwise."""
-    valid = batch.document_ids >= 0  # [R, S]
-    starts = valid & (batch.position_ids == 0)  # a sample starts at position 0 (PackCollator)
-    groups = int(starts.sum())
-    if groups == 0:
-        return batch
-    length = int(batch.position_ids[valid].max()) + 1
-    r, s = batch.input_ids.shape
-    if groups * length * length >= r * s * s:
-        return batch
-    group = (starts.flatten().cumsum(0) - 1).reshape(r, s)[valid]  # [N] row of each real token
-    offset = batch.position_ids[valid]  # [N] its place in the row
+@dataclass
+class UnrollStep:
+    """One unroll step's outputs: hidden [n, H] for `chains` (flat positions, ascending; None: every position)."""
 
-    def scatter(x: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((groups, length, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-        out[group, offset] = x[valid]
-        return out
+    hidden: torch.Tensor
+    chains: torch.Tensor | None
+    row_length: int
 
-    topk = None if batch.target_topk is None else tuple(scatter(t, 0) for t in batch.target_topk)
-    return DrafterBatch(scatter(batch.input_ids, 0), scatter(batch.hidden_states, 0), scatter(batch.loss_mask, False),
-                        scatter(batch.position_ids, 0), scatter(torch.zeros_like(batch.document_ids), -1),
-                        batch.layer_ids, topk)
+    def take(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[m, H] the outputs at packed positions (rows, cols), each one this step ran."""
+        flat = rows * self.row_length + cols
+        if self.chains is not None:
+            flat = torch.searchsorted(self.chains, flat)
+        return self.hidden[flat]
+
+    def grid(self, rows: int) -> torch.Tensor:
+        """[R, S, H] (zeros at chains not run)."""
+        full = self.hidden.new_zeros(rows * self.row_length, self.hidden.shape[-1])
+        full = full.index_put((self.chains,), self.hidden) if self.chains is not None else self.hidden
+        return full.view(rows, self.row_length, -1)
+
+
+StepInputs = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(step, token ids [n], previous step's outputs [n, H]) -> the step's (token ids, hidden) [n], [n, H]."""
+
+
+def unroll_chains(decode, first_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  document_ids: torch.Tensor, chains: list[torch.Tensor | None],
+                  step_inputs: StepInputs | None = None) -> list[UnrollStep]:
+    """The unroll: step s embeds x_{t+1+s} at position t+s with the previous step's output of chain t (step 0:
+    first_hidden [R, S, H]); `step_inputs` may replace both (P-EAGLE's mask entries). chains[s]: the flat positions
+    step s runs (None: all; nested; step 0 always all). decode(ids, hidden, positions, attention_mask, cache) is the
+    family's draft-layer pass. Steps after one that runs no chain are not run."""
+    r, s_len = input_ids.shape
+    attn = TTTAttention(document_ids)
+    out: list[UnrollStep] = []
+    prev = first_hidden.reshape(r * s_len, -1)
+    prev_chains: torch.Tensor | None = None
+    for s, these in enumerate(chains):
+        if these is not None and these.numel() == 0:
+            break
+        attn.begin(s, these)
+        ids = shift_left(input_ids, 1 + s).flatten()  # x_{t+1+s}
+        pos = (position_ids + s).flatten()
+        if these is None:
+            hidden = prev
+        else:
+            ids, pos = ids[these], pos[these]
+            hidden = prev[these] if prev_chains is None else prev[torch.searchsorted(prev_chains, these)]
+        if step_inputs is not None:
+            ids, hidden = step_inputs(s, ids, hidden)
+        shape = (r, s_len) if these is None else (1, these.numel())
+        result = decode(ids.view(shape), hidden.reshape(*shape, -1), pos.view(shape), attn, attn)
+        prev, prev_chains = result.reshape(-1, result.shape[-1]), these
+        out.append(UnrollStep(prev, these, s_len))
+    return out

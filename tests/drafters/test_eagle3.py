@@ -135,30 +135,28 @@ def test_packed_rows_never_pair_across_documents(eagle3_setup):
 
 
 
-def test_one_document_per_row_keeps_every_chains_computation(eagle3_setup):
-    """The unroll over a packed row (documents kept apart by the mask) equals the unroll over the same documents one
-    per row, position by position."""
-    from drafters.ttt import one_document_per_row
-
+def test_a_packed_row_keeps_every_chains_computation_of_its_documents(eagle3_setup):
+    """The unroll over a packed row (documents kept apart by the ranged attention) equals the unroll over each
+    document alone, position by position."""
     ds, _, drafter = eagle3_setup
     packed = _batch(ds, [0, 1, 2], max_tokens=256)
-    split = one_document_per_row(packed)
-    assert split.input_ids.shape[0] == 3 and (split.document_ids[:, 0] == 0).all()
-    for row, i in enumerate((0, 1, 2)):
-        n = ds[i]["input_ids"].shape[0]
-        assert torch.equal(split.input_ids[row, :n], ds[i]["input_ids"]) and (split.document_ids[row, n:] == -1).all()
+    assert packed.input_ids.shape[0] == 1 and int(packed.document_ids.max()) == 2
 
     def run(b):
         aux = torch.stack([b.layer(i) for i in drafter.aux_layer_ids], dim=2)
         with torch.no_grad():
             return drafter.unroll(aux, b.input_ids, b.position_ids, b.document_ids, 3)
 
-    whole, parts = run(packed), run(split)
-    for s in range(3):  # chains whose inputs x_{t+1..t+1+s} lie in their document (the others are never trained)
-        inside = packed.same_document(1 + s)[0]
-        rows = packed.document_ids[0][inside] - int(packed.document_ids[0][inside].min())
-        torch.testing.assert_close(whole[s][0][inside], parts[s][rows, packed.position_ids[0][inside]],
-                                   rtol=1e-4, atol=1e-5)
+    whole = run(packed)
+    start = 0
+    for i in (0, 1, 2):
+        alone = run(_batch(ds, [i], max_tokens=256))
+        n = ds[i]["input_ids"].shape[0]
+        for s in range(3):  # chains whose inputs x_{t+1..t+1+s} lie in their document (the others are never trained)
+            inside = n - 1 - s
+            torch.testing.assert_close(whole[s][0, start:start + inside], alone[s][0, :inside], rtol=1e-4, atol=1e-5)
+        start += n
+
 
 def test_eagle3_overfits_a_tiny_run(eagle3_setup):
     ds, target, _ = eagle3_setup
