@@ -143,11 +143,12 @@ class Loop:
         self.feed, self.spec = source.feed, source.feed.spec
         self.device, self.dtype, self.replica, self.save = device, dtype, replica, save
         drafter.to(device, dtype)
+        drafter.use_memory(config.memory_options())
         self.target = target.to(device, dtype)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
-        self.model = replica.wrap(TrainingStep(drafter))
+        self.model = replica.wrap(TrainingStep(drafter, device))
         self.log = StepLog(config, replica.rank, progress)
         self.at = Position()
         self.last_batch: DrafterBatch | None = None

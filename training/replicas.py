@@ -115,10 +115,14 @@ class TrainingStep(torch.nn.Module):
     counted) of `drafter.training_step(batch, target)`; the target head is an argument, not a submodule (frozen,
     and never copied between replicas)."""
 
-    def __init__(self, drafter: torch.nn.Module) -> None:
+    def __init__(self, drafter: torch.nn.Module, device: torch.device | None = None) -> None:
         super().__init__()
         self.drafter = drafter
+        self.device = device or torch.device("cpu")
 
     def forward(self, batch, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        result = self.drafter.training_step(batch, target)
+        from drafters.memory import autocast
+
+        with autocast(self.drafter.memory, self.device):  # --autocast (a no-op without it)
+            result = self.drafter.training_step(batch, target)
         return result.loss, result.correct, result.counted

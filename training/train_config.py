@@ -91,6 +91,15 @@ class TrainDrafterConfig:
     """torch device: auto (cuda when available), cpu, cuda, cuda:1, ..."""
     dtype: str = "float32"
     """Dtype of the drafter's weights and the computation: float32, bfloat16, float16."""
+    gradient_checkpointing: bool = False
+    """Recompute the draft layers' MLPs (DFlash: its layers; Medusa, MLPSpeculator: their blocks) in the backward
+    instead of keeping their activations: less memory, more compute, the same result."""
+    ce_chunk_tokens: int = 0
+    """Cross-entropy over the vocabulary this many rows at a time, the logits recomputed in the backward (0: all at
+    once): the [tokens, vocabulary] logits are never kept whole; the same result."""
+    autocast: str | None = None
+    """Run each training step under torch.autocast in this dtype (bfloat16; meant for GPUs), the weights and the
+    optimizer in --dtype."""
     draft_vocab_size: int | None = None
     """EAGLE-3 only: tokens of the draft vocabulary (default 32000, capped at the target's vocabulary)."""
     ttt_steps: int | None = None
@@ -153,11 +162,18 @@ class TrainDrafterConfig:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: use one of {list(LR_SCHEDULES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        self.memory_options()  # checked
         takes = getattr(found, "options", ())
         for name in ("draft_vocab_size", "ttt_steps"):
             if name not in takes and getattr(self, name) is not None:
                 owners = sorted(n for n, f in families().items() if name in getattr(f, "options", ()))
                 raise ValueError(f"--{name.replace('_', '-')} applies to --kind {' / '.join(owners)} only")
+
+    def memory_options(self):
+        """--gradient-checkpointing, --ce-chunk-tokens and --autocast as the drafter's MemoryOptions."""
+        from drafters.memory import MemoryOptions
+
+        return MemoryOptions(self.gradient_checkpointing, self.ce_chunk_tokens, self.autocast)
 
     def reads_run(self) -> bool:
         """Whether the samples come from --run (required then); jobs' --online reads a corpus instead."""

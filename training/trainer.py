@@ -198,6 +198,7 @@ def finish(config: TrainDrafterConfig, out, drafter, final: dict[str, Any], spec
         "samples": samples, "skipped_samples": len(skipped), "skipped_batches": final.get("skipped_batches", 0),
         "skipped": dict(list(sorted(skipped.items()))[:100]), "run_identity": identity,
         "workers": config.session_key()["workers"],
+        "memory_options": dataclasses.asdict(config.memory_options()),
         "snapshot": snapshot is not None, **({"snapshot_writer": snapshot} if snapshot is not None else {}),
         **extra, "wall_seconds": round(time.monotonic() - started, 3),
         "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "storage_options"},

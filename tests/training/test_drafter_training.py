@@ -244,6 +244,25 @@ def test_cli_trains_and_exits_0(oracle_run, tiny_llama, tmp_path, capsys):
     assert report["steps"] == 2 and len(report["accuracy_per_position"]) == 2
 
 
+def test_memory_flags_train_the_same_weights(oracle_run, tiny_llama, tmp_path, capsys):
+    """--gradient-checkpointing and --ce-chunk-tokens reach the drafter and change no weight of the trained head."""
+    from cli.main import main
+
+    plain = train_drafter(_config(oracle_run, tiny_llama, tmp_path / "plain", kind="dflash", draft_vocab_size=None,
+                                  family_options={"block_size": 4}))
+    code = main(["train-drafter", "--kind", "dflash", "--run", oracle_run[0], "--model", tiny_llama, "--out",
+                 str(tmp_path / "lean"), "--steps", "3", "--lr", "3e-3", "--batch-tokens", "64", "--checkpoint-every",
+                 "2", "--family-options", '{"block_size": 4}', "--device", "cpu", "--no-progress",
+                 "--gradient-checkpointing", "--ce-chunk-tokens", "16"])
+    assert code == 0 and plain["steps"] == 3
+    report = json.loads((tmp_path / "lean" / "report.json").read_text())
+    assert report["memory_options"] == {"gradient_checkpointing": True, "ce_chunk_tokens": 16, "autocast": None}
+    lean, want = _weights(tmp_path / "lean"), _weights(tmp_path / "plain")
+    assert lean.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(lean[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.slow
 def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(oracle_run, tiny_llama, tmp_path):
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64, dtype="float32", model=tiny_llama)
@@ -263,7 +282,9 @@ def test_cli_usage_errors_exit_2(oracle_run, tiny_llama, tmp_path, capsys):
     base = ["train-drafter", "--run", oracle_run[0], "--model", tiny_llama, "--out", str(tmp_path)]
     for extra, message in ((["--steps", "2", "--epochs", "1"], "--steps or --epochs, not both"),
                            (["--kind", "medusa", "--draft-vocab-size", "9"], "applies to --kind eagle3 / peagle only"),
-                           (["--family-options", "{nope"], "--family-options is not valid JSON")):
+                           (["--family-options", "{nope"], "--family-options is not valid JSON"),
+                           (["--ce-chunk-tokens", "-1"], "--ce-chunk-tokens must be >= 0"),
+                           (["--autocast", "float16"], "--autocast 'float16': use bfloat16")):
         with pytest.raises(SystemExit) as e:
             main([*base, *extra])
         assert e.value.code == 2
