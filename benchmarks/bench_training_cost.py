@@ -2,6 +2,7 @@
 
     python benchmarks/bench_training_cost.py [--shapes tiny,mid] [--batch-tokens 2048,4096,8192] [--steps 3]
         [--families eagle3,...] [--device cpu|cuda] [--dtype float32|bfloat16] [--memory-cap-gb 16] [--out DIR]
+        [--options JSON] [--memory '{"ce_chunk_tokens": 4096, "gradient_checkpointing": true}'] [--doc-tokens 512]
 
 Every (family, shape, batch) runs in a process of its own (peak memory is a process's): the family's drafter is
 built for a run of random states shaped like the target's (aux layers 1, 2, 3 and N), prepared, and trained
@@ -9,7 +10,7 @@ built for a run of random states shaped like the target's (aux layers 1, 2, 3 an
 packs them. Reported: the mean step time after the first (warm) step, and the peak memory: process RSS on CPU (above
 the process's RSS after the target's head and the drafter are built), torch.cuda.max_memory_allocated on GPU. A
 process that needs more than --memory-cap-gb (CPU: its address space is capped) is reported as "over the cap", the
-others go on.
+others go on. --memory turns on the memory levers of `hsx train-drafter` (drafters/memory.py) in every family.
 
 Shapes: tiny = the suite's 4-layer, 64-wide Llama (vocabulary 512); small = 8 layers, 512 wide, vocabulary 4,096 (the
 shape the issue measured); mid = 4 layers, 1024 wide, vocabulary 32,000
@@ -52,6 +53,7 @@ def child(args) -> dict:
     from benchmarks.common import peak_rss, reset_peak_rss, rss
     from connectors import HiddenStatesSpec
     from drafters.base import DrafterBatch, TargetHead
+    from drafters.memory import MemoryOptions, autocast
     from drafters.registry import drafter_class
     from jobs.tiny_models import build_tiny_model
     from tests.training.runs import random_samples, write_run
@@ -76,6 +78,7 @@ def child(args) -> dict:
         drafter = drafter_class(args.family).for_run(ds.run_info, target, 3, **options)
         drafter.prepare(ds)
         drafter = drafter.to(device=device, dtype=dtype)
+        drafter.use_memory(MemoryOptions(**json.loads(args.memory)))
         target = target.to(device, dtype)
         batch = DrafterBatch.from_packed(PackCollator(args.batch_tokens)([ds[i] for i in range(len(ds))]),
                                          ds.run_info.layer_ids)
@@ -88,7 +91,8 @@ def child(args) -> dict:
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            loss = drafter.training_step(batch, target).loss
+            with autocast(drafter.memory, device):
+                loss = drafter.training_step(batch, target).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -105,7 +109,8 @@ def child(args) -> dict:
 def measure(family: str, shape: str, batch_tokens: int, args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--family", family, "--shape", shape, "--batch-tokens",
            str(batch_tokens), "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype,
-           "--memory-cap-gb", str(args.memory_cap_gb), "--doc-tokens", str(args.doc_tokens)] + ([] if args.options is None else ["--options", args.options])
+           "--memory-cap-gb", str(args.memory_cap_gb), "--doc-tokens", str(args.doc_tokens),
+           "--memory", args.memory] + ([] if args.options is None else ["--options", args.options])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         over = "MemoryError" in done.stderr or "DefaultCPUAllocator" in done.stderr or done.returncode == -9
@@ -116,7 +121,9 @@ def measure(family: str, shape: str, batch_tokens: int, args) -> dict:
 
 def markdown(rows: list[dict], args) -> str:
     out = [f"Steps: {args.steps} (mean of the warm ones), device {args.device}, {args.dtype}; memory: "
-           + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS above the built drafter's"),
+           + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS above the built drafter's")
+           + f"; memory levers {args.memory}; family options "
+           + ("the benchmark's (OPTIONS)" if args.options is None else args.options),
            "", "| family | shape | batch tokens | step (s) | peak memory (GB) |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -137,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--memory-cap-gb", type=float, default=16.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--memory", default="{}", help="the memory levers as JSON, drafters.memory.MemoryOptions' fields "
+                    '(e.g. \'{"ce_chunk_tokens": 4096, "gradient_checkpointing": true}\'; default none)')
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS, help="tokens per document packed into the row")
     ap.add_argument("--options", default=None, help="the families' options as JSON (default: OPTIONS; {} = the "
                                                      "families' own defaults, as hsx train-drafter uses them)")

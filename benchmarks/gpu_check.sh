@@ -82,7 +82,13 @@ if python3 -c 'import vllm' 2>/dev/null; then
     cp "$scratch"/engines/results-engines.md "$results"/engines.md 2>/dev/null
 fi
 # 8. what each drafter family costs to train at the 8B shape, bf16, 16k-token batches (issue 52's GPU figure)
+#    plain, then with the memory levers of `hsx train-drafter` (chunked cross-entropy, recomputed MLPs)
 timeout 240 python3 benchmarks/bench_training_cost.py --out "$scratch/training-cost" --device cuda --dtype bfloat16 \
     --shapes 8b --batch-tokens 16384 --steps 3 2>&1 | tee "$results/training-cost.log" || status=1
 cp "$scratch"/training-cost/training_cost.md "$results"/training-cost.md 2>/dev/null
+timeout 240 python3 benchmarks/bench_training_cost.py --out "$scratch/training-cost-levers" --device cuda \
+    --dtype bfloat16 --shapes 8b --batch-tokens 16384 --steps 3 \
+    --memory '{"ce_chunk_tokens": 4096, "gradient_checkpointing": true}' 2>&1 | tee "$results/training-cost-levers.log" \
+    || status=1
+cp "$scratch"/training-cost-levers/training_cost.md "$results"/training-cost-levers.md 2>/dev/null
 exit $status

@@ -155,8 +155,10 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"{None if extra_scores is None else tuple(extra_scores.shape)}")
     split = q.dtype != torch.float32  # half precision: a score's high and low parts in two columns
     score_cols = e * (2 if split else 1)
-    width = -(-(d + score_cols + 1) // 8) * 8
-    width_v = dv + e
+    # one width for queries, keys and values: SDPA's flash kernels (CPU and CUDA) take equal head sizes only, and
+    # fall back to the math kernel, which keeps the [L, L] scores, otherwise
+    width = -(-max(d + score_cols + 1, dv + e) // 8) * 8
+    width_v = width
     qx = [q]
     if e:
         x = extra_scores.float() / scale
@@ -167,7 +169,7 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     qx.append(q.new_ones(n, heads, 1))
     qx = F.pad(torch.cat(qx, dim=-1), (0, width - d - score_cols - 1))  # [n, H, width]
     kf = F.pad(keys.transpose(1, 2).reshape(r * s, kv_heads, d), (0, width - d))
-    vf = F.pad(values.transpose(1, 2).reshape(r * s, kv_heads, dv), (0, e))
+    vf = F.pad(values.transpose(1, 2).reshape(r * s, kv_heads, dv), (0, width_v - dv))
     out = q.new_zeros(n, heads, width_v)
     group = heads // kv_heads
     invisible = max(_INVISIBLE / scale, -torch.finfo(q.dtype).max / 2)
@@ -192,7 +194,7 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         ob = ob.transpose(1, 2).reshape(size, heads, width_v)
         out = out.index_put((b.query_src,), ob[b.query_dst])
-    return out[..., :dv], (out[..., dv:] if e else None)
+    return out[..., :dv], (out[..., dv:dv + e] if e else None)
 
 
 class TTTAttention:

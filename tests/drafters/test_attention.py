@@ -109,3 +109,23 @@ def test_layout_refuses_scores_that_do_not_fit():
     keys = torch.randn(2, 2, doc.shape[1], 8)
     with pytest.raises(ValueError, match="2 extra keys"):
         ranged_attention(q, keys, keys, layout, 0.3, None)
+
+
+@pytest.mark.parametrize("extra", [0, 3])
+def test_ranged_attention_runs_the_flash_kernel_not_the_math_one(extra):
+    """No [L, L] scores are kept: SDPA takes its flash kernel (the math fallback materialises the scores; it is what
+    SDPA picks when the value width differs from the query's, or a mask is given)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    doc = _rows()
+    r, s = doc.shape
+    q = torch.randn(r * s, 4, 8, requires_grad=True)
+    keys = torch.randn(r, 2, s, 8, requires_grad=True)
+    layout = Layout.at_positions(doc, None, extra)
+    scores = torch.randn(r * s, 4, extra, requires_grad=True) if extra else None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        main, weights = ranged_attention(q, keys, keys, layout, 0.35, scores)
+        (main.sum() + (weights.sum() if extra else 0)).backward()
+    names = {e.key for e in prof.key_averages()}
+    assert any("flash_attention" in n for n in names), sorted(names)
+    assert not any("attention_math" in n for n in names), sorted(names)

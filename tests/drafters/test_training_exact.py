@@ -79,8 +79,8 @@ def _compare(drafter, target, batch, patch_target, reference, monkeypatch, seed=
 def test_ttt_families_train_exactly_as_the_dense_unroll(kind, oracle_run, tiny_llama, monkeypatch):
     from drafters.registry import drafter_class
 
-    options = {"eagle3": dict(draft_vocab_size=48, ttt_steps=3), "peagle": dict(draft_vocab_size=48, ttt_steps=5),
-               "eagle": dict(ttt_steps=3)}[kind]
+    options = {"eagle3": dict(draft_vocab_size=48, ttt_steps=3, num_layers=2),
+               "peagle": dict(draft_vocab_size=48, ttt_steps=5), "eagle": dict(ttt_steps=3, num_layers=2)}[kind]
     ds, target, drafter = family_setup(oracle_run, tiny_llama, drafter_class(kind), **options)
     batch = _masked_batch(ds)
     module = "drafters.eagle.unroll_chains" if kind == "eagle" else "drafters.eagle3.unroll_chains"
