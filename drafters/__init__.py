@@ -35,6 +35,8 @@ training never loads decoding code.
     llama_layers.py    llama_layer_config, with_draft_attention: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)
     attention.py       Layout, ranged_attention, TTTAttention: attention within each packed document with no [T, T]
                        term (the TTT families' unroll, DFlash's blocks)
+    memory.py          MemoryOptions, cross_entropy, recompute_in_backward: the memory levers of training
+                       (--ce-chunk-tokens, --gradient-checkpointing, --autocast)
     ttt.py             shift_left, needed_chains, unroll_chains: the test-time-training unroll (EAGLE-3, EAGLE,
                        P-EAGLE), each step over the chains it trains
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps

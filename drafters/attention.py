@@ -1,6 +1,7 @@
 """Attention over the documents of packed rows with no [T, T] term: each query sees a prefix of its document's keys
-plus a few keys of its own, computed by torch's SDPA with is_causal over one document at a time (its flash kernel on
-CPU and GPU keeps memory linear in the tokens), with no mask tensor.
+plus a few keys of its own, computed by torch's SDPA with is_causal over one document at a time, with no mask tensor
+(on CPU its flash kernel keeps memory linear in the tokens; on CUDA the flash or memory-efficient kernels do where
+the dtype and head size allow them, bf16 / fp16 with padded head sizes up to 256 for flash).
 
     Layout.at_positions(document_ids, positions, extra)   queries at key positions: query at p sees the keys <= p of
                                                           its document (the TTT families' step 0 and later steps)
@@ -19,8 +20,9 @@ own, and each query carries, in that column, its own score for its extra key div
 high and a low part, in half precision): so the sink's score is exactly that query's score. A sink's value is a unit
 vector in a value column of its own: the output there is the softmax weight of the extra key, normalised together with
 the range's keys. Queries placed between keys ("before" layouts) sit in entries of their own whose key scores -1e4
-for every real query (exp underflows to 0). Documents are padded to a length per bucket (powers of two), so padding
-costs at most 2x a document's own attention, and packed rows never attend across documents.
+for every real query (exp underflows to 0). A document's sequence ends at its last query (a step that runs few chains
+attends over the keys before them only) and documents without queries are left out; documents are padded to a length
+per bucket (powers of two), so padding costs at most 2x the tokens, and packed rows never attend across documents.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import torch.nn.functional as F
 ATTN_IMPLEMENTATION = "hsx_ranged"
 """The name the draft layers' configs give their attention (drafters/llama_layers.with_ranged_attention): a
 TTTAttention mask goes through ranged_attention, a tensor mask (decoding) through transformers' sdpa."""
+
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+"""SDPA takes grouped kv heads (enable_gqa) from torch 2.5 (pyproject allows 2.4)."""
 
 _INVISIBLE = -1.0e4
 """The score of a query-only entry's key for every real query: exp(-1e4 - max) is 0 in every float type."""
@@ -70,6 +75,9 @@ class Layout:
         r, s = document_ids.shape
         if positions is None:
             positions = torch.arange(r * s, device=document_ids.device)
+        elif torch.unique(positions).numel() != positions.numel():
+            raise ValueError("Layout.at_positions: a position is given twice; each query shares its position's entry, "
+                             "so positions must be distinct")
         return cls._build(document_ids, positions, None, extra)
 
     @classmethod
@@ -117,16 +125,18 @@ class Layout:
         else:
             k_entry = entry
             q_entry = k_entry[torch.searchsorted(key_pos, q_pos)]  # a query shares its key position's entry
-        lengths = sizes + extra
+        # a document's sequence ends at its last query's entry (no query sees past it); one without queries is dropped
+        lengths = torch.zeros(n_docs, dtype=torch.long, device=dev).scatter_reduce(0, q_doc, q_entry + 1, "amax")
         # buckets: documents whose sequences round up to the same power of two, padded to their longest
         bucket_of = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+        bucket_of[lengths == 0] = -1
         buckets = []
-        for b in torch.unique(bucket_of).tolist():
+        for b in torch.unique(bucket_of[lengths > 0]).tolist():
             members = (bucket_of == b).nonzero().squeeze(1)  # [G] documents
             local = torch.full((n_docs,), -1, dtype=torch.long, device=dev)
             local[members] = torch.arange(members.numel(), device=dev)
             length = int(lengths[members].max())
-            k_in = local[key_doc] >= 0
+            k_in = (local[key_doc] >= 0) & (k_entry < lengths[key_doc])
             q_in = local[q_doc] >= 0
             sink_dst = (local[members][:, None] * length + torch.arange(extra, device=dev)).flatten()
             hidden = (q_entry[q_in] + local[q_doc[q_in]] * length) if before is not None else \
@@ -142,8 +152,8 @@ class Layout:
 def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout, scale: float,
                      extra_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [n, H, d] the layout's queries; keys [R, Hkv, S, d] / values [R, Hkv, S, dv] the rows' keys (H a multiple of
-    Hkv); extra_scores [n, H, E] each query's scores for its own E extra keys (scaled, as softmax reads them), None
-    when E = 0. Returns main [n, H, dv] (sum over the range's keys of softmax weight x value) and weights [n, H, E]
+    Hkv); extra_scores [n, H, E] each query's scores for its own E extra keys (scaled, as softmax reads them; float32
+    for half-precision queries, so they are as exact as the range's own scores), None when E = 0. Returns main [n, H, dv] (sum over the range's keys of softmax weight x value) and weights [n, H, E]
     (each extra key's softmax weight; None when E = 0): the attention output is main + weights @ extra values.
     Queries outside every document (padding) get zeros."""
     n, heads, d = q.shape
@@ -172,6 +182,8 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     vf = F.pad(values.transpose(1, 2).reshape(r * s, kv_heads, dv), (0, width_v - dv))
     out = q.new_zeros(n, heads, width_v)
     group = heads // kv_heads
+    # grouped kv heads stay grouped where the flash kernel takes them (CPU; CUDA in half precision), else repeated
+    gqa = group > 1 and _SDPA_GQA and (q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16))
     invisible = max(_INVISIBLE / scale, -torch.finfo(q.dtype).max / 2)
     for b in layout.buckets:
         size = b.docs * b.length
@@ -187,11 +199,11 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         kb = q.new_zeros(size, kv_heads, width).index_put((b.key_dst,), kf[b.key_src]) + k_const
         vb = q.new_zeros(size, kv_heads, width_v).index_put((b.key_dst,), vf[b.key_src]) + v_const
         qb = q.new_zeros(size, heads, width).index_put((b.query_dst,), qx[b.query_src])
-        if group > 1:
+        if group > 1 and not gqa:
             kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
-
-        qb, kb, vb = (x.view(b.docs, b.length, heads, -1).transpose(1, 2) for x in (qb, kb, vb))  # [G, H, L, w]
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        qb, kb, vb = (x.view(b.docs, b.length, x.shape[1], -1).transpose(1, 2) for x in (qb, kb, vb))  # [G, h, L, w]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                            **({"enable_gqa": True} if gqa else {}))
         ob = ob.transpose(1, 2).reshape(size, heads, width_v)
         out = out.index_put((b.query_src,), ob[b.query_dst])
     return out[..., :dv], (out[..., dv:dv + e] if e else None)
@@ -255,8 +267,8 @@ class TTTAttention:
             extra.append((kj[rows], vj[rows]))
         kv_heads = k0.shape[1]
         grouped = q.view(b * n, kv_heads, heads // kv_heads, d)  # each kv head's group of query heads
-        extra_scores = torch.stack([(grouped * kj[:, :, None]).sum(-1).reshape(b * n, heads) for kj, _ in extra],
-                                   dim=-1) * scale if extra else None  # [n, H, E]
+        extra_scores = torch.stack([(grouped.float() * kj[:, :, None].float()).sum(-1).reshape(b * n, heads)
+                                    for kj, _ in extra], dim=-1) * scale if extra else None  # [n, H, E] in float32
         main, weights = ranged_attention(q, keys, values, self._layout, scale, extra_scores)
         for j, (_, vj) in enumerate(extra):
             w = weights[..., j].view(b * n, kv_heads, heads // kv_heads, 1)

@@ -266,9 +266,8 @@ class Drafter(nn.Module, ABC):
         """Train with `options` (--gradient-checkpointing, --ce-chunk-tokens, --autocast): what is learned is the
         same, the memory less."""
         self.memory = options
-        if options.gradient_checkpointing:
-            for module in self.recomputable():
-                recompute_in_backward(module)
+        for module in self.recomputable():
+            recompute_in_backward(module, options.gradient_checkpointing)
 
     def recomputable(self) -> list[nn.Module]:
         """The modules --gradient-checkpointing recomputes in the backward (no side effects; default none)."""

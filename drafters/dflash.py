@@ -182,7 +182,7 @@ class BlockLayout:
         qg = q.transpose(1, 2).reshape(*shape, heads // kv_heads, d)  # [R, n, B, Hkv, g, d]
         kb = k_blk.transpose(1, 2).reshape(*shape, d)  # [R, n, B, Hkv, d]
         vb = v_blk.transpose(1, 2).reshape(*shape, -1)
-        scores = torch.einsum("rnqhgd,rnkhd->rnqhgk", qg, kb) * scale  # each slot over its block's keys
+        scores = torch.einsum("rnqhgd,rnkhd->rnqhgk", qg.float(), kb.float()) * scale  # each slot over its block
         flat = (r * q_len, heads)
         main, weights = ranged_attention(q.transpose(1, 2).reshape(*flat, d), context_kv[0], context_kv[1],
                                          self.layout, scale, scores.reshape(*flat, self.block))

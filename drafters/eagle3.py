@@ -28,6 +28,7 @@ only chains whose predicted token has loss_mask 1 and lies in chain t's document
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -243,8 +244,9 @@ class Eagle3Drafter(Drafter):
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """One pass of the draft layers: input_ids [R, S] (x_{t+1}), hidden [R, S, H] (fused or own) ->
-        [R, S, H] the pre-norm output (fed back as the next step's hidden). attention_mask [R, 1, S, K] bool over
-        the cache's keys after this call's are appended (K); cache: a transformers Cache (keys per layer)."""
+        [R, S, H] the pre-norm output (fed back as the next step's hidden). Decoding: attention_mask [R, 1, S, K]
+        bool over the cache's keys after this call's are appended (K), cache a transformers Cache; training: both are
+        one drafters.attention.TTTAttention (the unroll's keys and their ranges)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [R, S, H]
         rope = self.rotary_emb(hidden, position_ids)  # cos, sin [R, S, head_dim]
         x = self.layers[0](embeds, hidden, rope, attention_mask, cache)
@@ -289,23 +291,24 @@ class Eagle3Drafter(Drafter):
 
     def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
+        chunk = self.memory.ce_chunk_tokens
         with torch.no_grad():  # the target's prediction at u of x_{u+1}, only where x_{u+1} is trained
             need = batch.same_document(1) & batch.shifted(batch.loss_mask, 1, False)  # [R, S]
+            if batch.target_topk is None and max(batch.layer_ids) in self.aux_layer_ids:
+                raise ValueError(f"the batch holds layers {list(batch.layer_ids)} and no top-k target: nothing "
+                                 "stands for the last layer N the teacher reads")
+            rows, cols = need.nonzero(as_tuple=True)
             greedy = torch.zeros(need.shape, dtype=torch.long, device=need.device)  # [R, S] the target's token
-            teacher = torch.zeros((*need.shape, self.lm_head.out_features), device=need.device)  # [R, S, D]
             if batch.target_topk is not None:  # a top-k target run: the stored top-K tokens, best first
-                ids, logprobs = (t[need] for t in batch.target_topk)  # [M, K]
-                greedy[need] = ids[:, 0]
-                teacher[need] = topk_distribution(ids, logprobs, self._draft_index(), self.lm_head.out_features)
+                greedy[need] = batch.target_topk[0][rows, cols, 0]
             else:
-                n = max(batch.layer_ids)
-                if n in self.aux_layer_ids:
-                    raise ValueError(f"the batch holds layers {list(batch.layer_ids)} and no top-k target: nothing "
-                                     "stands for the last layer N the teacher reads")
-                t_logits = target.logits(batch.layer(n)[need]).float()  # [M, V] from layer N
-                greedy[need] = t_logits.argmax(-1)
-                teacher[need] = F.softmax(t_logits[:, self.draft_ids], dim=-1)  # on the draft vocabulary
-                del t_logits
+                last = batch.layer(max(batch.layer_ids))[need]  # [M, H] layer N
+                greedy[need] = torch.cat([target.logits(part).argmax(-1)
+                                          for part in last.split(max(chunk or last.shape[0], 1))])
+            table = None  # [R, S, D] the target's distributions, unless --ce-chunk-tokens computes them per chunk
+            if not chunk:
+                table = torch.zeros((*need.shape, self.lm_head.out_features), device=need.device)
+                table[need] = self._target_distribution(batch, target, rows, cols)
         steps = self.config.ttt_steps
         # chains t whose draft s (x_{t+2+s}) is trained and in t's document: only those reach the lm_head, and a
         # step runs only the chains it or a later step trains
@@ -322,14 +325,30 @@ class Eagle3Drafter(Drafter):
             if not rows.numel():
                 continue
             # against the target's distribution of x_{t+2+s}; the [N, D] logits in chunks with --ce-chunk-tokens
-            total, best = cross_entropy(step.take(rows, cols), self.logits, rows_of(teacher, rows, cols + 1 + s),
-                                        chunk=self.memory.ce_chunk_tokens)
+            teacher = rows_of(table, rows, cols + 1 + s) if table is not None else \
+                functools.partial(self._teacher_at, batch, target, rows, cols + 1 + s)
+            total, best = cross_entropy(step.take(rows, cols), self.logits, teacher, chunk=chunk)
             terms.append((s, total / rows.numel(), int(rows.numel())))
             with torch.no_grad():
                 guess = self.draft_ids[best]  # [N] target ids
                 correct[s] = int((guess == greedy[rows, cols + 1 + s]).sum())
         loss = self.combine_step_losses(terms) if terms else torch.zeros((), device=aux.device)
         return StepResult(loss, correct, counted)
+
+    def _target_distribution(self, batch: DrafterBatch, target: TargetHead, rows: torch.Tensor, cols: torch.Tensor
+                             ) -> torch.Tensor:
+        """[n, D] the target's distribution of the token after (rows, cols) on the draft vocabulary: its head on
+        layer N, or the stored top-K renormalised."""
+        if batch.target_topk is not None:
+            ids, logprobs = (t[rows, cols] for t in batch.target_topk)  # [n, K]
+            return topk_distribution(ids, logprobs, self._draft_index(), self.lm_head.out_features)
+        logits = target.logits(batch.layer(max(batch.layer_ids))[rows, cols]).float()  # [n, V]
+        return F.softmax(logits[:, self.draft_ids], dim=-1)
+
+    def _teacher_at(self, batch: DrafterBatch, target: TargetHead, rows: torch.Tensor, cols: torch.Tensor,
+                    index: torch.Tensor) -> torch.Tensor:
+        """The teacher of chunk `index` of the positions (rows, cols) (--ce-chunk-tokens)."""
+        return self._target_distribution(batch, target, rows[index], cols[index])
 
     def combine_step_losses(self, terms: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
         """The loss from each trained step's (step, mean cross-entropy, chains): EAGLE-3 sums the steps' means,

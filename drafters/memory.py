@@ -1,5 +1,5 @@
-"""The memory levers of drafter training, each behind a flag of `hsx train-drafter` and equal in result to running
-without it (bf16 autocast: within bf16's precision).
+"""The memory levers of drafter training, each behind a flag of `hsx train-drafter`: the first two equal in result to
+running without them, bf16 autocast within bf16's precision.
 
     MemoryOptions                     --gradient-checkpointing, --ce-chunk-tokens N, --autocast bfloat16
     cross_entropy(hidden, readout, teacher, chunk=, weight=)   sum over rows of the cross-entropy of readout(hidden)
@@ -31,7 +31,8 @@ class MemoryOptions:
     """How a drafter's training step trades compute for memory (none of it changes what is learned)."""
 
     gradient_checkpointing: bool = False
-    """Recompute the draft layers' MLPs (DFlash, Medusa, MLPSpeculator: whole layers) in the backward."""
+    """Recompute in the backward what each family names (Drafter.recomputable: the draft layers' MLPs; DFlash's
+    layers; Medusa's residual blocks; MLPSpeculator's stage norms)."""
     ce_chunk_tokens: int = 0
     """Cross-entropy over the vocabulary in chunks of this many rows, logits recomputed in the backward (0: whole)."""
     autocast: str | None = None
@@ -97,11 +98,14 @@ def _recomputed(forward, *args, **kwargs):
     return forward(*args, **kwargs)
 
 
-def recompute_in_backward(module: torch.nn.Module) -> None:
-    """Make `module`'s forward keep no activations for the backward (it runs again there). Its forward must have no
-    side effects (a KV cache update would happen twice)."""
-    if not isinstance(module.forward, functools.partial):
+def recompute_in_backward(module: torch.nn.Module, on: bool = True) -> None:
+    """Make `module`'s forward keep no activations for the backward (it runs again there); on=False undoes it. Its
+    forward must have no side effects (a KV cache update would happen twice)."""
+    wrapped = isinstance(module.forward, functools.partial) and module.forward.func is _recomputed
+    if on and not wrapped:
         module.forward = functools.partial(_recomputed, module.forward)
+    elif not on and wrapped:
+        del module.forward  # the class's forward again
 
 
 def autocast(options: MemoryOptions, device: torch.device):

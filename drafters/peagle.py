@@ -15,8 +15,9 @@ the drafter produced, so every depth is computed in one forward at decoding. Its
 Training (speculators' COD sampling): every chain trains depth 0; depth d counts a nested random subset of chains, a
 fraction max(0.7^d, 0.2); the loss is the mean over every sampled (chain, depth), so depth 0 weighs most (one uniform draw per chain, kept while below the depth's ratio, so a chain kept at d is kept
 at every earlier depth). The forward runs depth d only on the chains trained at d or deeper (drafters/ttt.py's
-needed_chains), so compute and memory fall with the sampling fractions; the loss and gradients are those of running
-every chain at every depth.
+needed_chains), so the draft layers' compute and memory fall with the sampling fractions (their attention spans each
+document's keys up to its last sampled chain); the loss and gradients are those of running every chain at every
+depth.
 
 Checkpoint (what speculators' PEagleDraftModel.from_pretrained loads, and vLLM's eagle3 method with
 parallel_drafting): EAGLE-3's config.json with speculators_model_type "peagle", architectures ["PEagleSpeculator"],

@@ -54,7 +54,11 @@ class UnrollStep:
         """[m, H] the outputs at packed positions (rows, cols), each one this step ran."""
         flat = rows * self.row_length + cols
         if self.chains is not None:
-            flat = torch.searchsorted(self.chains, flat)
+            at = torch.searchsorted(self.chains, flat).clamp(max=max(self.chains.numel() - 1, 0))
+            if self.chains.numel() == 0 or not torch.equal(self.chains[at], flat):
+                raise ValueError("UnrollStep.take: a position this step did not run (its chains come from "
+                                 "needed_chains over the trained positions)")
+            flat = at
         return self.hidden[flat]
 
     def grid(self, rows: int) -> torch.Tensor:

@@ -92,8 +92,8 @@ class TrainDrafterConfig:
     dtype: str = "float32"
     """Dtype of the drafter's weights and the computation: float32, bfloat16, float16."""
     gradient_checkpointing: bool = False
-    """Recompute the draft layers' MLPs (DFlash: its layers; Medusa, MLPSpeculator: their blocks) in the backward
-    instead of keeping their activations: less memory, more compute, the same result."""
+    """Recompute the draft layers' MLPs (DFlash: its layers; Medusa: its residual blocks; MLPSpeculator: its stage
+    norms) in the backward instead of keeping their activations: less memory, more compute, the same result."""
     ce_chunk_tokens: int = 0
     """Cross-entropy over the vocabulary this many rows at a time, the logits recomputed in the backward (0: all at
     once): the [tokens, vocabulary] logits are never kept whole; the same result."""

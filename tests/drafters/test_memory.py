@@ -84,6 +84,18 @@ def test_autocast_bfloat16_trains_within_bf16_precision(oracle_run, tiny_llama):
     assert all(g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in grads.values())
 
 
+def test_gradient_checkpointing_turns_off_again(oracle_run, tiny_llama):
+    from drafters.memory import MemoryOptions
+    from drafters.registry import drafter_class
+
+    _, _, drafter = family_setup(oracle_run, tiny_llama, drafter_class("dflash"), block_size=4)
+    plain = type(drafter.layers[0]).forward
+    drafter.use_memory(MemoryOptions(gradient_checkpointing=True))
+    assert drafter.layers[0].forward.func.__name__ == "_recomputed"
+    drafter.use_memory(MemoryOptions())
+    assert drafter.layers[0].forward.__func__ is plain
+
+
 @pytest.mark.parametrize("options, message", [(dict(ce_chunk_tokens=-1), "--ce-chunk-tokens must be >= 0"),
                                               (dict(autocast="float16"), "--autocast 'float16'")])
 def test_bad_memory_options_are_refused(options, message):

@@ -64,10 +64,12 @@ def test_the_dataset_yields_the_topk_target_in_both_layouts(oracle_run, oracle_m
         HiddenStatesDataset([oracle_run[0], out])
 
 
-def test_eagle3_on_a_whole_vocabulary_topk_run_trains_as_on_the_run_that_stores_layer_n(oracle_run, oracle_model,
+@pytest.mark.parametrize("chunk", [0, 5])  # 5: --ce-chunk-tokens, the top-k teacher computed chunk by chunk
+def test_eagle3_on_a_whole_vocabulary_topk_run_trains_as_on_the_run_that_stores_layer_n(chunk, oracle_run, oracle_model,
                                                                                          tiny_llama, tmp_path):
     from drafters.base import DrafterBatch, TargetHead
     from drafters.eagle3 import Eagle3Drafter
+    from drafters.memory import MemoryOptions
     from training import HiddenStatesDataset, PackCollator
 
     states_ds = HiddenStatesDataset(oracle_run[0])
@@ -82,6 +84,7 @@ def test_eagle3_on_a_whole_vocabulary_topk_run_trains_as_on_the_run_that_stores_
     drafters[0].prepare(states_ds)
     drafters[1].set_vocab(DraftVocab.from_maps(drafters[0].d2t, drafters[0].t2d))
     drafters[1].load_state_dict(drafters[0].state_dict())
+    drafters[1].use_memory(MemoryOptions(ce_chunk_tokens=chunk))
     losses = [[], []]
     optimizers = [torch.optim.AdamW(d.parameters(), lr=1e-3) for d in drafters]
     for step in range(3):  # the same updates, step after step
