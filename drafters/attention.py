@@ -153,9 +153,10 @@ def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      extra_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [n, H, d] the layout's queries; keys [R, Hkv, S, d] / values [R, Hkv, S, dv] the rows' keys (H a multiple of
     Hkv); extra_scores [n, H, E] each query's scores for its own E extra keys (scaled, as softmax reads them; float32
-    for half-precision queries, so they are as exact as the range's own scores), None when E = 0. Returns main [n, H, dv] (sum over the range's keys of softmax weight x value) and weights [n, H, E]
-    (each extra key's softmax weight; None when E = 0): the attention output is main + weights @ extra values.
-    Queries outside every document (padding) get zeros."""
+    for half-precision queries, so they are as exact as the range's own scores), None when E = 0. Returns main
+    [n, H, dv] (sum over the range's keys of softmax weight x value) and weights [n, H, E] (each extra key's softmax
+    weight; None when E = 0): the attention output is main + weights @ extra values. Queries outside every document
+    (padding) get zeros."""
     n, heads, d = q.shape
     r, kv_heads, s, _ = keys.shape
     dv = values.shape[-1]
