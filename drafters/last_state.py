@@ -3,7 +3,7 @@ a draft trains on, the target's logits there, the per-draft loss, and the checks
 
     TARGETS                                  "target" (distillation) | "tokens" (hard labels): a config's `targets`
     predicted_mask(batch, shift)             [R, S] the token `shift` after x_t is trained and in x_t's sample
-    TeacherLogits.of(batch, post, target)    the target's logits at the positions whose next token is trained
+    TeacherLogits.of(batch, post, target, chunk)   the target's logits at the positions whose next token is trained
     head_loss(hidden, readout, teacher, tokens, targets, chunk)   one draft position's mean loss (soft or hard
                                              labels) and argmax
     drop_draft_count(options, key, k, ...)   a family's own name for k (medusa_num_heads, n_predict) checked against k
@@ -35,42 +35,57 @@ def predicted_mask(batch: DrafterBatch, shift: int) -> torch.Tensor:
 @dataclass
 class TeacherLogits:
     """The target's logits at the positions whose next token is trained (the only ones a draft's target is read
-    from), not [R, S, V] for the whole batch."""
+    from), not [R, S, V] for the whole batch; with --ce-chunk-tokens not even [n, V]: only those positions' states
+    [n, H] and greedy tokens are kept, and the logits are computed where a chunk reads them."""
 
-    logits: torch.Tensor  # [n, V] float32
-    index: torch.Tensor  # [R, S] int64: row of `logits` for position (r, s), -1 where none was computed
+    index: torch.Tensor  # [R, S] int64: row n of position (r, s), -1 where none was computed
+    greedy: torch.Tensor  # [n] int64 the target's token at each row
+    logits: torch.Tensor | None  # [n, V] float32 (no chunking)
+    states: torch.Tensor | None  # [n, H] the post-norm states (chunking)
+    lm_head: torch.Tensor | None  # [V, H] (chunking)
 
     @classmethod
-    def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead) -> TeacherLogits:
-        """post [R, S, H] the target's post-norm last state of every position."""
+    def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead, chunk: int = 0) -> TeacherLogits:
+        """post [R, S, H] the target's post-norm last state of every position; chunk: --ce-chunk-tokens."""
         needed = predicted_mask(batch, 1)  # [R, S] x_{s+1} trained and in x_s's sample
         index = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
         index[needed] = torch.arange(int(needed.sum()), device=needed.device)
+        head = target.lm_head.to(post.device, post.dtype)
         with torch.no_grad():
-            logits = (post[needed] @ target.lm_head.to(post.device, post.dtype).T).float()  # [n, V]
-        return cls(logits, index)
+            states = post[needed]  # [n, H]
+            if not chunk:
+                logits = (states @ head.T).float()  # [n, V]
+                return cls(index, logits.argmax(-1), logits, None, None)
+            greedy = torch.cat([(part @ head.T).argmax(-1) for part in states.split(chunk)]) if len(states) else \
+                torch.zeros(0, dtype=torch.long, device=states.device)
+        return cls(index, greedy, None, states, head)
 
-    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """[m, V] the target's logits at positions (rows[i], cols[i]) (each one whose next token is trained)."""
+    def rows(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """[m] the teacher's rows of positions (rows[i], cols[i]) (each one whose next token is trained)."""
         index = self.index[rows, cols]
         assert bool((index >= 0).all()), "a draft target read at a position whose next token is not trained"
-        return self.logits[index]
+        return index
+
+    def distribution(self, where: torch.Tensor):
+        """A teacher for drafters.memory.cross_entropy: chunk `index` of the rows `where` -> the target's softmax."""
+        return functools.partial(self._softmax, where)
+
+    def _softmax(self, where: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        rows = where[index]
+        logits = self.logits[rows] if self.logits is not None else (self.states[rows] @ self.lm_head.T).float()
+        return F.softmax(logits, dim=-1)
 
 
-def head_loss(hidden: torch.Tensor, readout, teacher: torch.Tensor, tokens: torch.Tensor, targets: str,
+def head_loss(hidden: torch.Tensor, readout, teacher, tokens: torch.Tensor, targets: str,
               chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft position's mean loss over n positions and its argmax [n]: readout(hidden [n, ...]) -> logits
-    [n, V] against the target's logits [n, V] (soft labels: cross-entropy to softmax(teacher), = KL up to the
-    teacher's entropy) or the tokens [n] (hard labels); the logits `chunk` rows at a time with --ce-chunk-tokens."""
+    [n, V] against the target's distribution (teacher: TeacherLogits.distribution of the rows; soft labels:
+    cross-entropy, = KL up to the teacher's entropy) or the tokens [n] (hard labels); the logits `chunk` rows at a
+    time with --ce-chunk-tokens."""
     if hidden.shape[0] == 0:  # nothing to learn from this draft position: a zero that keeps the graph
         return readout(hidden).sum() * 0.0, tokens.new_zeros(0)
-    label = tokens if targets == "tokens" else functools.partial(_softmax_rows, teacher)
-    total, best = cross_entropy(hidden, readout, label, chunk=chunk)
+    total, best = cross_entropy(hidden, readout, tokens if targets == "tokens" else teacher, chunk=chunk)
     return total / hidden.shape[0], best
-
-
-def _softmax_rows(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return F.softmax(logits[index], dim=-1)
 
 
 def drop_draft_count(options: dict[str, Any], key: str, k: int, family_has: str) -> None:

@@ -164,7 +164,7 @@ class MedusaDrafter(Drafter):
         dtype = self.lm_heads[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]
-        teacher = TeacherLogits.of(batch, post, target)
+        teacher = TeacherLogits.of(batch, post, target, self.memory.ce_chunk_tokens)
         weights = [self.config.medusa_decay_coefficient ** j for j in range(self.num_heads)]
         loss = post.new_zeros(())
         correct = torch.zeros(self.num_heads, dtype=torch.long)
@@ -172,11 +172,12 @@ class MedusaDrafter(Drafter):
         for j in range(self.num_heads):
             mask = predicted_mask(batch, 2 + j)  # [R, S] x_{t+2+j} is trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_j]
-            soft = teacher.at(rows, cols + 1 + j)  # [n_j, V] the target's logits for x_{t+2+j}
-            mean, best = head_loss(post[rows, cols], functools.partial(self.head_logits, j), soft, batch.input_ids[rows, cols + 2 + j],
+            where = teacher.rows(rows, cols + 1 + j)  # the target's logits for x_{t+2+j}
+            mean, best = head_loss(post[rows, cols], functools.partial(self.head_logits, j),
+                                   teacher.distribution(where), batch.input_ids[rows, cols + 2 + j],
                                    self.config.targets, self.memory.ce_chunk_tokens)
             loss = loss + weights[j] * mean
-            correct[j] = int((best == soft.argmax(-1)).sum())
+            correct[j] = int((best == teacher.greedy[where]).sum())
             counted[j] = rows.numel()
         return StepResult(loss, correct, counted)
 

@@ -200,7 +200,7 @@ class MLPSpeculatorDrafter(Drafter):
         dtype = self.proj[0].weight.dtype
         with torch.no_grad():
             post = last.to(dtype) if self.input_normalized else target.post_norm(last).to(dtype)  # [R, S, H]
-        teacher = TeacherLogits.of(batch, post, target)
+        teacher = TeacherLogits.of(batch, post, target, self.memory.ce_chunk_tokens)
         state = self.initial_state(post)  # [R, S, H] stages run over every position, teacher forced
         losses = []
         correct = torch.zeros(n, dtype=torch.long)
@@ -209,11 +209,12 @@ class MLPSpeculatorDrafter(Drafter):
             state = self.mix(i, state, batch.shifted(batch.input_ids, 1 + i))  # [R, S, D] fed x_{t+1+i}
             mask = predicted_mask(batch, 2 + i)  # [R, S] x_{t+2+i} trained and in x_t's sample
             rows, cols = mask.nonzero(as_tuple=True)  # [n_i]
-            soft = teacher.at(rows, cols + 1 + i)  # [n_i, V] the target's logits for x_{t+2+i}
-            mean, best = head_loss(state[rows, cols], self.head[i], soft, batch.input_ids[rows, cols + 2 + i],
-                                   self.config.targets, self.memory.ce_chunk_tokens)  # head i's [n_i, V] logits
+            where = teacher.rows(rows, cols + 1 + i)  # the target's logits for x_{t+2+i}
+            mean, best = head_loss(state[rows, cols], self.head[i], teacher.distribution(where),
+                                   batch.input_ids[rows, cols + 2 + i], self.config.targets,
+                                   self.memory.ce_chunk_tokens)  # head i's [n_i, V] logits
             losses.append(mean)
-            correct[i] = int((best == soft.argmax(-1)).sum())
+            correct[i] = int((best == teacher.greedy[where]).sum())
             counted[i] = rows.numel()
         return StepResult(torch.stack(losses).mean(), correct, counted)
 

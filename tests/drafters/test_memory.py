@@ -103,3 +103,20 @@ def test_bad_memory_options_are_refused(options, message):
 
     with pytest.raises(ValueError, match=message):
         MemoryOptions(**options)
+
+
+def test_chunked_teacher_keeps_states_not_vocabulary_wide_logits(oracle_run, tiny_llama):
+    """Medusa's and MLPSpeculator's teacher with --ce-chunk-tokens: the [n, V] logits are never kept; each position's
+    greedy token and distribution equal the unchunked teacher's."""
+    from drafters.last_state import TeacherLogits
+    from drafters.medusa import MedusaDrafter
+
+    ds, target, _ = family_setup(oracle_run, tiny_llama, MedusaDrafter)
+    batch = _batch(ds, [0, 1, 2], max_tokens=96)
+    post = target.post_norm(batch.layer(max(batch.layer_ids)))
+    whole, chunked = TeacherLogits.of(batch, post, target), TeacherLogits.of(batch, post, target, chunk=8)
+    assert whole.logits is not None and chunked.logits is None and chunked.states.shape[-1] == target.hidden_size
+    assert torch.equal(whole.greedy, chunked.greedy) and whole.greedy.numel() > 8
+    where = torch.arange(whole.greedy.numel())
+    index = torch.arange(5, 13)
+    torch.testing.assert_close(chunked.distribution(where)(index), whole.distribution(where)(index))
