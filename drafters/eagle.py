@@ -197,6 +197,8 @@ class EagleDrafter(Drafter):
             loss = loss + step_loss
             with torch.no_grad():
                 correct[s] = int((best == self._teacher_argmax(want)).sum())
+        if not int(counted.sum()):  # nothing trained in the batch: a zero that still reaches the draft layers
+            loss = outputs[0].hidden.sum() * 0.0
         return StepResult(loss, correct, counted)
 
     def _teacher(self, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -301,7 +301,7 @@ class Eagle3Drafter(Drafter):
             greedy = torch.zeros(need.shape, dtype=torch.long, device=need.device)  # [R, S] the target's token
             if batch.target_topk is not None:  # a top-k target run: the stored top-K tokens, best first
                 greedy[need] = batch.target_topk[0][rows, cols, 0]
-            else:
+            elif bool(need.any()):
                 last = batch.layer(max(batch.layer_ids))[need]  # [M, H] layer N
                 greedy[need] = torch.cat([target.logits(part).argmax(-1)
                                           for part in last.split(max(chunk or last.shape[0], 1))])
@@ -332,7 +332,8 @@ class Eagle3Drafter(Drafter):
             with torch.no_grad():
                 guess = self.draft_ids[best]  # [N] target ids
                 correct[s] = int((guess == greedy[rows, cols + 1 + s]).sum())
-        loss = self.combine_step_losses(terms) if terms else torch.zeros((), device=aux.device)
+        # nothing trained in the batch: a zero that still reaches the draft layers (the trainer's backward, DDP's)
+        loss = self.combine_step_losses(terms) if terms else outputs[0].hidden.sum() * 0.0
         return StepResult(loss, correct, counted)
 
     def _target_distribution(self, batch: DrafterBatch, target: TargetHead, rows: torch.Tensor, cols: torch.Tensor

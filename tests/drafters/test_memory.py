@@ -120,3 +120,20 @@ def test_chunked_teacher_keeps_states_not_vocabulary_wide_logits(oracle_run, tin
     where = torch.arange(whole.greedy.numel())
     index = torch.arange(5, 13)
     torch.testing.assert_close(chunked.distribution(where)(index), whole.distribution(where)(index))
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIONS))
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_a_batch_with_nothing_trained_gives_a_zero_loss(kind, chunk, oracle_run, tiny_llama):
+    """Every position loss-masked out (a prompt-only stretch): a zero loss that still backpropagates, nothing
+    counted, no error, with and without --ce-chunk-tokens."""
+    from drafters.memory import MemoryOptions
+    from drafters.registry import drafter_class
+
+    ds, target, drafter = family_setup(oracle_run, tiny_llama, drafter_class(kind), **OPTIONS[kind])
+    drafter.use_memory(MemoryOptions(ce_chunk_tokens=chunk))
+    batch = _batch(ds, [0, 1], max_tokens=64)
+    batch.loss_mask = torch.zeros_like(batch.loss_mask)
+    result = drafter.training_step(batch, target)
+    assert float(result.loss) == 0.0 and int(result.counted.sum()) == 0
+    result.loss.backward()
