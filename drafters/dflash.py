@@ -63,7 +63,7 @@ from drafters.base import (
 )
 from drafters.features import Features, aux_layers_for_run
 from drafters.llama_layers import llama_layer_config
-from drafters.memory import cross_entropy
+from drafters.memory import chunked_argmax, cross_entropy, softmax_of
 from drafters.registry import Family
 
 SPECULATORS_MODEL_TYPE = "dflash"
@@ -324,8 +324,8 @@ class DFlashDrafter(Drafter):
                 teacher = functools.partial(_topk_teacher, ids, logprobs, self.layer_config.vocab_size)
             else:
                 last = batch.layer(max(batch.layer_ids))[rows, at]  # [M, H] the target's last layer there
-                teacher = functools.partial(_logits_teacher, target, last)
-                greedy = torch.cat([target.logits(part).argmax(-1) for part in last.split(chunk or last.shape[0])])
+                teacher = softmax_of(target.logits, last)
+                greedy = chunked_argmax(target.logits, last, chunk)
         weight = torch.exp(-(slot.float() - 1) / gamma)
         # [M, V] logits (in chunks with --ce-chunk-tokens), weighted cross-entropy against the target's distribution
         total, best = cross_entropy(out[rows, blk, slot], self.logits, teacher, chunk=chunk, weight=weight)
@@ -447,11 +447,6 @@ class DFlashDrafter(Drafter):
 def _topk_teacher(ids: torch.Tensor, logprobs: torch.Tensor, vocab: int, index: torch.Tensor) -> torch.Tensor:
     """[n, V] a top-k run's distribution at rows `index`."""
     return topk_distribution(ids[index], logprobs[index], torch.arange(vocab, device=ids.device), vocab)
-
-
-def _logits_teacher(target: TargetHead, last: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[n, V] the target's distribution from its last layer's states at rows `index`."""
-    return F.softmax(target.logits(last[index]).float(), dim=-1)
 
 
 FAMILY = Family(name="dflash", description="a DFlash (speculators dflash) block-drafter checkpoint",

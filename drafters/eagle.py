@@ -31,7 +31,6 @@ with the verifier's path (from which hsx loads the lm_head and final norm when t
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -53,7 +52,7 @@ from drafters.base import (
 )
 from drafters.features import Features
 from drafters.llama_layers import cache_kwarg, llama_layer_config, with_draft_attention
-from drafters.memory import cross_entropy
+from drafters.memory import chunked_argmax, cross_entropy, softmax_of
 from drafters.registry import Family
 from drafters.ttt import needed_chains, unroll_chains
 
@@ -190,25 +189,16 @@ class EagleDrafter(Drafter):
             want = features[rows, cols + 1 + s]  # [M, H] f_{t+1+s}
             # the token loss against the target's distribution of x_{t+2+s} (its lm_head over f_{t+1+s}); the
             # [M, V] logits in chunks with --ce-chunk-tokens
-            total, best = cross_entropy(pred, self.logits, functools.partial(self._teacher, want),
+            total, best = cross_entropy(pred, self.logits, softmax_of(self.logits, want),
                                         chunk=self.memory.ce_chunk_tokens)
             step_loss = (self.config.regression_weight * F.smooth_l1_loss(pred.float(), want.float())
                          + self.config.classification_weight * total / rows.numel())
             loss = loss + step_loss
             with torch.no_grad():
-                correct[s] = int((best == self._teacher_argmax(want)).sum())
+                correct[s] = int((best == chunked_argmax(self.logits, want, self.memory.ce_chunk_tokens)).sum())
         if not int(counted.sum()):  # nothing trained in the batch: a zero that still reaches the draft layers
             loss = outputs[0].hidden.sum() * 0.0
         return StepResult(loss, correct, counted)
-
-    def _teacher(self, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """[n, V] the target's distribution at features[index] (its lm_head over the feature)."""
-        return F.softmax(self.logits(features[index]).float(), dim=-1)
-
-    def _teacher_argmax(self, features: torch.Tensor) -> torch.Tensor:
-        """[M] the target's greedy token from each feature, `chunk` rows of logits at a time."""
-        chunk = self.memory.ce_chunk_tokens or features.shape[0]
-        return torch.cat([self.logits(part).argmax(-1) for part in features.split(max(chunk, 1))])
 
     def recomputable(self) -> list[nn.Module]:
         """--gradient-checkpointing: the draft layers' MLPs (their attention writes the unroll's keys)."""

@@ -55,7 +55,7 @@ from drafters.base import (
 )
 from drafters.features import Features, aux_layers_for_run
 from drafters.llama_layers import cache_kwarg, llama_layer_config, with_draft_attention
-from drafters.memory import cross_entropy, rows_of
+from drafters.memory import chunked_argmax, cross_entropy, rows_of
 from drafters.registry import Family
 from drafters.ttt import UnrollStep, needed_chains, unroll_chains
 from drafters.vocab import DraftVocab, build_draft_vocab
@@ -301,10 +301,8 @@ class Eagle3Drafter(Drafter):
             greedy = torch.zeros(need.shape, dtype=torch.long, device=need.device)  # [R, S] the target's token
             if batch.target_topk is not None:  # a top-k target run: the stored top-K tokens, best first
                 greedy[need] = batch.target_topk[0][rows, cols, 0]
-            elif bool(need.any()):
-                last = batch.layer(max(batch.layer_ids))[need]  # [M, H] layer N
-                greedy[need] = torch.cat([target.logits(part).argmax(-1)
-                                          for part in last.split(max(chunk or last.shape[0], 1))])
+            else:
+                greedy[need] = chunked_argmax(target.logits, batch.layer(max(batch.layer_ids))[need], chunk)
             table = None  # [R, S, D] the target's distributions, unless --ce-chunk-tokens computes them per chunk
             if not chunk:
                 table = torch.zeros((*need.shape, self.lm_head.out_features), device=need.device)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import DrafterBatch, TargetHead
-from drafters.memory import cross_entropy
+from drafters.memory import chunked_argmax, cross_entropy
 
 TARGETS = ("target", "tokens")
 
@@ -56,8 +56,7 @@ class TeacherLogits:
             if not chunk:
                 logits = (states @ head.T).float()  # [n, V]
                 return cls(index, logits.argmax(-1), logits, None, None)
-            greedy = torch.cat([(part @ head.T).argmax(-1) for part in states.split(chunk)]) if len(states) else \
-                torch.zeros(0, dtype=torch.long, device=states.device)
+            greedy = chunked_argmax(lambda part: part @ head.T, states, chunk)
         return cls(index, greedy, None, states, head)
 
     def rows(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ running without them, bf16 autocast within bf16's precision.
                                       chunk > 0 the logits of `chunk` rows at a time, recomputed in the backward, so
                                       a [rows, vocabulary] tensor is never kept (128k logits of 32k tokens: 16 GB)
     rows_of(table, rows, cols)        a teacher reading a [R, S, D] table at packed positions
+    softmax_of(readout, states)       a teacher computing softmax(readout(states)) at the rows a chunk reads
+    chunked_argmax(readout, states, chunk)   the greedy token of each state, `chunk` rows of logits at a time
     recompute_in_backward(module)     the module's activations are not kept: its forward runs again in the backward
                                       (torch.utils.checkpoint); for modules without side effects (MLPs, DFlash layers)
     autocast(options, device)         the training step's autocast context (a no-op without --autocast)
@@ -64,6 +66,25 @@ def _rows_of(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, index:
 def rows_of(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """A teacher reading table [R, S, ...] at (rows, cols)[index], bound now (the backward may call it later)."""
     return functools.partial(_rows_of, table, rows, cols)
+
+
+def _softmax_of(readout: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor,
+                index: torch.Tensor) -> torch.Tensor:
+    return F.softmax(readout(states[index]).float(), dim=-1)
+
+
+def softmax_of(readout: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A teacher: rows `index` of states [n, H] -> softmax(readout(states[index])) [len, V], bound now."""
+    return functools.partial(_softmax_of, readout, states)
+
+
+def chunked_argmax(readout: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor, chunk: int = 0
+                   ) -> torch.Tensor:
+    """[n] argmax of readout(states [n, H]), `chunk` rows of logits at a time (0: all at once); empty for n = 0."""
+    if not len(states):
+        return torch.zeros(0, dtype=torch.long, device=states.device)
+    return torch.cat([readout(part).argmax(-1) for part in states.split(chunk or len(states))])
 
 
 def _chunk_loss(readout, teacher, weight, index, hidden):
