@@ -61,10 +61,8 @@ class _Bucket:
 class Layout:
     """Where each query and key of a packed batch sits in its document's sequence (see the module docstring)."""
 
-    rows: int
-    keys_per_row: int
-    queries: int
     extra: int
+    """Extra keys of each query (its sinks)."""
     buckets: list[_Bucket]
 
     @classmethod
@@ -146,7 +144,7 @@ class Layout:
                 key_dst=local[key_doc[k_in]] * length + k_entry[k_in], query_src=q_idx[q_in],
                 query_dst=local[q_doc[q_in]] * length + q_entry[q_in], sink_dst=sink_dst,
                 hidden_dst=torch.unique(hidden)))
-        return cls(r, s, int(queries_src.numel()), extra, buckets)
+        return cls(extra, buckets)
 
 
 def ranged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Layout, scale: float,

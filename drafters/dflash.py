@@ -163,15 +163,13 @@ class BlockLayout:
     its own block both ways (the block's keys as each slot's extra keys)."""
 
     layout: Layout
-    rows: int
     anchors: int
     block: int
 
     @classmethod
     def of(cls, document_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> BlockLayout:
         """anchors [R, n] row positions of the blocks."""
-        return cls(Layout.before_positions(document_ids, anchors, block, extra=block), anchors.shape[0],
-                   anchors.shape[1], block)
+        return cls(Layout.before_positions(document_ids, anchors, block, extra=block), anchors.shape[1], block)
 
     def attend(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, context_kv) -> torch.Tensor:
         """q [R, H, Q, d], the blocks' k/v [R, Hkv, Q, d], the context's (k, v) [R, Hkv, C, d] -> [R, Q, H, d]."""
