@@ -160,9 +160,9 @@ def main(argv=None) -> int:
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         print(json.dumps(child(args)))
         return 0
-    from drafters.registry import families
+    from drafters.registry import trainable_families
 
-    names = args.families.split(",") if args.families else sorted(families())
+    names = args.families.split(",") if args.families else trainable_families()
     rows = [measure(f, s, int(b), args) for s in args.shapes.split(",") for b in args.batch_tokens.split(",")
             for f in names]
     for r in rows:

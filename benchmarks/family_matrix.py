@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+from jobs.tiny_models import FAMILIES, build_tiny_model, randomise_norms  # noqa: E402
 
 COLUMNS = ("states", "final_norm", "top_k", "generation", "ngram", "eagle3", "verify")
 SLOW_COLUMNS = ("eagle3", "verify")
@@ -56,17 +56,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def build(family: str, out: str) -> str:
     """The family's tiny model at `out`, its norm weights randomised (a fresh model's are all 1 or all 0)."""
-    from transformers import AutoModelForCausalLM
-
-    build_tiny_model(family, out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() and "weight" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    model.save_pretrained(out)
-    return out
+    return randomise_norms(build_tiny_model(family, out))
 
 
 def reference(model_dir: str):

@@ -10,7 +10,7 @@ training never loads decoding code.
     features.py        Features (what a family reads from a run, as data), run_fit, union_layer_ids: the questions
                        the trainer's layer check, online extraction and `hsx run`'s default layers ask
     registry.py        Family, families(), family(name), register(family), drafter_class(name),
-                       family_features(name), default_layer_ids(n): the one registry (extractor.methods) the
+                       trainable_families(), family_features(name), default_layer_ids(n): the one registry (extractor.methods) the
                        trainer, the evaluator and the engine read; entry points `hsx.drafters`
 
     eagle3.py          Eagle3Config, Eagle3Drafter (fc over the aux layers, a Llama layer over [embedding ; fused
@@ -30,6 +30,9 @@ training never loads decoding code.
     medusa_proposer.py MedusaProposer
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter (IBM's architecture)
     mlp_speculator_proposer.py   MLPSpeculatorProposer
+    mtp.py             MtpStyle, mtp_style, MtpHead, FAMILY (MtpMethod): a target's own MTP layers read from its
+                       checkpoint (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 layouts); decodes, not trained yet
+    mtp_proposer.py    MtpProposer (EAGLE-3's row cache and loop, step s reading MTP layer s % L)
 
     what families share (public, each named by its concept):
     llama_layers.py    llama_layer_config, with_draft_attention: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)

@@ -59,8 +59,8 @@ class _RowCache:
         columns)."""
         st = self.state
         b_rows, width = len(ids), max(1, max(len(r) for r in ids))
-        h = drafter.fc.weight.shape[0]
-        dtype = drafter.fc.weight.dtype
+        given = next(x for x in hidden if x is not None)  # at least one row has entries
+        h, dtype = given.shape[-1], given.dtype
         tok = torch.zeros((b_rows, width), dtype=torch.long)
         new_mask = torch.zeros((b_rows, width), dtype=torch.long)
         offsets = torch.zeros((b_rows, width), dtype=torch.long)
@@ -116,6 +116,7 @@ class Eagle3Proposer(Proposer):
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.device = torch.device(runner.device)
         self.drafter = drafter.to(self.device, runner.dtype).eval().requires_grad_(False)
+        self.state_dtype = runner.dtype  # of the states fed to the head
         self.capture_layer_ids = tuple(drafter.aux_layer_ids)
         self.k = int(num_speculative_tokens)
         self._draft_ids = self.drafter.draft_ids  # [D] target ids
@@ -185,7 +186,7 @@ class Eagle3Proposer(Proposer):
                 self._states[b] = []
                 start = self.fed[b]
                 ids.append([int(t) for t in ctx[start + 1:start + 1 + aux.shape[0]]])
-                hidden.append(drafter.fuse(aux.to(self.device, drafter.fc.weight.dtype)))  # [n, H]
+                hidden.append(drafter.fuse(aux.to(self.device, self.state_dtype)))  # [n, H]
                 if len(ids[-1]) != aux.shape[0]:
                     raise RuntimeError(f"row {b}: {self._seen[b]} states observed for a context of {len(ctx)} "
                                        "tokens; the engine must observe exactly contexts[b][:-1]")

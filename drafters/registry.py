@@ -7,6 +7,7 @@
         "module:Class" and imported when used
     families() / family(name) / register(family) / unregister(name)   extractor.methods' registry
     drafter_class(name)                             the family's Drafter subclass, or ValueError naming the choices
+    trainable_families()                            the families hsx trains (those with a Drafter; mtp decodes only)
     family_features(name)                           the family's Features, or ValueError naming the choices
     default_layer_ids(n)                            the layers that serve every registered family (`hsx run` with
                                                     no --layers: 2, N//2, N-3, N for hsx's own families)
@@ -26,7 +27,8 @@ from typing import Any
 from drafters.features import Features, union_layer_ids
 from extractor.methods import families, family, register, unregister
 
-__all__ = ["Family", "families", "family", "register", "unregister", "drafter_class", "family_features",
+__all__ = ["Family", "families", "family", "register", "unregister", "drafter_class", "trainable_families",
+           "family_features",
            "default_layer_ids", "load"]
 
 
@@ -92,6 +94,11 @@ def drafter_class(name: str) -> type:
         raise ValueError(f"--kind {name}: its Family declares {declared} but its Drafter {cls.__name__} declares "
                          f"{cls.features}; a family declares what it reads once (FEATURES, passed to both)")
     return cls
+
+
+def trainable_families() -> list[str]:
+    """The registered families `hsx train-drafter` trains (a Drafter of their own), sorted."""
+    return sorted(name for name, found in families().items() if hasattr(found, "drafter_class"))
 
 
 def family_features(name: str) -> Features:

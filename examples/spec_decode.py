@@ -5,10 +5,11 @@
     python examples/spec_decode.py --method eagle3 --model TARGET_DIR --draft-model HEAD_DIR   # hsx train-drafter
     python examples/spec_decode.py --method eagle --model TARGET_DIR --draft-model HEAD_DIR    # --kind eagle
     python examples/spec_decode.py --method eagle3 --parallel-drafting --model TARGET_DIR --draft-model HEAD_DIR  # peagle
+    python examples/spec_decode.py --method mtp --model TARGET_DIR      # the target's own MTP layers (DeepSeek-V3 ...)
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
-draft cut from it (same tokenizer). Without --dataset-path the prompts are lines of a Python standard-library source
+draft cut from it (same tokenizer); for mtp a tiny DeepSeek-V3-style target with one random MTP layer. Without --dataset-path the prompts are lines of a Python standard-library source
 file, which ships with every Python. The printed lines are the ones vLLM's examples/offline_inference/spec_decode.py
 prints, computed the same way from `llm.get_metrics()`: mean acceptance length = 1 + accepted / drafts, acceptance
 at token i = drafts whose i-th token was accepted / drafts.
@@ -23,13 +24,14 @@ import tempfile
 import textwrap
 
 from extractor import LLM, SamplingParams
-from extractor.config import drafter_methods
+from extractor.config import drafter_methods, model_optional
 from extractor.metrics import Counter, Vector
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     heads = drafter_methods()  # the registry's drafter families
+    own = [m for m in heads if model_optional(m)]  # drafted by the target's own layers (mtp): no --draft-model
     p.add_argument("--method", choices=["ngram", "draft_model", *heads], default="ngram",
                    help=f"{' / '.join(heads)}: a head trained with `hsx train-drafter` (--draft-model DIR)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="k, tokens drafted per step")
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.draft_model and args.method == "ngram":
         p.error(f"--draft-model needs --method draft_model or one of {', '.join(heads)}")
-    if args.method in heads and not (args.model and args.draft_model):
+    if args.method in heads and args.method not in own and not (args.model and args.draft_model):
         p.error(f"--method {args.method} needs --model TARGET_DIR and --draft-model HEAD_DIR (a head trained on a run "
                 "of that target: hsx train-drafter --kind ... --out HEAD_DIR)")
     if args.method == "draft_model" and args.model and not args.draft_model:
@@ -58,12 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_tiny_models(root: str, with_draft: bool) -> tuple[str, str | None]:
-    """A tiny random Llama (4 layers) and, if asked, a draft holding its first 2 layers; returns their folders."""
+def build_tiny_models(root: str, with_draft: bool, mtp: bool = False) -> tuple[str, str | None]:
+    """A tiny random Llama (4 layers; with `mtp` a DeepSeek-V3-style target with one MTP layer) and, if asked, a draft
+    holding its first 2 layers; returns their folders."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.tiny_models import build_tiny_model
+    from jobs.tiny_models import add_mtp_layers, build_tiny_model
 
+    if mtp:
+        return add_mtp_layers(build_tiny_model("deepseek_v3", os.path.join(root, "target"))), None
     target = build_tiny_model("llama", os.path.join(root, "target"))
     if not with_draft:
         return target, None
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> float:
     with tempfile.TemporaryDirectory(prefix="hsx-spec-decode-") as root:
         model, draft = args.model, args.draft_model
         if model is None:
-            model, built_draft = build_tiny_models(root, with_draft=args.method == "draft_model" and not draft)
+            model, built_draft = build_tiny_models(root, with_draft=args.method == "draft_model" and not draft,
+                                                   mtp=args.method == "mtp")
             draft = draft or built_draft
         k = args.num_spec_tokens
         if args.method == "ngram":
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> float:
                     "prompt_lookup_min": args.prompt_lookup_min}
         else:
             spec = {"method": args.method, "model": draft, "num_speculative_tokens": k}
+            if draft is None:  # mtp: the target's own folder, as vLLM's script passes it
+                del spec["model"]
             if args.parallel_drafting:
                 spec["parallel_drafting"] = True
         llm = LLM(model=model, speculative_config=spec)

@@ -47,8 +47,6 @@ def speculation_methods() -> tuple[str, ...]:
     return ENGINE_METHODS + drafter_methods()
 # vLLM keys the seed passes that change nothing hsx computes: accepted with one warning. value None = any value;
 # otherwise the one value hsx can honour.
-_NOT_YET_METHODS = ("mtp",)
-"""vLLM speculative methods whose drafters hsx does not have yet: refused with a message saying so."""
 _SPEC_IGNORED = {"enforce_eager": None, "disable_padded_drafter_batch": None, "max_model_len": None,
                  "parallel_drafting": False, "use_heterogeneous_vocab": False}
 
@@ -179,6 +177,11 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
         if self.method == "draft_model" or self.method in drafter_methods():
             what = "the draft causal LM" if self.method == "draft_model" else f"the {self.method} checkpoint"
+            if not self.model and model_optional(self.method):  # the target's own folder holds the draft
+                if self.parallel_drafting:
+                    raise ValueError(f"parallel_drafting applies to a head trained to draft in parallel, not to "
+                                     f"method {self.method!r}; drop it")
+                return
             if not self.model:
                 raise ValueError(f"method {self.method!r} needs 'model': a local folder with {what}")
             if not os.path.isdir(str(self.model)):
@@ -187,10 +190,12 @@ class SpeculativeConfig:
             if not isinstance(self.parallel_drafting, bool):
                 raise ValueError(f"parallel_drafting must be true or false, got {self.parallel_drafting!r}")
             found = checkpoint_method(str(self.model))
+            if model_optional(self.method) and found != self.method:
+                found = self.method  # a target folder: its own reader names what it lacks (method mtp: MTP layers)
             parallel_of, parallel = _parallel_of(found)
             if self.parallel_drafting and found != self.method and parallel_of == self.method:
                 object.__setattr__(self, "method", found)  # vLLM's eagle3 + parallel_drafting on a P-EAGLE head
-            if found != self.method:
+            if found != self.method and not (self.method == "draft_model" and model_optional(found)):
                 hint = " or add parallel_drafting: true" if parallel_of == self.method else ""
                 raise ValueError(f"speculative method {self.method!r} but {self.model} holds "
                                  f"{_describe_checkpoint(found)}; use method {found!r} for it{hint}, or point "
@@ -204,6 +209,12 @@ class SpeculativeConfig:
         elif self.parallel_drafting:
             raise ValueError(f"parallel_drafting applies to a head trained for it (method peagle, or eagle3 on a "
                              f"P-EAGLE checkpoint), not to method {self.method!r}; drop it")
+
+
+def model_optional(method: str | None) -> bool:
+    """Whether the family `method` reads its draft from the target's own folder when 'model' is left out (mtp);
+    such a folder is also a causal LM, so draft_model may name it."""
+    return bool(getattr(families().get(method) if method else None, "model_optional", False))
 
 
 def _parallel_of(method: str | None) -> tuple[str | None, bool]:
@@ -292,11 +303,6 @@ def speculative_config_from_dict(spec: Mapping[str, Any] | None
         k = checkpoint_num_speculative_tokens(str(spec["model"]))
         if k is not None:
             spec = {**spec, "num_speculative_tokens": k}
-    if method in _NOT_YET_METHODS:
-        raise ValueError(f"speculative_config method {method!r} is not supported by hsx yet (its drafter is not "
-                         f"implemented); hsx decodes speculatively with {', '.join(speculation_methods())} "
-                         f"(e.g. a smaller causal LM with method 'draft_model') and extracts only with "
-                         f"{SPECULATIVE_METHOD}")
     if method == SPECULATIVE_METHOD or method not in speculation_methods():
         return None, layer_ids_from_speculative_config(spec)
     known = _SPEC_KEYS.get(method, _DRAFTER_KEYS)

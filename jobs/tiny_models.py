@@ -138,3 +138,117 @@ def build_tiny_model(family: str, out_dir: str, *, seed: int = 0, dtype: str = "
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def randomise_norms(model_dir: str, seed: int = 2, scale: float = 0.3) -> str:
+    """Add scale * N(0, 1) to every norm weight of the model at `model_dir` (a fresh model's are all 1 or all 0, so a
+    missing or misplaced norm would go unnoticed) and save it back; returns model_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() and "weight" in name:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
+"""Tiny families whose checkpoints can carry MTP layers (add_mtp_layers), in the layout their real checkpoints ship."""
+
+
+def add_mtp_layers(model_dir: str, count: int = 1, *, seed: int = 0, own_copies: bool = False) -> str:
+    """Append `count` random MTP layers to the tiny target at `model_dir` (built by build_tiny_model from one of
+    MTP_FAMILIES) in its family's checkpoint layout, and declare them in config.json — what a real checkpoint that
+    ships MTP heads looks like, written from the layout itself (not from hsx's reader):
+
+        deepseek_v3, glm4_moe   model.layers.{N+j}.{enorm,hnorm,eh_proj,shared_head.norm}.weight + a decoder layer's
+                                tensors under model.layers.{N+j}.; num_nextn_predict_layers = count; own_copies adds
+                                per-layer embed_tokens / shared_head.head (DeepSeek-V3 ships copies of the target's;
+                                these differ from them a little, so that which one a reader uses shows)
+        qwen3_next, qwen3_5_text  mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}.weight + mtp.layers.{j}.*
+                                (full-attention decoder layers); num_nextn_predict_layers (qwen3_next) /
+                                mtp_num_hidden_layers (qwen3_5) = count
+    Norm weights are randomised (a wrong norm shows). Returns model_dir."""
+    import copy
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from extractor.layers import find_decoder
+
+    config = AutoConfig.from_pretrained(model_dir)
+    family = config.model_type
+    if family not in MTP_FAMILIES:
+        raise ValueError(f"{model_dir}: model_type {family!r} has no MTP layout here; choose one of {MTP_FAMILIES}")
+    n, h = int(config.num_hidden_layers), int(config.hidden_size)
+    qwen = family.startswith("qwen")
+    block_config = copy.deepcopy(config)
+    block_config._attn_implementation = "sdpa"
+    if getattr(block_config, "layer_types", None) is not None:
+        block_config.layer_types = ["full_attention"] * (n + count)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    layer_cls = type(find_decoder(skeleton, n)[2][0])
+    del skeleton
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    tensors: dict[str, torch.Tensor] = {}
+
+    def norm() -> torch.Tensor:  # around the family's neutral value (1 for x*w, 0 for x*(1+w)), randomised
+        return (0.0 if qwen else 1.0) + 0.3 * torch.randn(h, generator=g)
+
+    def parts(prefix: str, names: tuple[str, str, str, str]) -> None:
+        e, hn, proj, out = names
+        tensors[prefix + e] = norm()
+        tensors[prefix + hn] = norm()
+        tensors[prefix + proj] = torch.randn(h, 2 * h, generator=g) * std
+        tensors[prefix + out] = norm()
+
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    if qwen:
+        parts("mtp.", ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "fc.weight", "norm.weight"))
+    for j in range(count):
+        layer = layer_cls(block_config, j if qwen else n + j)
+        prefix = f"mtp.layers.{j}." if qwen else f"model.layers.{n + j}."
+        for name, p in layer.state_dict().items():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                tensors[prefix + name] = norm() if p.shape == (h,) else p + 0.3 * torch.randn(p.shape, generator=g)
+            elif p.is_floating_point() and p.dim() == 3 and name.endswith(("experts.gate_up_proj",
+                                                                            "experts.down_proj")):
+                # fused in transformers' module, stored per expert in checkpoints (gate and up along dim 0)
+                stem, fused = name.rsplit("experts.", 1)
+                for e in range(p.shape[0]):
+                    if fused == "down_proj":
+                        tensors[f"{prefix}{stem}experts.{e}.down_proj.weight"] = torch.randn(p.shape[1:], generator=g) * std
+                    else:
+                        for proj in ("gate_proj", "up_proj"):
+                            tensors[f"{prefix}{stem}experts.{e}.{proj}.weight"] = \
+                                torch.randn(p.shape[1] // 2, p.shape[2], generator=g) * std
+            elif p.is_floating_point() and p.dim() >= 2:
+                tensors[prefix + name] = torch.randn(p.shape, generator=g) * std
+            else:  # biases and the like: zeros (a fresh module may hold uninitialised memory)
+                tensors[prefix + name] = torch.zeros_like(p) if p.is_floating_point() else p.clone()
+        if not qwen:
+            parts(prefix, ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))
+            if own_copies:
+                embed = weights["model.embed_tokens.weight"]
+                head = weights.get("lm_head.weight", embed)
+                tensors[prefix + "embed_tokens.weight"] = embed + 0.5 * std * torch.randn(embed.shape, generator=g)
+                tensors[prefix + "shared_head.head.weight"] = head + 0.5 * std * torch.randn(head.shape, generator=g)
+    dtype = next(iter(weights.values())).dtype
+    weights.update({k: v.to(dtype).contiguous() for k, v in tensors.items()})
+    save_file(weights, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["mtp_num_hidden_layers" if family == "qwen3_5_text" else "num_nextn_predict_layers"] = count
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    return model_dir

@@ -1,0 +1,293 @@
+"""Method "mtp": a target's own MTP layers, read from its checkpoint by hsx, draft for it.
+
+Oracle: the published formula of each style (vLLM's deepseek_mtp.py, glm4_moe_mtp.py, qwen3_next_mtp.py,
+qwen3_5_mtp.py) written out here over the checkpoint's raw tensors, read by name with safetensors — RMSNorm by hand,
+the decoder layer transformers' own class for the family — run over whole sequences without a cache. Decoding is
+checked by losslessness against transformers' `generate`."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from jobs.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
+
+STYLES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
+_CLASSES = {"deepseek_v3": ("deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),
+            "glm4_moe": ("glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRotaryEmbedding"),
+            "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextRotaryEmbedding"),
+            "qwen3_5_text": ("qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5TextRotaryEmbedding")}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """style -> folder of a tiny target with 2 MTP layers (DeepSeek with its per-layer embedding/head copies), and
+    "deepseek_v3/1": one MTP layer, as DeepSeek-V3 ships. Every norm weight random (the target's final norm too)."""
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for style in STYLES:
+        out[style] = add_mtp_layers(randomise_norms(build_tiny_model(style, str(root / style), seed=3)), 2, seed=5,
+                                    own_copies=style == "deepseek_v3")
+    out["deepseek_v3/1"] = add_mtp_layers(randomise_norms(build_tiny_model("deepseek_v3", str(root / "ds1"), seed=4)),
+                                          1, seed=6)
+    return out
+
+
+def _model(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# -- the oracle: the published formula over the raw tensors ------------------------------------------------------
+def _rms(x, w, plus_one):
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return y * ((1.0 + w.float()) if plus_one else w.float())
+
+
+class Oracle:
+    def __init__(self, folder, style):
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        self.style, self.raw = style, load_file(os.path.join(folder, "model.safetensors"))
+        self.config = AutoConfig.from_pretrained(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            doc = json.load(f)
+        self.count = doc.get("num_nextn_predict_layers") or doc.get("mtp_num_hidden_layers")
+        self.n = self.config.num_hidden_layers
+        self.qwen = style.startswith("qwen")
+        module, layer_name, rotary_name = _CLASSES[style]
+        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        config = self.config
+        config._attn_implementation = "sdpa"
+        if getattr(config, "layer_types", None) is not None:  # MTP layers attend in full (vLLM builds them so)
+            config.layer_types = ["full_attention"] * (self.n + self.count)
+        self.rotary = getattr(mod, rotary_name)(config=config)
+        self.blocks = []
+        for j in range(self.count):
+            prefix = f"mtp.layers.{j}." if self.qwen else f"model.layers.{self.n + j}."
+            block = getattr(mod, layer_name)(config, j if self.qwen else self.n + j)
+            state = {}
+            for name, p in block.state_dict().items():
+                if name.endswith("experts.gate_up_proj"):  # checkpoints store experts one by one
+                    stem = prefix + name[:-len("gate_up_proj")]
+                    state[name] = torch.stack([torch.cat([self.raw[f"{stem}{e}.gate_proj.weight"],
+                                                          self.raw[f"{stem}{e}.up_proj.weight"]])
+                                               for e in range(p.shape[0])])
+                elif name.endswith("experts.down_proj"):
+                    stem = prefix + name[:-len("down_proj")]
+                    state[name] = torch.stack([self.raw[f"{stem}{e}.down_proj.weight"] for e in range(p.shape[0])])
+                else:
+                    state[name] = self.raw[prefix + name]
+            block.load_state_dict(state)
+            self.blocks.append(block.eval())
+        self.embed = self.raw["model.embed_tokens.weight"]
+        self.lm_head = self.raw["lm_head.weight"]
+
+    def layer(self, j, tokens, hidden):
+        """MTP layer j over entries (tokens[p], hidden[p]) at positions 0..m-1 -> (carried [m, H], logits [m, V])."""
+        pos = torch.arange(len(tokens))
+        if self.qwen:
+            p = "mtp."
+            e = self.embed[torch.tensor(tokens)]
+            u = torch.cat([_rms(e, self.raw[p + "pre_fc_norm_embedding.weight"], True),
+                           _rms(hidden, self.raw[p + "pre_fc_norm_hidden.weight"], True)], -1) @ self.raw[p + "fc.weight"].T
+        else:
+            p = f"model.layers.{self.n + j}."
+            embed = self.raw.get(p + "embed_tokens.weight", self.embed)
+            e = embed[torch.tensor(tokens)] * (pos != 0)[:, None]  # zeroed at position 0
+            u = torch.cat([_rms(e, self.raw[p + "enorm.weight"], False),
+                           _rms(hidden, self.raw[p + "hnorm.weight"], False)], -1) @ self.raw[p + "eh_proj.weight"].T
+        with torch.no_grad():
+            v = self.blocks[j](u[None], attention_mask=None, position_ids=pos[None],
+                               position_embeddings=self.rotary(u[None], pos[None]))
+        v = (v[0] if isinstance(v, tuple) else v)[0]
+        if self.qwen:
+            carried = _rms(v, self.raw["mtp.norm.weight"], True)
+            return carried, carried @ self.lm_head.T
+        normed = _rms(v, self.raw[p + "shared_head.norm.weight"], False)
+        head = self.raw.get(p + "shared_head.head.weight", self.lm_head)
+        carried = normed if self.style == "deepseek_v3" else v  # GLM carries the pre-norm state
+        return carried, normed @ head.T
+
+    def drafts(self, post_norm, ctx, k):
+        """k greedy drafts after ctx: entries (x_{p+1}, post-norm state of x_p); step s reads layer s % L, every
+        layer sees every entry (the drafts fed with the state the previous step carried)."""
+        tokens, hidden = list(ctx[1:]), post_norm
+        out, first_logits = [], None
+        for s in range(k):
+            carried, logits = self.layer(s % self.count, tokens, hidden)
+            first_logits = logits[-1] if first_logits is None else first_logits
+            out.append(int(logits[-1].argmax()))
+            tokens.append(out[-1])
+            hidden = torch.cat([hidden, carried[-1:]])
+        return out, first_logits
+
+
+def _runner(folder):
+    from extractor.config import EngineConfig
+    from extractor.runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model=folder, dtype="float32", device="cpu"))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_each_styles_drafts_equal_its_published_formula_over_the_checkpoints_own_tensors(style, targets):
+    from drafters.mtp_proposer import MtpProposer
+    from extractor.sampling import SamplingParams
+
+    folder = targets[style]
+    model = _model(folder)
+    g = torch.Generator().manual_seed(7)
+    ctx = torch.randint(5, 400, (11,), generator=g).tolist()
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.update(last=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        post = model.model(torch.tensor([ctx[:-1]])).last_hidden_state[0]  # what vLLM's target hands its MTP layers
+    hook.remove()
+    oracle = Oracle(folder, style)
+    want, want_logits = oracle.drafts(post, ctx, 5)  # k = 5 > L = 2: layers 0, 1, 0, 1, 0
+    proposer = MtpProposer(folder, _runner(folder), 5)
+    assert proposer.capture_layer_ids == (oracle.n,)
+    proposer.start([ctx])
+    proposer.observe([captured["last"][0][:, None]])  # layer N, pre-norm, as the engine captures it
+    draft = proposer.propose([ctx], [5], [SamplingParams(temperature=0.0, max_tokens=8)], [None])[0]
+    assert draft.token_ids == want
+    got_logits = proposer.head.logits(proposer.last_output[0][0], 0)
+    torch.testing.assert_close(got_logits.float(), want_logits.float(), atol=2e-4, rtol=1e-4)
+
+
+def _generate(folder, prompts, n, spec):
+    from extractor import LLM, SamplingParams
+
+    llm = LLM(folder, speculative_config=spec, max_num_batched_tokens=16, dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs], llm.get_metrics()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(5, 400, (n,), generator=g).tolist() for n in (9, 21, 4)]
+
+
+@pytest.mark.parametrize("style,k", [("deepseek_v3/1", 1), ("deepseek_v3/1", 2), ("deepseek_v3/1", 3),
+                                     *[(s, 3) for s in STYLES]])
+def test_mtp_decoding_equals_plain_greedy_decoding_with_vllms_metrics(style, k, targets):
+    folder = targets[style]
+    model, prompts = _model(folder), _prompts()
+    try:
+        got, metrics = _generate(folder, prompts, 20, {"method": "mtp", "num_speculative_tokens": k})
+    except ValueError as e:  # transformers < 5.20 records no per-token linear-attention states (docs/families.md)
+        if "cannot be rolled back" not in str(e):
+            raise
+        pytest.skip(str(e))
+    for p, out in zip(prompts, got):
+        assert out == model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+    by_name = {m.name: m for m in metrics}
+    assert by_name["vllm:spec_decode_num_drafts"].value > 0
+    assert by_name["vllm:spec_decode_num_draft_tokens"].value >= by_name["vllm:spec_decode_num_drafts"].value
+    assert len(by_name["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == k
+
+
+# -- refusals ---------------------------------------------------------------------------------------------------
+def _llm_error(folder, spec):
+    from extractor import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM(folder, speculative_config=spec, dtype="float32")
+    message = str(e.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_a_target_without_mtp_layers_is_refused_in_one_line_naming_what_is_missing(targets, tmp_path):
+    llama = build_tiny_model("llama", str(tmp_path / "llama"))
+    message = _llm_error(llama, {"method": "mtp", "num_speculative_tokens": 2})
+    assert "declares no MTP layers" in message and "llama" in message
+    # declared (transformers' DeepSeek-V3 default num_nextn_predict_layers = 1) but the tensors are not there
+    bare = build_tiny_model("deepseek_v3", str(tmp_path / "bare"))
+    message = _llm_error(bare, {"method": "mtp", "num_speculative_tokens": 2})
+    assert "lacks" in message and "model.layers.4." in message
+
+
+def _damaged(targets, tmp_path, change):
+    from safetensors.torch import load_file, save_file
+
+    folder = str(tmp_path / "damaged")
+    shutil.copytree(targets["deepseek_v3/1"], folder)
+    raw = load_file(os.path.join(folder, "model.safetensors"))
+    change(raw)
+    save_file(raw, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_misshapen_or_non_finite_mtp_tensors_are_refused_naming_the_tensor(targets, tmp_path):
+    folder = _damaged(targets, tmp_path, lambda raw: raw.update({"model.layers.4.eh_proj.weight": torch.zeros(64, 96)}))
+    message = _llm_error(folder, {"method": "mtp", "num_speculative_tokens": 1})
+    assert "model.layers.4.eh_proj.weight" in message and "shape" in message
+    shutil.rmtree(folder)
+
+    def nan(raw):
+        raw["model.layers.4.mlp.experts.1.up_proj.weight"][0, 0] = float("nan")
+
+    folder = _damaged(targets, tmp_path, nan)
+    message = _llm_error(folder, {"method": "mtp", "num_speculative_tokens": 1})
+    assert "non-finite" in message and "experts.gate_up_proj" in message
+
+
+def test_bad_speculative_configs_for_mtp_are_refused(targets, tmp_path):
+    folder = targets["deepseek_v3/1"]
+    assert "integer >= 1" in _llm_error(folder, {"method": "mtp", "num_speculative_tokens": 0})
+    assert "parallel_drafting" in _llm_error(folder, {"method": "mtp", "num_speculative_tokens": 2,
+                                                       "parallel_drafting": True})
+    other = add_mtp_layers(build_tiny_model("deepseek_v3", str(tmp_path / "wide"), hidden_size=96), 1)
+    message = _llm_error(folder, {"method": "mtp", "model": other, "num_speculative_tokens": 2})
+    assert "hidden_size 96" in message
+
+
+def test_the_method_and_k_are_inferred_from_a_target_folder_with_mtp_layers_as_vllm_does(targets):
+    from extractor.config import SpeculativeConfig, speculative_config_from_dict
+
+    spec, _ = speculative_config_from_dict({"model": targets["qwen3_next"]})
+    assert (spec.method, spec.num_speculative_tokens) == ("mtp", 2)  # vLLM's default k: the number of MTP layers
+    # the same folder is still a causal LM a draft_model may name
+    assert SpeculativeConfig("draft_model", 2, model=targets["deepseek_v3/1"]).method == "draft_model"
+
+
+def test_the_seed_script_runs_method_mtp_through_hsx(targets, capsys):
+    import examples.spec_decode as seed
+
+    al = seed.main(["--method", "mtp", "--model", targets["deepseek_v3/1"], "--num-spec-tokens", "2",
+                    "--num-prompts", "3", "--output-len", "12"])
+    out = capsys.readouterr().out
+    assert "mean acceptance length" in out and "acceptance at token 1" in out and al >= 1.0
+
+
+def test_hsx_eval_drafter_measures_mtp_on_a_target_folder_and_refuses_one_without_mtp_layers(targets, tmp_path,
+                                                                                               capsys):
+    from cli.main import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat jumps over the lazy dog"}) + "\n")
+    out = tmp_path / "results.json"
+    folder = targets["deepseek_v3/1"]
+    assert main(["eval-drafter", "--model", folder, "--drafter", folder, "--prompts", str(prompts), "--max-tokens",
+                 "8", "-k", "2", "--no-ngram", "--json", str(out)]) == 0  # the method read from the folder
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["none", "mtp (ds1) k=2"] and all(r["lossless"] for r in rows)
+    llama = build_tiny_model("llama", str(tmp_path / "llama"))
+    capsys.readouterr()
+    assert main(["eval-drafter", "--model", llama, "--drafter", f"mtp:{llama}", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--no-ngram"]) == 1
+    err = capsys.readouterr().err
+    assert "declares no MTP layers" in err and "Traceback" not in err
