@@ -10,6 +10,7 @@
     hsx serve    --model M --output URL [--api-key K] [--replicas N]   the OpenAI-compatible service (serve/)
     hsx train-drafter --kind K --run OUTPUT --model M --out DIR        train a head of a drafter family
     hsx eval-drafter  --model M --drafter [METHOD:]DIR ...             speculative decoding: AL, tokens/s vs none
+    hsx merge-mtp --model TARGET --drafter TUNED --out NEW             a target folder with tuned MTP layers
 
 Job options map one to one onto `jobs.config.JobConfig` (field `max_model_len` = flag `--max-model-len` = job-file key
 `max_model_len`); `--config job.yaml|json` loads the same settings and flags given on the command line win. `hsx

@@ -13,6 +13,7 @@ from connectors.run import RunFormatError
 from jobs.train_config import TrainJobConfig
 from training.evaluate import EvalDrafterConfig, run_eval
 from training.export.config import FORMATS, ExportConfig
+from training.mtp_target import MergeMtpConfig, merge_mtp
 
 
 def register(sub) -> None:
@@ -68,6 +69,12 @@ def register(sub) -> None:
                             "--out. Re-running the same command resumes from --out/checkpoint. --workers N trains N "
                             "data-parallel replicas on Ray (a private local Ray, or --address).")
 
+    add_command(sub, "merge-mtp", MergeMtpConfig, _cmd_merge_mtp,
+                help="a new target folder with MTP layers tuned by `hsx train-drafter --kind mtp`",
+                description="Copy the target folder --model to --out with its MTP tensors replaced by the tuned ones "
+                            "in --drafter (same keys and layout; only the shards holding them are rewritten). "
+                            "--model is never written; speculative_config {'method': 'mtp'} on --out then drafts "
+                            "with the tuned layers.")
     add_command(sub, "eval-drafter", EvalDrafterConfig, _cmd_eval_drafter,
                 help="greedy decoding with drafters vs ngram vs none: acceptance length, tokens/s",
                 description="Decode held-out prompts greedily on TARGET with each drafter (and ngram, and no "
@@ -115,6 +122,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     removed = f", {s.removed} of samples no longer in the run removed" if s.removed else ""
     print(f"exported {s.samples} samples ({s.tokens} tokens) to {s.dest} as {s.format}: {s.written} written, "
           f"{s.skipped} already done{removed}, {s.seconds:.1f}s")
+    return EXIT_OK
+
+
+def _cmd_merge_mtp(args: argparse.Namespace) -> int:
+    config: MergeMtpConfig = config_from_args(args, MergeMtpConfig)
+    try:
+        r = merge_mtp(config)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    print(f"wrote {r['out']}: {r['replaced_tensors']} MTP tensors replaced in {', '.join(r['rewritten_shards'])}; "
+          f"{config.model} unchanged")
     return EXIT_OK
 
 

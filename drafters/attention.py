@@ -239,17 +239,20 @@ class TTTAttention:
         self.step, self.chains = step, chains
         self._layout = Layout.at_positions(self.document_ids, chains, extra=step)
 
-    # the Cache interface transformers' attention calls
+    # the Cache interface transformers' attention calls: the step's own states pass through unchanged; what they
+    # attend with is kept by attend(), from the keys and values the attention function gets (an MLA layer caches
+    # latents, expanded only after the cache: keys are what reaches the attention function)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               scale: float) -> torch.Tensor:
+        """query [B, H, n, d], key / value [B, Hkv, n, d / dv] of the current step (kept for later steps) ->
+        [B, n, H, dv] (what transformers' attention functions return)."""
         per_step = self._keys.setdefault(layer_idx, [])
         if len(per_step) != self.step:
             raise RuntimeError(f"layer {layer_idx} stored {len(per_step)} steps' keys at step {self.step}")
-        flat = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (key_states, value_states)]
-        per_step.append((flat[0], flat[1]))
-        return key_states, value_states
-
-    def attend(self, module, query: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-        """query [B, H, n, d] of the current step -> [B, n, H, dv] (what transformers' attention functions return)."""
+        per_step.append(tuple(x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (key, value)))
         r, s = self.document_ids.shape
         b, heads, n, d = query.shape
         q = query.transpose(1, 2).reshape(b * n, heads, d)
@@ -278,7 +281,7 @@ class TTTAttention:
 def _attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function interface: a TTTAttention mask -> ranged attention; else sdpa's."""
     if isinstance(attention_mask, TTTAttention):
-        return attention_mask.attend(module, query, module.layer_idx, scaling), None
+        return attention_mask.attend(module, query, key, value, module.layer_idx, scaling), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

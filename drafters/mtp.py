@@ -44,14 +44,22 @@ import copy
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from drafters.attention import ATTN_IMPLEMENTATION
+from drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, target_folder, write_checkpoint
 from drafters.features import Features
 from drafters.llama_layers import cache_kwarg
+from drafters.memory import chunked_argmax, cross_entropy, softmax_of
+from drafters.registry import Family
+from drafters.ttt import needed_chains, unroll_chains
+
+FEATURES = Features()
+"""MTP layers read layer N's state (through the target's final norm): no aux layers, no top-k target."""
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -169,10 +177,10 @@ def _skeleton(hf_config):
 
 
 def _block_config(hf_config, style: MtpStyle, count: int):
-    """The config MTP decoder layers are built from: sdpa attention (the proposer's boolean masks), full attention
-    at every index an MTP layer is built with."""
+    """The config MTP decoder layers are built from: drafters.attention's (a TTTAttention in training, the
+    proposer's boolean masks through sdpa), full attention at every index an MTP layer is built with."""
     config = copy.deepcopy(hf_config)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTN_IMPLEMENTATION  # training's TTTAttention ranged, decoding's masks to sdpa
     if getattr(config, "layer_types", None) is not None:  # hybrids (Qwen3-Next): MTP layers attend in full
         config.layer_types = ["full_attention"] * (int(config.num_hidden_layers) + count)
     return config
@@ -219,7 +227,7 @@ class MtpHead(nn.Module):
             for local, remote in self.style.part_keys.items():
                 keys[f"parts.{i}.{local}"] = self.style.parts_prefix(n, i) + remote
         for j, block in enumerate(self.blocks):
-            for name, _ in block.named_parameters():
+            for name in block.state_dict():  # parameters and persistent buffers (DeepSeek's e_score_correction_bias)
                 keys[f"blocks.{j}.{name}"] = self.style.block_prefix(n, j) + name
         for name in self.own:
             kind, j = ("embed", int(name[5:])) if name.startswith("embed") else ("head", int(name[4:]))
@@ -307,7 +315,7 @@ class MtpHead(nn.Module):
                 raise ValueError(f"{model_dir}: MTP tensor {key} holds non-finite values (NaN or inf); the "
                                  "checkpoint is damaged")
         head.to(dtype or embed_tokens.dtype)
-        head.load_state_dict(state, strict=False)
+        head.load_state_dict(state, strict=True)
         return head.to(device or embed_tokens.device).eval().requires_grad_(False)
 
 
@@ -366,34 +374,243 @@ def _read_tensors(model_dir: str, weight_map: Mapping[str, str], sources: Mappin
     return out
 
 
-class MtpMethod:
-    """MTP in the drafter registry (pyproject.toml's hsx.drafters entry point `mtp`): a method that decodes with a
-    target's own MTP layers; its checkpoints are target folders that declare MTP layers (mtp_style)."""
-
-    name = "mtp"
-    description = "a target folder with MTP layers (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 style)"
-    parallel_of = None
-    parallel = False
-    model_optional = True
-    """speculative_config may leave out 'model': the target's own folder holds the layers (vLLM's default)."""
-
-    features = Features()
-    """The proposer reads layer N, pre-norm, to which it applies the target's final norm."""
-
-    def matches(self, checkpoint_config: dict[str, Any]) -> bool:
-        return mtp_style(checkpoint_config) is not None
-
-    def num_speculative_tokens(self, checkpoint_config: dict[str, Any]) -> int | None:
-        """vLLM's default k for mtp: the number of MTP layers."""
-        found = mtp_style(checkpoint_config)
-        return found[1] if found else None
-
-    proposer_class = "drafters.mtp_proposer:MtpProposer"
-
-    def proposer(self, model_dir: str | None, runner, k: int):
-        from drafters.registry import load
-
-        return load(self.proposer_class)(model_dir, runner, k)
+# -- checkpoints in the target's own layout ---------------------------------------------------------------------
+def checkpoint_tensors(head: MtpHead) -> dict[str, torch.Tensor]:
+    """The head's tensors under the checkpoint's own keys, experts one by one as checkpoints store them (the reverse
+    of from_folder's reading): what a tuned head writes, standalone or back into a copy of its target."""
+    state = head.state_dict()
+    out = {}
+    for name, key in head.checkpoint_keys().items():
+        tensor = state[name].detach()
+        groups = expert_sources(key, tuple(tensor.shape))
+        if len(groups) == 1 and len(groups[0]) == 1:
+            out[key] = tensor.contiguous()
+            continue
+        for e, group in enumerate(groups):
+            for piece, k in zip(tensor[e].chunk(len(group)), group):
+                out[k] = piece.contiguous()
+    return out
 
 
-FAMILY = MtpMethod()
+def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[str, Any]:
+    """A new target folder at `out_dir`: every file of `target_dir` copied, its MTP tensors replaced by the tuned ones
+    `drafter_dir` holds (a `hsx train-drafter --kind mtp` checkpoint), the shards holding them rewritten, nothing
+    else changed and `target_dir` never touched. ValueError in one line, nothing written, when out_dir exists and is
+    not empty, the folders' MTP tensors differ in keys or shapes, or a tuned tensor is not finite."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    if os.path.abspath(out_dir) == os.path.abspath(target_dir):
+        raise ValueError(f"--out {out_dir} is the target folder itself; write the tuned target to a new folder")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"--out {out_dir} exists and is not an empty folder; name a new folder")
+    weight_map = _weight_map(target_dir)
+    tuned_map = _weight_map(drafter_dir)
+    found = mtp_style(_read_json(os.path.join(target_dir, "config.json")))
+    if found is None:
+        raise ValueError(f"{target_dir} declares no MTP layers; it is not a target to tune MTP layers of")
+    tuned = {}
+    for file in sorted(set(tuned_map.values())):
+        tuned.update(load_file(os.path.join(drafter_dir, file)))
+    mtp_keys = {k for k in weight_map if _is_mtp_key(k, found[0], _read_json(os.path.join(target_dir, "config.json")))}
+    if set(tuned) != mtp_keys:
+        extra, lacking = sorted(set(tuned) - mtp_keys), sorted(mtp_keys - set(tuned))
+        raise ValueError(f"{drafter_dir} does not hold exactly {target_dir}'s MTP tensors (not in the target: "
+                         f"{extra[:3]}, missing: {lacking[:3]}); it was tuned from another target")
+    shards = sorted({weight_map[k] for k in mtp_keys})
+    replaced: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
+    for shard in shards:
+        with safe_open(os.path.join(target_dir, shard), framework="pt") as f:
+            meta = f.metadata() or {"format": "pt"}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for k in [k for k in tensors if k in mtp_keys]:
+            new = tuned[k]
+            if tuple(new.shape) != tuple(tensors[k].shape):
+                raise ValueError(f"{drafter_dir}: {k} has shape {tuple(new.shape)}, the target's is "
+                                 f"{tuple(tensors[k].shape)}; it was tuned from another target")
+            if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+                raise ValueError(f"{drafter_dir}: {k} holds non-finite values; the tuned checkpoint is damaged")
+            tensors[k] = new.to(tensors[k].dtype).contiguous()
+        replaced[shard] = (tensors, meta)
+    tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(target_dir, tmp, ignore=shutil.ignore_patterns(*shards))
+        for shard, (tensors, meta) in replaced.items():
+            save_file(tensors, os.path.join(tmp, shard), metadata=meta)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": out_dir, "replaced_tensors": len(mtp_keys), "rewritten_shards": shards}
+
+
+def _is_mtp_key(key: str, style: MtpStyle, doc: Mapping[str, Any]) -> bool:
+    if style.shared_parts:
+        return key.startswith("mtp.")
+    n = int(_text_config_dict(doc)["num_hidden_layers"])
+    return key.startswith("model.layers.") and int(key.split(".")[2]) >= n
+
+
+# -- fine-tuning (hsx train-drafter --kind mtp) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class MtpConfig:
+    """MTP fine-tuning options (`hsx train-drafter --kind mtp`; --ttt-steps, --family-options '{"beta": 0.6}')."""
+
+    ttt_steps: int = 3
+    """Chained positions trained: step s feeds the state step s - 1 carried (drafts s + 1 tokens ahead), through MTP
+    layer s % L, as decoding does."""
+    beta: float = 0.6
+    """Step s weighs beta^s (normalised to sum 1): FastMTP's weights, speculators' default."""
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0 < self.beta <= 1:
+            raise ValueError(f"beta must be in (0, 1], got {self.beta}")
+
+    def weights(self) -> list[float]:
+        raw = [self.beta ** s for s in range(self.ttt_steps)]
+        return [w / sum(raw) for w in raw]
+
+
+class MtpDrafter(Drafter):
+    """A target's MTP layers being fine-tuned on an hsx run: only the MTP layers train (the embeddings and lm_head are
+    the target's, frozen and shared; a layer's own copies stay frozen too); the loss is the cross-entropy against the
+    target's own next-token distribution at each chained position, weighted beta^s."""
+
+    kind = "mtp"
+    features = FEATURES
+
+    def __init__(self, head: MtpHead, config: MtpConfig, target_norm: nn.Module, num_speculative_tokens: int,
+                 verifier: str, target_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.head = head
+        self.config = config
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.verifier = verifier
+        self.target_config = target_config
+        self.target_norm = target_norm.requires_grad_(False)
+        for name, p in head.named_parameters():
+            p.requires_grad_(not name.startswith("own."))
+
+    @classmethod
+    def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any) -> MtpDrafter:
+        config = MtpConfig(**family_options)
+        n = int(run_spec.num_hidden_layers)
+        if run_spec.target_top_k is not None or n not in tuple(run_spec.layer_ids):
+            raise ValueError(f"MTP layers read the target's last layer (id {n}) through its final norm, but the run "
+                             f"stores {list(run_spec.layer_ids)}{' with a top-k target in its place' if run_spec.target_top_k is not None else ''}"
+                             f"; re-extract with layer {n} in --layers (no --target top_k)")
+        folder = target_folder(target, "MTP")
+        doc = _read_json(os.path.join(folder, "config.json"))
+        head = MtpHead.from_folder(folder, hf_config=_hf_text_config(folder), embed_tokens=target.embed_tokens.float(),
+                                   lm_head=target.lm_head.float(), dtype=torch.float32, device="cpu")
+        norm = target.norm.to(torch.float32).module
+        return cls(head.train(), config, norm, num_speculative_tokens, os.path.abspath(folder), doc).to(torch.float32)
+
+    def _decode_step(self, step: list[int]):
+        """unroll_chains' decode for this family: every MTP layer over the step's entries (their caches all hold
+        every entry, as decoding's), the step's own layer's output returned."""
+        def decode(ids, hidden, positions, mask, cache):
+            s = step[0]
+            step[0] += 1
+            return self.head.decode(ids, hidden, positions, mask, cache)[..., s % self.head.count, :]
+        return decode
+
+    def training_step(self, batch: DrafterBatch, target: TargetHead) -> StepResult:
+        n = int(self.head.num_hidden_layers)
+        dtype = self.head.parts[0].proj.weight.dtype
+        with torch.no_grad():
+            features = self.target_norm(batch.layer(n).to(dtype))  # [R, S, H] what the target hands its MTP layers
+        steps = self.config.ttt_steps
+        trained = [batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False) for s in range(steps)]
+        outputs = unroll_chains(self._decode_step([0]), features, batch.input_ids, batch.position_ids,
+                                batch.document_ids, needed_chains(trained))
+        loss = torch.zeros((), dtype=torch.float32, device=features.device)
+        correct = torch.zeros(steps, dtype=torch.long)
+        counted = torch.zeros(steps, dtype=torch.long)
+        for s, (step, weight) in enumerate(zip(outputs, self.config.weights())):
+            rows, cols = trained[s].nonzero(as_tuple=True)
+            counted[s] = rows.numel()
+            if not rows.numel():
+                continue
+            carried = step.take(rows, cols)  # [M, H]
+            want = features[rows, cols + 1 + s]  # [M, H] the target's state that predicts x_{t+2+s}
+
+            def logits(x, j=s % self.head.count):
+                return self.head.logits(x, j)
+
+            def teacher(x):
+                return x @ self.head.target_lm_head.to(x.dtype).T
+
+            total, best = cross_entropy(carried, logits, softmax_of(teacher, want), chunk=self.memory.ce_chunk_tokens)
+            loss = loss + weight * total / rows.numel()
+            with torch.no_grad():
+                correct[s] = int((best == chunked_argmax(teacher, want, self.memory.ce_chunk_tokens)).sum())
+        if not int(counted.sum()):
+            loss = outputs[0].hidden.sum() * 0.0
+        return StepResult(loss, correct, counted)
+
+    def recomputable(self) -> list[nn.Module]:
+        """--gradient-checkpointing: the MTP layers' MLPs (their attention writes the unroll's keys)."""
+        return [block.mlp for block in self.head.blocks if hasattr(block, "mlp")]
+
+    # -- checkpoint: the target's config and the MTP tensors under the checkpoint's own keys ------------------------
+    def save_pretrained(self, out_dir: str, *, verifier: str) -> None:
+        if verifier:
+            self.verifier = verifier
+        doc = dict(self.target_config)
+        doc["hsx"] = {"kind": self.kind, "verifier": self.verifier, "num_speculative_tokens":
+                      self.num_speculative_tokens, **asdict(self.config)}
+        write_checkpoint(out_dir, doc, checkpoint_tensors(self.head))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None) -> MtpDrafter:
+        """A saved MTP checkpoint, its embeddings, lm_head and final norm read from its target (`target_dir`, default
+        the verifier it records)."""
+        doc = _read_json(os.path.join(model_dir, "config.json"))
+        hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
+        target_dir = target_dir or hsx.get("verifier") or ""
+        if not target_dir or not os.path.isdir(target_dir):
+            raise ValueError(f"{model_dir}: an MTP checkpoint reads its target's embeddings and lm_head, but its target "
+                             f"{target_dir!r} is not a local folder; pass the target folder")
+        target = TargetHead.from_model_dir(target_dir)
+        head = MtpHead.from_folder(model_dir, hf_config=_hf_text_config(target_dir),
+                                   embed_tokens=target.embed_tokens.float(), lm_head=target.lm_head.float(),
+                                   dtype=torch.float32, device="cpu")
+        known = {f.name for f in fields(MtpConfig)}
+        config = MtpConfig(**{k: v for k, v in hsx.items() if k in known})
+        target_doc = {k: v for k, v in doc.items() if k != "hsx"}
+        return cls(head, config, target.norm.to(torch.float32).module, int(hsx.get("num_speculative_tokens") or 3),
+                   target_dir, target_doc).eval()
+
+
+def _hf_text_config(folder: str):
+    from transformers import AutoConfig
+
+    from extractor.facts import text_config
+
+    return text_config(AutoConfig.from_pretrained(folder))
+
+
+def _speculative_tokens(config: dict[str, Any]) -> int | None:
+    """A tuned checkpoint's recorded k, else vLLM's default for mtp: the number of MTP layers."""
+    recorded = (config.get("hsx") or {}).get("num_speculative_tokens") if isinstance(config.get("hsx"), dict) else None
+    if isinstance(recorded, int):
+        return recorded
+    found = mtp_style(config)
+    return found[1] if found else None
+
+
+FAMILY = Family(name="mtp", description="a target folder with MTP layers (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / "
+                "Qwen3.5 style) or a `hsx train-drafter --kind mtp` checkpoint",
+                drafter="drafters.mtp:MtpDrafter", proposer_class="drafters.mtp_proposer:MtpProposer",
+                config_matches=lambda config: mtp_style(config) is not None, config_k=_speculative_tokens,
+                options=("ttt_steps",), features=FEATURES, model_optional=True)
+"""MTP in the drafter registry (pyproject.toml's hsx.drafters entry point `mtp`); 'model' may be left out (the
+target's own folder, as vLLM)."""

@@ -7,7 +7,7 @@
         "module:Class" and imported when used
     families() / family(name) / register(family) / unregister(name)   extractor.methods' registry
     drafter_class(name)                             the family's Drafter subclass, or ValueError naming the choices
-    trainable_families()                            the families hsx trains (those with a Drafter; mtp decodes only)
+    trainable_families()                            the families that train a new head for any target (not mtp)
     family_features(name)                           the family's Features, or ValueError naming the choices
     default_layer_ids(n)                            the layers that serve every registered family (`hsx run` with
                                                     no --layers: 2, N//2, N-3, N for hsx's own families)
@@ -63,6 +63,10 @@ class Family:
     features: Features = Features()
     """What it reads from a run (aux layers, layer N, a top-k target in N's place, loss masks); the default: layer N
     alone, as Medusa and MLPSpeculator."""
+    model_optional: bool = False
+    """Whether its draft lives in the target's own folder (mtp: the target's MTP layers), so speculative_config may
+    leave out 'model', as vLLM; such a family tunes a target's own layers rather than training a head for any
+    target."""
 
     def matches(self, checkpoint_config: dict[str, Any]) -> bool:
         return bool(self.config_matches(checkpoint_config))
@@ -97,8 +101,10 @@ def drafter_class(name: str) -> type:
 
 
 def trainable_families() -> list[str]:
-    """The registered families `hsx train-drafter` trains (a Drafter of their own), sorted."""
-    return sorted(name for name, found in families().items() if hasattr(found, "drafter_class"))
+    """The registered families that train a new head on a run of any target (a Drafter of their own), sorted; mtp,
+    which fine-tunes a target's own MTP layers, is not among them."""
+    return sorted(name for name, found in families().items()
+                  if hasattr(found, "drafter_class") and not getattr(found, "model_optional", False))
 
 
 def family_features(name: str) -> Features:

@@ -233,8 +233,10 @@ def add_mtp_layers(model_dir: str, count: int = 1, *, seed: int = 0, own_copies:
                                 torch.randn(p.shape[1] // 2, p.shape[2], generator=g) * std
             elif p.is_floating_point() and p.dim() >= 2:
                 tensors[prefix + name] = torch.randn(p.shape, generator=g) * std
-            else:  # biases and the like: zeros (a fresh module may hold uninitialised memory)
-                tensors[prefix + name] = torch.zeros_like(p) if p.is_floating_point() else p.clone()
+            elif p.is_floating_point():  # biases, DeepSeek's routing bias: small random values (a fresh module
+                tensors[prefix + name] = 0.1 * torch.randn(p.shape, generator=g)  # may hold uninitialised memory)
+            else:
+                tensors[prefix + name] = p.clone()
         if not qwen:
             parts(prefix, ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))
             if own_copies:

@@ -292,3 +292,182 @@ def test_hsx_eval_drafter_measures_mtp_on_a_target_folder_and_refuses_one_withou
     printed = capsys.readouterr()
     assert "NOT EVALUATED" in printed.out + printed.err and "declares no MTP layers" in printed.out + printed.err
     assert "Traceback" not in printed.out + printed.err
+
+
+# -- fine-tuning (hsx train-drafter --kind mtp) and merging back --------------------------------------------------
+def _states(model, ids):
+    """(pre-norm layer N [T, H] as a run stores it, post-norm [T, H] as transformers returns it)."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, a, o: captured.update(last=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        post = model.model(torch.tensor([ids])).last_hidden_state[0]
+    hook.remove()
+    return captured["last"][0], post
+
+
+def _packed(model, docs, holes):
+    """A DrafterBatch of one row holding `docs` back to back (layer N only), loss mask 0 at `holes` (row
+    positions)."""
+    from drafters.base import DrafterBatch
+
+    ids = [t for d in docs for t in d]
+    pre = torch.cat([_states(model, d)[0] for d in docs])
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[list(holes)] = False
+    n = model.config.num_hidden_layers
+    return DrafterBatch(torch.tensor([ids]), pre[None, :, None], mask[None],
+                        torch.tensor([[p for d in docs for p in range(len(d))]]),
+                        torch.tensor([[i for i, d in enumerate(docs) for _ in d]]), (n,))
+
+
+@pytest.mark.parametrize("style", ["deepseek_v3", "qwen3_next"])
+def test_mtp_training_loss_equals_the_chained_objective_written_out_over_the_checkpoints_tensors(style, targets):
+    """loss = sum_s w_s * mean over chains t trained at s of CE(MTP layer s % L's logits after s chained steps,
+    softmax of the target's logits for x_{t+2+s}); w_s = 0.6^s normalised; chain t's step s sees its document's
+    entries 0..t and its own earlier steps, as decoding does."""
+    import torch.nn.functional as F
+
+    from drafters.base import TargetHead
+    from drafters.mtp import MtpDrafter
+
+    folder = targets[style]
+    model, oracle = _model(folder), Oracle(folder, style)
+    g = torch.Generator().manual_seed(12)
+    docs = [torch.randint(5, 400, (n,), generator=g).tolist() for n in (10, 8)]
+    batch = _packed(model, docs, holes=(4, 13))
+    spec = type("Spec", (), {"num_hidden_layers": oracle.n, "layer_ids": (oracle.n,), "target_top_k": None})()
+    drafter = MtpDrafter.for_run(spec, TargetHead.from_model_dir(folder), 3, ttt_steps=3)
+    got = drafter.training_step(batch, None)
+    weights = [0.6 ** s / sum(0.6 ** j for j in range(3)) for s in range(3)]
+    per_step: list[list[torch.Tensor]] = [[], [], []]
+    mask, start = batch.loss_mask[0], 0
+    for d in docs:
+        post = _states(model, d)[1]
+        teacher = torch.softmax(post @ oracle.lm_head.T, -1)  # [T, V]: row p is the target's x_{p+1}
+        for t in range(len(d) - 2):
+            tokens, hidden = list(d[1:t + 2]), post[:t + 1]  # entries 0..t: (x_{p+1}, state of x_p)
+            for s in range(3):
+                if t + 2 + s >= len(d):
+                    break
+                carried, logits = oracle.layer(s % oracle.count, tokens, hidden)
+                if mask[start + t + 2 + s]:
+                    per_step[s].append(-(teacher[t + 1 + s] * F.log_softmax(logits[-1].float(), -1)).sum())
+                tokens.append(d[t + 2 + s])  # teacher forcing: the chain's next entry is the corpus token
+                hidden = torch.cat([hidden, carried[-1:]])
+        start += len(d)
+    assert got.counted.tolist() == [len(x) for x in per_step] and len(per_step[2]) > 0
+    want = sum(w * torch.stack(x).mean() for w, x in zip(weights, per_step))
+    torch.testing.assert_close(got.loss.detach().float(), want.float(), atol=1e-4, rtol=1e-4)
+    trainable = [n for n, p in drafter.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith(("head.parts.", "head.blocks.")) for n in trainable)
+    grads = torch.autograd.grad(got.loss, [p for p in drafter.parameters() if p.requires_grad], allow_unused=True)
+    assert sum(int(g is not None and bool(g.abs().sum() > 0)) for g in grads) > len(grads) // 2
+
+
+def _sha(folder):
+    import hashlib
+
+    return {name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, name))}
+
+
+def test_tuned_mtp_layers_save_in_the_checkpoints_own_layout_decode_and_merge_into_a_new_target(targets, tmp_path,
+                                                                                               capsys):
+    from safetensors.torch import load_file
+
+    from cli.main import main
+    from drafters.base import TargetHead
+    from drafters.mtp import MtpDrafter
+    from extractor.config import checkpoint_method
+    from tests.drafters.helpers import train_steps
+
+    folder = targets["deepseek_v3"]  # two MTP layers, each with its own embedding / head copies
+    before = _sha(folder)
+    model = _model(folder)
+    g = torch.Generator().manual_seed(13)
+    batch = _packed(model, [torch.randint(5, 400, (n,), generator=g).tolist() for n in (12, 9)], holes=())
+    spec = type("Spec", (), {"num_hidden_layers": 4, "layer_ids": (4,), "target_top_k": None})()
+    drafter = MtpDrafter.for_run(spec, TargetHead.from_model_dir(folder), 3)
+    losses, _ = train_steps(drafter, None, batch, 3, lr=1e-2)
+    assert losses[-1] < losses[0]
+    tuned = str(tmp_path / "tuned")
+    drafter.save_pretrained(tuned, verifier=folder)
+    assert checkpoint_method(tuned) == "mtp"
+    native = {k: v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()
+              if k.startswith(("model.layers.4.", "model.layers.5."))}
+    saved = load_file(os.path.join(tuned, "model.safetensors"))
+    assert saved.keys() == native.keys()  # the checkpoint's own key names, experts one by one
+    assert all(saved[k].shape == native[k].shape for k in saved)
+    frozen = [k for k in saved if k.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
+    assert len(frozen) == 4 and all(torch.equal(saved[k], native[k]) for k in frozen)
+    assert not torch.equal(saved["model.layers.4.eh_proj.weight"], native["model.layers.4.eh_proj.weight"])
+    back = MtpDrafter.from_pretrained(tuned)
+    ours, theirs = drafter.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    prompts = _prompts()
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    standalone, m1 = _generate(folder, prompts, 16, {"method": "mtp", "model": tuned, "num_speculative_tokens": 3})
+    assert standalone == refs
+    merged = str(tmp_path / "merged")
+    assert main(["merge-mtp", "--model", folder, "--drafter", tuned, "--out", merged]) == 0
+    assert _sha(folder) == before  # the original is never written
+    after, theirs = _sha(merged), load_file(os.path.join(merged, "model.safetensors"))
+    assert {k: v for k, v in after.items() if k != "model.safetensors"} == \
+        {k: v for k, v in before.items() if k != "model.safetensors"}
+    original = load_file(os.path.join(folder, "model.safetensors"))
+    assert theirs.keys() == original.keys()
+    assert all(torch.equal(theirs[k], saved[k] if k in saved else original[k]) for k in theirs)
+    in_place, m2 = _generate(merged, prompts, 16, {"method": "mtp", "num_speculative_tokens": 3})
+    assert in_place == refs  # and the same drafts: the same acceptance, count for count
+    assert {m.name: getattr(m, "value", getattr(m, "values", None)) for m in m1 if m.name.startswith("vllm:spec")} \
+        == {m.name: getattr(m, "value", getattr(m, "values", None)) for m in m2 if m.name.startswith("vllm:spec")}
+    # refused, nothing written: an --out that is not empty, layers tuned from another target
+    capsys.readouterr()
+    for argv, message in ((["--out", merged], "not an empty folder"),
+                          (["--drafter", targets["glm4_moe"], "--out", str(tmp_path / "x")], "does not hold exactly")):
+        args = ["merge-mtp", "--model", folder, "--drafter", tuned, "--out", str(tmp_path / "y"), *argv]
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+def test_hsx_train_drafter_kind_mtp_tunes_a_targets_own_layers_from_a_run(targets, tmp_path, capsys):
+    from cli.main import main
+    from connectors import HiddenStatesSpec
+    from extractor.config import checkpoint_method
+    from tests.training.runs import Sample, write_run
+
+    folder = targets["deepseek_v3/1"]
+    model = _model(folder)
+    g = torch.Generator().manual_seed(14)
+    samples = []
+    for i, n in enumerate((14, 11, 17)):
+        ids = torch.randint(5, 400, (n,), generator=g)
+        samples.append(Sample(f"s{i}", ids, _states(model, ids.tolist())[0][:, None].contiguous(),
+                              torch.ones(n, dtype=torch.uint8)))
+    run = str(tmp_path / "run")
+    write_run(run, samples, HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                                             model=folder))
+    out = str(tmp_path / "tuned")
+    assert main(["train-drafter", "--kind", "mtp", "--run", run, "--model", folder, "--out", out, "--steps", "3",
+                 "--ttt-steps", "2", "--num-speculative-tokens", "2"]) == 0
+    assert "trained mtp for 3 steps" in capsys.readouterr().out
+    assert checkpoint_method(out) == "mtp"
+    with open(os.path.join(out, "config.json")) as f:
+        hsx = json.load(f)["hsx"]
+    assert (hsx["kind"], hsx["ttt_steps"], hsx["num_speculative_tokens"]) == ("mtp", 2, 2)
+    bare = build_tiny_model("deepseek_v3", str(tmp_path / "bare"))  # declares an MTP layer, ships no tensors
+    bare_run = str(tmp_path / "bare-run")
+    write_run(bare_run, samples, HiddenStatesSpec(layer_ids=(4,), num_hidden_layers=4, hidden_size=64,
+                                                  dtype="float32", model=bare))
+    with pytest.raises(SystemExit) as e:  # a target without MTP tensors: one line, nothing written
+        main(["train-drafter", "--kind", "mtp", "--run", bare_run, "--model", bare, "--out", str(tmp_path / "no"),
+              "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and "lacks" in err and "MTP layer" in err, err
+    assert not os.path.exists(tmp_path / "no")

@@ -1,0 +1,35 @@
+"""`hsx merge-mtp`: a new target folder with tuned MTP layers (drafters/mtp.py's write_target_with). Imports no torch,
+so building the `hsx` parser stays cheap."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MergeMtpConfig:
+    """One merge (`hsx merge-mtp --model TARGET --drafter TUNED --out NEW`); flags map one to one onto these fields."""
+
+    model: str
+    """The target folder whose MTP layers were tuned; read only, never written."""
+    drafter: str
+    """The tuned MTP layers: a `hsx train-drafter --kind mtp --model TARGET` checkpoint folder."""
+    out: str
+    """The new target folder: every file of --model, its MTP tensors replaced by --drafter's (must not exist, or be
+    empty)."""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "drafter"):
+            if not os.path.isdir(str(getattr(self, name) or "")):
+                raise ValueError(f"--{name} {getattr(self, name)!r} is not a local folder")
+        if not self.out or "://" in self.out:
+            raise ValueError(f"--out {self.out!r} must be a local folder (a target serving engines load from disk)")
+
+
+def merge_mtp(config: MergeMtpConfig) -> dict[str, Any]:
+    """Write config.out (see MergeMtpConfig); what was replaced."""
+    from drafters.mtp import write_target_with
+
+    return write_target_with(config.model, config.drafter, config.out)
