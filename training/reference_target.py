@@ -51,6 +51,7 @@ REPORT_NAME = "reference_target.json"
 PROMPTS_NAME = "heldout_prompts.jsonl"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+ARCHITECTURES = ("llama", "deepseek_v3", "qwen3_next")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _STALE_TEMP_S = 24 * 3600
 
@@ -105,6 +106,16 @@ class ReferenceTargetConfig:
     """Approximate prompt length in tokens (a prompt starts and ends at a line boundary)."""
     seed: int = 0
     """Seeds the initialisation, the block order and the prompt choice."""
+    architecture: str = "llama"
+    """The target's family: "llama", or one whose checkpoints ship MTP layers in vLLM's layouts, "deepseek_v3"
+    (MLA attention, MoE MLPs after the first layer) or "qwen3_next" (linear attention in 3 of 4 layers, MoE)."""
+    mtp_layers: int = 0
+    """MTP layers trained beside the target (deepseek_v3 / qwen3_next only) and written into its checkpoint in the
+    family's own layout, so that method "mtp" drafts with native heads that mean something."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the MTP loss (cross-entropy of x_{t+2} from the target's post-norm state of x_t and the embedding of
+    x_{t+1}) beside the language-model loss; DeepSeek-V3 used 0.3. The target's states reach it detached: the target
+    is trained as it would be without MTP layers."""
     threads: int | None = None
     """torch CPU threads while training; None = torch's default."""
     cache_root: str = field(default_factory=default_cache_root)
@@ -136,12 +147,23 @@ class ReferenceTargetConfig:
                              f"{self.context_length}")
         if self.max_train_files is not None and self.max_train_files < 1:
             raise ValueError(f"max_train_files must be >= 1 or None, got {self.max_train_files}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r}: choose one of {list(ARCHITECTURES)}")
+        if self.mtp_layers < 0 or (self.mtp_layers and self.architecture == "llama"):
+            raise ValueError(f"mtp_layers={self.mtp_layers}: MTP layers need architecture deepseek_v3 or qwen3_next "
+                             "(their checkpoints' MTP layouts), and a count >= 0")
+        if self.mtp_loss_weight <= 0:
+            raise ValueError(f"mtp_loss_weight must be > 0, got {self.mtp_loss_weight}")
 
     def training_fields(self) -> dict:
-        """What determines the checkpoint (everything but where it is cached and how many threads build it)."""
+        """What determines the checkpoint (everything but where it is cached and how many threads build it); the
+        architecture and MTP fields only when they differ from a plain Llama's (so a Llama keeps its cache key)."""
         out = asdict(self)
         out.pop("cache_root")
         out.pop("threads")
+        if self.architecture == "llama" and not self.mtp_layers:
+            for name in ("architecture", "mtp_layers", "mtp_loss_weight"):
+                out.pop(name)
         return out
 
 
@@ -224,7 +246,8 @@ def cache_key(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: l
            "train": [[f.rel, f.size] for f in train], "heldout": [[f.rel, f.size] for f in heldout]}
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
     c = config
-    return f"llama-h{c.hidden_size}-l{c.num_hidden_layers}-v{c.vocab_size}-s{c.steps}-{digest}"
+    mtp = f"-mtp{c.mtp_layers}" if c.mtp_layers else ""
+    return f"{c.architecture}-h{c.hidden_size}-l{c.num_hidden_layers}-v{c.vocab_size}-s{c.steps}{mtp}-{digest}"
 
 
 def _complete(folder: str) -> bool:
@@ -402,19 +425,22 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
             raise ValueError("the corpus is shorter than one block; lower context_length or raise max_train_files")
         g = torch.Generator().manual_seed(config.seed)
 
-        model, optimizer = _new_model(config, tokenizer)
+        model, mtp, optimizer = _new_model(config, tokenizer)
         train_started = time.perf_counter()
-        losses, epochs = _train(model, optimizer, train_blocks, g, config, progress)
+        losses, epochs = _train(model, optimizer, train_blocks, g, config, progress, mtp)
         train_s = time.perf_counter() - train_started
 
         model.eval()
         with torch.no_grad():
             heldout_loss = sum(float(model(input_ids=b[None], labels=b[None]).loss) for b in heldout_blocks) \
                 / len(heldout_blocks)
+        mtp_report = _mtp_heldout(model, mtp, heldout_blocks) if mtp is not None else {}
         prompts = _prompts(tokenizer, heldout, config)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(out_dir)
+        if mtp is not None:
+            _write_mtp(out_dir, mtp)
         with open(os.path.join(out_dir, PROMPTS_NAME), "w") as f:
             for p in prompts:
                 f.write(json.dumps({"prompt": p}) + "\n")
@@ -431,6 +457,7 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
             "heldout_tokens": int(heldout_blocks.numel()), "num_prompts": len(prompts),
             "tokenizer_seconds": round(tokenizer_s, 2), "train_seconds": round(train_s, 2),
             "build_seconds": round(time.perf_counter() - started, 2), "threads": torch.get_num_threads(),
+            **mtp_report,
         }
         with open(os.path.join(out_dir, REPORT_NAME), "w") as f:  # written last: marks the folder complete
             json.dump(report, f, indent=2)
@@ -440,31 +467,116 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
         torch.set_num_threads(previous_threads)
 
 
-def _new_model(config: ReferenceTargetConfig, tokenizer):
-    """An untrained Llama of the config's sizes (weights drawn from config.seed) and its AdamW (no weight decay on
-    norms and biases)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _model_config(config: ReferenceTargetConfig, tokenizer):
+    """The transformers config of the target: the config's sizes in its architecture (MoE experts a third of the MLP
+    width each (a multiple of 8), two of four routed per token; DeepSeek's MLA latent half the width)."""
+    import transformers
 
-    model_config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.context_length,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attention_dropout=0.0)
+        max_position_embeddings=config.context_length, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        attention_dropout=0.0)
+    head_dim = config.hidden_size // config.num_attention_heads
+    expert = max(8, config.intermediate_size // 3 // 8 * 8)  # grouped matmuls want 16-byte strides
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=expert)
+    if config.architecture == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **common, **moe, num_key_value_heads=config.num_attention_heads, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=config.hidden_size // 2, q_lora_rank=None,
+            qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+            num_nextn_predict_layers=config.mtp_layers)
+    if config.architecture == "qwen3_next":
+        return transformers.Qwen3NextConfig(
+            **common, **moe, num_key_value_heads=config.num_key_value_heads, head_dim=head_dim, num_experts=4,
+            shared_expert_intermediate_size=expert,
+            linear_num_value_heads=config.num_attention_heads, linear_num_key_heads=config.num_key_value_heads,
+            linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, num_nextn_predict_layers=config.mtp_layers)
+    return transformers.LlamaConfig(**common, num_key_value_heads=config.num_key_value_heads)
+
+
+def _new_model(config: ReferenceTargetConfig, tokenizer):
+    """An untrained target of the config's architecture and sizes (weights drawn from config.seed), its MTP layers
+    (drafters.mtp.MtpHead; None without mtp_layers) and one AdamW over both (no weight decay on norms and biases)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    model = AutoModelForCausalLM.from_config(_model_config(config, tokenizer), dtype=torch.float32)
+    params = list(model.named_parameters())
+    mtp = None
+    if config.mtp_layers:
+        from drafters.mtp import STYLES, MtpHead
+
+        mtp = MtpHead(model.config, STYLES[config.architecture], config.mtp_layers,
+                      model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        for module in mtp.modules():  # transformers' own initialisation (experts start as torch.empty)
+            model._init_weights(module)
+        mtp.train()
+        params += [(f"mtp.{n}", p) for n, p in mtp.named_parameters()]
+    decay = [p for n, p in params if p.ndim >= 2]
+    no_decay = [p for n, p in params if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=config.learning_rate, betas=(0.9, 0.95))
-    return model, optimizer
+    return model, mtp, optimizer
 
 
-def _train(model, optimizer, train_blocks, g, config: ReferenceTargetConfig, progress: bool) -> tuple[list[float], int]:
+def _losses(model, mtp, batch):
+    """(language-model loss, MTP loss or None) of a batch [B, S]: MTP layer 0 reads (x_{t+1}, the target's post-norm
+    state of x_t, detached) and predicts x_{t+2}, attending causally over the row."""
+    import torch
+    import torch.nn.functional as F
+
+    if mtp is None:
+        return model(input_ids=batch, labels=batch).loss, None
+    hidden = model.model(input_ids=batch).last_hidden_state  # [B, S, H] after the final norm
+    logits = model.lm_head(hidden)
+    lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+    b, s = batch.shape
+    positions = torch.arange(s - 1).expand(b, -1)
+    carried = mtp.layer_forward(0, batch[:, 1:], hidden[:, :-1].detach(), positions, None, None)
+    mtp_logits = mtp.logits(carried[:, :-1], 0)
+    return lm, F.cross_entropy(mtp_logits.flatten(0, 1), batch[:, 2:].flatten())
+
+
+def _mtp_heldout(model, mtp, blocks) -> dict:
+    """The MTP layer's held-out loss and how often its argmax is x_{t+2} (what a draft accepted at position 1
+    needs), over the held-out blocks."""
+    import torch
+
+    mtp.eval()
+    with torch.no_grad():
+        losses, hits, total = [], 0, 0
+        for b in blocks:
+            _, loss = _losses(model, mtp, b[None])
+            losses.append(float(loss))
+            hidden = model.model(input_ids=b[None]).last_hidden_state
+            carried = mtp.layer_forward(0, b[None, 1:], hidden[:, :-1], torch.arange(len(b) - 1)[None], None, None)
+            hits += int((mtp.logits(carried[:, :-1], 0).argmax(-1) == b[None, 2:]).sum())
+            total += len(b) - 2
+    return {"mtp_heldout_loss": sum(losses) / len(losses), "mtp_heldout_top1": hits / total}
+
+
+def _write_mtp(out_dir: str, mtp) -> None:
+    """The MTP layers into the saved checkpoint, under the family's own keys (drafters.mtp.checkpoint_tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    from drafters.mtp import checkpoint_tensors
+
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    dtype = next(iter(weights.values())).dtype
+    weights.update({k: v.to(dtype).contiguous() for k, v in checkpoint_tensors(mtp).items()})
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def _train(model, optimizer, train_blocks, g, config: ReferenceTargetConfig, progress: bool,
+           mtp=None) -> tuple[list[float], int]:
     """config.steps optimizer steps over the blocks [n, S] in an order drawn from `g`, drawn again each epoch: the
-    loss of every step and the epochs completed."""
+    language-model loss of every step and the epochs completed (with MTP layers, their loss is added, weighted
+    mtp_loss_weight)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -481,9 +593,9 @@ def _train(model, optimizer, train_blocks, g, config: ReferenceTargetConfig, pro
         batch = train_blocks[idx]  # [B, S]
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss, mtp_loss = _losses(model, mtp, batch)
+        (loss if mtp_loss is None else loss + config.mtp_loss_weight * mtp_loss).backward()
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *(mtp.parameters() if mtp is not None else ())], 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

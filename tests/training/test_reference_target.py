@@ -146,3 +146,36 @@ def test_a_target_too_shallow_for_eagle3_aux_layers_is_refused():
         ReferenceTargetConfig(num_hidden_layers=4)
     with pytest.raises(ValueError, match="does not divide"):
         ReferenceTargetConfig(hidden_size=130)
+
+
+@pytest.mark.parametrize("arch,prefix", [("deepseek_v3", "model.layers.8."), ("qwen3_next", "mtp.layers.0.")])
+def test_an_mtp_reference_target_ships_trained_mtp_layers_in_its_familys_layout(arch, prefix, tmp_path):
+    """architecture + mtp_layers: the target's checkpoint holds its MTP layer where its family's checkpoints do, the
+    config declares it, the layer learned (held-out loss under a uniform guess), and method mtp decodes with it
+    losslessly; a Llama with MTP layers, or an unknown architecture, is refused."""
+    import math
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from extractor import LLM, SamplingParams
+
+    target = build_reference_target(tiny_config(str(tmp_path), architecture=arch, mtp_layers=1, steps=24),
+                                    progress=False)
+    with open(os.path.join(target.path, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    with safe_open(os.path.join(target.path, "model.safetensors"), framework="pt") as f:
+        assert any(k.startswith(prefix) for k in f.keys())
+    assert target.report["mtp_heldout_loss"] < math.log(320) and 0 <= target.report["mtp_heldout_top1"] <= 1
+    model = AutoModelForCausalLM.from_pretrained(target.path).eval()
+    llm = LLM(target.path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(list(target.prompts[:2]), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    for out in outs:
+        ids = out.prompt_token_ids
+        want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None)[0, len(ids):].tolist()
+        assert list(out.outputs[0].token_ids) == want
+    with pytest.raises(ValueError, match="MTP layers need architecture"):
+        tiny_config(str(tmp_path), mtp_layers=1)
+    with pytest.raises(ValueError, match="architecture 'gpt2'"):
+        tiny_config(str(tmp_path), architecture="gpt2")
