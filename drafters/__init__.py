@@ -26,6 +26,10 @@ training never loads decoding code.
     dflash.py          DFlashConfig, DFlashDrafter (DFlash block drafter: a block of block_size slots,
                        bidirectional inside, over the fused aux-layer context; speculators dflash checkpoint)
     dflash_proposer.py DFlashProposer
+    dspark.py          DSparkConfig, MarkovHead, ConfidenceHead, DSparkDrafter (DSpark: DFlash's block with every slot
+                       drafting, a low-rank Markov head over the previous token, a confidence head; speculators
+                       dspark checkpoint)
+    dspark_proposer.py DSparkProposer (the Markov correction slot by slot; the confidence early stop)
     medusa.py          MedusaConfig, MedusaDrafter (heads on the last post-norm state)
     medusa_proposer.py MedusaProposer
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter (IBM's architecture)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -203,7 +203,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _qwen3_config(target_dir: str, hidden_size: int, vocab_size: int, config: DFlashConfig):
+def qwen3_config(target_dir: str, hidden_size: int, vocab_size: int, config: DFlashConfig):
     """The draft layers' Qwen3Config, sized like the target's layers (heads, head_dim, eps, RoPE)."""
     from transformers import Qwen3Config
 
@@ -220,6 +220,9 @@ class DFlashDrafter(Drafter):
 
     kind = "dflash"
     features = FEATURES
+    label_offset: ClassVar[int] = 0
+    """Slot j of a block anchored at a predicts x_{a+j+label_offset}: 0 for DFlash (slot 0 is the anchor, known;
+    speculators' sample_from_anchor=false), 1 for DSpark (slot 0 drafts x_{a+1}: sample_from_anchor=true)."""
 
     def __init__(self, config: DFlashConfig, layer_config, aux_layer_ids, target: TargetHead,
                  num_speculative_tokens: int | None = None, verifier: str = "",
@@ -260,7 +263,7 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a block of {config.block_size} drafts "
                              f"at most {config.block_size - 1}; raise block_size (--family-options)")
         target_folder(target, "DFlash")
-        layer_config = _qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
+        layer_config = qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
         from transformers import AutoConfig
 
         archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
@@ -306,9 +309,9 @@ class DFlashDrafter(Drafter):
         n = min(self.config.max_anchors, max(1, int(ok.sum(-1).max())))
         score = torch.rand((r, s), device=dev).masked_fill(~ok, 2.0)
         anchors = score.topk(n, dim=-1, largest=False).indices.sort(-1).values  # [R, n]
-        out, slots, trained = self.anchored_blocks(batch, anchors, ok)
+        out, labels, trained = self.anchored_blocks(batch, anchors, ok)
         rows, blk, slot = trained.nonzero(as_tuple=True)
-        at = slots[rows, blk, slot] - 1  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
+        at = labels[rows, blk, slot] - 1  # the teacher of slot j: the target's distribution of x_{a+j}, at a+j-1
         steps = b_size - 1
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)
@@ -349,9 +352,9 @@ class DFlashDrafter(Drafter):
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The training forward of the blocks at `anchors` [R, n] (row positions): each block [x_a, mask, ...] at
         positions a..a+B-1 sees its document's context before a and itself both ways. Returns the slot outputs
-        [R, n, B, H], each slot's row position [R, n, B] (clamped to the row), and which slots train [R, n, B] (in
-        the anchor's document, loss-masked, past slot 0, at an anchor that teaches; `ok`: _anchor_ok(batch) when
-        the caller has it)."""
+        [R, n, B, H], the row position of the token each slot predicts [R, n, B] (a + j + label_offset, clamped to
+        the row), and which slots train [R, n, B] (that token in the anchor's document and loss-masked, slot 0 only
+        where it predicts, at an anchor that teaches; `ok`: _anchor_ok(batch) when the caller has it)."""
         b_size = self.block_size
         r, s = batch.input_ids.shape
         n = anchors.shape[1]
@@ -359,13 +362,14 @@ class DFlashDrafter(Drafter):
         aux = torch.stack([batch.layer(i) for i in self.aux_layer_ids], dim=2)  # [R, S, A, H]
         anchor_ok = (self._anchor_ok(batch) if ok is None else ok).gather(1, anchors)  # [R, n]
         offsets = torch.arange(b_size, device=dev)
-        slots = (anchors[:, :, None] + offsets).clamp(max=s - 1)  # [R, n, B] row index of each slot's position
+        unclamped = anchors[:, :, None] + offsets + self.label_offset  # [R, n, B] the predicted token's position
+        labels = unclamped.clamp(max=s - 1)
         doc = batch.document_ids
         a_doc = doc.gather(1, anchors)  # [R, n]
-        in_doc = (slots < s) & (doc.gather(1, slots.flatten(1)).view(r, n, b_size) == a_doc[:, :, None])
-        in_doc &= (anchors[:, :, None] + offsets) < s
-        trained = in_doc & batch.loss_mask.gather(1, slots.flatten(1)).view(r, n, b_size) & anchor_ok[:, :, None]
-        trained[:, :, 0] = False  # slot 0 is the anchor, known
+        in_doc = (unclamped < s) & (doc.gather(1, labels.flatten(1)).view(r, n, b_size) == a_doc[:, :, None])
+        trained = in_doc & batch.loss_mask.gather(1, labels.flatten(1)).view(r, n, b_size) & anchor_ok[:, :, None]
+        if not self.label_offset:
+            trained[:, :, 0] = False  # slot 0 is the anchor, known
         tokens = torch.full((r, n, b_size), self.mask_token_id, dtype=torch.long, device=dev)
         tokens[:, :, 0] = batch.input_ids.gather(1, anchors)
         positions = batch.position_ids.gather(1, anchors)[:, :, None] + offsets  # [R, n, B]
@@ -374,7 +378,7 @@ class DFlashDrafter(Drafter):
         context = self.context(aux)
         kv = self.context_kv(context, batch.position_ids)
         out = self.blocks(tokens.view(r, n * b_size), positions.view(r, n * b_size), kv, layout)  # [R, Q, H]
-        return out.view(r, n, b_size, -1), slots, trained
+        return out.view(r, n, b_size, -1), labels, trained
 
     # -- checkpoint (speculators' dflash layout) ------------------------------------------------------------------
     def checkpoint_config(self) -> dict[str, Any]:

@@ -18,20 +18,24 @@ class DFlashProposer(Proposer):
     cached context keys of x_0..x_{T-1} (every observed state, fused once: nothing is rolled back, the block's own
     keys are never kept)."""
 
+    drafter_class = DFlashDrafter
+
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int) -> None:
         # the runner's own embeddings and lm_head, shared: built in its dtype and on its device, nothing is copied
-        drafter = DFlashDrafter.from_pretrained(model_dir, target=runner_target(runner))
+        drafter = self.drafter_class.from_pretrained(model_dir, target=runner_target(runner))
+        kind = drafter.kind
         if drafter.target_hidden_size != runner.hidden_size or drafter.layer_config.vocab_size != runner.vocab_size:
-            raise ValueError(f"the dflash drafter {model_dir} was trained for a target of hidden size "
+            raise ValueError(f"the {kind} drafter {model_dir} was trained for a target of hidden size "
                              f"{drafter.target_hidden_size} and vocabulary {drafter.layer_config.vocab_size}, the "
                              f"target {runner.config.model} has {runner.hidden_size} and {runner.vocab_size}")
         bad = [i for i in drafter.aux_layer_ids if not 0 <= i <= runner.num_hidden_layers]
         if bad:
-            raise ValueError(f"the dflash drafter {model_dir} reads layers {list(drafter.aux_layer_ids)}, but the "
+            raise ValueError(f"the {kind} drafter {model_dir} reads layers {list(drafter.aux_layer_ids)}, but the "
                              f"target has layer ids 0..{runner.num_hidden_layers} only")
-        if not 1 <= num_speculative_tokens <= drafter.block_size - 1:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the dflash drafter {model_dir} has "
-                             f"blocks of {drafter.block_size}: it drafts 1 to {drafter.block_size - 1} tokens per step")
+        most = drafter.block_size - 1 + drafter.label_offset  # DSpark's slot 0 drafts too
+        if not 1 <= num_speculative_tokens <= most:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} but the {kind} drafter {model_dir} has "
+                             f"blocks of {drafter.block_size}: it drafts 1 to {most} tokens per step")
         self.device = torch.device(runner.device)
         self.drafter = drafter.to(self.device, runner.dtype).eval().requires_grad_(False)
         self.capture_layer_ids = tuple(drafter.aux_layer_ids)
@@ -97,6 +101,11 @@ class DFlashProposer(Proposer):
         mask[:, :, :width] = torch.arange(width, device=self.device)[None, None] < lengths[:, None, None]
         out = d.blocks(tokens, positions, kv, mask[:, None])  # [B', bs, H]
         k_max = min(max(ks[b] for b in rows), self.k)
+        return self.draw(out, rows, contexts, ks, k_max, params, generators, drafts)
+
+    def draw(self, out, rows, contexts, ks, k_max, params, generators, drafts):
+        """Drafts from the block's outputs out [B', bs, H] (rows' order): slot j >= 1 drafts x_{T+j}."""
+        d = self.drafter
         logits = d.logits(out[:, 1:1 + k_max]).float()  # [B', k_max, V]
         for i, b in enumerate(rows):
             k = min(ks[b], k_max)

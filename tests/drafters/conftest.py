@@ -9,7 +9,8 @@ import pytest
 import torch
 
 FAMILY_OPTIONS = {"eagle3": {"draft_vocab_size": 48}, "peagle": {"draft_vocab_size": 48, "ttt_steps": 4},
-                  "dflash": {"block_size": 4}, "eagle": {}, "medusa": {"medusa_num_layers": 2},
+                  "dflash": {"block_size": 4}, "dspark": {"block_size": 4, "markov_rank": 16}, "eagle": {},
+                  "medusa": {"medusa_num_layers": 2},
                   "mlp_speculator": {"inner_dim": 48}}
 """The options each family's session head is built with (k = 3 drafts for every family)."""
 
