@@ -23,7 +23,9 @@ for another trainer.
                    benchmarks publish, summary.csv, the acceptance-per-position plot
     plot_text.py   text from data drawn as it is in hsx's plots (no mathtext, no TeX, "_" labels kept): here
                    and in `hsx report` (jobs/report.py)
-    reference_target.py   a small Llama trained locally on the standard library's sources, for acceptance figures
+    reference_target.py   a small target trained locally on the standard library's sources, for acceptance figures
+                          (a Llama, or a DeepSeek-V3 / Qwen3-Next with native MTP layers)
+    mtp_target.py         MergeMtpConfig, merge_mtp: `hsx merge-mtp`, a target folder with tuned MTP layers
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports
 connectors, extractor, drafters, torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
