@@ -78,6 +78,9 @@ def plot(rows: list[dict], path: str) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
         ax.set_xscale("log", base=2)
+        xs = sorted({r["train_tokens"] for r in rows})
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])  # plain numbers: the figure's text is literal (no mathtext)
+        ax.minorticks_off()
         ax.set_xlabel("training tokens (prompt + continuation)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
