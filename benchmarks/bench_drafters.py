@@ -95,17 +95,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def target_config(args):
+QUICK_TARGET = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
+                    vocab_size=1024, context_length=128, batch_size=8, steps=60, warmup_steps=6, max_train_files=60,
+                    num_prompts=16, prompt_tokens=48)
+"""--quick's reference target: trained in a minute or two (the plumbing, not the figures)."""
+
+
+def target_config(args, **overrides):
+    """The reference target for args.quick / args.target_steps / args.threads; `overrides` (e.g. architecture,
+    mtp_layers) on top."""
     from training.reference_target import ReferenceTargetConfig
 
-    sizes = {}
-    if args.quick:
-        sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
-                     vocab_size=1024, context_length=128, batch_size=8, steps=60, warmup_steps=6, max_train_files=60,
-                     num_prompts=16, prompt_tokens=48)
+    sizes = dict(QUICK_TARGET) if args.quick else {}
     if args.target_steps:
         sizes["steps"] = args.target_steps
-    return ReferenceTargetConfig(threads=args.threads, **sizes)
+    return ReferenceTargetConfig(threads=args.threads, **{**sizes, **overrides})
 
 
 # -- the corpus and the runs ------------------------------------------------------------------------------------------

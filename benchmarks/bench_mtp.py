@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_drafters import extract, write_corpus  # noqa: E402
+from benchmarks.bench_drafters import extract, target_config, write_corpus  # noqa: E402
 
 ARCHS = ("deepseek_v3", "qwen3_next")
 
@@ -64,19 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def target_config(arch: str, args):
-    from training.reference_target import ReferenceTargetConfig
-
-    sizes = {}
-    if args.quick:
-        sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192,
-                     vocab_size=1024, context_length=128, batch_size=8, steps=40, warmup_steps=4, max_train_files=40,
-                     num_prompts=16, prompt_tokens=48)
-    if args.target_steps:
-        sizes["steps"] = args.target_steps
-    return ReferenceTargetConfig(architecture=arch, mtp_layers=1, threads=args.threads, **sizes)
-
-
 def one(arch: str, args, work: str) -> dict:
     from drafters.mtp import write_target_with
     from jobs.train import train_drafter
@@ -86,7 +73,7 @@ def one(arch: str, args, work: str) -> dict:
 
     timings = {}
     t0 = time.perf_counter()
-    target = build_reference_target(target_config(arch, args))
+    target = build_reference_target(target_config(args, architecture=arch, mtp_layers=1))
     timings["reference target"] = time.perf_counter() - t0
     rep = target.report
     print(f"{arch}: reference target {target.path} ({'cached' if target.cached else 'built'}): held-out perplexity "

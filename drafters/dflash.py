@@ -402,6 +402,23 @@ class DFlashDrafter(Drafter):
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
+    # what a subclass (DSpark) changes of the checkpoint it reads
+    checkpoint_type: ClassVar[str] = SPECULATORS_MODEL_TYPE
+    config_class: ClassVar[type] = DFlashConfig
+    options_key: ClassVar[str] = "hsx_dflash"
+
+    @classmethod
+    def check_checkpoint(cls, model_dir: str, doc: dict[str, Any]) -> None:
+        """ValueError for a config.json of this layout that hsx's family does not read."""
+        if doc.get("sample_from_anchor"):
+            raise ValueError(f"{model_dir}: sample_from_anchor=true (DSpark-style slots) is not supported by hsx's "
+                             "DFlash; slot j must predict x_{a+j} (method dspark reads such checkpoints)")
+
+    @classmethod
+    def checkpoint_options(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """Config options config.json states in speculators' own keys (beyond hsx's own record)."""
+        return {}
+
     @classmethod
     def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
                         device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DFlashDrafter:
@@ -413,36 +430,36 @@ class DFlashDrafter(Drafter):
 
         if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
             dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
-
-        doc = read_checkpoint_json(model_dir, "a DFlash")
-        if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
+        kind = {"dflash": "DFlash", "dspark": "DSpark"}.get(cls.checkpoint_type, cls.checkpoint_type)
+        doc = read_checkpoint_json(model_dir, f"a {kind}")
+        if doc.get("speculators_model_type") != cls.checkpoint_type:
             raise ValueError(f"{model_dir}: config.json has speculators_model_type "
-                             f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
-        if doc.get("sample_from_anchor"):
-            raise ValueError(f"{model_dir}: sample_from_anchor=true (DSpark-style slots) is not supported by hsx's "
-                             "DFlash; slot j must predict x_{a+j}")
+                             f"{doc.get('speculators_model_type')!r}, not {cls.checkpoint_type!r}")
+        cls.check_checkpoint(model_dir, doc)
         layer_config = Qwen3Config.from_dict(doc["transformer_layer_config"])
         if int(doc.get("draft_vocab_size") or layer_config.vocab_size) != layer_config.vocab_size:
             raise ValueError(f"{model_dir}: a draft vocabulary of {doc['draft_vocab_size']} (of "
-                             f"{layer_config.vocab_size}) — hsx's DFlash drafts in the whole vocabulary")
+                             f"{layer_config.vocab_size}) — hsx's {kind} drafts in the whole vocabulary")
         spec = doc.get("speculators_config") or {}
         verifier = spec.get("verifier") or {}
         target_dir = target_dir or verifier.get("name_or_path") or ""
-        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "DFlash",
+        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, kind,
                                target)
-        known = {f.name for f in fields(DFlashConfig)}
-        options = {k: v for k, v in (doc.get("hsx_dflash") or {}).items() if k in known}
+        known = {f.name for f in fields(cls.config_class)}
+        options = {k: v for k, v in (doc.get(cls.options_key) or {}).items() if k in known}
         options.update(block_size=int(doc["block_size"]), num_layers=int(layer_config.num_hidden_layers),
-                       mask_token_id=doc.get("mask_token_id"))
+                       mask_token_id=doc.get("mask_token_id"), **cls.checkpoint_options(doc))
+        config = cls.config_class(**options)
         methods = spec.get("proposal_methods") or [{}]
-        model = cls(DFlashConfig(**options), layer_config, doc["aux_hidden_state_layer_ids"], target,
-                    int(methods[0].get("speculative_tokens") or options["block_size"] - 1), verifier=target_dir,
-                    verifier_architectures=verifier.get("architectures", []))
+        model = cls(config, layer_config, doc["aux_hidden_state_layer_ids"], target,
+                    int(methods[0].get("speculative_tokens") or cls.default_num_speculative_tokens(asdict(config))),
+                    verifier=target_dir, verifier_architectures=verifier.get("architectures", []))
         model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
-        # the target's embeddings are the head's (shared with a loaded target): a checkpoint's own never overwrite them
+        # the target's embeddings are the head's (shared with a loaded target): a checkpoint's own never overwrite
+        # them; nor its lm_head, d2t or t2d (hsx drafts in the whole vocabulary)
         state = {k: v for k, v in load_file(os.path.join(model_dir, WEIGHTS_NAME)).items()
-                 if not k.startswith("embed_tokens.")}
-        load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind="DFlash")
+                 if not k.startswith(("embed_tokens.", "lm_head.", "t2d", "d2t"))}
+        load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind=kind)
         return model.to(device or "cpu").eval()
 
 

@@ -36,7 +36,7 @@ reloads them from the verifier it names); hsx drafts in the whole vocabulary (no
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -44,16 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import (
-    WEIGHTS_NAME,
     DrafterBatch,
     StepResult,
     TargetHead,
-    load_weights,
-    read_checkpoint_json,
     speculators_num_speculative_tokens,
     target_folder,
     topk_distribution,
-    verifier_head,
 )
 from drafters.dflash import FEATURES, DFlashConfig, DFlashDrafter
 from drafters.registry import Family
@@ -283,48 +279,23 @@ class DSparkDrafter(DFlashDrafter):
         doc["hsx_dspark"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
         return doc
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None, target: TargetHead | None = None,
-                        device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> DSparkDrafter:
-        """Reload a checkpoint (hsx's or another tool's in speculators' dspark layout, full vocabulary); embeddings
-        and lm_head are `target`'s, else read from `target_dir` (default: the verifier it names)."""
-        from safetensors.torch import load_file
-        from transformers import Qwen3Config
+    checkpoint_type: ClassVar[str] = SPECULATORS_MODEL_TYPE
+    config_class: ClassVar[type] = DSparkConfig
+    options_key: ClassVar[str] = "hsx_dspark"
 
-        if target is not None:
-            dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
-        doc = read_checkpoint_json(model_dir, "a DSpark")
-        if doc.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
-            raise ValueError(f"{model_dir}: config.json has speculators_model_type "
-                             f"{doc.get('speculators_model_type')!r}, not {SPECULATORS_MODEL_TYPE!r}")
+    @classmethod
+    def check_checkpoint(cls, model_dir: str, doc: dict[str, Any]) -> None:
         if doc.get("sample_from_anchor") is False:
             raise ValueError(f"{model_dir}: sample_from_anchor=false; hsx's DSpark drafts from every slot (slot k "
                              "predicts x_{a+k+1}), as DeepSpec and speculators' default")
-        layer_config = Qwen3Config.from_dict(doc["transformer_layer_config"])
-        if int(doc.get("draft_vocab_size") or layer_config.vocab_size) != layer_config.vocab_size:
-            raise ValueError(f"{model_dir}: a draft vocabulary of {doc['draft_vocab_size']} (of "
-                             f"{layer_config.vocab_size}) — hsx's DSpark drafts in the whole vocabulary")
-        spec = doc.get("speculators_config") or {}
-        verifier = spec.get("verifier") or {}
-        target_dir = target_dir or verifier.get("name_or_path") or ""
-        target = verifier_head(model_dir, target_dir, layer_config.hidden_size, layer_config.vocab_size, "DSpark",
-                               target)
-        known = {f.name for f in fields(DSparkConfig)}
-        options = {k: v for k, v in (doc.get("hsx_dspark") or {}).items() if k in known}
-        options.update(block_size=int(doc["block_size"]), num_layers=int(layer_config.num_hidden_layers),
-                       mask_token_id=doc.get("mask_token_id"), markov_rank=int(doc.get("markov_rank", 256)),
-                       markov_head_type=doc.get("markov_head_type", "vanilla"),
-                       enable_confidence_head=bool(doc.get("enable_confidence_head", True)),
-                       confidence_head_with_markov=bool(doc.get("confidence_head_with_markov", True)))
-        methods = spec.get("proposal_methods") or [{}]
-        model = cls(DSparkConfig(**options), layer_config, doc["aux_hidden_state_layer_ids"], target,
-                    int(methods[0].get("speculative_tokens") or options["block_size"]), verifier=target_dir,
-                    verifier_architectures=verifier.get("architectures", []))
-        model.to(dtype or getattr(torch, doc.get("torch_dtype") or "float32"))
-        state = {k: v for k, v in load_file(os.path.join(model_dir, WEIGHTS_NAME)).items()
-                 if not k.startswith(("embed_tokens.", "lm_head.", "t2d", "d2t"))}
-        load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind="DSpark")
-        return model.to(device or "cpu").eval()
+
+    @classmethod
+    def checkpoint_options(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """The heads as speculators' config.json states them (another tool's checkpoint has no hsx_dspark)."""
+        return dict(markov_rank=int(doc.get("markov_rank", 256)),
+                    markov_head_type=doc.get("markov_head_type", "vanilla"),
+                    enable_confidence_head=bool(doc.get("enable_confidence_head", True)),
+                    confidence_head_with_markov=bool(doc.get("confidence_head_with_markov", True)))
 
 
 FAMILY = Family(name="dspark", description="a DSpark (DeepSpec; speculators dspark) block-drafter checkpoint",
