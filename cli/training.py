@@ -129,7 +129,7 @@ def _cmd_merge_mtp(args: argparse.Namespace) -> int:
     config: MergeMtpConfig = config_from_args(args, MergeMtpConfig)
     try:
         r = merge_mtp(config)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad folders; a disk that fills or refuses the new folder
         raise UsageError(str(e)) from e
     print(f"wrote {r['out']}: {r['replaced_tensors']} MTP tensors replaced in {', '.join(r['rewritten_shards'])}; "
           f"{config.model} unchanged")

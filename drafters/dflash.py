@@ -410,6 +410,7 @@ class DFlashDrafter(Drafter):
     @classmethod
     def check_checkpoint(cls, model_dir: str, doc: dict[str, Any]) -> None:
         """ValueError for a config.json of this layout that hsx's family does not read."""
+        check_block_attention(model_dir, doc)
         if doc.get("sample_from_anchor"):
             raise ValueError(f"{model_dir}: sample_from_anchor=true (DSpark-style slots) is not supported by hsx's "
                              "DFlash; slot j must predict x_{a+j} (method dspark reads such checkpoints)")
@@ -461,6 +462,18 @@ class DFlashDrafter(Drafter):
                  if not k.startswith(("embed_tokens.", "lm_head.", "t2d", "d2t"))}
         load_weights(model, model_dir, state, not_written=("embed_tokens.",), kind=kind)
         return model.to(device or "cpu").eval()
+
+
+def check_block_attention(model_dir: str, doc: dict[str, Any]) -> None:
+    """ValueError for a block-drafter checkpoint whose layers attend within the block causally or through a window
+    (speculators' default: every layer sliding, sliding_window_non_causal false): hsx's blocks attend both ways over
+    the whole context, so such a head would decode with another mask than it was trained with."""
+    layer = doc.get("transformer_layer_config") or {}
+    sliding = "sliding_attention" in (layer.get("layer_types") or []) or bool(layer.get("use_sliding_window"))
+    if sliding and not doc.get("sliding_window_non_causal"):
+        raise ValueError(f"{model_dir}: its draft layers use sliding windows with a causal block "
+                         "(sliding_window_non_causal false); hsx's block drafters attend within the block both ways "
+                         "over the whole context: train it with full-attention layers, or decode it in vLLM")
 
 
 def _topk_teacher(ids: torch.Tensor, logprobs: torch.Tensor, vocab: int, index: torch.Tensor) -> torch.Tensor:

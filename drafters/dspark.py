@@ -16,9 +16,10 @@ h_k = norm(backbone output of slot k); base_k = lm_head(h_k); logits_k = base_k 
 slot k's draft (x_{a+k}: the anchor for slot 0; in training the corpus token, teacher-forced; in decoding the previous
 draft).
 
-Training (DeepSpec's loss, speculators' recipe): anchors as DFlash's; slot k is trained when x_{a+k+1} is in a's
+Training (DeepSpec's weights 0.1 / 0.9 / 1.0): anchors as DFlash's; slot k is trained when x_{a+k+1} is in a's
 document and loss-masked, weight w_k = exp(-k / gamma); q_k = softmax(logits_k), p_k = the target's distribution of
-x_{a+k+1} (TargetHead on layer N at a+k, or a stored top-K):
+x_{a+k+1} (TargetHead on layer N at a+k, or a stored top-K). The CE term is against p_k itself (hsx's families all
+learn the target's distribution; DeepSpec takes the data token, speculators the target's argmax):
     loss = ce_weight * sum w CE(q, p) / sum w + tv_weight * sum w TV(q, p) / sum w
            + confidence_weight * sum w BCE(c_k, 1 - TV(q_k, p_k)) / sum w     (the target detached)
 Decoding (drafters/dspark_proposer.py): one backbone forward per block, then the Markov correction slot by slot (each
@@ -51,7 +52,7 @@ from drafters.base import (
     target_folder,
     topk_distribution,
 )
-from drafters.dflash import FEATURES, DFlashConfig, DFlashDrafter
+from drafters.dflash import FEATURES, DFlashConfig, DFlashDrafter, check_block_attention
 from drafters.registry import Family
 
 SPECULATORS_MODEL_TYPE = "dspark"
@@ -228,12 +229,10 @@ class DSparkDrafter(DFlashDrafter):
             return StepResult(out.sum() * 0.0, correct, counted)
         # the token before each slot's draft: x_{a+k} (slot 0: the anchor), teacher-forced
         prev = batch.input_ids.gather(1, (labels - 1).flatten(1)).view(labels.shape)  # [R, n, B]
-        blocks = sorted(set(zip(rows.tolist(), blk.tolist())))  # only the blocks that train run the heads
-        b_rows = torch.tensor([b[0] for b in blocks], device=dev)
-        b_blk = torch.tensor([b[1] for b in blocks], device=dev)
+        # only the blocks that train run the heads: which[i] = the block of trained slot i among them
+        blocks, which = torch.unique(rows * anchors.shape[1] + blk, return_inverse=True)
+        b_rows, b_blk = blocks // anchors.shape[1], blocks % anchors.shape[1]
         logits, conf = self.corrected(out[b_rows, b_blk], prev[b_rows, b_blk])  # [M', B, V], [M', B]
-        index = {b: i for i, b in enumerate(blocks)}
-        which = torch.tensor([index[(int(x), int(y))] for x, y in zip(rows, blk)], device=dev)
         q_logits = logits[which, slot].float()  # [M, V]
         at = labels[rows, blk, slot] - 1  # the target's distribution of x_{a+k+1}: at a+k
         with torch.no_grad():
@@ -285,6 +284,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @classmethod
     def check_checkpoint(cls, model_dir: str, doc: dict[str, Any]) -> None:
+        check_block_attention(model_dir, doc)
         if doc.get("sample_from_anchor") is False:
             raise ValueError(f"{model_dir}: sample_from_anchor=false; hsx's DSpark drafts from every slot (slot k "
                              "predicts x_{a+k+1}), as DeepSpec and speculators' default")

@@ -287,6 +287,11 @@ class MtpHead(nn.Module):
                              f"them ({kinds} styles), or another method (e.g. eagle3 with a trained head)")
         style, count = found
         text = _text_config_dict(doc)
+        quantized = doc.get("quantization_config") or text.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
+            raise ValueError(f"{model_dir}: its MTP layers are quantized ({method!r}: weights with their own scales); "
+                             "hsx reads MTP layers of bf16/fp16/fp32 checkpoints only: use the unquantized checkpoint")
         for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
             want = getattr(hf_config, key)
             if key in text and int(text[key]) != int(want):
@@ -304,19 +309,33 @@ class MtpHead(nn.Module):
         if missing:
             raise ValueError(f"{model_dir} declares {count} MTP layer(s) ({style.name} style) but its checkpoint lacks "
                              f"{len(missing)} of their tensors, e.g. {missing[:3]}; a target whose MTP weights were "
-                             "dropped (e.g. re-saved by transformers) cannot run method 'mtp'")
+                             "dropped (e.g. re-saved by transformers) cannot run method 'mtp' (decode it with another method, or "
+                             "method draft_model for a smaller model)")
         state = _read_tensors(model_dir, weight_map, sources)
         for name, tensor in state.items():
             key = head.checkpoint_keys()[name]
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ValueError(f"{model_dir}: MTP tensor {key} has shape {tuple(tensor.shape)}, the target's "
                                  f"config makes it {tuple(own[name].shape)}; the MTP layers are not this target's")
+            if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"{model_dir}: MTP tensor {key} is {str(tensor.dtype).removeprefix('torch.')}; hsx "
+                                 "reads MTP layers stored in bf16/fp16/fp32 (use the unquantized checkpoint)")
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"{model_dir}: MTP tensor {key} holds non-finite values (NaN or inf); the "
                                  "checkpoint is damaged")
         head.to(dtype or embed_tokens.dtype)
+        for name, t in [*head.named_parameters(), *head.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):  # kept in float32, as transformers keeps DeepSeek's
+                t.data = t.data.float()
         head.load_state_dict(state, strict=True)
         return head.to(device or embed_tokens.device).eval().requires_grad_(False)
+
+
+def _unreadable():
+    """The exceptions a damaged checkpoint file raises (safetensors' SafetensorError is a plain Exception)."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, RuntimeError, KeyError, SafetensorError)
 
 
 def _weight_map(model_dir: str) -> dict[str, str]:
@@ -324,8 +343,18 @@ def _weight_map(model_dir: str) -> dict[str, str]:
 
     try:
         return checkpoint_weight_map(model_dir, "MTP layers are read")
-    except FileNotFoundError as e:
-        raise ValueError(str(e)) from None
+    except _unreadable() as e:  # no weights, an index that is not JSON or has no weight_map, a damaged file
+        raise ValueError(f"{model_dir}: cannot read the tensor list of its model.safetensors (or its "
+                         f"model.safetensors.index.json): {type(e).__name__}: {e}") from None
+
+
+def _load_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except _unreadable() as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 _FUSED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
@@ -359,7 +388,7 @@ def _read_tensors(model_dir: str, weight_map: Mapping[str, str], sources: Mappin
             with safe_open(os.path.join(model_dir, file), framework="pt") as f:
                 for key in keys:
                     raw[key] = f.get_tensor(key)
-        except (OSError, ValueError, RuntimeError) as e:  # safetensors raises SafetensorError (a RuntimeError)
+        except _unreadable() as e:
             raise ValueError(f"{model_dir}/{file}: cannot read its MTP tensors ({e})") from None
     out = {}
     for name, groups in sources.items():
@@ -400,7 +429,7 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
     import shutil
 
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     if os.path.abspath(out_dir) == os.path.abspath(target_dir):
         raise ValueError(f"--out {out_dir} is the target folder itself; write the tuned target to a new folder")
@@ -413,7 +442,7 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
         raise ValueError(f"{target_dir} declares no MTP layers; it is not a target to tune MTP layers of")
     tuned = {}
     for file in sorted(set(tuned_map.values())):
-        tuned.update(load_file(os.path.join(drafter_dir, file)))
+        tuned.update(_load_file(os.path.join(drafter_dir, file)))
     mtp_keys = {k for k in weight_map if _is_mtp_key(k, found[0], _read_json(os.path.join(target_dir, "config.json")))}
     if set(tuned) != mtp_keys:
         extra, lacking = sorted(set(tuned) - mtp_keys), sorted(mtp_keys - set(tuned))
@@ -422,9 +451,13 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
     shards = sorted({weight_map[k] for k in mtp_keys})
     replaced: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
     for shard in shards:
-        with safe_open(os.path.join(target_dir, shard), framework="pt") as f:
-            meta = f.metadata() or {"format": "pt"}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(os.path.join(target_dir, shard), framework="pt") as f:
+                meta = f.metadata() or {"format": "pt"}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except _unreadable() as e:
+            raise ValueError(f"{target_dir}/{shard}: not a readable safetensors file ({type(e).__name__}: {e})"
+                             ) from None
         for k in [k for k in tensors if k in mtp_keys]:
             new = tuned[k]
             if tuple(new.shape) != tuple(tensors[k].shape):
@@ -437,7 +470,9 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
     tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(target_dir, tmp, ignore=shutil.ignore_patterns(*shards))
+        top = os.path.abspath(target_dir)
+        shutil.copytree(target_dir, tmp, ignore=lambda folder, names: [n for n in names if n in shards] if
+                        os.path.abspath(folder) == top else [])  # the shards rewritten below; files elsewhere kept
         for shard, (tensors, meta) in replaced.items():
             save_file(tensors, os.path.join(tmp, shard), metadata=meta)
         if os.path.isdir(out_dir):

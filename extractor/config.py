@@ -195,7 +195,8 @@ class SpeculativeConfig:
             parallel_of, parallel = _parallel_of(found)
             if self.parallel_drafting and found != self.method and parallel_of == self.method:
                 object.__setattr__(self, "method", found)  # vLLM's eagle3 + parallel_drafting on a P-EAGLE head
-            if found != self.method and not (self.method == "draft_model" and model_optional(found)):
+            target_folder = model_optional(found) and _recorded_kind(str(self.model)) != found  # not a tuned head
+            if found != self.method and not (self.method == "draft_model" and target_folder):
                 hint = " or add parallel_drafting: true" if parallel_of == self.method else ""
                 raise ValueError(f"speculative method {self.method!r} but {self.model} holds "
                                  f"{_describe_checkpoint(found)}; use method {found!r} for it{hint}, or point "
@@ -209,6 +210,12 @@ class SpeculativeConfig:
         elif self.parallel_drafting:
             raise ValueError(f"parallel_drafting applies to a head trained for it (method peagle, or eagle3 on a "
                              f"P-EAGLE checkpoint), not to method {self.method!r}; drop it")
+
+
+def _recorded_kind(model_dir: str) -> str | None:
+    """The family hsx recorded in a checkpoint's config.json ("hsx": {"kind": ...}), if any."""
+    raw = _read_checkpoint_config(model_dir)
+    return raw["hsx"].get("kind") if isinstance(raw.get("hsx"), dict) else None
 
 
 def model_optional(method: str | None) -> bool:
@@ -244,7 +251,7 @@ def checkpoint_method(model_dir: str) -> str | None:
     when the config is none of these."""
     raw = _read_checkpoint_config(model_dir)
     matching = [name for name, family in sorted(families().items()) if family.matches(raw)]
-    recorded = (raw.get("hsx") or {}).get("kind") if isinstance(raw.get("hsx"), dict) else None
+    recorded = raw["hsx"].get("kind") if isinstance(raw.get("hsx"), dict) else None
     if recorded in matching:  # hsx's own checkpoints name their family (one may share another's layout)
         return recorded
     if matching:

@@ -110,8 +110,8 @@ class ReferenceTargetConfig:
     """The target's family: "llama", or one whose checkpoints ship MTP layers in vLLM's layouts, "deepseek_v3"
     (MLA attention, MoE MLPs after the first layer) or "qwen3_next" (linear attention in 3 of 4 layers, MoE)."""
     mtp_layers: int = 0
-    """MTP layers trained beside the target (deepseek_v3 / qwen3_next only) and written into its checkpoint in the
-    family's own layout, so that method "mtp" drafts with native heads that mean something."""
+    """1: an MTP layer trained beside the target (deepseek_v3 / qwen3_next only) and written into its checkpoint in
+    the family's own layout, so that method "mtp" drafts with a native head that means something; 0: none."""
     mtp_loss_weight: float = 0.3
     """Weight of the MTP loss (cross-entropy of x_{t+2} from the target's post-norm state of x_t and the embedding of
     x_{t+1}) beside the language-model loss; DeepSeek-V3 used 0.3. The target's states reach it detached: the target
@@ -149,9 +149,9 @@ class ReferenceTargetConfig:
             raise ValueError(f"max_train_files must be >= 1 or None, got {self.max_train_files}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r}: choose one of {list(ARCHITECTURES)}")
-        if self.mtp_layers < 0 or (self.mtp_layers and self.architecture == "llama"):
-            raise ValueError(f"mtp_layers={self.mtp_layers}: MTP layers need architecture deepseek_v3 or qwen3_next "
-                             "(their checkpoints' MTP layouts), and a count >= 0")
+        if self.mtp_layers not in (0, 1) or (self.mtp_layers and self.architecture == "llama"):
+            raise ValueError(f"mtp_layers={self.mtp_layers}: one MTP layer (1) or none (0), as the targets that ship "
+                             "them; MTP layers need architecture deepseek_v3 or qwen3_next (their checkpoints' layouts)")
         if self.mtp_loss_weight <= 0:
             raise ValueError(f"mtp_loss_weight must be > 0, got {self.mtp_loss_weight}")
 

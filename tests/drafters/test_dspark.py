@@ -214,6 +214,16 @@ def test_bad_dspark_inputs_are_refused_in_one_line(trained_head, tiny_llama, tmp
         LLM(other, speculative_config={"method": "dspark", "model": folder, "num_speculative_tokens": 3})
     assert "another model" in str(e.value) or "trained for" in str(e.value)
     assert "\n" not in str(e.value)
+    doc = json.loads(open(f"{folder}/config.json").read())  # speculators' default layers: sliding, causal block
+    doc["transformer_layer_config"].update(layer_types=["sliding_attention"], use_sliding_window=True,
+                                           sliding_window=2048)
+    doc["sliding_window_non_causal"] = False
+    causal = tmp_path / "causal"
+    causal.mkdir()
+    (causal / "config.json").write_text(json.dumps(doc))
+    (causal / "model.safetensors").write_bytes(open(f"{folder}/model.safetensors", "rb").read())
+    with pytest.raises(ValueError, match="sliding windows with a causal block"):
+        DSparkDrafter.from_pretrained(str(causal))
     with pytest.raises(ValueError, match="drafts 1 to 4 tokens per step"):
         LLM(tiny_llama, speculative_config={"method": "dspark", "model": folder, "num_speculative_tokens": 5})
 

@@ -243,6 +243,32 @@ def test_misshapen_or_non_finite_mtp_tensors_are_refused_naming_the_tensor(targe
     folder = _damaged(targets, tmp_path, nan)
     message = _llm_error(folder, {"method": "mtp", "num_speculative_tokens": 1})
     assert "non-finite" in message and "experts.gate_up_proj" in message
+    shutil.rmtree(folder)
+    folder = _damaged(targets, tmp_path, lambda raw: None)
+    with open(os.path.join(folder, "config.json")) as f:
+        doc = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:  # an fp8 checkpoint: weights with their own scales
+        json.dump({**doc, "quantization_config": {"quant_method": "fp8"}}, f)
+    assert "quantized ('fp8'" in _mtp_error(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(doc, f)
+    with open(os.path.join(folder, "model.safetensors"), "r+b") as f:  # a truncated download
+        f.truncate(1000)
+    message = _mtp_error(folder)
+    assert "model.safetensors" in message and ("not a readable" in message or "cannot read" in message)
+
+
+def _mtp_error(folder):
+    """MtpHead.from_folder's one-line refusal (the engine would fail loading the truncated target first)."""
+    from transformers import AutoConfig
+
+    from drafters.mtp import MtpHead
+
+    config = AutoConfig.from_pretrained(folder)
+    with pytest.raises(ValueError) as e:
+        MtpHead.from_folder(folder, hf_config=config, embed_tokens=torch.zeros(512, 64), lm_head=torch.zeros(512, 64))
+    assert "\n" not in str(e.value)
+    return str(e.value)
 
 
 def test_bad_speculative_configs_for_mtp_are_refused(targets, tmp_path):
@@ -379,7 +405,7 @@ def test_tuned_mtp_layers_save_in_the_checkpoints_own_layout_decode_and_merge_in
     from cli.main import main
     from drafters.base import TargetHead
     from drafters.mtp import MtpDrafter
-    from extractor.config import checkpoint_method
+    from extractor.config import SpeculativeConfig, checkpoint_method
     from tests.drafters.helpers import train_steps
 
     folder = targets["deepseek_v3"]  # two MTP layers, each with its own embedding / head copies
@@ -402,6 +428,8 @@ def test_tuned_mtp_layers_save_in_the_checkpoints_own_layout_decode_and_merge_in
     frozen = [k for k in saved if k.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
     assert len(frozen) == 4 and all(torch.equal(saved[k], native[k]) for k in frozen)
     assert not torch.equal(saved["model.layers.4.eh_proj.weight"], native["model.layers.4.eh_proj.weight"])
+    with pytest.raises(ValueError, match="use method 'mtp' for it"):  # MTP tensors alone are no draft model
+        SpeculativeConfig("draft_model", 2, model=tuned)
     back = MtpDrafter.from_pretrained(tuned)
     ours, theirs = drafter.state_dict(), back.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

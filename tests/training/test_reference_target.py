@@ -177,5 +177,7 @@ def test_an_mtp_reference_target_ships_trained_mtp_layers_in_its_familys_layout(
         assert list(out.outputs[0].token_ids) == want
     with pytest.raises(ValueError, match="MTP layers need architecture"):
         tiny_config(str(tmp_path), mtp_layers=1)
+    with pytest.raises(ValueError, match="one MTP layer"):
+        tiny_config(str(tmp_path), architecture=arch, mtp_layers=2)
     with pytest.raises(ValueError, match="architecture 'gpt2'"):
         tiny_config(str(tmp_path), architecture="gpt2")
