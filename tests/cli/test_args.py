@@ -133,11 +133,12 @@ def _commands():
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
     from training.export import ExportConfig
+    from training.mtp_target import MergeMtpConfig
 
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
             "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainJobConfig,
             "eval-drafter": EvalDrafterConfig, "serve": ServeConfig, "compact": CompactConfig,
-            "regenerate": RegenerateConfig, "report": ReportConfig}
+            "regenerate": RegenerateConfig, "report": ReportConfig, "merge-mtp": MergeMtpConfig}
 
 
 def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():

@@ -347,7 +347,7 @@ def test_bad_speculative_configs_are_clear_errors(models, tmp_path):
     target = models["target"]
     with pytest.raises(ValueError, match="method 'medusa' needs 'model'"):
         LLM(model=target, speculative_config={"method": "medusa", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match="'lookahead' is not supported.*ngram, draft_model, dflash, eagle, eagle3"):
+    with pytest.raises(ValueError, match="'lookahead' is not supported.*ngram, draft_model, dflash, dspark, eagle, eagle3"):
         LLM(model=target, speculative_config={"method": "lookahead", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
         LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
