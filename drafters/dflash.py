@@ -255,14 +255,16 @@ class DFlashDrafter(Drafter):
     @classmethod
     def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
                 ) -> DFlashDrafter:
-        config = DFlashConfig(**family_options)
+        config = cls.config_class(**family_options)
+        kind = cls.display_name()
         n = int(run_spec.num_hidden_layers)
-        aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind="DFlash", uses="builds its context from aux layers",
+        aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind=kind, uses="builds its context from aux layers",
                                  suggest=(1, n // 2, n - 1, n))
-        if num_speculative_tokens > config.block_size - 1:
-            raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a block of {config.block_size} drafts "
-                             f"at most {config.block_size - 1}; raise block_size (--family-options)")
-        target_folder(target, "DFlash")
+        most = config.block_size - 1 + cls.label_offset  # DSpark's slot 0 drafts too
+        if num_speculative_tokens > most:
+            raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a {kind} block of "
+                             f"{config.block_size} drafts at most {most}; raise block_size (--family-options)")
+        target_folder(target, kind)
         layer_config = qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
         from transformers import AutoConfig
 
@@ -272,8 +274,12 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def default_num_speculative_tokens(cls, family_options: dict[str, Any]) -> int:
-        """A block's drafts: block_size - 1."""
-        return DFlashConfig(**family_options).block_size - 1
+        """A block's drafts: block_size - 1 (DSpark: block_size, its slot 0 drafting too)."""
+        return cls.config_class(**family_options).block_size - 1 + cls.label_offset
+
+    @classmethod
+    def display_name(cls) -> str:
+        return {"dflash": "DFlash", "dspark": "DSpark"}.get(cls.checkpoint_type, cls.checkpoint_type)
 
     # -- the model ----------------------------------------------------------------------------------------------
     def context(self, aux: torch.Tensor) -> torch.Tensor:
@@ -431,7 +437,7 @@ class DFlashDrafter(Drafter):
 
         if target is not None:  # a loaded target's tensors stay shared: its dtype and device unless told otherwise
             dtype, device = dtype or target.lm_head.dtype, device or target.lm_head.device
-        kind = {"dflash": "DFlash", "dspark": "DSpark"}.get(cls.checkpoint_type, cls.checkpoint_type)
+        kind = cls.display_name()
         doc = read_checkpoint_json(model_dir, f"a {kind}")
         if doc.get("speculators_model_type") != cls.checkpoint_type:
             raise ValueError(f"{model_dir}: config.json has speculators_model_type "

@@ -36,7 +36,6 @@ reloads them from the verifier it names); hsx drafts in the whole vocabulary (no
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -49,7 +48,6 @@ from drafters.base import (
     StepResult,
     TargetHead,
     speculators_num_speculative_tokens,
-    target_folder,
     topk_distribution,
 )
 from drafters.dflash import FEATURES, DFlashConfig, DFlashDrafter, check_block_attention
@@ -166,33 +164,6 @@ class DSparkDrafter(DFlashDrafter):
             if config.markov_rank else None
         width = h + (config.markov_rank if config.confidence_head_with_markov and config.markov_rank else 0)
         self.confidence_head = ConfidenceHead(width) if config.enable_confidence_head else None
-
-    # -- construction -------------------------------------------------------------------------------------------
-    @classmethod
-    def for_run(cls, run_spec, target: TargetHead, num_speculative_tokens: int, **family_options: Any
-                ) -> DSparkDrafter:
-        from transformers import AutoConfig
-
-        from drafters.dflash import qwen3_config
-        from drafters.features import aux_layers_for_run
-
-        config = DSparkConfig(**family_options)
-        n = int(run_spec.num_hidden_layers)
-        aux = aux_layers_for_run(run_spec, config.aux_layer_ids, kind="DSpark", uses="builds its context from aux layers",
-                                 suggest=(1, n // 2, n - 1, n))
-        if num_speculative_tokens > config.block_size:
-            raise ValueError(f"--num-speculative-tokens {num_speculative_tokens}: a DSpark block of {config.block_size} "
-                             f"drafts at most {config.block_size}; raise block_size (--family-options)")
-        target_folder(target, "DSpark")
-        layer_config = qwen3_config(target.model_dir, target.hidden_size, target.vocab_size, config)
-        archs = getattr(AutoConfig.from_pretrained(target.model_dir), "architectures", None) or []
-        return cls(config, layer_config, aux, target, num_speculative_tokens, verifier=os.path.abspath(target.model_dir),
-                   verifier_architectures=archs).to(torch.float32)
-
-    @classmethod
-    def default_num_speculative_tokens(cls, family_options: dict[str, Any]) -> int:
-        """A block's drafts: block_size (every slot drafts)."""
-        return DSparkConfig(**family_options).block_size
 
     # -- the heads ----------------------------------------------------------------------------------------------
     def corrected(self, out: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -181,7 +181,7 @@ def test_bad_runs_are_refused_naming_the_layers(tiny_llama):
         DFlashDrafter.for_run(aux_only, target, 3)
     full = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=LAYERS, num_hidden_layers=4, hidden_size=64,
                                                    dtype="float32"))
-    with pytest.raises(ValueError, match="a block of 4 drafts at most 3"):
+    with pytest.raises(ValueError, match="a DFlash block of 4 drafts at most 3"):
         DFlashDrafter.for_run(full, target, 5, block_size=4)
 
 
