@@ -9,8 +9,8 @@
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
-draft cut from it (same tokenizer); for mtp a tiny DeepSeek-V3-style target with one random MTP layer. Without --dataset-path the prompts are lines of a Python standard-library source
-file, which ships with every Python. The printed lines are the ones vLLM's examples/offline_inference/spec_decode.py
+draft cut from it (same tokenizer); for mtp a tiny DeepSeek-V3-style target with one random MTP layer. Without
+--dataset-path the prompts are lines of a Python standard-library source file, which ships with every Python. The printed lines are the ones vLLM's examples/offline_inference/spec_decode.py
 prints, computed the same way from `llm.get_metrics()`: mean acceptance length = 1 + accepted / drafts, acceptance
 at token i = drafts whose i-th token was accepted / drafts.
 """
