@@ -309,8 +309,8 @@ class MtpHead(nn.Module):
         if missing:
             raise ValueError(f"{model_dir} declares {count} MTP layer(s) ({style.name} style) but its checkpoint lacks "
                              f"{len(missing)} of their tensors, e.g. {missing[:3]}; a target whose MTP weights were "
-                             "dropped (e.g. re-saved by transformers) cannot run method 'mtp' (decode it with another method, or "
-                             "method draft_model for a smaller model)")
+                             "dropped (e.g. re-saved by transformers) cannot run method 'mtp' (decode it with another "
+                             "method, or method draft_model for a smaller model)")
         state = _read_tensors(model_dir, weight_map, sources)
         for name, tensor in state.items():
             key = head.checkpoint_keys()[name]
@@ -538,9 +538,10 @@ class MtpDrafter(Drafter):
         config = MtpConfig(**family_options)
         n = int(run_spec.num_hidden_layers)
         if run_spec.target_top_k is not None or n not in tuple(run_spec.layer_ids):
+            instead = " with a top-k target in its place" if run_spec.target_top_k is not None else ""
             raise ValueError(f"MTP layers read the target's last layer (id {n}) through its final norm, but the run "
-                             f"stores {list(run_spec.layer_ids)}{' with a top-k target in its place' if run_spec.target_top_k is not None else ''}"
-                             f"; re-extract with layer {n} in --layers (no --target top_k)")
+                             f"stores {list(run_spec.layer_ids)}{instead}; re-extract with layer {n} in --layers (no "
+                             "--target top_k)")
         folder = target_folder(target, "MTP")
         doc = _read_json(os.path.join(folder, "config.json"))
         head = MtpHead.from_folder(folder, hf_config=_hf_text_config(folder), embed_tokens=target.embed_tokens.float(),
@@ -612,8 +613,8 @@ class MtpDrafter(Drafter):
         hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
         target_dir = target_dir or hsx.get("verifier") or ""
         if not target_dir or not os.path.isdir(target_dir):
-            raise ValueError(f"{model_dir}: an MTP checkpoint reads its target's embeddings and lm_head, but its target "
-                             f"{target_dir!r} is not a local folder; pass the target folder")
+            raise ValueError(f"{model_dir}: an MTP checkpoint reads its target's embeddings and lm_head, but its "
+                             f"target {target_dir!r} is not a local folder; pass the target folder")
         target = TargetHead.from_model_dir(target_dir)
         head = MtpHead.from_folder(model_dir, hf_config=_hf_text_config(target_dir),
                                    embed_tokens=target.embed_tokens.float(), lm_head=target.lm_head.float(),

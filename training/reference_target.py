@@ -150,8 +150,9 @@ class ReferenceTargetConfig:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r}: choose one of {list(ARCHITECTURES)}")
         if self.mtp_layers not in (0, 1) or (self.mtp_layers and self.architecture == "llama"):
-            raise ValueError(f"mtp_layers={self.mtp_layers}: one MTP layer (1) or none (0), as the targets that ship "
-                             "them; MTP layers need architecture deepseek_v3 or qwen3_next (their checkpoints' layouts)")
+            raise ValueError(f"mtp_layers={self.mtp_layers}: one MTP layer (1) or none (0), as the targets that "
+                             "ship them; MTP layers need architecture deepseek_v3 or qwen3_next (their checkpoints' "
+                             "layouts)")
         if self.mtp_loss_weight <= 0:
             raise ValueError(f"mtp_loss_weight must be > 0, got {self.mtp_loss_weight}")
 

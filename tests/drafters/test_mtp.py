@@ -100,7 +100,8 @@ class Oracle:
             p = "mtp."
             e = self.embed[torch.tensor(tokens)]
             u = torch.cat([_rms(e, self.raw[p + "pre_fc_norm_embedding.weight"], True),
-                           _rms(hidden, self.raw[p + "pre_fc_norm_hidden.weight"], True)], -1) @ self.raw[p + "fc.weight"].T
+                           _rms(hidden, self.raw[p + "pre_fc_norm_hidden.weight"], True)], -1) \
+                @ self.raw[p + "fc.weight"].T
         else:
             p = f"model.layers.{self.n + j}."
             embed = self.raw.get(p + "embed_tokens.weight", self.embed)
@@ -150,7 +151,8 @@ def test_each_styles_drafts_equal_its_published_formula_over_the_checkpoints_own
     g = torch.Generator().manual_seed(7)
     ctx = torch.randint(5, 400, (11,), generator=g).tolist()
     captured = {}
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.update(last=o[0] if isinstance(o, tuple) else o))
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, a, o: captured.update(last=o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
         post = model.model(torch.tensor([ctx[:-1]])).last_hidden_state[0]  # what vLLM's target hands its MTP layers
     hook.remove()
