@@ -230,11 +230,11 @@ class Eagle3Proposer(Proposer):
             return drafts
         k_max = min(max(ks[b] for b in rows), self.k)
         # 2. k_max drafts: the head's own output and previous draft at the next positions
-        h = torch.stack([self.last_output[b] for b in rows])  # [B', H]
+        h = self.draft_state(torch.stack([self.last_output[b] for b in rows]), 0)  # [B', H]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         for j in range(k_max):
-            logits = drafter.logits(h).float()  # [B', D]
+            logits = self.draft_logits(h, j).float()  # [B', D]
             picks = self.pick(logits, [params[b] for b in rows], [generators[b] for b in rows])
             for i, (tok, q) in enumerate(picks):
                 tokens[i].append(tok)
@@ -250,11 +250,19 @@ class Eagle3Proposer(Proposer):
             out = self._cache.feed(drafter, step_ids, step_hidden)  # [B, 1, H]
             for b in rows:
                 self.drafted[b] += 1
-            h = out[rows, -1]
+            h = self.draft_state(out[rows, -1], j + 1)
         for i, b in enumerate(rows):
             k = min(ks[b], k_max)
             drafts[b] = Draft(tokens[i][:k], torch.stack(probs[i][:k]) if probs[i] else None)
         return drafts
+
+    def draft_state(self, out: torch.Tensor, step: int) -> torch.Tensor:
+        """The state draft `step` (0-based) reads, from the head's outputs for the rows (MTP: one layer's of several)."""
+        return out
+
+    def draft_logits(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        """[B', D] the logits of draft `step` over its state h [B', H]."""
+        return self.drafter.logits(h)
 
     def pick(self, logits: torch.Tensor, params, generators) -> list[tuple[int, torch.Tensor | None]]:
         """One target token per row of logits [B, D]: argmax for greedy rows, a draw from the request's sampling

@@ -302,9 +302,8 @@ class MtpHead(nn.Module):
         optional = tuple(f"{kind}{j}" for j in range(count) for kind, suffix in style.optional_keys.items()
                          if style.parts_prefix(n, j) + suffix in weight_map)
         head = cls(hf_config, style, count, embed_tokens, lm_head, optional)
-        own = head.state_dict()
-        sources = {name: expert_sources(key, tuple(own[name].shape), weight_map)
-                   for name, key in head.checkpoint_keys().items()}
+        own, keys = head.state_dict(), head.checkpoint_keys()
+        sources = {name: expert_sources(key, tuple(own[name].shape), weight_map) for name, key in keys.items()}
         missing = [key for groups in sources.values() for group in groups for key in group if key not in weight_map]
         if missing:
             raise ValueError(f"{model_dir} declares {count} MTP layer(s) ({style.name} style) but its checkpoint lacks "
@@ -313,7 +312,7 @@ class MtpHead(nn.Module):
                              "method, or method draft_model for a smaller model)")
         state = _read_tensors(model_dir, weight_map, sources)
         for name, tensor in state.items():
-            key = head.checkpoint_keys()[name]
+            key = keys[name]
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ValueError(f"{model_dir}: MTP tensor {key} has shape {tuple(tensor.shape)}, the target's "
                                  f"config makes it {tuple(own[name].shape)}; the MTP layers are not this target's")

@@ -16,7 +16,6 @@ from drafters.base import runner_target
 from drafters.eagle3_proposer import Eagle3Proposer
 from drafters.mtp import MtpHead
 from extractor.facts import text_config
-from extractor.proposers import Draft
 
 
 class _MtpDrafter(nn.Module):
@@ -58,42 +57,9 @@ class MtpProposer(Eagle3Proposer):
         self.budget = int(runner.config.max_num_batched_tokens)
         self.start([])
 
-    @torch.inference_mode()
-    def propose(self, contexts, ks, params, generators):
-        ids, hidden = self.verified_entries(contexts)
-        outs = self.feed_all(ids, hidden)  # per row [1, L, H]
-        for b, r in enumerate(ids):
-            if r:
-                self.last_output[b] = outs[b][-1]
-                self.fed[b] += len(r)
-        rows = [b for b, k in enumerate(ks) if k > 0 and self.last_output[b] is not None]
-        drafts = [Draft([]) for _ in contexts]
-        if not rows:
-            return drafts
-        k_max = min(max(ks[b] for b in rows), self.k)
-        layers = self.head.count
-        h = torch.stack([self.last_output[b][0] for b in rows])  # [B', H] MTP layer 0's carried state
-        tokens: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        for s in range(k_max):
-            picks = self.pick(self.head.logits(h, s % layers).float(), [params[b] for b in rows],
-                              [generators[b] for b in rows])
-            for i, (tok, q) in enumerate(picks):
-                tokens[i].append(tok)
-                if q is not None:
-                    probs[i].append(q)
-            if s == k_max - 1:
-                break
-            step_ids: list[list[int]] = [[] for _ in contexts]
-            step_hidden: list[torch.Tensor | None] = [None] * len(contexts)
-            for i, b in enumerate(rows):
-                step_ids[b] = [tokens[i][-1]]
-                step_hidden[b] = h[i][None]
-            out = self._cache.feed(self.drafter, step_ids, step_hidden)  # [B, 1, L, H]
-            for b in rows:
-                self.drafted[b] += 1
-            h = out[rows, -1, (s + 1) % layers]
-        for i, b in enumerate(rows):
-            k = min(ks[b], k_max)
-            drafts[b] = Draft(tokens[i][:k], torch.stack(probs[i][:k]) if probs[i] else None)
-        return drafts
+    def draft_state(self, out: torch.Tensor, step: int) -> torch.Tensor:
+        """out [B', L, H] every MTP layer's output -> draft `step`'s: layer step % L's (vLLM's spec_step_idx % L)."""
+        return out[:, step % self.head.count]
+
+    def draft_logits(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        return self.head.logits(h, step % self.head.count)
