@@ -16,8 +16,10 @@ def register(sub) -> None:
                 help="an OpenAI-compatible extraction service (Ray Serve): /v1/completions, /v1/chat/completions",
                 description="Serve the model over HTTP with vLLM's OpenAI routes: every request writes the hidden "
                             "states of its prompt (and, with kv_transfer_params.include_output_tokens, of its output) "
-                            "to a file under --output and answers with its path once the file is durable. Runs on a "
-                            "private local Ray unless --address; SIGTERM drains requests in flight, then exits.")
+                            "to a file under --output and answers with its path once the file is durable; with "
+                            "--speculative-config it decodes speculatively instead (vLLM's methods: mtp, ngram, a "
+                            "trained drafter) and writes no files. Runs on a private local Ray unless --address; "
+                            "SIGTERM drains requests in flight, then exits.")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -30,8 +32,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if warning:
         print(f"hsx serve: WARNING: {warning}", file=sys.stderr, flush=True)
 
+    spec = config.speculative
+    serving = (f"files under {config.output}" if spec is None else
+               f"speculative decoding: {spec.method}, k = {spec.num_speculative_tokens}, no files")
+
     def ready(url: str) -> None:
-        print(f"hsx serve: {config.model_name} on {url} ({config.replicas} replica(s), files under {config.output}"
+        print(f"hsx serve: {config.model_name} on {url} ({config.replicas} replica(s), {serving}"
               f"{', API key required' if config.api_key else ''}); SIGTERM or Ctrl-C drains and stops",
               file=sys.stderr, flush=True)
 

@@ -13,6 +13,9 @@ max_queued_requests on the engine handle raises BackPressureError) gives 503 wit
 mid-request gives 503. A request answers only once every file it names is durable; one that fails answers nothing
 and leaves no file (the other prompts' files of a failed list request are removed). `drain()` (called on SIGTERM by
 serve.server) refuses new requests and waits for those in flight.
+
+With --speculative-config the replicas decode speculatively and write nothing: no file is owned or discarded,
+kv_transfer_params get 400, and /metrics adds vLLM's vllm:spec_decode_* counters (serve.metrics).
 """
 
 # no `from __future__ import annotations`: Serve rebuilds the route signatures and needs real annotations
@@ -67,7 +70,8 @@ class Ingress:
     def __init__(self, engine, config: ServeConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = ServeMetrics()
+        spec = config.speculative
+        self.metrics = ServeMetrics(spec.num_speculative_tokens if spec else 0, config.model_name)
         self._key = config.api_key.encode() if config.api_key else None
         self._in_flight = 0
         self._draining = False
@@ -201,7 +205,7 @@ class Ingress:
                            code="too_many_prompts")
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"  # not 32 hex: the file keeps the id as its name
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+        kv = self._kv_params(body)
         if len(prompts) > 1 and kv.get("hidden_states_path"):
             raise APIError(400, "kv_transfer_params.hidden_states_path names one file, but the request has "
                                 f"{len(prompts)} prompts; send one prompt per request with a custom path",
@@ -216,7 +220,7 @@ class Ingress:
         body: ChatBody = parse_body(ChatBody, await self._read(request))
         self._check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+        kv = self._kv_params(body)
         req = PromptRequest(rid, messages=[m.template_dict() for m in body.messages],
                             add_generation_prompt=body.add_generation_prompt,
                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
@@ -225,12 +229,25 @@ class Ingress:
         (reply,) = await self._owning(kv, [rid], self._extract([req]))
         return JSONResponse(chat_response(rid, self.config.model_name, reply, body.return_token_ids))
 
+    def _kv_params(self, body) -> dict[str, Any]:
+        """The request's kv_transfer_params; 400 on a speculative server, which writes no files."""
+        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+        spec = self.config.speculative
+        if kv and spec is not None:
+            raise APIError(400, f"kv_transfer_params on a server that decodes speculatively (--speculative-config "
+                                f"method {spec.method!r}) and writes no hidden states; leave them out, or send the "
+                                "request to an hsx serve started without --speculative-config",
+                           param="kv_transfer_params", code="invalid_value")
+        return kv
+
     async def _owning(self, kv: dict[str, Any], ids: list[str], work: Awaitable[list[EngineReply]]
                       ) -> list[EngineReply]:
         """Run `work` owning the files it writes (connectors.paths.PathOwners, as each connector does, but for every
         replica at once): its default-named files (one per prompt id) while it runs, or its custom path. A custom
         path another request is writing, wrote without overwrite, or that exists already (another request's
         default-named file, a file from before) is 409 unless kv says overwrite."""
+        if self.config.speculative is not None:  # a decoding service: no files to own
+            return await work
         custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
         if custom is None:
             dests = [(self._policy.default_destination(i), i) for i in ids]

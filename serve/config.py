@@ -5,10 +5,12 @@
     config.engine_config()    the engine's own typed settings (extractor.EngineConfig) every replica builds
     config.kv_transfer_config()
                               the connector's settings: files under --output, custom paths under --allowed-roots
+    config.speculative        the SpeculativeConfig of --speculative-config (a decoding service), or None
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ from typing import Any
 
 from connectors import KVTransferConfig
 from connectors.paths import PathPolicy
+from connectors.storage import parse_storage_options
+from extractor.config import SPECULATIVE_METHOD, speculative_config_from_dict
 from extractor.options import EngineOptions, flag
 
 API_KEY_ENV = "HSX_API_KEY"
@@ -33,6 +37,11 @@ class ServeConfig(EngineOptions):
     # -- what to serve (and model, layers, dtype, ...: EngineOptions) ---------------------------------------------
     output: str = ""
     """Where files go: a local folder or fsspec URL (s3://bucket/prefix); default names are <request id>.safetensors."""
+    speculative_config: dict[str, Any] | None = None
+    """vLLM's --speculative-config, as JSON: {"method": "mtp", "num_speculative_tokens": 3} (or ngram, draft_model,
+    a trained drafter: {"model": DIR, ...}) makes a decoding service that drafts and verifies as vLLM does and writes
+    no files (extraction is its own method, {"method": "extract_hidden_states", ...} = --layers, as in vLLM); /metrics
+    then shows vLLM's vllm:spec_decode_* counters. Such a server takes no --output and refuses kv_transfer_params."""
     served_model_name: str | None = None
     """The name clients pass as `model`; default the --model value. Requests naming another model get 404."""
     max_num_seqs: int = 32
@@ -89,6 +98,7 @@ class ServeConfig(EngineOptions):
     """On SIGTERM, how long to wait for requests in flight (and their writes) before exiting anyway."""
 
     def __post_init__(self) -> None:
+        self._take_speculative_config()
         super().__post_init__()
         if isinstance(self.allowed_roots, str):
             object.__setattr__(self, "allowed_roots", tuple(r for r in self.allowed_roots.split(",") if r))
@@ -132,7 +142,40 @@ class ServeConfig(EngineOptions):
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")
+        if self.speculative is not None:
+            files = [flag(n) for n in ("layers", "output", "allowed_roots", "storage_options") if getattr(self, n)]
+            files += [flag(n) for n, default in (("storage_dtype", "model"), ("target", "states"))
+                      if getattr(self, n) != default]
+            if files:
+                raise ValueError(f"{', '.join(files)} with --speculative-config method "
+                                 f"{self.speculative.method!r}: a speculative server decodes and writes no files "
+                                 f"(extraction is its own method, {SPECULATIVE_METHOD}, as in vLLM); drop "
+                                 f"{', '.join(files)}, or drop --speculative-config to serve extraction")
         self.check_engine()  # the engine's and the connector's own checks, on what every replica gets
+
+    def _take_speculative_config(self) -> None:
+        """--speculative-config as a dict (JSON text from the CLI or a config file); extract_hidden_states's layer ids
+        become --layers (both given: refused)."""
+        value = self.speculative_config
+        if value is None:
+            return
+        value = parse_storage_options(value, "--speculative-config",
+                                      example='{"method": "mtp", "num_speculative_tokens": 3}')
+        object.__setattr__(self, "speculative_config", value)
+        try:
+            speculative, layer_ids = speculative_config_from_dict(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+        if speculative is None and layer_ids is not None:
+            if self.layers is not None:
+                raise ValueError(f"--layers and --speculative-config method {SPECULATIVE_METHOD} both name the "
+                                 "layers to store; give one of them")
+            object.__setattr__(self, "layers", layer_ids)
+
+    @functools.cached_property
+    def speculative(self):
+        """The extractor.SpeculativeConfig of --speculative-config, or None (an extraction service)."""
+        return speculative_config_from_dict(self.speculative_config)[0] if self.speculative_config else None
 
     def path_policy(self):
         """Where custom hidden_states_path values may go (connectors.paths.PathPolicy): under --allowed-roots, by
@@ -140,9 +183,14 @@ class ServeConfig(EngineOptions):
         return PathPolicy(self.output, list(self.allowed_roots) if self.allowed_roots else None)
 
     def check_required(self) -> None:
+        if self.speculative is not None:
+            if not self.model:
+                raise ValueError("missing --model: hsx serve needs the model to load")
+            return
         missing = [flag(n) for n in ("model", "output") if not getattr(self, n)]
         if missing:
-            raise ValueError(f"missing {', '.join(missing)}: hsx serve needs the model to load and where files go")
+            raise ValueError(f"missing {', '.join(missing)}: hsx serve needs the model to load and where files go "
+                             "(or --speculative-config for a decoding service that writes none)")
 
     @property
     def base_url(self) -> str:
@@ -155,7 +203,10 @@ class ServeConfig(EngineOptions):
         return self.served_model_name or self.model
 
     def engine_config(self, device: str | None = None, **resolved: Any):
-        """The extractor.EngineConfig every replica builds its engine from."""
+        """The extractor.EngineConfig every replica builds its engine from (a speculative one with
+        --speculative-config)."""
+        if self.speculative is not None:
+            resolved.setdefault("speculative", self.speculative)
         return super().engine_config(device=device or self.device, max_num_seqs=self.max_num_seqs, **resolved)
 
     def connector_settings(self) -> dict[str, Any]:
@@ -164,5 +215,8 @@ class ServeConfig(EngineOptions):
                 "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None}
 
     def kv_transfer_config(self):
+        """The replicas' connector settings; None for a speculative server (it writes no files)."""
+        if self.speculative is not None:
+            return None
         return KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector", kv_role="kv_producer",
                                 kv_connector_extra_config=self.connector_settings())

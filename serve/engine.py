@@ -86,10 +86,13 @@ class EngineReply:
     write_seconds: float | None = None
     """Its file: request end to durable (the connector's measure)."""
     replica: str = ""
+    spec_decode: tuple | None = None
+    """A speculative server's running counts on this replica (num_drafts, num_draft_tokens, num_accepted_tokens,
+    accepted per position), on the first reply of each batch; the ingress turns them into vLLM's counters."""
     discarded: int = 0
+    """Files this replica has removed so far because their clients went away (cumulative)."""
     aborted: int = 0
     """Requests this replica has stopped mid-batch because their clients went away (cumulative)."""
-    """Files this replica has removed so far because their clients went away (cumulative)."""
 
     @property
     def ok(self) -> bool:
@@ -178,7 +181,7 @@ class Engine:
         self.max_model_len = self.llm.runner.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self._bytes_per_token = max_bytes_per_token(self.tokenizer)
-        self._fs, _ = storage.open_url(config.output, config.storage_options)
+        self._fs = storage.open_url(config.output, config.storage_options)[0] if config.output else None
         self._executor = named_thread_pool(1, "hsx-engine")
         # text prompts and chat templates are tokenized on this thread, one at a time, not on the event loop: a
         # megabyte of text takes seconds, during which the loop would answer no other request (tokenizers releases
@@ -197,8 +200,10 @@ class Engine:
             self._replica = "local"
 
     def info(self) -> dict[str, Any]:
+        spec = self.config.speculative
         return {"model": self.config.model_name, "max_model_len": self.max_model_len,
-                "layer_ids": list(self.llm.spec.layer_ids), "dtype": self.llm.spec.dtype}
+                "layer_ids": [] if spec else list(self.llm.spec.layer_ids), "dtype": self.llm.spec.dtype,
+                "speculative": None if spec is None else {"method": spec.method, "k": spec.num_speculative_tokens}}
 
     async def extract(self, request: PromptRequest) -> EngineReply:
         try:
@@ -366,13 +371,18 @@ class Engine:
                 completion = out.outputs[0]
                 reply.token_ids, reply.text = list(completion.token_ids), completion.text
                 reply.finish_reason, reply.stop_reason = completion.finish_reason, completion.stop_reason
-                reply.path = out.kv_transfer_params["hidden_states_path"]
-                reply.write_seconds = out.write_seconds
-                try:
-                    reply.bytes_written = storage.size_of(self._fs, _fs_path(self._fs, reply.path))
-                except OSError:
-                    reply.bytes_written = 0
+                if self._fs is not None:  # an extraction service: its durable file
+                    reply.path = out.kv_transfer_params["hidden_states_path"]
+                    reply.write_seconds = out.write_seconds
+                    try:
+                        reply.bytes_written = storage.size_of(self._fs, _fs_path(self._fs, reply.path))
+                    except OSError:
+                        reply.bytes_written = 0
             replies.append(reply)
+        if replies and self.config.speculative is not None:  # the replica's running counts, as of this batch
+            stats = self.llm.stats
+            replies[0].spec_decode = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                      tuple(stats.accepted_per_pos))
         logger.debug("batch %d: %d prompts in %.3fs", batch, len(items), seconds)
         return replies
 

@@ -14,6 +14,16 @@
                                                  away: nothing written
     hsx_serve_files_discarded_total{reason}      files removed: client_gone (the engine replicas report theirs with
                                                  each reply), request_failed (other prompts of a failed request)
+
+A speculative server (--speculative-config) adds vLLM's own spec-decode counters, summed over the replicas, labelled
+model_name as vLLM labels them (acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted /
+drafts, per-position rate = per_pos{position} / drafts):
+
+    vllm:spec_decode_num_drafts_total{model_name}                       verified proposals
+    vllm:spec_decode_num_draft_tokens_total{model_name}                 drafted tokens
+    vllm:spec_decode_num_accepted_tokens_total{model_name}              accepted drafted tokens
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name, position}
+                                                                        accepted at draft position 0..k-1
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class ServeMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, num_speculative_tokens: int = 0, model_name: str = "") -> None:
         disable_created_metrics()  # no *_created series (process-wide; the ingress process is ours)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -61,6 +71,16 @@ class ServeMetrics:
         self.aborted = Counter("hsx_serve_requests_aborted", "requests stopped mid-batch, their client gone",
                                registry=r)
         self._aborted_by_replica: dict[str, int] = {}
+        self.spec_decode = None
+        if num_speculative_tokens:
+            names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+            docs = ("Number of spec decoding drafts.", "Number of draft tokens.", "Number of accepted tokens.")
+            totals = [Counter(f"vllm:spec_decode_{n}", d, ["model_name"], registry=r).labels(model_name)
+                      for n, d in zip(names, docs)]
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              ["model_name", "position"], registry=r)
+            self.spec_decode = (*totals, [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)])
+            self._spec_by_replica: dict[str, tuple] = {}
 
     def observe_reply(self, reply, answered: bool = True) -> None:
         """One engine reply (serve.engine.EngineReply): tokens and bytes when it succeeded and its request was
@@ -79,10 +99,26 @@ class ServeMetrics:
         if reply.aborted > seen:
             self.aborted.inc(reply.aborted - seen)
             self._aborted_by_replica[reply.replica] = reply.aborted
+        if self.spec_decode is not None and reply.spec_decode is not None:
+            self._observe_spec(reply.replica, reply.spec_decode)
         if reply.first_in_batch:
             self.batch_size.observe(reply.batch_size)
             self.batches.labels(reply.replica).inc()
             self.batch_seconds.observe(reply.batch_seconds)
+
+    def _observe_spec(self, replica: str, counts: tuple) -> None:
+        """A replica's running counts: what grew since it last reported goes onto the counters (the replies of
+        concurrent batches may arrive out of order: a smaller count than the last is old news)."""
+        *totals, per_pos = counts
+        seen = self._spec_by_replica.get(replica)
+        if seen is not None and totals[0] <= seen[0]:
+            return
+        *before, before_pos = seen or (0, 0, 0, (0,) * len(per_pos))
+        for counter, now, was in zip(self.spec_decode[:3], totals, before):
+            counter.inc(now - was)
+        for counter, now, was in zip(self.spec_decode[3], per_pos, before_pos):
+            counter.inc(now - was)
+        self._spec_by_replica[replica] = counts
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -235,13 +235,13 @@ def completion_response(request_id: str, model: str, replies: list, return_token
     choices = []
     for i, r in enumerate(replies):
         choice = {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason,
-                  "stop_reason": r.stop_reason, "prompt_logprobs": None, "kv_transfer_params": {"hidden_states_path": r.path}}
+                  "stop_reason": r.stop_reason, "prompt_logprobs": None, "kv_transfer_params": _kv(r.path)}
         if return_token_ids:
             choice.update(prompt_token_ids=r.prompt_token_ids, token_ids=r.token_ids)
         choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": _usage(replies), "system_fingerprint": None,
-            "kv_transfer_params": {"hidden_states_path": replies[0].path}}
+            "kv_transfer_params": _kv(replies[0].path)}
 
 
 def chat_response(request_id: str, model: str, reply, return_token_ids: bool) -> dict[str, Any]:
@@ -250,10 +250,15 @@ def chat_response(request_id: str, model: str, reply, return_token_ids: bool) ->
     out = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
            "choices": [choice], "usage": _usage([reply]), "system_fingerprint": None,
            "prompt_token_ids": reply.prompt_token_ids if return_token_ids else None,
-           "kv_transfer_params": {"hidden_states_path": reply.path}}
+           "kv_transfer_params": _kv(reply.path)}
     if return_token_ids:
         choice["token_ids"] = reply.token_ids
     return out
+
+
+def _kv(path: str | None) -> dict[str, str] | None:
+    """The response's kv_transfer_params: the file's path; None from a speculative server, which writes none."""
+    return None if path is None else {"hidden_states_path": path}
 
 
 def _usage(replies: list) -> dict[str, int]:

@@ -76,6 +76,9 @@ def check(config: ServeConfig) -> None:
                          "hub id in the local cache") from e
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
                  layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
+    if config.speculative is not None:
+        check_draft_source(config.speculative, config.model)
+        return  # a decoding service writes no files
 
     # files keep landing there: never in or around the model, inside a run or another model
     check_output_place(config.output, flag="--output", inputs={"--model": config.model})
@@ -86,6 +89,25 @@ def check(config: ServeConfig) -> None:
         fs.makedirs(root, exist_ok=True)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--output {config.output}: cannot use it ({type(e).__name__}: {e})") from e
+
+
+def check_draft_source(speculative, model: str) -> None:
+    """For a method whose draft lives in the target's own folder (mtp, 'model' left out): that the folder declares
+    one (the family's reader names the rest once a replica loads it)."""
+    import json
+    import os
+
+    from extractor.methods import family
+
+    found = family(speculative.method)
+    if speculative.model or not getattr(found, "model_optional", False) or not os.path.isdir(model):
+        return
+    with open(os.path.join(model, "config.json")) as f:
+        raw = json.load(f)
+    if not found.matches(raw):
+        raise ValueError(f"--speculative-config method {speculative.method!r} reads its draft from the target's "
+                         f"folder, and {model} is not {found.description} (its config.json declares none); serve a "
+                         "target that ships one, or use another method (e.g. eagle3 with a trained head: 'model': DIR)")
 
 
 def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:

@@ -35,12 +35,14 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model: str, output: str, log_path: str, *, layers=LAYERS, port: int | None = None,
+    def __init__(self, model: str, output: str | None, log_path: str, *, layers=LAYERS, port: int | None = None,
                  **flags) -> None:
+        """output and layers None: left out (a speculative server, --speculative-config in flags)."""
         self.model, self.output, self.port = model, output, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}" + str(flags.get("route_prefix", "")).rstrip("/")
-        argv = [sys.executable, "-m", "cli", "serve", "--model", model, "--output", output,
-                "--port", str(self.port), "--api-key", API_KEY, "--layers", ",".join(map(str, layers))]
+        argv = [sys.executable, "-m", "cli", "serve", "--model", model, "--port", str(self.port), "--api-key", API_KEY]
+        argv += ["--output", output] if output is not None else []
+        argv += ["--layers", ",".join(map(str, layers))] if layers is not None else []
         for name, value in flags.items():
             argv += ["--" + name.replace("_", "-"), str(value)]
         env = {**{k: v for k, v in os.environ.items() if k != "HSX_API_KEY"}, "RAY_DEDUP_LOGS": "0"}

@@ -26,6 +26,19 @@ from cli.main import main
     (["--model", "{model}", "--output", "{out}", "--name", "two words"], "--name 'two words'"),
     (["--model", "{model}", "--output", "{out}", "--route-prefix", "llama"], "--route-prefix 'llama'"),
     (["--model", "{model}", "--output", "{out}", "--route-prefix", "/llama/"], "--route-prefix '/llama/'"),
+    # a decoding service (--speculative-config): no files, so no --output; its method's own checks
+    (["--model", "{model}", "--speculative-config", "{{not json"], "--speculative-config is not valid JSON"),
+    (["--model", "{model}", "--speculative-config", '{{"method": "ngram"}}'], "needs num_speculative_tokens"),
+    (["--model", "{model}", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'],
+     "num_speculative_tokens must be an integer >= 1"),
+    (["--model", "{model}", "--output", "{out}", "--speculative-config", '{{"method": "ngram", '
+      '"num_speculative_tokens": 2}}'], "--output with --speculative-config method 'ngram'"),
+    (["--model", "{model}", "--layers", "1,2", "--speculative-config", '{{"method": "ngram", '
+      '"num_speculative_tokens": 2}}'], "--layers with --speculative-config"),
+    (["--model", "{model}", "--speculative-config", '{{"method": "mtp", "num_speculative_tokens": 2}}'],
+     "{model} is not a target folder with MTP layers"),
+    (["--model", "{model}", "--speculative-config", '{{"method": "eagle3", "num_speculative_tokens": 2}}'],
+     "method 'eagle3' needs 'model'"),
 ])
 def test_bad_settings_exit_2_naming_the_flag_before_anything_starts(argv, needle, serve_model, tmp_path, capsys):
     argv = [a.format(model=serve_model, out=tmp_path / "out") for a in argv]
