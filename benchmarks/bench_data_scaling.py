@@ -65,6 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_tokens(run: str) -> int:
+    """Tokens stored in run `run` (its committed samples, from the manifest)."""
+    import pyarrow.compute as pc
+
+    from connectors.manifest import ok_rows
+
+    return int(pc.sum(ok_rows(run)["num_tokens"]).as_py())
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Tokens per target step and AL against data size, one line per family (hsx report's figure style)."""
     from training.plot_text import figure, png
@@ -118,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 f.write("\n".join(records[:max(1, len(records) * scale // max(args.scales))]) + "\n")
         run = corpus[:-len(".jsonl")] + "-run"
         t0 = time.perf_counter()
-        result = extract(target.path, corpus, run, layers, args.threads, args.regenerate)
+        extract(target.path, corpus, run, layers, args.threads, args.regenerate)
         timings[f"run x{scale}"] = time.perf_counter() - t0
-        tokens = int(result.tokens) if result.tokens else 0
+        tokens = run_tokens(run)  # the whole run's, also when this call only resumed it (result.tokens: new ones)
         methods = {"none": None}
         for kind in args.kinds:
             out = os.path.join(work, f"{key}-x{scale}-{kind}-e{args.epochs}-lr{args.lr}")

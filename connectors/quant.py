@@ -3,10 +3,13 @@ and layer — and the one pass over a sample's states that finds what must never
 is all zeros).
 
     FP8_MAX, FP8_RELATIVE_ERROR         e4m3's largest value; the largest rounding error it leaves
-    quantize(states, storage_dtype)     [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
+    row_magnitudes(states)              [t, L, H] -> [t, L]: each row's largest |value| (NaN / inf where it holds one),
+                                        the one pass both the check and fp8's scales read
+    quantize(states, storage_dtype, magnitudes=None)
+                                        [t, L, H] -> (stored [t, L, H], scales [t, L, 1] float32 or None)
     dequantize(stored, scales, dtype)   the inverse: stored.to(dtype) * scales.to(dtype) (scales None: a cast)
     BadStates                           what the connector raises for such a sample (nothing is written)
-    state_problem(chunks, layer_ids, token_ids, logprobs)
+    state_problem(chunks, layer_ids, token_ids, logprobs, magnitudes=None)
                                         "non-finite value (nan) at token 3, layer 1 (hidden-state id 16)", "layer 2
                                         (...) is all zeros over all T tokens" (of distinct tokens), a non-finite
                                         target log-probability, or None
@@ -18,6 +21,11 @@ pre-norm last layer's magnitude is far larger than the aux layers', and one shar
 range on it. Files with one scale per token ([T, 1, 1], speculators') read the same way (the scales broadcast).
 The storage dtypes' names (MODEL, FP8, STORAGE_DTYPES, check_storage_dtype) are `connectors.format`'s: a spec and
 the command line check them without torch.
+
+Priced per byte (issue 46, benchmarks/bench_host_path.py): a row's magnitude is read from the bits (the sign masked
+off, IEEE magnitudes order as integers and NaN above inf), one integer pass in cache-sized blocks instead of a float
+pass per question (finite? zero? amax?); fp8's division runs block by block in a reused float32 buffer. Both give
+exactly what the whole-tensor float expressions gave (files byte-identical; tests/connectors/test_quant.py).
 """
 
 from __future__ import annotations
@@ -50,13 +58,54 @@ SCALE_FLOOR = 1e-12
 """Smallest scale (speculators' clamp): an all-zero row quantizes to zeros, never to NaN."""
 
 
-def quantize(states: torch.Tensor, storage_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`states` [t, L, H] as stored: (the stored tensor, its scales [t, L, 1] float32 when scaled, else None)."""
+_BLOCK_BYTES = 1 << 21
+"""States per pass of the blocked loops (2 MiB): their temporaries stay in cache."""
+_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float32: (torch.int32, 0x7FFFFFFF)}
+"""dtype -> (the integer view, the mask that drops the sign bit)."""
+
+
+def _block_rows(states: torch.Tensor, itemsize: int) -> int:
+    """Tokens per block: about _BLOCK_BYTES of one token's rows at `itemsize` bytes a value."""
+    per_token = max(1, states[0].numel() * itemsize) if states.shape[0] else 1
+    return max(1, _BLOCK_BYTES // per_token)
+
+
+def row_magnitudes(states: torch.Tensor) -> torch.Tensor:
+    """[t, L]: the largest |value| over the hidden dimension of each token's layer, in the states' dtype, exactly;
+    NaN where the row holds a NaN, else inf where it holds an inf (what float abs().amax() gives). For bf16 / fp16 /
+    fp32 one pass over the bits, block by block; other dtypes (fp8, float64) through float32."""
+    found = _MAGNITUDE_BITS.get(states.dtype)
+    if found is None:
+        return states.float().abs().amax(dim=-1)
+    int_dtype, mask = found
+    bits = states.view(int_dtype)
+    out = torch.empty(states.shape[:-1], dtype=int_dtype, device=states.device)
+    step = _block_rows(states, states.element_size())
+    for i in range(0, states.shape[0], step):
+        torch.amax(bits[i:i + step] & mask, dim=-1, out=out[i:i + step])
+    return out.view(states.dtype)
+
+
+def quantize(states: torch.Tensor, storage_dtype: str, magnitudes: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`states` [t, L, H] as stored: (the stored tensor, its scales [t, L, 1] float32 when scaled, else None).
+    `magnitudes`: the states' `row_magnitudes(states)` when the caller has them already (the check read them).
+
+    fp8: scale = amax / 448 clamped at 1e-12, stored = clamp(x / scale, +-448) cast to e4m3 — computed in float32
+    block by block, byte for byte what the whole-tensor expression gives."""
     if not is_scaled(storage_dtype):
         return states.to(getattr(torch, storage_dtype)) if storage_dtype != MODEL else states, None
-    x = states.float()
-    scales = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)  # [t, L, 1]
-    stored = (x / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    amax = (magnitudes if magnitudes is not None else row_magnitudes(states)).float().unsqueeze(-1)
+    scales = (amax / FP8_MAX).clamp(min=SCALE_FLOOR)  # [t, L, 1]
+    stored = torch.empty(states.shape, dtype=torch.float8_e4m3fn, device=states.device)
+    step = _block_rows(states, 4)
+    buf = torch.empty((min(step, states.shape[0]), *states.shape[1:]), dtype=torch.float32, device=states.device)
+    for i in range(0, states.shape[0], step):
+        block = buf[:min(step, states.shape[0] - i)]
+        block.copy_(states[i:i + step])
+        block.div_(scales[i:i + step]).clamp_(-FP8_MAX, FP8_MAX)
+        stored[i:i + step].copy_(block)
     return stored, scales
 
 
@@ -92,7 +141,8 @@ class StateChecker:
         return f"layer {position}" + (f" (hidden-state id {self._layer_ids[position]})" if self._layer_ids else "")
 
     def feed(self, states: torch.Tensor, token_ids: torch.Tensor | None = None,
-             logprobs: torch.Tensor | None = None) -> str | None:
+             logprobs: torch.Tensor | None = None, magnitudes: torch.Tensor | None = None) -> str | None:
+        """`magnitudes`: `row_magnitudes(states)` when the caller has them (they are what the check reads)."""
         first = self._tokens
         self._tokens += states.shape[0]
         if token_ids is not None and len(self._distinct) < 2:
@@ -105,13 +155,14 @@ class StateChecker:
                                          f"{first + t}, rank {rank}")
         if states.numel() == 0:
             return None
-        x = states.float() if states.element_size() == 1 else states
-        finite = torch.isfinite(x)
+        m = magnitudes if magnitudes is not None else row_magnitudes(states)  # [t, L]
+        finite = torch.isfinite(m)
         if not bool(finite.all()):
-            t, layer, _ = (~finite).nonzero()[0].tolist()
-            value = x[t, layer][~finite[t, layer]][0].item()
+            t, layer = (~finite).nonzero()[0].tolist()  # the first row holding one, as the element-wise scan finds
+            row = states[t, layer].float()
+            value = row[~torch.isfinite(row)][0].item()
             return f"non-finite value ({value}) at token {first + t}, {self._which(layer)}"
-        nonzero = (x != 0).any(dim=-1).any(dim=0)  # [L]
+        nonzero = (m != 0).any(dim=0)  # [L]: a row of zeros (-0.0 included) has magnitude 0
         self._zero = ~nonzero if self._zero is None else self._zero & ~nonzero
         return None
 
@@ -126,7 +177,8 @@ class StateChecker:
 
 def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | None = None,
                   token_ids: Sequence[torch.Tensor] | None = None,
-                  logprobs: Sequence[torch.Tensor] | None = None) -> str | None:
+                  logprobs: Sequence[torch.Tensor] | None = None,
+                  magnitudes: Sequence[torch.Tensor] | None = None) -> str | None:
     """Why states given as chunks along the token axis ([t_i, L, H] each, in order) must not be committed: the first
     NaN or Inf (by token and layer position), else a layer whose every value is zero (a capture that never ran, the
     failure vLLM and speculators shipped; counted over distinct `token_ids` only, see StateChecker), else the first
@@ -135,7 +187,7 @@ def state_problem(chunks: Sequence[torch.Tensor], layer_ids: Sequence[int] | Non
     checker = StateChecker(layer_ids)
     for i, chunk in enumerate(chunks):
         problem = checker.feed(chunk, None if token_ids is None else token_ids[i],
-                               None if logprobs is None else logprobs[i])
+                               None if logprobs is None else logprobs[i], None if magnitudes is None else magnitudes[i])
         if problem is not None:
             return problem
     return checker.finish(distinct_tokens_known=token_ids is not None)

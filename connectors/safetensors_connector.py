@@ -53,7 +53,7 @@ from connectors.format import (
 )
 from connectors.header import extra_row_entries, request_metadata
 from connectors.paths import Destination, PathOwners, PathPolicy
-from connectors.quant import BadStates, StateChecker, quantize, state_problem
+from connectors.quant import BadStates, StateChecker, quantize, row_magnitudes, state_problem
 from connectors.spool import Spool
 from connectors.writer import BackgroundWriter
 
@@ -343,11 +343,12 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         """On a writer thread: check each chunk's rows, convert them to the storage dtype, append every stream."""
         for chunk in rows:
             states = chunk[HIDDEN_STATES]
+            magnitudes = row_magnitudes(states) if self._reads_magnitudes else None  # one pass for both
             if self.extra_config.check_states:
-                problem = pending.checker.feed(states, chunk[TOKEN_IDS], chunk.get(TARGET_TOPK_LOGPROBS))
+                problem = pending.checker.feed(states, chunk[TOKEN_IDS], chunk.get(TARGET_TOPK_LOGPROBS), magnitudes)
                 if problem is not None:
                     raise self._bad_states(pending.info.request_id, problem)
-            stored = self._stored_rows(chunk)
+            stored = self._stored_rows(chunk, magnitudes)
             for name, t in stored.items():
                 pending.spool.append(name, t)
 
@@ -442,22 +443,30 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         all-zero layer) refused with BadStates; states quantized to the spec's storage dtype chunk by chunk (fp8: a
         float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
         states = tensors[HIDDEN_STATES]
+        magnitudes = [row_magnitudes(c) for c in states] if self._reads_magnitudes else [None] * len(states)
         if self.extra_config.check_states:
-            problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS], tensors.get(TARGET_TOPK_LOGPROBS))
+            problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS], tensors.get(TARGET_TOPK_LOGPROBS),
+                                    magnitudes)
             if problem is not None:
                 raise self._bad_states(pending.info.request_id, problem)
         if not self.spec.storage_dtype:
             return tensors
-        pairs = [quantize(c, self.spec.storage_dtype) for c in states]
+        pairs = [quantize(c, self.spec.storage_dtype, m) for c, m in zip(states, magnitudes)]
         out = {TOKEN_IDS: tensors[TOKEN_IDS], HIDDEN_STATES: [q for q, _ in pairs]}
         if self.spec.scaled:
             out[HIDDEN_STATES_SCALES] = [scale for _, scale in pairs]
         out.update({k: v for k, v in tensors.items() if k not in out})  # file order: the top-k target, loss_mask
         return out
 
-    def _stored_rows(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @property
+    def _reads_magnitudes(self) -> bool:
+        """Whether the writer reads the rows' magnitudes (the state check, fp8's scales): then once per chunk."""
+        return bool(self.extra_config.check_states or self.spec.scaled)
+
+    def _stored_rows(self, rows: dict[str, torch.Tensor], magnitudes: torch.Tensor | None = None
+                     ) -> dict[str, torch.Tensor]:
         """One chunk's rows as the file stores them, in file order (the spool's pieces)."""
-        stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL)
+        stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL, magnitudes)
         out = {TOKEN_IDS: rows[TOKEN_IDS], HIDDEN_STATES: stored}
         if scales is not None:
             out[HIDDEN_STATES_SCALES] = scales

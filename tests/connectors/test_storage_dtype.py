@@ -231,3 +231,68 @@ def test_remote_fp8_reads_equal_the_same_reads_from_local_disk_and_a_token_range
         b, e = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", header).groups())
         assert (b == 0 and e < HEADER_PROBE_BYTES) or any(lo <= b and e < hi for lo, hi in row_spans), \
             f"fetched bytes {b}-{e}, outside the header and the rows asked for"
+
+
+def _planted(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[300, 3, 64] states in `dtype` with what the bit tricks must get right: -0.0 and all-zero rows, subnormals,
+    the dtype's largest value, a row of negatives, NaN, +inf and -inf in rows of their own."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(300, 3, 64, generator=g) * torch.logspace(-6, 4, 300)[:, None, None]).to(dtype)
+    info = torch.finfo(dtype)
+    x[1, 0] = -0.0
+    x[2, 1] = 0.0
+    x[3, 2, :5] = info.tiny / 4  # subnormals
+    x[4, 0, 7] = info.max
+    x[5, 1] = -x[5, 1].abs() - 1
+    x[6, 2, 9] = float("nan")
+    x[7, 0, 3] = float("inf")
+    x[8, 1, 60] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_magnitudes_equal_the_float_abs_amax_nan_and_inf_included(dtype, monkeypatch):
+    from connectors.quant import row_magnitudes
+
+    monkeypatch.setattr("connectors.quant._BLOCK_BYTES", 4096)  # blocks of a few tokens, the last one short
+    x = _planted(dtype, seed=1)
+    want = x.float().abs().amax(dim=-1)  # the oracle: the float expression the writer used before
+    got = row_magnitudes(x)
+    assert got.dtype == dtype and got.shape == (300, 3)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(got.float()[finite], want[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_files_bytes_equal_the_whole_tensor_expression(dtype, monkeypatch):
+    monkeypatch.setattr("connectors.quant._BLOCK_BYTES", 4096)
+    x = _planted(dtype, seed=2)
+    x[6:9] = 1.0  # the writer refuses non-finite samples before quantizing
+    f = x.float()
+    scales = (f.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    want = (f / scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    stored, got_scales = quantize(x, FP8)
+    assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scales, scales)
+
+
+@pytest.mark.parametrize("plant", ["nan", "-inf", "zeros"])
+def test_the_state_check_finds_what_an_element_scan_finds(plant):
+    """The check reads row magnitudes; its findings must be the element-wise scan's: the first non-finite value in
+    token, layer, position order, with its value, and a layer of zeros (-0.0 counts as zero)."""
+    from connectors.quant import state_problem
+
+    x = torch.randn(40, 3, 16).to(torch.bfloat16)
+    if plant == "nan":
+        x[30, 2, 4] = float("nan")
+        x[31, 0, 0] = float("inf")  # later: not the one named
+    elif plant == "-inf":
+        x[12, 1, 15] = float("-inf")
+    else:
+        x[:, 1] = 0.0
+        x[::2, 1, 3] = -0.0
+    chunks = list(x.split(16))
+    said = state_problem(chunks, (2, 4, 6), [torch.arange(len(c)) for c in chunks])
+    assert said == {"nan": "non-finite value (nan) at token 30, layer 2 (hidden-state id 6)",
+                    "-inf": "non-finite value (-inf) at token 12, layer 1 (hidden-state id 4)",
+                    "zeros": "layer 1 (hidden-state id 4) is all zeros over all 40 tokens"}[plant]
