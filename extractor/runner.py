@@ -320,8 +320,8 @@ class ModelRunner:
             states = states[:, :, :-1]
             extra = {TARGET_TOPK_IDS: ids, TARGET_TOPK_LOGPROBS: logprobs}
         if to_host:
-            states = self._to_host(states)
-            extra = {name: self._to_host(t) for name, t in extra.items()}
+            states = self.to_host(states)
+            extra = {name: self.to_host(t) for name, t in extra.items()}
         return Captured(states, extra)
 
     def close(self) -> None:
@@ -377,7 +377,7 @@ class ModelRunner:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids.to(self.device), mask, positions, starts
 
-    def _to_host(self, states: torch.Tensor) -> torch.Tensor:
+    def to_host(self, states: torch.Tensor) -> torch.Tensor:
         """Copy captured states to CPU; from CUDA through pinned memory (a DMA copy, no pageable staging)."""
         if states.device.type == "cpu":
             return states
@@ -428,16 +428,17 @@ class ModelRunner:
         return logits, state
 
     @torch.inference_mode()
-    def decode(self, state: BatchState, tokens: list[int], capture: bool) -> tuple[torch.Tensor, Captured | None]:
+    def decode(self, state: BatchState, tokens: list[int], capture: bool, to_host: bool = True
+               ) -> tuple[torch.Tensor, Captured | None]:
         """One step: feed each active row its newest token; return logits [B, V] and, with `capture`, the captured
-        rows [B, 1, ...] (CPU)."""
+        rows [B, 1, ...] (on the CPU, or on the device with to_host=False)."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.attention_mask[:, :1])], dim=1)
         inputs = {"input_ids": ids, "attention_mask": state.attention_mask,
                   "position_ids": state.next_position[:, None], "use_cache": True, self._cache_kw: state.cache}
         with self._capturing(capture):
             logits = self._logits(**inputs)
-            states = self._captured(self.capture.collect(), to_host=True) if capture else None
+            states = self._captured(self.capture.collect(), to_host=to_host) if capture else None
         state.next_position = state.next_position + 1
         return logits, states
 

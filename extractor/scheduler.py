@@ -6,6 +6,7 @@
         decode together (speculatively with a proposer: extractor.speculative), finished rows leave, waiting ones
         are prefilled and join. A failed forward fails its own requests, never the others.
     Aborts             the request ids abort_request named, taken by the loop at its next step (thread-safe)
+    OutputRows         generated tokens' states kept on the device per request, handed to the connector in blocks
 """
 
 from __future__ import annotations
@@ -30,6 +31,44 @@ from extractor.speculative import speculative_step
 from extractor.stopping import Stopping
 
 logger = logging.getLogger(__name__)
+
+
+OUTPUT_BLOCK_TOKENS = 256
+"""Generated tokens' states a request keeps on the device before they go to the connector as one block (one copy to
+the host, one save call, one chunk for the writer to check and convert instead of one per token)."""
+
+
+class OutputRows:
+    """The states of generated tokens (include_output_tokens), per request, on the model's device: `add` one token's
+    row each decode step; `flush` hands the rows kept so far to the connector as one block (when a request has
+    `block` of them, default OUTPUT_BLOCK_TOKENS, and when it finishes); `drop` forgets a failed or aborted
+    request's."""
+
+    def __init__(self, connector, runner: ModelRunner, block: int | None = None) -> None:
+        self.connector, self.runner, self.block = connector, runner, block or OUTPUT_BLOCK_TOKENS
+        self._rows: dict[str, tuple[list[int], list[torch.Tensor], dict[str, list[torch.Tensor]]]] = {}
+
+    def add(self, request_id: str, token_id: int, states: torch.Tensor, extra: dict[str, torch.Tensor]) -> None:
+        tokens, chunks, extras = self._rows.setdefault(request_id, ([], [], {}))
+        tokens.append(token_id)
+        chunks.append(states)
+        for name, t in extra.items():
+            extras.setdefault(name, []).append(t)
+        if len(tokens) >= self.block:
+            self.flush(request_id)
+
+    def flush(self, request_id: str) -> None:
+        kept = self._rows.pop(request_id, None)
+        if kept is None:
+            return
+        tokens, chunks, extras = kept
+        host = self.runner.to_host
+        self.connector.save_hidden_states(request_id, torch.tensor(tokens, dtype=torch.long),
+                                          host(torch.cat(chunks)), {n: host(torch.cat(c)) for n, c in extras.items()})
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._rows.pop(rid, None)
 
 
 class Aborts:
@@ -81,6 +120,7 @@ class Scheduler:
                  stopping: Stopping, stats: SpecDecodingStats, aborts: Aborts) -> None:
         self.config, self.runner, self.connector, self.proposer = config, runner, connector, proposer
         self.stopping, self.stats, self.aborts = stopping, stats, aborts
+        self.outputs = OutputRows(connector, runner)
 
     def run(self, requests: Sequence[Request], progress) -> None:
         """Every request to its end (finished, failed or aborted); `progress.update(n)` as they end."""
@@ -105,6 +145,7 @@ class Scheduler:
                      exc_info=(type(e), e, e.__traceback__))
         for r in requests:
             if r.finish_reason is None and r.error is None:
+                self.outputs.drop([r.request_id])
                 self.connector.abort_request(r.request_id)
                 r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
 
@@ -151,6 +192,7 @@ class Scheduler:
         while waiting or running:
             if self.aborts:
                 gone = self.aborts.take(list(waiting) + running)
+                self.outputs.drop(r.request_id for r in gone)
                 if gone:
                     progress.update(len(gone))
                     waiting = deque(r for r in waiting if r.error is None)
@@ -243,12 +285,11 @@ class Scheduler:
                              self.stopping, self.stats, self._emit)
             return
         capture = any(r.include_output_tokens for r in active)
-        logits, captured = self.runner.decode(state, [r.output_ids[-1] for r in active], capture)
+        logits, captured = self.runner.decode(state, [r.output_ids[-1] for r in active], capture, to_host=False)
         if capture:
-            for b, r in enumerate(active):  # row b: [1, L, H], the token just fed
+            for b, r in enumerate(active):  # row b: [1, L, H], the token just fed, kept on the device
                 if r.include_output_tokens:
-                    self.connector.save_hidden_states(r.request_id, torch.tensor(r.output_ids[-1:]),
-                                                      *captured.row(b, 0, 1))
+                    self.outputs.add(r.request_id, r.output_ids[-1], *captured.row(b, 0, 1))
         tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
         for r, t in zip(active, tokens):
             self._emit(r, [t])
@@ -260,6 +301,7 @@ class Scheduler:
             reason = self.stopping.finish_reason(r, t)
             if reason is not None:
                 r.finish_reason = reason
+                self.outputs.flush(r.request_id)
                 r.kv_transfer_params = self.connector.request_finished(r.request_id)
                 return True
         return False

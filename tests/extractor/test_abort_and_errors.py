@@ -33,15 +33,18 @@ def test_aborted_requests_stop_write_nothing_and_the_others_are_exact(tiny_llama
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     real_decode, steps = ModelRunner.decode, []
 
-    def decode(runner, state, tokens, capture):  # what another thread would do, at a known step
+    def decode(runner, state, tokens, capture, **kwargs):  # what another thread would do, at a known step
         steps.append(len(tokens))
         if len(steps) == 3:
             llm.abort_request(["r0", "r5", "no-such-request"])  # r0 is running (longest first: r2, r0), r5 waits
-        return real_decode(runner, state, tokens, capture)
+        return real_decode(runner, state, tokens, capture, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "decode", decode)
+    llm._scheduler.outputs.block = 2  # r0 has handed rows over to the connector when it is aborted
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), request_ids=ids)
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                       extra_args={"kv_transfer_params": {"include_output_tokens": True}}),
+                        request_ids=ids)
     by_id = {o.request_id: o for o in outs}
     for rid in ("r0", "r5"):
         assert by_id[rid].error_kind == "aborted" and by_id[rid].kv_transfer_params is None
@@ -51,8 +54,10 @@ def test_aborted_requests_stop_write_nothing_and_the_others_are_exact(tiny_llama
         if rid not in ("r0", "r5"):
             out = by_id[rid]
             assert out.error is None and out.outputs[0].token_ids == hf_greedy(model, p, 8)
-            assert load_hidden_states(out.kv_transfer_params["hidden_states_path"])["token_ids"].tolist() == p
+            stored = load_hidden_states(out.kv_transfer_params["hidden_states_path"])["token_ids"].tolist()
+            assert stored == p + out.outputs[0].token_ids[:-1]
             assert out.write_seconds is not None and out.write_seconds >= 0
+    assert llm._scheduler.outputs._rows == {}  # nothing kept for the aborted requests
     # an abort of an id no call is running is ignored: the next request with that id runs
     llm.abort_request("r0")
     again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), request_ids=["r0"])

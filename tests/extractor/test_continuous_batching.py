@@ -99,9 +99,9 @@ class _Recorder:
         self.merges = 0
         real_decode, real_merge = ModelRunner.decode, BatchState.merge
 
-        def decode(runner, state, tokens, capture):
+        def decode(runner, state, tokens, capture, **kwargs):
             self.decode_rows.append(len(tokens))
-            return real_decode(runner, state, tokens, capture)
+            return real_decode(runner, state, tokens, capture, **kwargs)
 
         def merge(state, other):
             self.merges += 1
@@ -184,7 +184,10 @@ def test_speculative_rows_join_a_running_batch_losslessly(tiny_llama, tmp_path, 
     assert seen.merges >= 3
 
 
-def test_output_token_states_are_right_when_rows_join_mid_batch(tiny_llama, tmp_path):
+@pytest.mark.parametrize("block", [None, 2])  # generated rows go to the connector in blocks (2: several per request)
+def test_output_token_states_are_right_when_rows_join_mid_batch(block, tiny_llama, tmp_path, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr("extractor.scheduler.OUTPUT_BLOCK_TOKENS", block)
     ref = load_reference(tiny_llama)
     layers = [1, 2, 4]
     llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=2, speculative_config={
