@@ -64,6 +64,10 @@ cp "$scratch"/regen/results.md "$results"/regeneration.md 2>/dev/null
 timeout 60 python3 benchmarks/bench_storage.py --out "$scratch/storage" --model-dir "$scratch/model" --device cuda \
     --num-samples 32 2>&1 | tee "$results/storage.log" || status=1
 cp "$scratch"/storage/results-storage.md "$results"/storage.md 2>/dev/null
+# 4b. the host path priced per byte (issue 46): CPU-seconds per GB the connector writes, bf16 and fp8, by stage
+timeout 60 python3 benchmarks/bench_host_path.py --out "$scratch/host-path" --threads 8 --repeats 2 2>&1 \
+    | tee "$results/host-path.log" || status=1
+cp "$scratch"/host-path/host_path.md "$results"/host-path.md 2>/dev/null
 # 5. one long sample in bounded host memory: bounded vs unbounded staging, bf16 and fp8
 timeout 80 python3 benchmarks/bench_long_sample.py --out "$scratch/long" --device cuda 2>&1 \
     | tee "$results/long-sample.log" || status=1

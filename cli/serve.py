@@ -33,8 +33,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"hsx serve: WARNING: {warning}", file=sys.stderr, flush=True)
 
     spec = config.speculative
-    serving = (f"files under {config.output}" if spec is None else
-               f"speculative decoding: {spec.method}, k = {spec.num_speculative_tokens}, no files")
+    serving = (f"speculative decoding: {spec.method}, k = {spec.num_speculative_tokens}, no files" if spec else
+               "generation only, no files" if not config.writes_files else
+               f"files under {config.output}" + ("" if config.files else " for requests with kv_transfer_params"))
 
     def ready(url: str) -> None:
         print(f"hsx serve: {config.model_name} on {url} ({config.replicas} replica(s), {serving}"

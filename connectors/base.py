@@ -61,6 +61,11 @@ class HiddenStatesConnector(ABC):
         self.spec = spec
 
     # -- engine, per request ------------------------------------------------------------------------------------
+    def writes(self, kv_transfer_params: Mapping[str, Any] | None) -> bool:
+        """Whether a request writes a file, given its kv_transfer_params (None: it sent none). Every request does,
+        unless the connector's `files` setting is "requested": then only those that sent them."""
+        return kv_transfer_params is not None or getattr(self.extra_config, "files", "all") == "all"
+
     @abstractmethod
     def start_request(self, request: RequestInfo) -> None:
         """Accept a request; raise ValueError to fail it alone, with nothing written."""
@@ -108,10 +113,15 @@ class HiddenStatesConnector(ABC):
 
 
 class NullConnector(HiddenStatesConnector):
-    """Writes nothing: the connector of an engine that decodes speculatively (extraction is another engine)."""
+    """Writes nothing: the connector of an engine that decodes speculatively (extraction is another engine), or of one
+    that only generates (KVTransferConfig(kv_connector="NullConnector"): `hsx serve --no-files` without --output);
+    no request writes a file, so nothing is captured for one."""
 
-    def __init__(self) -> None:
-        super().__init__(None, None)
+    def __init__(self, extra_config: Any = None, spec: HiddenStatesSpec | None = None) -> None:
+        super().__init__(extra_config, spec)
+
+    def writes(self, kv_transfer_params: Mapping[str, Any] | None) -> bool:
+        return False
 
     def start_request(self, request: RequestInfo) -> None:
         pass

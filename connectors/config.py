@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "SafetensorsHiddenStatesConnector": _SAFETENSORS,
     "ExampleHiddenStatesConnector": _SAFETENSORS,  # vLLM's name
     "HsxHiddenStatesConnector": _SAFETENSORS,
+    "NullConnector": "connectors.base:NullConnector",  # writes nothing: an engine that only generates
 }
 KV_ROLES = ("kv_producer",)
 

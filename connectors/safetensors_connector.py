@@ -59,6 +59,9 @@ from connectors.writer import BackgroundWriter
 
 __all__ = ["HiddenStatesConnectorConfig", "SafetensorsHiddenStatesConnector"]
 
+FILES_POLICIES = ("all", "requested")
+"""HiddenStatesConnectorConfig.files: every request writes a file, or only those that send kv_transfer_params."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -105,6 +108,10 @@ class HiddenStatesConnectorConfig:
     (the engine waits for the previous one before handing over the next); the file is assembled from the spool
     when the request finishes, the same bytes the in-memory path writes. A request holds at most this bound, or half
     of it plus one chunk's rows when a chunk is larger than half. Requests under half of it stay in memory."""
+    files: str = "all"
+    """Which requests write a file: "all" (every request of an extraction engine), or "requested" (only those whose
+    SamplingParams carry kv_transfer_params, {} included; the others only generate, nothing captured or written:
+    what `hsx serve --no-files` runs)."""
     spool_dir: str = ""
     """Where long requests' spool files go: "" = beside the files on local storage (the request's allowed root), the
     system temp folder for object stores. The files are anonymous (nothing is left behind, even after a crash) and
@@ -122,6 +129,8 @@ class HiddenStatesConnectorConfig:
                 expected = kind.__name__ if isinstance(kind, type) else "a number"
                 raise TypeError(f"kv_connector_extra_config[{name!r}] must be {expected}, got "
                                 f"{type(value).__name__} {value!r}")
+        if self.files not in FILES_POLICIES:
+            raise ValueError(f"files must be one of {', '.join(FILES_POLICIES)}, got {self.files!r}")
         if not str(self.shared_storage_path):
             raise ValueError("shared_storage_path is empty; pass a local folder or URL such as s3://bucket/run")
         if self.num_writer_threads < 1:

@@ -268,8 +268,10 @@ class LLM:
             mask = None if req.loss_mask is None else torch.tensor(req.loss_mask, dtype=torch.uint8)
             # before the connector takes the request: nothing may fail between its start and the batch
             req.generator = make_generator(params) if params.max_tokens > 0 else None
-            self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
-                                                     sample_id=req.sample_id, loss_mask=mask))
+            req.writes = self.connector.writes(params.sent_kv_transfer_params)
+            if req.writes:
+                self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
+                                                         sample_id=req.sample_id, loss_mask=mask))
         except (ValueError, TypeError) as e:
             req.error = str(e)
             req.error_kind = "path_in_use" if isinstance(e, PathInUse) else "invalid"
@@ -328,7 +330,8 @@ class LLM:
                                       r.stop_reason if ok else None)],
             kv_transfer_params=r.kv_transfer_params if ok else None, error=r.error,
             error_kind=None if ok else r.error_kind or "invalid",
-            write_seconds=self.connector.write_seconds(r.request_id) if ok else None, spec_decode=r.spec_decode)
+            write_seconds=self.connector.write_seconds(r.request_id) if ok and r.writes else None,
+            spec_decode=r.spec_decode)
 
 
 def _progress(total: int, enabled: bool):

@@ -86,6 +86,7 @@ class Request:
     text: str = ""  # the output text decoded so far, for the stop-string search (requests with stop strings only)
     detok: Any = None  # the incremental decoder behind `text` (tokenizers' DecodeStream), made at the first token
     spec_decode: SpecDecodingStats | None = None  # this request's drafts and acceptance (speculative engines only)
+    writes: bool = True  # it writes a file (connector.writes): else it only generates, nothing captured for it
 
     @property
     def include_output_tokens(self) -> bool:

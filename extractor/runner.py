@@ -390,40 +390,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
-                on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True
-                ) -> tuple[torch.Tensor | None, BatchState | None]:
+                on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True,
+                capture: bool = True) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
         on_chunk(col_start, col_end, captured, starts) gets Captured rows [B, col_end - col_start, ...] (on the CPU,
         or on the device with to_host=False; None when nothing is captured) for padded columns [col_start, col_end)
         of the batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
         Rows are left-padded when logits or the cache are wanted (decoding follows), right-padded otherwise.
+        `capture` off: nothing is captured (no row of the batch writes a file), on_chunk gets None.
         """
         width = max(len(r) for r in rows)
         ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
         cache = self._new_cache() if (keep_cache or chunk_size < width) else None
-        capture = self.capture
+        capture = self.capture if capture else None
         early_exit = not want_logits and not keep_cache and capture is not None
         logits = None
-        for c0 in range(0, width, chunk_size):
-            c1 = min(width, c0 + chunk_size)
-            inputs = {"input_ids": ids[:, c0:c1], "attention_mask": None if mask is None else mask[:, :c1],
-                      "position_ids": positions[:, c0:c1], "use_cache": cache is not None}
-            if cache is not None:
-                inputs[self._cache_kw] = cache
-            if capture is not None:
-                capture.begin(early_exit=early_exit)
-            try:
-                if want_logits and c1 == width:
-                    logits = self._logits(**inputs)
-                else:
-                    self.base(**inputs)
-            except EarlyExit:
-                pass
-            finally:
+        if self.capture is not None:
+            self.capture.enabled = capture is not None  # hooks silent while nothing is captured
+        try:
+            for c0 in range(0, width, chunk_size):
+                c1 = min(width, c0 + chunk_size)
+                inputs = {"input_ids": ids[:, c0:c1], "attention_mask": None if mask is None else mask[:, :c1],
+                          "position_ids": positions[:, c0:c1], "use_cache": cache is not None}
+                if cache is not None:
+                    inputs[self._cache_kw] = cache
                 if capture is not None:
-                    capture.end()
-            on_chunk(c0, c1, None if capture is None else self._captured(capture.collect(), to_host), starts)
+                    capture.begin(early_exit=early_exit)
+                try:
+                    if want_logits and c1 == width:
+                        logits = self._logits(**inputs)
+                    else:
+                        self.base(**inputs)
+                except EarlyExit:
+                    pass
+                finally:
+                    if capture is not None:
+                        capture.end()
+                on_chunk(c0, c1, None if capture is None else self._captured(capture.collect(), to_host), starts)
+        finally:
+            if self.capture is not None:
+                self.capture.enabled = True
         state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
         return logits, state
 

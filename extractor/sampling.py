@@ -74,6 +74,12 @@ class SamplingParams:
         return (self.extra_args or {}).get("kv_transfer_params") or {}
 
     @property
+    def sent_kv_transfer_params(self) -> Mapping[str, Any] | None:
+        """The request's kv_transfer_params as sent: None when it sent none (a connector whose files are
+        "requested" writes nothing for it)."""
+        return (self.extra_args or {}).get("kv_transfer_params")
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

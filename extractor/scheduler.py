@@ -108,7 +108,8 @@ class Aborts:
             hit = [r for r in requests if r.request_id in self._aborted and r.error is None and r.finish_reason is None]
             self._aborted.difference_update(r.request_id for r in hit)
         for r in hit:
-            self._connector.abort_request(r.request_id)
+            if r.writes:
+                self._connector.abort_request(r.request_id)
             r.error, r.error_kind = "aborted (abort_request)", "aborted"
         return hit
 
@@ -146,7 +147,8 @@ class Scheduler:
         for r in requests:
             if r.finish_reason is None and r.error is None:
                 self.outputs.drop([r.request_id])
-                self.connector.abort_request(r.request_id)
+                if r.writes:
+                    self.connector.abort_request(r.request_id)
                 r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
 
     def _prefill(self, batch: list[Request], chunk_size: int, generating: bool
@@ -167,20 +169,21 @@ class Scheduler:
                 states, extra = captured.row(b, lo - c0, hi - c0)
                 if observe:
                     parts[b].append(states)
-                else:
+                elif r.writes:
                     ids = torch.tensor(r.prompt_token_ids[lo - start:hi - start], dtype=torch.long)
                     self.connector.save_hidden_states(r.request_id, ids, states, extra)
 
         rows = [r.prompt_token_ids for r in batch]
         logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
-                                            on_chunk=on_chunk, to_host=not observe)
+                                            on_chunk=on_chunk, to_host=not observe,
+                                            capture=observe or any(r.writes for r in batch))
         return logits, state, ([torch.cat(p) for p in parts] if observe else None)
 
     def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:
         self._prefill(batch, chunk_size, generating=False)
         for r in batch:
             r.finish_reason = "length"
-            r.kv_transfer_params = self.connector.request_finished(r.request_id)
+            r.kv_transfer_params = self.connector.request_finished(r.request_id) if r.writes else None
 
     def _run_generating(self, requests: list[Request], progress) -> None:
         """Continuous batching: up to max_num_seqs requests decode together (speculatively with a proposer); when
@@ -284,11 +287,11 @@ class Scheduler:
             speculative_step(active, state, self.runner, self.proposer, self.config.speculative.num_speculative_tokens,
                              self.stopping, self.stats, self._emit)
             return
-        capture = any(r.include_output_tokens for r in active)
+        capture = any(r.include_output_tokens and r.writes for r in active)
         logits, captured = self.runner.decode(state, [r.output_ids[-1] for r in active], capture, to_host=False)
         if capture:
             for b, r in enumerate(active):  # row b: [1, L, H], the token just fed, kept on the device
-                if r.include_output_tokens:
+                if r.include_output_tokens and r.writes:
                     self.outputs.add(r.request_id, r.output_ids[-1], *captured.row(b, 0, 1))
         tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
         for r, t in zip(active, tokens):
@@ -301,7 +304,8 @@ class Scheduler:
             reason = self.stopping.finish_reason(r, t)
             if reason is not None:
                 r.finish_reason = reason
-                self.outputs.flush(r.request_id)
-                r.kv_transfer_params = self.connector.request_finished(r.request_id)
+                if r.writes:
+                    self.outputs.flush(r.request_id)
+                    r.kv_transfer_params = self.connector.request_finished(r.request_id)
                 return True
         return False

@@ -205,48 +205,55 @@ class Ingress:
                            code="too_many_prompts")
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"  # not 32 hex: the file keeps the id as its name
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        kv = self._kv_params(body)
+        kv, files = self._kv_params(body)
         if len(prompts) > 1 and kv.get("hidden_states_path"):
             raise APIError(400, "kv_transfer_params.hidden_states_path names one file, but the request has "
                                 f"{len(prompts)} prompts; send one prompt per request with a custom path",
                            param="kv_transfer_params.hidden_states_path", code="invalid_value")
         requests = [PromptRequest(i, **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}),
-                                  max_tokens=body.max_tokens, **body.sampling(), kv_transfer_params=kv)
+                                  max_tokens=body.max_tokens, **body.sampling(), kv_transfer_params=kv, files=files)
                     for i, p in zip(ids, prompts)]
-        replies = await self._owning(kv, ids, self._extract(requests))
+        replies = await self._owning(kv, ids, self._extract(requests), files)
         return JSONResponse(completion_response(rid, self.config.model_name, replies, body.return_token_ids))
 
     async def _chat(self, request: Request) -> Response:
         body: ChatBody = parse_body(ChatBody, await self._read(request))
         self._check_model(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        kv = self._kv_params(body)
+        kv, files = self._kv_params(body)
         req = PromptRequest(rid, messages=[m.template_dict() for m in body.messages],
                             add_generation_prompt=body.add_generation_prompt,
                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                             chat_template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit,
-                            **body.sampling(), kv_transfer_params=kv)
-        (reply,) = await self._owning(kv, [rid], self._extract([req]))
+                            **body.sampling(), kv_transfer_params=kv, files=files)
+        (reply,) = await self._owning(kv, [rid], self._extract([req]), files)
         return JSONResponse(chat_response(rid, self.config.model_name, reply, body.return_token_ids))
 
-    def _kv_params(self, body) -> dict[str, Any]:
-        """The request's kv_transfer_params; 400 on a speculative server, which writes no files."""
-        kv = body.kv_transfer_params.model_dump(exclude_none=True) if body.kv_transfer_params else {}
+    def _kv_params(self, body) -> tuple[dict[str, Any], bool]:
+        """The request's kv_transfer_params and whether it writes a file (every request does, unless the server runs
+        --no-files: then those that send kv_transfer_params). 400 for kv_transfer_params on a server that writes no
+        files (speculative, or --no-files without --output)."""
+        sent = body.kv_transfer_params is not None
+        kv = body.kv_transfer_params.model_dump(exclude_none=True) if sent else {}
         spec = self.config.speculative
-        if kv and spec is not None:
+        if sent and spec is not None:
             raise APIError(400, f"kv_transfer_params on a server that decodes speculatively (--speculative-config "
                                 f"method {spec.method!r}) and writes no hidden states; leave them out, or send the "
                                 "request to an hsx serve started without --speculative-config",
                            param="kv_transfer_params", code="invalid_value")
-        return kv
+        if sent and not self.config.writes_files:
+            raise APIError(400, "kv_transfer_params on a server that only generates (--no-files without --output) "
+                                "and writes no hidden states; leave them out, or start hsx serve with --output",
+                           param="kv_transfer_params", code="invalid_value")
+        return kv, self.config.writes_files and (sent or self.config.files)
 
-    async def _owning(self, kv: dict[str, Any], ids: list[str], work: Awaitable[list[EngineReply]]
-                      ) -> list[EngineReply]:
+    async def _owning(self, kv: dict[str, Any], ids: list[str], work: Awaitable[list[EngineReply]],
+                      files: bool = True) -> list[EngineReply]:
         """Run `work` owning the files it writes (connectors.paths.PathOwners, as each connector does, but for every
         replica at once): its default-named files (one per prompt id) while it runs, or its custom path. A custom
         path another request is writing, wrote without overwrite, or that exists already (another request's
         default-named file, a file from before) is 409 unless kv says overwrite."""
-        if self.config.speculative is not None:  # a decoding service: no files to own
+        if not files:  # it writes none (a speculative server, --no-files): nothing to own
             return await work
         custom, overwrite = kv.get("hidden_states_path"), bool(kv.get("overwrite"))
         if custom is None:

@@ -37,6 +37,11 @@ class ServeConfig(EngineOptions):
     # -- what to serve (and model, layers, dtype, ...: EngineOptions) ---------------------------------------------
     output: str = ""
     """Where files go: a local folder or fsspec URL (s3://bucket/prefix); default names are <request id>.safetensors."""
+    files: bool = True
+    """Every request writes its file (default). --no-files: only requests that send kv_transfer_params ({} included)
+    do; the others only generate, with nothing captured or written and kv_transfer_params null in the response (hsx
+    serve as the generator behind `hsx regenerate`). --no-files without --output: no request writes one
+    (kv_transfer_params then get 400)."""
     speculative_config: dict[str, Any] | None = None
     """vLLM's --speculative-config, as JSON: {"method": "mtp", "num_speculative_tokens": 3} (or ngram, draft_model,
     a trained drafter: {"model": DIR, ...}) makes a decoding service that drafts and verifies as vLLM does and writes
@@ -182,8 +187,13 @@ class ServeConfig(EngineOptions):
         default --output; what the ingress and every replica check alike."""
         return PathPolicy(self.output, list(self.allowed_roots) if self.allowed_roots else None)
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether any request may write a file (not a speculative server, not --no-files without --output)."""
+        return self.speculative is None and bool(self.output or self.files)
+
     def check_required(self) -> None:
-        if self.speculative is not None:
+        if self.speculative is not None or (not self.files and not self.output):
             if not self.model:
                 raise ValueError("missing --model: hsx serve needs the model to load")
             return
@@ -211,12 +221,15 @@ class ServeConfig(EngineOptions):
 
     def connector_settings(self) -> dict[str, Any]:
         """kv_connector_extra_config of the replicas' connector: custom paths under --allowed-roots."""
-        return {**super().connector_settings(),
-                "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None}
+        return {**super().connector_settings(), "allowed_roots": list(self.allowed_roots) if self.allowed_roots else None,
+                **({} if self.files else {"files": "requested"})}
 
     def kv_transfer_config(self):
-        """The replicas' connector settings; None for a speculative server (it writes no files)."""
+        """The replicas' connector settings; None for a server that writes no files (speculative, or --no-files
+        without --output)."""
         if self.speculative is not None:
             return None
+        if not self.writes_files:
+            return KVTransferConfig(kv_connector="NullConnector")
         return KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector", kv_role="kv_producer",
                                 kv_connector_extra_config=self.connector_settings())

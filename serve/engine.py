@@ -61,6 +61,8 @@ class PromptRequest:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    files: bool = True
+    """Whether it writes a file: False for a request without kv_transfer_params on a --no-files server."""
 
 
 @dataclass
@@ -260,7 +262,8 @@ class Engine:
         try:
             params = SamplingParams(max_tokens=max_tokens, seed=r.seed, stop_token_ids=list(r.stop_token_ids),
                                     stop=list(r.stop), include_stop_str_in_output=r.include_stop_str_in_output,
-                                    ignore_eos=r.ignore_eos, extra_args={"kv_transfer_params": kv}, **sampling)
+                                    ignore_eos=r.ignore_eos, extra_args={"kv_transfer_params": kv} if r.files else {},
+                                    **sampling)
         except (ValueError, TypeError) as e:
             raise _Rejected(400, str(e), None, "invalid_value") from None
         return _Item(r, ids, text, params)
@@ -371,7 +374,7 @@ class Engine:
                 completion = out.outputs[0]
                 reply.token_ids, reply.text = list(completion.token_ids), completion.text
                 reply.finish_reason, reply.stop_reason = completion.finish_reason, completion.stop_reason
-                if self._fs is not None:  # an extraction service: its durable file
+                if out.kv_transfer_params:  # it wrote a file: its durable path
                     reply.path = out.kv_transfer_params["hidden_states_path"]
                     reply.write_seconds = out.write_seconds
                     try:

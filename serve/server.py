@@ -78,6 +78,7 @@ def check(config: ServeConfig) -> None:
                  layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
     if config.speculative is not None:
         check_draft_source(config.speculative, config.model)
+    if not config.writes_files:
         return  # a decoding service writes no files
 
     # files keep landing there: never in or around the model, inside a run or another model

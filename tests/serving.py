@@ -43,8 +43,8 @@ class ServeProcess:
         argv = [sys.executable, "-m", "cli", "serve", "--model", model, "--port", str(self.port), "--api-key", API_KEY]
         argv += ["--output", output] if output is not None else []
         argv += ["--layers", ",".join(map(str, layers))] if layers is not None else []
-        for name, value in flags.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        for name, value in flags.items():  # True: a switch (--no-files)
+            argv += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
         env = {**{k: v for k, v in os.environ.items() if k != "HSX_API_KEY"}, "RAY_DEDUP_LOGS": "0"}
         self.log_path = log_path
         self._log = open(log_path, "wb")

@@ -129,3 +129,47 @@ def test_eos_stops_unless_ignored(tiny_model_factory, kv_config):
     assert stopped.outputs[0].token_ids == [eos] and stopped.outputs[0].finish_reason == "stop"
     (ignored,) = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(ignored.outputs[0].token_ids) == 5 and ignored.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("connector", ["requested", "NullConnector"])
+def test_requests_that_ask_for_no_file_generate_the_same_and_capture_nothing(connector, tiny_model_factory, tmp_path,
+                                                                            monkeypatch):
+    """files="requested" (hsx serve --no-files): a request without kv_transfer_params only generates; one with them
+    ({} included) writes its file as every request does. KVTransferConfig(kv_connector="NullConnector"): none writes.
+    Oracle: transformers' greedy decoding and forward; "nothing captured": the capture hooks' collect never runs for
+    a batch in which no request writes."""
+    from connectors import KVTransferConfig
+    from extractor.layers import LayerCapture
+
+    model_dir = tiny_model_factory("llama")
+    model, _ = ref = load_reference(model_dir)
+    kv = (KVTransferConfig(kv_connector="NullConnector") if connector == "NullConnector" else
+          KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path), "files": "requested"}))
+    llm = LLM(model=model_dir, speculative_config=spec_config(LAYERS), dtype="float32", kv_transfer_config=kv)
+    collected = []
+    real_collect = LayerCapture.collect
+    monkeypatch.setattr(LayerCapture, "collect", lambda self: collected.append(1) or real_collect(self))
+    tok = llm.get_tokenizer()
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:3], plain)  # none asks for a file
+    assert collected == [] and list(tmp_path.iterdir()) == []
+    for prompt, out in zip(PROMPTS[:3], outs):
+        assert out.error is None and out.kv_transfer_params is None and out.write_seconds is None
+        assert out.outputs[0].token_ids == hf_greedy(model, tok(prompt).input_ids, 6)
+    if connector == "NullConnector":
+        return
+    asking = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": {}}),
+              plain, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=INCLUDE)]
+    outs = llm.generate(PROMPTS[:3], asking)
+    assert [o.kv_transfer_params is None for o in outs] == [False, True, False]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    for prompt, out, stored_outputs in zip(PROMPTS[:3], outs, (False, None, True)):
+        ids = tok(prompt).input_ids
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, 6)
+        if stored_outputs is None:
+            continue
+        want = ids + (out.outputs[0].token_ids[:-1] if stored_outputs else [])
+        obj = load_hidden_states(out.kv_transfer_params["hidden_states_path"])
+        assert obj["token_ids"].tolist() == want
+        torch.testing.assert_close(obj["hidden_states"], reference_states(ref, want, LAYERS), rtol=1e-4, atol=1e-4)
+    llm.shutdown()
