@@ -58,6 +58,10 @@ SCALE_FLOOR = 1e-12
 """Smallest scale (speculators' clamp): an all-zero row quantizes to zeros, never to NaN."""
 
 
+ROW_MAGNITUDES = "row_magnitudes"
+"""The name under which rows quantized on the device carry their `row_magnitudes` [t, L] (model dtype) to the
+connector, beside HIDDEN_STATES_SCALES: what its state check reads (never stored in a file)."""
+
 _BLOCK_BYTES = 1 << 21
 """States per pass of the blocked loops (2 MiB): their temporaries stay in cache."""
 _MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
@@ -160,7 +164,8 @@ class StateChecker:
         if not bool(finite.all()):
             t, layer = (~finite).nonzero()[0].tolist()  # the first row holding one, as the element-wise scan finds
             row = states[t, layer].float()
-            value = row[~torch.isfinite(row)][0].item()
+            # rows quantized on the device hold NaN where the value was: name the row's magnitude (nan / inf) then
+            value = row[~torch.isfinite(row)][0].item() if states.element_size() > 1 else m[t, layer].item()
             return f"non-finite value ({value}) at token {first + t}, {self._which(layer)}"
         nonzero = (m != 0).any(dim=0)  # [L]: a row of zeros (-0.0 included) has magnitude 0
         self._zero = ~nonzero if self._zero is None else self._zero & ~nonzero

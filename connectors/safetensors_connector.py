@@ -53,7 +53,7 @@ from connectors.format import (
 )
 from connectors.header import extra_row_entries, request_metadata
 from connectors.paths import Destination, PathOwners, PathPolicy
-from connectors.quant import BadStates, StateChecker, quantize, row_magnitudes, state_problem
+from connectors.quant import ROW_MAGNITUDES, BadStates, StateChecker, quantize, row_magnitudes, state_problem
 from connectors.spool import Spool
 from connectors.writer import BackgroundWriter
 
@@ -187,6 +187,8 @@ class _Pending:
     """Record the file as this request's once durable: a custom path without overwrite=True (see PathOwners)."""
     token_chunks: list[torch.Tensor] = field(default_factory=list)
     state_chunks: list[torch.Tensor] = field(default_factory=list)
+    prepared: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    """Per chunk: (scales, magnitudes) when the engine quantized it on its device, else None."""
     extra_chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """The further per-token tensors of the spec's files (a top-k target's), chunk by chunk."""
     num_tokens: int = 0
@@ -205,9 +207,11 @@ class _Pending:
 
     def take_rows(self) -> list[dict[str, torch.Tensor]]:
         """The staged rows chunk by chunk ({name: [t, ...]} each), handed on: nothing is staged after."""
-        rows = [{TOKEN_IDS: ids, HIDDEN_STATES: states, **{n: c[i] for n, c in self.extra_chunks.items()}}
-                for i, (ids, states) in enumerate(zip(self.token_chunks, self.state_chunks))]
-        self.token_chunks, self.state_chunks, self.extra_chunks, self.staged_bytes = [], [], {}, 0
+        rows = [{TOKEN_IDS: ids, HIDDEN_STATES: states, **{n: c[i] for n, c in self.extra_chunks.items()},
+                 **({} if ready is None else {HIDDEN_STATES_SCALES: ready[0], ROW_MAGNITUDES: ready[1]})}
+                for i, (ids, states, ready) in enumerate(zip(self.token_chunks, self.state_chunks, self.prepared))]
+        self.token_chunks, self.state_chunks, self.extra_chunks, self.prepared = [], [], {}, []
+        self.staged_bytes = 0
         return rows
 
 
@@ -298,10 +302,11 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
             raise ValueError(f"request {request_id}: expected token_ids [t] and hidden_states [t, {num_layers}, "
                              f"{hidden_size}] (L from the spec's layer_ids, H = hidden_size), got "
                              f"{list(token_ids.shape)} and {list(hidden_states.shape)}")
-        if hidden_states.dtype != self._dtype:
+        extra = dict(extra or {})
+        prepared = self._prepared(request_id, hidden_states, extra)  # quantized on the device: its scales, magnitudes
+        if hidden_states.dtype != self._dtype and prepared is None:
             raise ValueError(f"request {request_id}: hidden_states are {hidden_states.dtype}, but the spec (and so "
                              f"every file's metadata) says {self.spec.dtype}; capture in the spec's dtype")
-        extra = dict(extra or {})
         if set(extra) != set(self._extra_rows):
             raise ValueError(f"request {request_id}: got extra rows {sorted(extra)}, but the spec's files carry "
                              f"{sorted(self._extra_rows) or 'none'} (target {self.spec.target or 'states'!r})")
@@ -314,18 +319,37 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         if pending.piece is not None and pending.piece.done() and pending.piece.exception() is not None:
             return  # a piece failed (BadStates, storage): the request fails with it; its rows need not be kept
         token_ids = token_ids.reshape(-1).to(torch.int64)
-        nbytes = token_ids.nbytes + hidden_states.nbytes + sum(t.nbytes for t in extra.values())
+        nbytes = token_ids.nbytes + hidden_states.nbytes + sum(t.nbytes for t in [*extra.values(), *(prepared or ())])
         bound = self.extra_config.max_staged_bytes_per_request
         if pending.piece is not None and pending.held_bytes() + nbytes > bound:
             wait([pending.piece])  # the previous piece is written before more rows are taken
         pending.token_chunks.append(token_ids)
         pending.state_chunks.append(hidden_states)
+        pending.prepared.append(prepared)
         for name in self._extra_rows:
             pending.extra_chunks.setdefault(name, []).append(extra[name])
         pending.staged_bytes += nbytes
         self.peak_staged_bytes = max(self.peak_staged_bytes, pending.held_bytes())
         if pending.staged_bytes >= bound // 2:
             self._spool_piece(pending)
+
+    def _prepared(self, request_id: str, states: torch.Tensor, extra: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows the engine quantized on its device (fp8 states with HIDDEN_STATES_SCALES and ROW_MAGNITUDES in
+        `extra`, taken out of it): (scales [t, L, 1] float32, magnitudes [t, L]); None for rows in the model dtype."""
+        if HIDDEN_STATES_SCALES not in extra and ROW_MAGNITUDES not in extra:
+            return None
+        scales, magnitudes = extra.pop(HIDDEN_STATES_SCALES, None), extra.pop(ROW_MAGNITUDES, None)
+        t, num_layers = states.shape[0], len(self.spec.layer_ids)
+        if (not self.spec.scaled or states.dtype != self.spec.stored_torch_dtype or scales is None or magnitudes is None
+                or scales.dtype != torch.float32 or tuple(scales.shape) != (t, num_layers, 1)
+                or magnitudes.dtype != self._dtype or tuple(magnitudes.shape) != (t, num_layers)):
+            raise ValueError(f"request {request_id}: rows quantized on the device must be {self.spec.storage_dtype or 'the model dtype'} "
+                             f"states with {HIDDEN_STATES_SCALES} float32 [t, L, 1] and {ROW_MAGNITUDES} "
+                             f"{self._dtype} [t, L], for a connector storing fp8; got states {states.dtype}, scales "
+                             f"{None if scales is None else (scales.dtype, list(scales.shape))}, magnitudes "
+                             f"{None if magnitudes is None else (magnitudes.dtype, list(magnitudes.shape))}")
+        return scales, magnitudes
 
     def _spool_piece(self, pending: _Pending) -> None:
         """Hand the staged rows to a writer thread, which appends them to the request's spool (after its previous
@@ -352,7 +376,9 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         """On a writer thread: check each chunk's rows, convert them to the storage dtype, append every stream."""
         for chunk in rows:
             states = chunk[HIDDEN_STATES]
-            magnitudes = row_magnitudes(states) if self._reads_magnitudes else None  # one pass for both
+            magnitudes = chunk.get(ROW_MAGNITUDES)
+            if magnitudes is None and self._reads_magnitudes:  # one pass for the check and fp8's scales
+                magnitudes = row_magnitudes(states)
             if self.extra_config.check_states:
                 problem = pending.checker.feed(states, chunk[TOKEN_IDS], chunk.get(TARGET_TOPK_LOGPROBS), magnitudes)
                 if problem is not None:
@@ -377,8 +403,9 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         mask = self._loss_mask(pending)
         if mask is not None:
             tensors[LOSS_MASK] = [mask]
-        buffers = _buffers(c for chunks in tensors.values() for c in chunks)
-        return self._submit(pending, buffers, self._stored, tensors)
+        buffers = _buffers([*(c for chunks in tensors.values() for c in chunks),
+                            *(t for ready in pending.prepared if ready is not None for t in ready)])
+        return self._submit(pending, buffers, self._stored, tensors, pending.prepared)
 
     def _loss_mask(self, pending: _Pending) -> torch.Tensor | None:
         """[T] uint8: the request's loss_mask over its prompt, 1 over the output tokens after it."""
@@ -447,12 +474,15 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         return BadStates(f"request {request_id}: {problem}; nothing was written. The model produced these states: "
                          "check the model and --dtype (fp16 overflows?) before re-extracting")
 
-    def _stored(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    def _stored(self, pending: _Pending, tensors: dict[str, list[torch.Tensor]],
+                prepared: list[tuple[torch.Tensor, torch.Tensor] | None]) -> dict[str, list[torch.Tensor]]:
         """The tensors as the file stores them, on the writer thread: states that must not be committed (NaN, Inf, an
         all-zero layer) refused with BadStates; states quantized to the spec's storage dtype chunk by chunk (fp8: a
         float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
         states = tensors[HIDDEN_STATES]
-        magnitudes = [row_magnitudes(c) for c in states] if self._reads_magnitudes else [None] * len(states)
+        prepared = prepared if len(prepared) == len(states) else [None] * len(states)  # no rows: one empty chunk
+        magnitudes = [ready[1] if ready is not None else row_magnitudes(c) if self._reads_magnitudes else None
+                      for c, ready in zip(states, prepared)]
         if self.extra_config.check_states:
             problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS], tensors.get(TARGET_TOPK_LOGPROBS),
                                     magnitudes)
@@ -460,7 +490,8 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
                 raise self._bad_states(pending.info.request_id, problem)
         if not self.spec.storage_dtype:
             return tensors
-        pairs = [quantize(c, self.spec.storage_dtype, m) for c, m in zip(states, magnitudes)]
+        pairs = [(c, ready[0]) if ready is not None else quantize(c, self.spec.storage_dtype, m)
+                 for c, m, ready in zip(states, magnitudes, prepared)]
         out = {TOKEN_IDS: tensors[TOKEN_IDS], HIDDEN_STATES: [q for q, _ in pairs]}
         if self.spec.scaled:
             out[HIDDEN_STATES_SCALES] = [scale for _, scale in pairs]
@@ -475,7 +506,10 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
     def _stored_rows(self, rows: dict[str, torch.Tensor], magnitudes: torch.Tensor | None = None
                      ) -> dict[str, torch.Tensor]:
         """One chunk's rows as the file stores them, in file order (the spool's pieces)."""
-        stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL, magnitudes)
+        if HIDDEN_STATES_SCALES in rows:  # quantized on the device
+            stored, scales = rows[HIDDEN_STATES], rows[HIDDEN_STATES_SCALES]
+        else:
+            stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL, magnitudes)
         out = {TOKEN_IDS: rows[TOKEN_IDS], HIDDEN_STATES: stored}
         if scales is not None:
             out[HIDDEN_STATES_SCALES] = scales

@@ -155,6 +155,8 @@ class LLM:
         spec = config.speculative
         self.connector = self.kv_transfer_config.create_connector(self.spec) if spec is None else NullConnector()
         self.spec = getattr(self.connector, "spec", None) or self.spec  # with the connector's storage dtype
+        if self.spec.scaled and self.runner.device.type != "cpu":  # fp8 converted on the GPU, before the copy
+            self.runner.device_storage = self.spec.storage_dtype
         self.proposer = None if spec is None else proposer or make_proposer(spec, self.runner)
         if self.proposer is not None:  # a speculative engine captures only what its proposer reads
             self.runner.set_capture(tuple(self.proposer.capture_layer_ids))

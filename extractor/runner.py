@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, check_layer_ids
+from connectors.format import HIDDEN_STATES_SCALES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, check_layer_ids
+from connectors.quant import ROW_MAGNITUDES, quantize, row_magnitudes
 from extractor.config import EngineConfig
 from extractor.facts import target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
@@ -286,6 +287,9 @@ class ModelRunner:
         self.num_hidden_layers, self.hidden_size = self.facts.num_hidden_layers, self.facts.hidden_size
         self.layer_ids = self.facts.layer_ids
         self.capture: LayerCapture | None = None
+        self.device_storage: str | None = None
+        """A scaled storage dtype (fp8) the captured rows are converted to on the device before they go to the host
+        (LLM sets it for an fp8 connector on CUDA): the connector gets them with their scales and magnitudes."""
         self._top_k: TopK | None = None
         self.rollback: RollbackPlan | None = None
         self.set_capture(self.facts.capture_layer_ids, top_k=self.facts.top_k)
@@ -319,6 +323,10 @@ class ModelRunner:
             ids, logprobs = self._top_k(states[:, :, -1])  # [B, S, K] each
             states = states[:, :, :-1]
             extra = {TARGET_TOPK_IDS: ids, TARGET_TOPK_LOGPROBS: logprobs}
+        if self.device_storage is not None:  # fp8 cast and scales here, before the copy: half the bytes cross
+            magnitudes = row_magnitudes(states)  # [B, S, L]: the connector's state check reads them
+            states, scales = quantize(states, self.device_storage, magnitudes)
+            extra.update({HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes})
         if to_host:
             states = self.to_host(states)
             extra = {name: self.to_host(t) for name, t in extra.items()}

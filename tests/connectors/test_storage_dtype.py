@@ -296,3 +296,38 @@ def test_the_state_check_finds_what_an_element_scan_finds(plant):
     assert said == {"nan": "non-finite value (nan) at token 30, layer 2 (hidden-state id 6)",
                     "-inf": "non-finite value (-inf) at token 12, layer 1 (hidden-state id 4)",
                     "zeros": "layer 1 (hidden-state id 4) is all zeros over all 40 tokens"}[plant]
+
+
+@pytest.mark.parametrize("staged", [None, 4096])  # in memory, and through the spool piece by piece
+def test_rows_quantized_on_the_device_make_the_same_file_bytes(staged, tmp_path, connector_factory):
+    """The engine's device path (extractor.runner: fp8 cast and scales before the copy) hands the connector fp8 rows
+    with HIDDEN_STATES_SCALES and ROW_MAGNITUDES: the file's tensors are byte for byte those of the host path, which
+    quantizes model-dtype rows itself; a non-finite row is still refused, naming token and layer."""
+    from connectors import RequestInfo
+    from connectors.quant import ROW_MAGNITUDES, row_magnitudes
+
+    options = {} if staged is None else {"max_staged_bytes_per_request": staged}
+    spec = make_spec(torch.bfloat16, LAYERS, HIDDEN)
+    host = connector_factory(str(tmp_path / "host"), spec, storage_dtype=FP8, **options)
+    device = connector_factory(str(tmp_path / "device"), spec, storage_dtype=FP8, **options)
+    token_ids, states = random_request(90, torch.bfloat16, seed=5)
+    bad = states.clone()
+    bad[61, 2, 7] = float("-inf")
+    paths = {}
+    for name, rows in (("good", states), ("bad", bad)):
+        paths[("host", name)] = save_request(host, name, token_ids, rows, chunks=4)
+        device.start_request(RequestInfo(name, token_ids.shape[0], {}))
+        for ids, chunk in zip(token_ids.tensor_split(4), rows.tensor_split(4)):
+            magnitudes = row_magnitudes(chunk)
+            stored, scales = quantize(chunk, FP8, magnitudes)
+            device.save_hidden_states(name, ids, stored, {HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes})
+        paths[("device", name)] = device.request_finished(name)["hidden_states_path"]
+    host_failures, device_failures = host.wait_for_save(), device.wait_for_save()
+    assert list(host_failures) == list(device_failures) == ["bad"]
+    assert "at token 61, layer 2 (hidden-state id 6)" in str(device_failures["bad"])
+    a, b = (safetensors.torch.load_file(paths[(k, "good")]) for k in ("host", "device"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    with pytest.raises(ValueError, match="rows quantized on the device must be"):
+        device.start_request(RequestInfo("wrong", 2, {}))
+        device.save_hidden_states("wrong", token_ids[:2], states[:2].to(torch.float8_e4m3fn),
+                                  {HIDDEN_STATES_SCALES: torch.ones(2, 3)})

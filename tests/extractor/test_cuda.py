@@ -68,3 +68,26 @@ def test_cuda_generation_with_output_tokens_matches_a_plain_forward_of_the_whole
         sequence = ids + out.outputs[0].token_ids[:-1]  # the last output token is never fed back
         assert stored["token_ids"].tolist() == sequence
         assert_close_for("float32", stored["hidden_states"], reference_states(ref, sequence, ORDERED))
+
+
+def test_cuda_fp8_converted_on_the_gpu_writes_the_host_paths_bytes(tiny_model_factory, tmp_path):
+    """fp8 on the device (issue 46): on CUDA the runner casts and scales before the copy; the files must be byte for
+    byte those of the host path (the same engine with the device conversion off)."""
+    import safetensors.torch
+
+    from connectors import KVTransferConfig
+
+    model_dir = tiny_model_factory("llama")
+    tensors = {}
+    for where in ("device", "host"):
+        llm = LLM(model=model_dir, speculative_config=spec_config(ORDERED), dtype="bfloat16", device="cuda",
+                  max_num_batched_tokens=64, kv_transfer_config=KVTransferConfig(kv_connector_extra_config={
+                      "shared_storage_path": str(tmp_path / where), "storage_dtype": "fp8"}))
+        assert llm.runner.device_storage == ("float8_e4m3fn" if where == "device" else llm.runner.device_storage)
+        if where == "host":
+            llm.runner.device_storage = None
+        outs = llm.generate(mixed_prompts(5, seed=3), SamplingParams(max_tokens=0))
+        tensors[where] = [safetensors.torch.load_file(o.kv_transfer_params["hidden_states_path"]) for o in outs]
+        llm.shutdown()
+    for a, b in zip(tensors["device"], tensors["host"]):
+        assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

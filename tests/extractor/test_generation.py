@@ -173,3 +173,28 @@ def test_requests_that_ask_for_no_file_generate_the_same_and_capture_nothing(con
         assert obj["token_ids"].tolist() == want
         torch.testing.assert_close(obj["hidden_states"], reference_states(ref, want, LAYERS), rtol=1e-4, atol=1e-4)
     llm.shutdown()
+
+
+def test_fp8_quantized_on_the_device_writes_the_host_paths_file_bytes(tiny_model_factory, tmp_path):
+    """On CUDA the runner converts fp8 (scales, cast) before the copy (LLM sets runner.device_storage); forced here on
+    CPU, prompt and output-token rows across prefill chunks must give the host path's file bytes exactly."""
+    import safetensors.torch
+
+    from connectors import KVTransferConfig
+
+    model_dir = tiny_model_factory("llama")
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, extra_args=INCLUDE)
+    tensors = {}
+    for where in ("host", "device"):
+        llm = LLM(model=model_dir, speculative_config=spec_config(LAYERS), dtype="bfloat16", max_num_batched_tokens=8,
+                  kv_transfer_config=KVTransferConfig(kv_connector_extra_config={
+                      "shared_storage_path": str(tmp_path / where), "storage_dtype": "fp8"}))
+        assert llm.runner.device_storage is None  # CPU: the host converts
+        if where == "device":
+            llm.runner.device_storage = "float8_e4m3fn"
+        outs = llm.generate(PROMPTS[:3], params)
+        tensors[where] = [safetensors.torch.load_file(o.kv_transfer_params["hidden_states_path"]) for o in outs]
+        llm.shutdown()
+    for a, b in zip(tensors["host"], tensors["device"]):
+        assert sorted(a) == sorted(b) and a["hidden_states"].dtype == torch.float8_e4m3fn
+        assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
