@@ -12,8 +12,8 @@ Measures, in one process (never pass/fail; the goal, <= 1.0 CPU-s per GB written
                  state check before (the float scans: isfinite, then != 0) and now (connectors.quant.row_magnitudes:
                  one integer pass), fp8's conversion before (the whole-tensor float expression) and now (blocked,
                  byte-identical), the checksum (xxh3_64 over the file's data), the write with fsync.
-On a GPU host the fp8 conversion moves to the device (issue 46 item 2: not done yet); the stage table says what the
-host keeps then.
+    fp8 converted on the device: the connector fed rows already in fp8 with their scales and magnitudes (what the
+                 engine hands it on CUDA, where the runner converts before the copy): the host's share of an fp8 file.
 
 Writes host_path.json and host_path.md to --out.
 """
@@ -53,19 +53,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def end_to_end(args, storage: str, requests, workdir: str) -> dict:
+def run_prepared(root: str, spec: HiddenStatesSpec, prepared, *, threads: int) -> list[str]:
+    """The connector fed rows already converted to fp8 with their scales and magnitudes (what the engine hands it when
+    it converts on the GPU): the host's share of an fp8 file."""
+    from connectors import KVTransferConfig, RequestInfo
+    from connectors.format import HIDDEN_STATES_SCALES
+    from connectors.quant import ROW_MAGNITUDES
+
+    connector = KVTransferConfig(kv_connector_extra_config={
+        "shared_storage_path": root, "num_writer_threads": threads, "storage_dtype": FP8}).create_connector(spec)
+    paths = []
+    try:
+        for i, chunks in enumerate(prepared):
+            rid = f"bench-{i}"
+            connector.start_request(RequestInfo(rid, sum(c[0].shape[0] for c in chunks)))
+            for ids, stored, scales, magnitudes in chunks:
+                connector.save_hidden_states(rid, ids, stored, {HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes})
+            paths.append(connector.request_finished(rid)["hidden_states_path"])
+        failures = connector.wait_for_save()
+    finally:
+        connector.shutdown()
+    if failures:
+        raise RuntimeError(f"connector writes failed: {failures}")
+    return paths
+
+
+def end_to_end(args, storage: str, requests, workdir: str, on_device: bool = False) -> dict:
+    """`on_device`: fp8 rows converted before the clock starts (on a GPU host that is the device's work)."""
+    from connectors.quant import quantize, row_magnitudes
+
     spec = HiddenStatesSpec(layer_ids=tuple(range(1, args.layers + 1)), num_hidden_layers=args.layers,
                             hidden_size=args.hidden, dtype="bfloat16", storage_dtype=storage)
+    prepared = [[(ids, *quantize(rows, FP8, m := row_magnitudes(rows)), m)
+                 for ids, rows in zip(i.tensor_split(args.chunks), s.tensor_split(args.chunks))]
+                for i, s in requests] if on_device else None
     runs = []
     for r in range(args.repeats):
         folder = tempfile.mkdtemp(prefix=f"{storage}-{r}-", dir=workdir)
         cpu, wall = time.process_time(), time.perf_counter()
-        _, paths = run_connector(folder, spec, requests, chunks=args.chunks, threads=args.threads)
+        if prepared is not None:
+            paths = run_prepared(folder, spec, prepared, threads=args.threads)
+        else:
+            _, paths = run_connector(folder, spec, requests, chunks=args.chunks, threads=args.threads)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         written = sum(os.path.getsize(p) for p in paths)
         runs.append({"cpu_s": cpu, "wall_s": wall, "bytes": written, "cpu_s_per_GB": cpu / (written / 1e9)})
         shutil.rmtree(folder)
-    return {"storage": storage, "runs": runs,
+    return {"storage": storage + (" converted on the device" if on_device else ""), "runs": runs,
             "cpu_s_per_GB": statistics.median(r["cpu_s_per_GB"] for r in runs),
             "GB_per_s": statistics.median(r["bytes"] / r["wall_s"] / 1e9 for r in runs)}
 
@@ -144,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         requests = make_requests(args.requests, args.tokens, args.layers, args.hidden, torch.bfloat16)
         e2e = [end_to_end(args, storage, requests, workdir) for storage in ("model", FP8)]
+        e2e.append(end_to_end(args, FP8, requests, workdir, on_device=True))
         stage_rows = stages(args, requests[0][1], workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
