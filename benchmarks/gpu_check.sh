@@ -15,6 +15,9 @@
 #      Train replicas (NCCL) vs one process on the same global batch (target: >= 1.8x tokens/s).
 #   7. where vLLM is installed (`pip install "hsx[vllm]"`): benchmarks/bench_engines.py on the same 8B model, hsx's
 #      engine vs vLLM with hsx's plug-in: prompt tokens/s plain and extracting, each engine's extraction overhead.
+#   Issue 46 added: 2b. the extraction with fp8 files (converted on the GPU); 4b. bench_host_path.py (CPU-seconds per
+#   GB written); and at the end benchmarks/gpu_summary.py prints its figures as one table (RESULTS_DIR/summary.md).
+#   The whole script now needs more than one 10-minute command: run it with HSX_GPU_TESTS_S=0 after a tests-only call.
 #
 #   benchmarks/gpu_check.sh RESULTS_DIR [extra bench_extraction.py flags]
 #
@@ -53,6 +56,11 @@ timeout 200 python3 benchmarks/bench_extraction.py --out "$scratch/bench" --mode
     --device cuda --sections extraction,early_exit,storage --repeats 2 --num-samples 128 --profile "$@" 2>&1 \
     | tee "$results/bench.log" || status=1
 cp "$scratch"/bench/results.json "$scratch"/bench/results.md "$results"/ 2>/dev/null
+# 2b. the same extraction with fp8 files (issue 46: converted on the GPU before the copy; goal >= 0.97x the bare forward)
+timeout 150 python3 benchmarks/bench_extraction.py --out "$scratch/bench-fp8" --model-dir "$scratch/model" \
+    --device cuda --sections extraction --storage-dtype fp8 --repeats 2 --num-samples 128 2>&1 \
+    | tee "$results/bench-fp8.log" || status=1
+cp "$scratch"/bench-fp8/results.json "$results"/extraction-fp8.json 2>/dev/null
 for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done \
     > "$results/profiles.txt"
 
@@ -60,6 +68,7 @@ for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename
 timeout 120 python3 benchmarks/bench_regeneration.py --out "$scratch/regen" --model-dir "$scratch/model" \
     --device cuda --num-prompts 128 --batch-size 64 --workloads fixed --repeats 1 2>&1 | tee "$results/regeneration.log" || status=1
 cp "$scratch"/regen/results.md "$results"/regeneration.md 2>/dev/null
+cp "$scratch"/regen/results.json "$results"/regeneration.json 2>/dev/null
 # 4. storage dtypes on the 8B shape: bytes per token of bf16 vs fp8 files, fp8's error per layer
 timeout 60 python3 benchmarks/bench_storage.py --out "$scratch/storage" --model-dir "$scratch/model" --device cuda \
     --num-samples 32 2>&1 | tee "$results/storage.log" || status=1
@@ -68,6 +77,7 @@ cp "$scratch"/storage/results-storage.md "$results"/storage.md 2>/dev/null
 timeout 60 python3 benchmarks/bench_host_path.py --out "$scratch/host-path" --threads 8 --repeats 2 2>&1 \
     | tee "$results/host-path.log" || status=1
 cp "$scratch"/host-path/host_path.md "$results"/host-path.md 2>/dev/null
+cp "$scratch"/host-path/host_path.json "$results"/host_path.json 2>/dev/null
 # 5. one long sample in bounded host memory: bounded vs unbounded staging, bf16 and fp8
 timeout 80 python3 benchmarks/bench_long_sample.py --out "$scratch/long" --device cuda 2>&1 \
     | tee "$results/long-sample.log" || status=1
@@ -95,4 +105,6 @@ timeout 240 python3 benchmarks/bench_training_cost.py --out "$scratch/training-c
     --memory '{"ce_chunk_tokens": 4096, "gradient_checkpointing": true}' 2>&1 | tee "$results/training-cost-levers.log" \
     || status=1
 cp "$scratch"/training-cost-levers/training_cost.md "$results"/training-cost-levers.md 2>/dev/null
+# issue 46's figures as one table (RESULTS_DIR/summary.md)
+python3 benchmarks/gpu_summary.py "$results" || status=1
 exit $status
