@@ -271,6 +271,10 @@ class LLM:
             # before the connector takes the request: nothing may fail between its start and the batch
             req.generator = make_generator(params) if params.max_tokens > 0 else None
             req.writes = self.connector.writes(params.sent_kv_transfer_params)
+            if self.proposer is None and params.sent_kv_transfer_params is not None and not req.writes:
+                raise ValueError("kv_transfer_params on a request to an engine that writes no files (its "
+                                 "KVTransferConfig names the NullConnector); drop them, or build the engine with the "
+                                 "hidden-states connector to write them")
             if req.writes:
                 self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
                                                          sample_id=req.sample_id, loss_mask=mask))

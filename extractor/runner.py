@@ -64,6 +64,13 @@ class Captured:
         """Row b's columns [lo, hi): (states [hi - lo, L, H], {name: [hi - lo, ...]})."""
         return self.states[b, lo:hi], {name: t[b, lo:hi] for name, t in self.extra.items()}
 
+    def take_rows(self, keep: list[int]) -> Captured:
+        """Rows `keep` only, copied into tensors of their own (the batch's tensors can then go)."""
+        if len(keep) == self.states.shape[0]:
+            return self
+        idx = torch.tensor(keep, dtype=torch.long, device=self.states.device)
+        return Captured(self.states.index_select(0, idx), {n: t.index_select(0, idx) for n, t in self.extra.items()})
+
 
 @dataclass
 class BatchState:

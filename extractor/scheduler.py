@@ -125,6 +125,12 @@ class Scheduler:
 
     def run(self, requests: Sequence[Request], progress) -> None:
         """Every request to its end (finished, failed or aborted); `progress.update(n)` as they end."""
+        try:
+            self._run(requests, progress)
+        finally:  # an error that escaped the loop: no generated rows stay kept on the device
+            self.outputs.drop(r.request_id for r in requests)
+
+    def _run(self, requests: Sequence[Request], progress) -> None:
         prompt_only = [r for r in requests if r.params.max_tokens == 0]
         batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids),
                                max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -180,7 +186,8 @@ class Scheduler:
         return logits, state, ([torch.cat(p) for p in parts] if observe else None)
 
     def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:
-        self._prefill(batch, chunk_size, generating=False)
+        if any(r.writes for r in batch):  # prompt-only requests that write no file need no forward at all
+            self._prefill(batch, chunk_size, generating=False)
         for r in batch:
             r.finish_reason = "length"
             r.kv_transfer_params = self.connector.request_finished(r.request_id) if r.writes else None
@@ -290,9 +297,10 @@ class Scheduler:
         capture = any(r.include_output_tokens and r.writes for r in active)
         logits, captured = self.runner.decode(state, [r.output_ids[-1] for r in active], capture, to_host=False)
         if capture:
-            for b, r in enumerate(active):  # row b: [1, L, H], the token just fed, kept on the device
-                if r.include_output_tokens and r.writes:
-                    self.outputs.add(r.request_id, r.output_ids[-1], *captured.row(b, 0, 1))
+            keep = [b for b, r in enumerate(active) if r.include_output_tokens and r.writes]
+            kept = captured.take_rows(keep)  # only the writers' rows stay alive on the device until their flush
+            for i, b in enumerate(keep):  # row i: [1, L, H], the token just fed
+                self.outputs.add(active[b].request_id, active[b].output_ids[-1], *kept.row(i, 0, 1))
         tokens = sample_next(logits, [r.params for r in active], [r.generator for r in active])
         for r, t in zip(active, tokens):
             self._emit(r, [t])
@@ -303,9 +311,9 @@ class Scheduler:
             r.output_ids.append(t)
             reason = self.stopping.finish_reason(r, t)
             if reason is not None:
-                r.finish_reason = reason
-                if r.writes:
+                if r.writes:  # first: a failure here fails the request (unfinished), never answers it without its file
                     self.outputs.flush(r.request_id)
                     r.kv_transfer_params = self.connector.request_finished(r.request_id)
+                r.finish_reason = reason
                 return True
         return False

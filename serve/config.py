@@ -147,15 +147,20 @@ class ServeConfig(EngineOptions):
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")
-        if self.speculative is not None:
+        if self.speculative is not None and not self.files:
+            raise ValueError("--no-files with --speculative-config: a speculative server writes no files anyway; "
+                             "drop --no-files")
+        if not self.writes_files:
             files = [flag(n) for n in ("layers", "output", "allowed_roots", "storage_options") if getattr(self, n)]
             files += [flag(n) for n, default in (("storage_dtype", "model"), ("target", "states"))
                       if getattr(self, n) != default]
+            why = (f"--speculative-config method {self.speculative.method!r}: a speculative server decodes and writes "
+                   f"no files (extraction is its own method, {SPECULATIVE_METHOD}, as in vLLM); drop {', '.join(files)}"
+                   ", or drop --speculative-config to serve extraction" if self.speculative is not None else
+                   f"--no-files without --output: a generation-only server writes no files; drop {', '.join(files)}, "
+                   "or give --output for requests that send kv_transfer_params")
             if files:
-                raise ValueError(f"{', '.join(files)} with --speculative-config method "
-                                 f"{self.speculative.method!r}: a speculative server decodes and writes no files "
-                                 f"(extraction is its own method, {SPECULATIVE_METHOD}, as in vLLM); drop "
-                                 f"{', '.join(files)}, or drop --speculative-config to serve extraction")
+                raise ValueError(f"{', '.join(files)} with {why}")
         self.check_engine()  # the engine's and the connector's own checks, on what every replica gets
 
     def _take_speculative_config(self) -> None:
@@ -171,6 +176,7 @@ class ServeConfig(EngineOptions):
             speculative, layer_ids = speculative_config_from_dict(value)
         except (ValueError, TypeError) as e:
             raise ValueError(f"--speculative-config: {e}") from None
+        self.__dict__["speculative"] = speculative  # the cached property's value: parsed (and warned about) once
         if speculative is None and layer_ids is not None:
             if self.layers is not None:
                 raise ValueError(f"--layers and --speculative-config method {SPECULATIVE_METHOD} both name the "

@@ -90,7 +90,7 @@ class EngineReply:
     replica: str = ""
     spec_decode: tuple | None = None
     """A speculative server's running counts on this replica (num_drafts, num_draft_tokens, num_accepted_tokens,
-    accepted per position), on the first reply of each batch; the ingress turns them into vLLM's counters."""
+    accepted per position) as of this reply's batch; the ingress turns them into vLLM's counters."""
     discarded: int = 0
     """Files this replica has removed so far because their clients went away (cumulative)."""
     aborted: int = 0
@@ -382,10 +382,11 @@ class Engine:
                     except OSError:
                         reply.bytes_written = 0
             replies.append(reply)
-        if replies and self.config.speculative is not None:  # the replica's running counts, as of this batch
-            stats = self.llm.stats
-            replies[0].spec_decode = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                                      tuple(stats.accepted_per_pos))
+        if self.config.speculative is not None:  # the replica's running counts, as of this batch, on every reply
+            stats = self.llm.stats  # (the ingress keeps the newest per replica: one whose caller left is not missed)
+            counts = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, tuple(stats.accepted_per_pos))
+            for reply in replies:
+                reply.spec_decode = counts
         logger.debug("batch %d: %d prompts in %.3fs", batch, len(items), seconds)
         return replies
 

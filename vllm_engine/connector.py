@@ -132,6 +132,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         extra.setdefault("keep_lock_file", True)  # vLLM's load_hidden_states opens <file>.lock
         self.settings: HiddenStatesConnectorConfig = SafetensorsHiddenStatesConnector.parse_extra_config(extra)
+        if self.settings.files != "all":
+            raise ValueError(f"kv_connector_extra_config files={self.settings.files!r} is hsx's engine's setting; "
+                             "under vLLM every request of an extract_hidden_states engine writes its file (drop it)")
         self.spec = file_spec(vllm_config)
         # vLLM captures the layers in ascending order (sorted(set(ids)), SupportsEagle3); files keep the order asked
         captured = sorted(set(self.spec.layer_ids))

@@ -150,3 +150,29 @@ def test_stop_strings_hold_on_byte_fallback_text_that_a_streaming_decoder_cannot
         out = llm._output(r).outputs[0]
         full = tok.decode(ids[:n], skip_special_tokens=True)
         assert out.text == full[:full.index(stop)] and out.stop_reason == stop
+
+
+def test_a_request_whose_file_cannot_be_handed_over_fails_and_is_not_answered_without_it(tiny_llama, tmp_path,
+                                                                                        monkeypatch):
+    """The generated rows go to the connector when the request finishes: if that fails (a device out of memory, a
+    connector refusal), the request fails with the engine's error and nothing is left in flight, never an answer
+    without the file it asked for."""
+    from extractor.scheduler import OutputRows
+
+    llm = _llm(tiny_llama, tmp_path)
+    real_flush = OutputRows.flush
+
+    def flush(self, request_id):
+        if request_id == "broken":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_flush(self, request_id)
+
+    monkeypatch.setattr(OutputRows, "flush", flush)
+    include = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                             extra_args={"kv_transfer_params": {"include_output_tokens": True}})
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], include, request_ids=["broken"])
+    assert out.error_kind == "engine" and "out of memory" in out.error and out.kv_transfer_params is None
+    assert list(tmp_path.glob("*.safetensors")) == [] and llm.connector._requests == {}
+    (again,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], include, request_ids=["fine"])
+    assert again.error is None and os.path.exists(again.kv_transfer_params["hidden_states_path"])
+    llm.shutdown()

@@ -156,7 +156,10 @@ def test_requests_that_ask_for_no_file_generate_the_same_and_capture_nothing(con
     for prompt, out in zip(PROMPTS[:3], outs):
         assert out.error is None and out.kv_transfer_params is None and out.write_seconds is None
         assert out.outputs[0].token_ids == hf_greedy(model, tok(prompt).input_ids, 6)
-    if connector == "NullConnector":
+    if connector == "NullConnector":  # asking for a file of an engine that writes none: that request's error
+        (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": {}}))
+        assert out.error_kind == "invalid" and "NullConnector" in out.error
+        llm.shutdown()
         return
     asking = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": {}}),
               plain, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=INCLUDE)]

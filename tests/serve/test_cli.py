@@ -39,6 +39,9 @@ from cli.main import main
      "{model} is not a target folder with MTP layers"),
     (["--model", "{model}", "--speculative-config", '{{"method": "eagle3", "num_speculative_tokens": 2}}'],
      "method 'eagle3' needs 'model'"),
+    (["--model", "{model}", "--no-files", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 2}}'],
+     "--no-files with --speculative-config"),
+    (["--model", "{model}", "--no-files", "--layers", "1,2"], "--layers with --no-files without --output"),
 ])
 def test_bad_settings_exit_2_naming_the_flag_before_anything_starts(argv, needle, serve_model, tmp_path, capsys):
     argv = [a.format(model=serve_model, out=tmp_path / "out") for a in argv]
