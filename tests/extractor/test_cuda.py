@@ -86,7 +86,9 @@ def test_cuda_fp8_converted_on_the_gpu_writes_the_host_paths_bytes(tiny_model_fa
         assert llm.runner.device_storage == ("float8_e4m3fn" if where == "device" else llm.runner.device_storage)
         if where == "host":
             llm.runner.device_storage = None
-        outs = llm.generate(mixed_prompts(5, seed=3), SamplingParams(max_tokens=0))
+        outs = llm.generate(mixed_prompts(5, seed=3), [SamplingParams(max_tokens=0), SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": {
+                "include_output_tokens": True}})] * 2 + [SamplingParams(max_tokens=3)])  # prompt and decode rows
         tensors[where] = [safetensors.torch.load_file(o.kv_transfer_params["hidden_states_path"]) for o in outs]
         llm.shutdown()
     for a, b in zip(tensors["device"], tensors["host"]):
