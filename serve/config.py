@@ -147,6 +147,9 @@ class ServeConfig(EngineOptions):
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
             raise ValueError("--api-key holds characters outside printable ASCII, which an HTTP header cannot carry "
                              "as they are (no client could send it); use letters, digits and punctuation")
+        if not isinstance(self.files, bool):  # a config file's "false" is a non-empty string
+            raise ValueError(f"--files / --no-files must be true or false, got {type(self.files).__name__} "
+                             f"{self.files!r}")
         if self.speculative is not None and not self.files:
             raise ValueError("--no-files with --speculative-config: a speculative server writes no files anyway; "
                              "drop --no-files")
