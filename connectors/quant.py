@@ -163,9 +163,9 @@ class StateChecker:
         finite = torch.isfinite(m)
         if not bool(finite.all()):
             t, layer = (~finite).nonzero()[0].tolist()  # the first row holding one, as the element-wise scan finds
-            row = states[t, layer].float()
             if states.element_size() == 1:  # quantized on the device: the value is gone, its row's magnitude is not
                 return f"non-finite value (magnitude {m[t, layer].item()}) at token {first + t}, {self._which(layer)}"
+            row = states[t, layer].float()
             value = row[~torch.isfinite(row)][0].item()
             return f"non-finite value ({value}) at token {first + t}, {self._which(layer)}"
         nonzero = (m != 0).any(dim=0)  # [L]: a row of zeros (-0.0 included) has magnitude 0

@@ -376,9 +376,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         """On a writer thread: check each chunk's rows, convert them to the storage dtype, append every stream."""
         for chunk in rows:
             states = chunk[HIDDEN_STATES]
-            magnitudes = chunk.get(ROW_MAGNITUDES)
-            if magnitudes is None and self._reads_magnitudes:  # one pass for the check and fp8's scales
-                magnitudes = row_magnitudes(states)
+            magnitudes = self._magnitudes(states, chunk.get(ROW_MAGNITUDES))
             if self.extra_config.check_states:
                 problem = pending.checker.feed(states, chunk[TOKEN_IDS], chunk.get(TARGET_TOPK_LOGPROBS), magnitudes)
                 if problem is not None:
@@ -481,8 +479,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         float32 scale per token and layer beside them), so a chunk's copy lives only while it is converted."""
         states = tensors[HIDDEN_STATES]
         prepared = prepared if len(prepared) == len(states) else [None] * len(states)  # no rows: one empty chunk
-        magnitudes = [ready[1] if ready is not None else row_magnitudes(c) if self._reads_magnitudes else None
-                      for c, ready in zip(states, prepared)]
+        magnitudes = [self._magnitudes(c, None if ready is None else ready[1]) for c, ready in zip(states, prepared)]
         if self.extra_config.check_states:
             problem = state_problem(states, self.spec.layer_ids, tensors[TOKEN_IDS], tensors.get(TARGET_TOPK_LOGPROBS),
                                     magnitudes)
@@ -490,7 +487,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
                 raise self._bad_states(pending.info.request_id, problem)
         if not self.spec.storage_dtype:
             return tensors
-        pairs = [(c, ready[0]) if ready is not None else quantize(c, self.spec.storage_dtype, m)
+        pairs = [self._converted(c, None if ready is None else ready[0], m)
                  for c, m, ready in zip(states, magnitudes, prepared)]
         out = {TOKEN_IDS: tensors[TOKEN_IDS], HIDDEN_STATES: [q for q, _ in pairs]}
         if self.spec.scaled:
@@ -498,18 +495,25 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         out.update({k: v for k, v in tensors.items() if k not in out})  # file order: the top-k target, loss_mask
         return out
 
-    @property
-    def _reads_magnitudes(self) -> bool:
-        """Whether the writer reads the rows' magnitudes (the state check, fp8's scales): then once per chunk."""
-        return bool(self.extra_config.check_states or self.spec.scaled)
+    def _magnitudes(self, states: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor | None:
+        """A chunk's row magnitudes: those the engine sent (rows quantized on its device), else computed once when
+        the writer reads them (the state check, fp8's scales), else None."""
+        if given is not None or not (self.extra_config.check_states or self.spec.scaled):
+            return given
+        return row_magnitudes(states)
+
+    def _converted(self, states: torch.Tensor, scales: torch.Tensor | None, magnitudes: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chunk's states as the file stores them and their scales: as they came when the engine quantized them on
+        its device (`scales` given), else converted here."""
+        if scales is not None:
+            return states, scales
+        return quantize(states, self.spec.storage_dtype or MODEL, magnitudes)
 
     def _stored_rows(self, rows: dict[str, torch.Tensor], magnitudes: torch.Tensor | None = None
                      ) -> dict[str, torch.Tensor]:
         """One chunk's rows as the file stores them, in file order (the spool's pieces)."""
-        if HIDDEN_STATES_SCALES in rows:  # quantized on the device
-            stored, scales = rows[HIDDEN_STATES], rows[HIDDEN_STATES_SCALES]
-        else:
-            stored, scales = quantize(rows[HIDDEN_STATES], self.spec.storage_dtype or MODEL, magnitudes)
+        stored, scales = self._converted(rows[HIDDEN_STATES], rows.get(HIDDEN_STATES_SCALES), magnitudes)
         out = {TOKEN_IDS: rows[TOKEN_IDS], HIDDEN_STATES: stored}
         if scales is not None:
             out[HIDDEN_STATES_SCALES] = scales
