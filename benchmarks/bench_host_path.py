@@ -53,48 +53,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_prepared(root: str, spec: HiddenStatesSpec, prepared, *, threads: int) -> list[str]:
-    """The connector fed rows already converted to fp8 with their scales and magnitudes (what the engine hands it when
-    it converts on the GPU): the host's share of an fp8 file."""
-    from connectors import KVTransferConfig, RequestInfo
-    from connectors.format import HIDDEN_STATES_SCALES
-    from connectors.quant import ROW_MAGNITUDES
-
-    connector = KVTransferConfig(kv_connector_extra_config={
-        "shared_storage_path": root, "num_writer_threads": threads, "storage_dtype": FP8}).create_connector(spec)
-    paths = []
-    try:
-        for i, chunks in enumerate(prepared):
-            rid = f"bench-{i}"
-            connector.start_request(RequestInfo(rid, sum(c[0].shape[0] for c in chunks)))
-            for ids, stored, scales, magnitudes in chunks:
-                connector.save_hidden_states(rid, ids, stored, {HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes})
-            paths.append(connector.request_finished(rid)["hidden_states_path"])
-        failures = connector.wait_for_save()
-    finally:
-        connector.shutdown()
-    if failures:
-        raise RuntimeError(f"connector writes failed: {failures}")
-    return paths
-
-
 def end_to_end(args, storage: str, requests, workdir: str, on_device: bool = False) -> dict:
-    """`on_device`: fp8 rows converted before the clock starts (on a GPU host that is the device's work)."""
-    from connectors.quant import quantize, row_magnitudes
+    """`on_device`: the connector fed rows already converted to fp8 with their scales and magnitudes, as the engine
+    hands them when it converts on the GPU (converted before the clock starts: that is the device's work)."""
+    from connectors.format import HIDDEN_STATES_SCALES
+    from connectors.quant import ROW_MAGNITUDES, quantize, row_magnitudes
+
+    def on_the_device(ids, rows):
+        stored, scales = quantize(rows, FP8, magnitudes := row_magnitudes(rows))
+        return ids, stored, {HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes}
 
     spec = HiddenStatesSpec(layer_ids=tuple(range(1, args.layers + 1)), num_hidden_layers=args.layers,
                             hidden_size=args.hidden, dtype="bfloat16", storage_dtype=storage)
-    prepared = [[(ids, *quantize(rows, FP8, m := row_magnitudes(rows)), m)
-                 for ids, rows in zip(i.tensor_split(args.chunks), s.tensor_split(args.chunks))]
-                for i, s in requests] if on_device else None
+    if on_device:
+        requests = [[on_the_device(*piece) for piece in zip(i.tensor_split(args.chunks), s.tensor_split(args.chunks))]
+                    for i, s in requests]
     runs = []
     for r in range(args.repeats):
         folder = tempfile.mkdtemp(prefix=f"{storage}-{r}-", dir=workdir)
         cpu, wall = time.process_time(), time.perf_counter()
-        if prepared is not None:
-            paths = run_prepared(folder, spec, prepared, threads=args.threads)
-        else:
-            _, paths = run_connector(folder, spec, requests, chunks=args.chunks, threads=args.threads)
+        _, paths = run_connector(folder, spec, requests, chunks=args.chunks, threads=args.threads,
+                                 storage_dtype=storage)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         written = sum(os.path.getsize(p) for p in paths)
         runs.append({"cpu_s": cpu, "wall_s": wall, "bytes": written, "cpu_s_per_GB": cpu / (written / 1e9)})

@@ -71,19 +71,24 @@ def payload_bytes(requests) -> int:
 
 
 def run_connector(root: str, spec: HiddenStatesSpec, requests, *, chunks: int, threads: int,
-                  storage_options: dict | None = None) -> tuple[float, list[str]]:
-    """Seconds from the first start_request to wait_for_save returning; the paths written."""
+                  storage_options: dict | None = None, **extra_config) -> tuple[float, list[str]]:
+    """Seconds from the first start_request to wait_for_save returning; the paths written. A request is (token ids,
+    states), saved in `chunks` pieces, or a list of (token ids, states, extra) pieces saved as they are (e.g. rows an
+    engine quantized on its device); `extra_config` adds connector settings (storage_dtype)."""
     kv = KVTransferConfig(kv_connector_extra_config={
-        "shared_storage_path": root, "num_writer_threads": threads, "storage_options": storage_options or {}})
+        "shared_storage_path": root, "num_writer_threads": threads, "storage_options": storage_options or {},
+        **extra_config})
     connector = kv.create_connector(spec)
     paths = []
     try:
         start = time.perf_counter()
-        for i, (ids, states) in enumerate(requests):
+        for i, request in enumerate(requests):
             rid = f"bench-{i}"
-            connector.start_request(RequestInfo(rid, ids.shape[0]))
-            for id_chunk, state_chunk in zip(ids.tensor_split(chunks), states.tensor_split(chunks)):
-                connector.save_hidden_states(rid, id_chunk, state_chunk)
+            pieces = (request if isinstance(request, list) else
+                      [(a, b, None) for a, b in zip(request[0].tensor_split(chunks), request[1].tensor_split(chunks))])
+            connector.start_request(RequestInfo(rid, sum(p[0].shape[0] for p in pieces)))
+            for id_chunk, state_chunk, extra in pieces:
+                connector.save_hidden_states(rid, id_chunk, state_chunk, extra)
             paths.append(connector.request_finished(rid)["hidden_states_path"])
         failures = connector.wait_for_save()
         elapsed = time.perf_counter() - start
