@@ -5,6 +5,8 @@ rule for `LLM.chat`, `hsx serve`'s chat route and the corpus readers.
     message_content(content, where, model) -> str | [{"type": "text", "text": ...}]
                                                         a message's content checked: a string, or text parts
     media_refusal(content, where, model) -> str | None  why a media part cannot reach a text-only target
+    image_content(content, where) -> (content, images)  a vision-language target's message: image parts become
+                                                        {"type": "image"} for the template, their references returned
     for_template(content, fmt) -> str | [parts]         as the template takes it: text parts joined with "\\n"
                                                         ("string"), or passed as parts ("openai")
     messages_for_template(messages, template)           every message's content as `template` takes it
@@ -25,6 +27,8 @@ STRING, OPENAI = "string", "openai"
 MEDIA_PARTS = ("image_url", "image", "image_pil", "image_embeds", "input_image", "audio_url", "input_audio", "audio",
                "video_url", "video", "file")
 """Part types that carry media: on a text-only target, an error (never text)."""
+IMAGE_PARTS = ("image_url", "input_image", "image_pil", "image")
+"""Part types that carry an image: a vision-language target takes them (image_content)."""
 
 
 def content_format(template: Any) -> str:
@@ -74,6 +78,36 @@ def message_content(content: Any, where: str, model: str | None = None) -> str |
             raise ValueError(f"{where} content part {j} must be {{'type': 'text', 'text': str}}, got {shown}")
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def image_content(content: Any, where: str) -> tuple[str | list[dict[str, str]], list[Any]]:
+    """A message's content for a vision-language target: (content for the template, the images it brings in order).
+    Text parts as message_content gives them; each image part (image_url / input_image with a URL, image_pil, image)
+    becomes {"type": "image"} where it stood (the template puts the model's placeholder there) and its reference is
+    returned for extractor.media.load_image. Audio, video and file parts are refused: hsx takes images."""
+    if isinstance(content, str) or not isinstance(content, Sequence) or isinstance(content, (bytes, bytearray)):
+        return message_content(content, where), []
+    parts: list[dict[str, str]] = []
+    images: list[Any] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in IMAGE_PARTS:
+            value = part.get("image_url" if kind in ("image_url", "input_image") else kind)
+            ref = value.get("url") if isinstance(value, Mapping) else value
+            if ref is None:
+                raise ValueError(f"{where} content part {j} ({kind}) carries no image: give "
+                                 "{'type': 'image_url', 'image_url': {'url': ...}}")
+            parts.append({"type": "image"})
+            images.append(ref)
+        elif kind in MEDIA_PARTS:
+            raise ValueError(f"{where} content part {j} is of type {kind!r}: hsx gives a vision-language target text "
+                             "and images only; drop that part")
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise ValueError(f"{where} content part {j} must be a text part {{'type': 'text', 'text': str}} or an "
+                             f"image part, got {repr(part)[:60]}")
+    return parts, images
 
 
 def media_refusal(content: Any, where: str, model: str | None = None) -> str | None:

@@ -18,10 +18,11 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.format import check_layer_ids, check_target
+from extractor.media import MediaPolicy
 from extractor.methods import families
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -104,6 +105,9 @@ class EngineConfig:
     target: str = ""
     """What the files keep of the last layer N: "" / "states" = its state when layer_ids list it, or "top_k:K" = the
     target's top-K next-token log-probabilities (N through the final norm and lm_head) in its place (EAGLE-3)."""
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    """What image prompts may bring (a vision-language target): vLLM's limit_mm_per_prompt and
+    allowed_local_media_path, and whether http(s) images are fetched (extractor.media)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -129,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not isinstance(self.media, MediaPolicy):
+            raise TypeError(f"media must be an extractor.media.MediaPolicy, got {type(self.media).__name__}")
 
 
 NGRAM_DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given

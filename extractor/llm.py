@@ -30,8 +30,9 @@ from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
 from connectors.paths import PathInUse
 from connectors.quant import write_failure
-from extractor.chat_content import message_content, messages_for_template
+from extractor.chat_content import OPENAI, content_format, image_content, message_content, messages_for_template
 from extractor.config import EngineConfig, speculative_config_from_dict
+from extractor.media import MediaPolicy, load_image
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.proposers import Proposer, make_proposer
 from extractor.request import Request, check_request
@@ -46,8 +47,7 @@ PromptType = str | Mapping[str, Any]
 # vLLM LLM() arguments the seed scripts pass that change nothing hsx computes: accepted with one warning.
 # value None = any value; otherwise the one value hsx can honour (another one is an error).
 _IGNORED_ARGS = {"enforce_eager": None, "enable_chunked_prefill": None, "gpu_memory_utilization": None,
-                 "disable_log_stats": None, "limit_mm_per_prompt": None, "disable_chunked_mm_input": None,
-                 "allowed_local_media_path": None, "tensor_parallel_size": 1}
+                 "disable_log_stats": None, "disable_chunked_mm_input": None, "tensor_parallel_size": 1}
 
 
 @dataclass
@@ -97,7 +97,9 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, device: str | None = None, attn_implementation: str | None = None,
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
-                 target: str = "", **unsupported: Any) -> None:
+                 target: str = "", limit_mm_per_prompt: Mapping[str, int] | None = None,
+                 allowed_local_media_path: str | None = None, allow_media_fetch: bool = False,
+                 **unsupported: Any) -> None:
         cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
                   (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
         if cannot:
@@ -106,7 +108,7 @@ class LLM:
             raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
-                            "target "
+                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
@@ -116,6 +118,7 @@ class LLM:
             model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
+            media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, bool(allow_media_fetch)),
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 
@@ -228,13 +231,28 @@ class LLM:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         prompts = []
         for c, conv in enumerate(conversations):
-            checked = []
+            checked, images = [], []
             for i, m in enumerate(conv):  # OpenAI content parts, as vLLM takes them (extractor.chat_content)
                 where = f"conversation {c} message {i}" if len(conversations) > 1 else f"message {i}"
                 if not isinstance(m, Mapping):
                     raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(m).__name__}")
-                checked.append({**m, "content": message_content(m["content"], where, self.config.model)}
-                               if m.get("content") is not None else dict(m))
+                if m.get("content") is None:
+                    checked.append(dict(m))
+                elif self.runner.vision is not None:  # a vision-language target: image parts stay parts
+                    content, found = image_content(m["content"], where)
+                    checked.append({**m, "content": content})
+                    images.extend(found)
+                else:
+                    checked.append({**m, "content": message_content(m["content"], where, self.config.model)})
+            if images:  # the template places each image's placeholder; the processor expands it (per request)
+                if content_format(template) != OPENAI:
+                    raise ValueError(f"{self.config.model}'s chat template takes string content, so it cannot place "
+                                     "images; pass a chat_template that renders image parts")
+                text = self.tokenizer.apply_chat_template(messages_for_template(checked, template),
+                                                          chat_template=chat_template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt)
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+                continue
             ids = self.tokenizer.apply_chat_template(messages_for_template(checked, template),
                                                      chat_template=chat_template, tokenize=True,
                                                      add_generation_prompt=add_generation_prompt, return_dict=True)
@@ -305,11 +323,33 @@ class LLM:
         else:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if prompt.get("multi_modal_data") is not None:
-            raise ValueError("multi_modal_data is not supported: hsx runs text-only causal LMs; pass None or drop it")
+            self._media(req, prompt["multi_modal_data"])
         if prompt.get("loss_mask") is not None:
             req.loss_mask = [int(x) for x in prompt["loss_mask"]]
         if prompt.get("sample_id") is not None:
             req.sample_id = str(prompt["sample_id"])
+
+    def _media(self, req: Request, data: Any) -> None:
+        """An image prompt: its images loaded under the engine's media policy and processed with the prompt text by
+        the model's processor (placeholders expanded); ValueError names the image and the fix."""
+        vision = self.runner.vision
+        if vision is None:
+            raise ValueError(f"multi_modal_data given, but {self.config.model} is a text-only target: hsx gives a "
+                             "text-only target text alone (an image is never turned into text); drop it, or use a "
+                             "vision-language target")
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            other = sorted(set(data) - {"image"}) if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}; got {other} (hsx takes images)")
+        if req.prompt is None:
+            raise ValueError("multi_modal_data needs the prompt as text ('prompt', one image placeholder per image), "
+                             "not prompt_token_ids")
+        refs = data["image"]
+        refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
+        policy = self.config.media
+        policy.check_count("image", len(refs), "the prompt")
+        images = [load_image(ref, policy, f"image {i}") for i, ref in enumerate(refs)]
+        req.media = vision.prepare(req.prompt, images, "the prompt")
+        req.prompt_token_ids = list(req.media.input_ids)
 
     def check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None, **limits) -> int:
         """extractor.request.check_request against this engine's model (max_model_len, vocabulary): RequestRejected

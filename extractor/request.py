@@ -87,6 +87,7 @@ class Request:
     detok: Any = None  # the incremental decoder behind `text` (tokenizers' DecodeStream), made at the first token
     spec_decode: SpecDecodingStats | None = None  # this request's drafts and acceptance (speculative engines only)
     writes: bool = True  # it writes a file (connector.writes): else it only generates, nothing captured for it
+    media: Any = None  # an image prompt's processed inputs (extractor.multimodal.MediaPrompt); None for text
 
     @property
     def include_output_tokens(self) -> bool:

@@ -46,6 +46,7 @@ from connectors.quant import ROW_MAGNITUDES, quantize, row_magnitudes
 from extractor.config import EngineConfig
 from extractor.facts import target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
+from extractor.multimodal import MediaPrompt, Vision, check_supported, is_multimodal, load_processor
 from extractor.rollback import RollbackPlan, refuse_state_space_only, rollback_plan
 from extractor.topk import TopK
 
@@ -284,12 +285,24 @@ class ModelRunner:
         kwargs = {"dtype": dtype, "revision": config.revision, "trust_remote_code": config.trust_remote_code}
         if config.attn_implementation:
             kwargs["attn_implementation"] = config.attn_implementation
-        self.model = _load_model(AutoModelForCausalLM, config.model, hf_config, kwargs).to(self.device).eval()
+        multimodal = is_multimodal(hf_config)
+        if multimodal:
+            from transformers import AutoModelForImageTextToText as auto_cls
+
+            check_supported(hf_config, config.model)
+        else:
+            auto_cls = AutoModelForCausalLM
+        self.model = _load_model(auto_cls, config.model, hf_config, kwargs).to(self.device).eval()
         self.model.requires_grad_(False)
         refuse_state_space_only(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, revision=config.revision,
                                                        trust_remote_code=config.trust_remote_code)
         self.hf_config = self.model.config
+        self.vision: Vision | None = None
+        """A vision-language target's processor and vision path (extractor.multimodal); None for text targets."""
+        if multimodal:
+            self.vision = Vision(self.model, load_processor(config.model, revision=config.revision,
+                                                            trust_remote_code=config.trust_remote_code), hf_config)
         self.dtype = dtype
         self.num_hidden_layers, self.hidden_size = self.facts.num_hidden_layers, self.facts.hidden_size
         self.layer_ids = self.facts.layer_ids
@@ -403,10 +416,28 @@ class ModelRunner:
             torch.cuda.current_stream(states.device).synchronize()  # the copy is done before anyone reads `host`
         return host
 
+    def _media_inputs(self, ids: torch.Tensor, positions: torch.Tensor, starts: list[int],
+                      media: list[MediaPrompt | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A batch with image prompts as the language model takes it: merged input embeddings [B, W, H] (the vision
+        tower's output at image positions), M-RoPE positions [3, B, W] (text rows and padding: their 1-D positions in
+        every stream) and where each row continues decoding [B]."""
+        embeds = self.model.get_input_embeddings()(ids)
+        streams = positions[None].expand(3, -1, -1).clone()
+        following = positions[:, -1] + 1
+        for b, m in enumerate(media):
+            if m is None:
+                continue
+            n = len(m.input_ids)
+            embeds[b, starts[b]:starts[b] + n] = self.vision.embeds(m, self.device)
+            streams[:, b, starts[b]:starts[b] + n] = m.positions.to(self.device)
+            following[b] = m.next_position
+        return embeds, streams, following
+
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
                 on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True,
-                capture: bool = True) -> tuple[torch.Tensor | None, BatchState | None]:
+                capture: bool = True, media: list[MediaPrompt | None] | None = None
+                ) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
         on_chunk(col_start, col_end, captured, starts) gets Captured rows [B, col_end - col_start, ...] (on the CPU,
@@ -414,9 +445,17 @@ class ModelRunner:
         of the batch; row b holds its tokens in columns [starts[b], starts[b] + len(rows[b])).
         Rows are left-padded when logits or the cache are wanted (decoding follows), right-padded otherwise.
         `capture` off: nothing is captured (no row of the batch writes a file), on_chunk gets None.
+        `media`: per row, an image prompt's processed inputs (a vision-language target; rows[b] is then its
+        input_ids) or None; a batch with any runs on merged input embeddings and M-RoPE positions.
         """
         width = max(len(r) for r in rows)
         ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
+        embeds, following = None, positions[:, -1] + 1
+        if media is not None and any(m is not None for m in media):
+            if self.vision is None:
+                raise ValueError("image inputs for a text-only target (internal error: the request should have been "
+                                 "refused)")
+            embeds, positions, following = self._media_inputs(ids, positions, starts, media)
         cache = self._new_cache() if (keep_cache or chunk_size < width) else None
         capture = self.capture if capture else None
         early_exit = not want_logits and not keep_cache and capture is not None
@@ -426,8 +465,12 @@ class ModelRunner:
         try:
             for c0 in range(0, width, chunk_size):
                 c1 = min(width, c0 + chunk_size)
-                inputs = {"input_ids": ids[:, c0:c1], "attention_mask": None if mask is None else mask[:, :c1],
-                          "position_ids": positions[:, c0:c1], "use_cache": cache is not None}
+                inputs = {"attention_mask": None if mask is None else mask[:, :c1],
+                          "position_ids": positions[..., c0:c1], "use_cache": cache is not None}
+                if embeds is None:
+                    inputs["input_ids"] = ids[:, c0:c1]
+                else:
+                    inputs["inputs_embeds"] = embeds[:, c0:c1]
                 if cache is not None:
                     inputs[self._cache_kw] = cache
                 if capture is not None:
@@ -446,7 +489,7 @@ class ModelRunner:
         finally:
             if self.capture is not None:
                 self.capture.enabled = True
-        state = BatchState(cache, mask, positions[:, -1] + 1) if keep_cache else None
+        state = BatchState(cache, mask, following) if keep_cache else None
         return logits, state
 
     @torch.inference_mode()

@@ -182,7 +182,8 @@ class Scheduler:
         rows = [r.prompt_token_ids for r in batch]
         logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
                                             on_chunk=on_chunk, to_host=not observe,
-                                            capture=observe or any(r.writes for r in batch))
+                                            capture=observe or any(r.writes for r in batch),
+                                            media=[r.media for r in batch])
         return logits, state, ([torch.cat(p) for p in parts] if observe else None)
 
     def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:

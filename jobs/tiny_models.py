@@ -6,6 +6,7 @@ checkpoint from a folder is exercised.
 
     build_tokenizer(dir)                        -> PreTrainedTokenizerFast with a chat template, saved to dir
     build_tiny_model(family, dir, **overrides)  -> dir holding config, weights and tokenizer
+    build_tiny_vl_model(dir)                    -> a Qwen2.5-VL-style target with its image processor
     sample_text(n, seed)                        -> deterministic English-like sentences
 """
 
@@ -137,6 +138,63 @@ def build_tiny_model(family: str, out_dir: str, *, seed: int = 0, dtype: str = "
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url', 'image_pil', 'input_image') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The tiny vision-language target's chat template: Qwen-VL's placeholder where each image part stands."""
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)
+"""The tiny target's image processor's min_pixels / max_pixels: 4 to 64 patches of 28 x 28 after merging."""
+
+
+def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", text: dict | None = None,
+                        vision: dict | None = None) -> str:
+    """A random Qwen2.5-VL-style target (transformers' Qwen2_5_VLForConditionalGeneration: a 2-block vision tower,
+    a 4-layer text model with M-RoPE) with the local tokenizer (Qwen-VL's vision tokens added), a chat template that
+    places images, and Qwen2-VL's PIL image processor (patch 14, merge 2), saved to `out_dir`; returns it.
+    `text` / `vision` override the text and vision configs."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer(out_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                       vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                       **ids, **(text or {}))
+    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                         patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                         fullatt_block_indexes=[1], in_channels=3, initializer_range=0.2, **(vision or {}))
+    vision_config["out_hidden_size"] = text_config["hidden_size"]
+    config = transformers.Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
+                                           vision_start_token_id=start, vision_end_token_id=end,
+                                           image_token_id=image, video_token_id=video, tie_word_embeddings=False,
+                                           **ids)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=VL_IMAGE_PIXELS[0], max_pixels=VL_IMAGE_PIXELS[1], patch_size=14,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(out_dir)
     return out_dir
 
 

@@ -1,0 +1,166 @@
+"""Vision-language targets: image prompts into hsx's engine the way vLLM takes them, processed by the model's own
+transformers processor, and the record that makes their states usable for a drafter.
+
+    is_multimodal(hf_config) -> bool                 a vision-language family hsx runs with its vision tower
+    check_supported(hf_config, model)                ValueError (one line) for a VL family hsx cannot run exactly
+    load_processor(model, revision=, trust_remote_code=)
+                                                     AutoProcessor; where torchvision is missing (CPU machines), the
+                                                     same processor class built without its video processor
+    MediaPrompt                                      one request's processed inputs: ids with every placeholder
+                                                     expanded, pixel values, grids, modality mask, positions
+    Vision(model, processor, hf_config)              prepare(text, images) -> MediaPrompt; embeds(prompt) -> the
+                                                     merged input embeddings [T, H] (vision at image positions)
+
+What a prompt may bring and how its images are loaded (vLLM's limit_mm_per_prompt, allowed_local_media_path):
+extractor.media.
+
+Positions. Qwen2-VL / Qwen2.5-VL rotate with M-RoPE: three position streams (time, height, width), which differ from
+0..T-1 inside and after an image. `MediaPrompt.positions` is the model's own `get_rope_index` of the processed
+inputs ([3, T]); decoding continues every stream at `next_position` = max + 1 (transformers' `rope_deltas` rule).
+Text-only prompts on such a target have positions 0..T-1 in all three streams and run as text.
+
+What a file of a multimodal request holds beside the states (connectors.format): `mm_token_type_ids` uint8 [T] (0
+text, 1 image; the processor's own), `position_ids` int64 [T, 3] (the M-RoPE streams; output tokens continue them)
+and, behind the connector's `store_mm_embeds`, `mm_embeds` [N, H]: the merged input embeddings at the N image
+positions (what vLLM's EAGLE proposer feeds the drafter there, and what a trainer needs to reproduce it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VL = ("qwen2_vl", "qwen2_5_vl")
+"""Vision-language families hsx's engine runs: their merged embeddings and M-RoPE positions are computed by the
+model's own methods (get_image_features, get_rope_index) and fed to the language model chunk by chunk."""
+DEEPSTACK_VL = ("qwen3_vl", "qwen3_vl_moe")
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    """Whether hsx runs this target as a vision-language model (its images through the vision tower). Other configs
+    with a vision tower whose text model transformers' AutoModelForCausalLM builds (Qwen3.5, Gemma-3, Llama-4) run as
+    text-only targets."""
+    return getattr(hf_config, "model_type", "") in (*SUPPORTED_VL, *DEEPSTACK_VL)
+
+
+def check_supported(hf_config: Any, model: str) -> None:
+    """ValueError naming what to do for a vision-language target hsx's engine cannot run exactly."""
+    kind = getattr(hf_config, "model_type", "")
+    if kind in DEEPSTACK_VL:
+        raise ValueError(f"{model} is a {kind} target: its deepstack adds visual features into early layers' outputs, "
+                         f"which hsx's engine does not feed yet; supported vision-language families: "
+                         f"{', '.join(SUPPORTED_VL)} (or run it with --engine vllm)")
+    if kind not in SUPPORTED_VL:
+        raise ValueError(f"{model} is a vision-language target of type {kind!r}, which hsx's engine does not run; "
+                         f"supported: {', '.join(SUPPORTED_VL)} (or use its text model alone)")
+
+
+def load_processor(model: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The model's processor. transformers' Qwen-VL processors require a video processor, which requires torchvision;
+    where torchvision cannot be imported (CPU builds of torch have no matching wheel) the same processor class is
+    built from the folder's tokenizer and image processor with no video processor: images process identically, a
+    video is refused."""
+    from transformers import AutoProcessor
+
+    kw = {"revision": revision, "trust_remote_code": trust_remote_code}
+    try:
+        return AutoProcessor.from_pretrained(model, **kw)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+        logger.info("torchvision is not importable here: %s's processor is built without its video processor", model)
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    kind = AutoConfig.from_pretrained(model, **kw).model_type
+    cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[kind])
+
+    class ImageOnly(cls):  # the class's own processing; only its check that a video processor exists is skipped
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and "video" in argument_name:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
+    tokenizer = AutoTokenizer.from_pretrained(model, **kw)
+    image_processor = AutoImageProcessor.from_pretrained(model, **kw)
+    return ImageOnly(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                     chat_template=getattr(tokenizer, "chat_template", None))
+
+
+# -- processing -------------------------------------------------------------------------------------------------------
+@dataclass
+class MediaPrompt:
+    """One request's processed multimodal inputs."""
+
+    input_ids: list[int]  # placeholders expanded to the processor's count
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor  # [images, 3]
+    mm_token_type_ids: torch.Tensor  # uint8 [T]: 0 text, 1 image
+    positions: torch.Tensor  # int64 [3, T]
+    next_position: int  # where decoding continues, in every stream
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+class Vision:
+    """A VL target's processor and vision path (see the module docstring)."""
+
+    def __init__(self, model, processor, hf_config) -> None:
+        self.model, self.processor, self.hf_config = model, processor, hf_config
+        self.image_token_id = int(hf_config.image_token_id)
+        self.inner = model.model  # Qwen2_5_VLModel: get_image_features, get_rope_index
+        self.pixel_limits = {k: getattr(processor.image_processor, k, None)
+                             for k in ("min_pixels", "max_pixels", "patch_size", "merge_size")}
+
+    def prepare(self, text: str, images: list, where: str) -> MediaPrompt:
+        """Process `text` (one image placeholder per image, as vLLM prompts carry them) with `images`."""
+        image_token = getattr(self.processor, "image_token", "<|image_pad|>")
+        found = text.count(image_token)
+        if found != len(images):
+            raise ValueError(f"{where}: the prompt has {found} image placeholder(s) {image_token!r} for {len(images)} "
+                             f"image(s); put one placeholder where each image goes (a chat message's image part "
+                             "adds it)")
+        try:
+            out = self.processor(text=[text], images=images or None, return_tensors="pt",
+                                 return_mm_token_type_ids=True)
+        except (ValueError, TypeError, OSError) as e:
+            raise ValueError(f"{where}: the processor refused the image(s): {str(e).splitlines()[0][:160]}") from None
+        ids = out["input_ids"][0]
+        types = out["mm_token_type_ids"][0]
+        grid = out.get("image_grid_thw")
+        grid = torch.zeros((0, 3), dtype=torch.long) if grid is None else grid
+        with torch.inference_mode():
+            positions, _ = self.inner.get_rope_index(ids[None], mm_token_type_ids=types[None], image_grid_thw=grid
+                                                     if len(grid) else None, attention_mask=None)
+        positions = positions[:, 0].to("cpu", torch.long)  # [3, T]
+        return MediaPrompt(input_ids=ids.tolist(), pixel_values=out.get("pixel_values"), image_grid_thw=grid,
+                           mm_token_type_ids=types.to(torch.uint8), positions=positions,
+                           next_position=int(positions.max()) + 1 if positions.numel() else 0)
+
+    @torch.inference_mode()
+    def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
+        """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image
+        positions (what the model's forward builds from input_ids and pixel_values)."""
+        ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=device)
+        embeds = self.inner.get_input_embeddings()(ids)
+        if prompt.num_images:
+            dtype = self.inner.visual.dtype if hasattr(self.inner, "visual") else embeds.dtype
+            pixels = prompt.pixel_values.to(device, dtype)
+            features = self.inner.get_image_features(pixels, prompt.image_grid_thw.to(device), return_dict=True)
+            image = torch.cat(list(features.pooler_output), dim=0).to(embeds.dtype)
+            mask = ids == self.image_token_id
+            if int(mask.sum()) != image.shape[0]:
+                raise ValueError(f"the prompt has {int(mask.sum())} image tokens for {image.shape[0]} image features "
+                                 "(a truncated image block?)")
+            embeds = embeds.clone()
+            embeds[mask] = image
+        return embeds
