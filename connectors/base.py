@@ -48,6 +48,11 @@ class RequestInfo:
     """A corpus-level id (jobs); recorded in the file's metadata."""
     loss_mask: torch.Tensor | None = None
     """[num_prompt_tokens] 0/1 over prompt tokens; rows beyond the prompt (output tokens) count as 1."""
+    prompt_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Per-prompt-token tensors the file keeps beside the states (an image prompt's mm_token_type_ids [P] and
+    position_ids [P, 3]; connectors.format.PROMPT_ROW_FILL says how output tokens extend them)."""
+    request_tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors kept as they are (an image prompt's mm_embeds [N, H], when the connector stores them)."""
 
 
 class HiddenStatesConnector(ABC):

@@ -4,6 +4,10 @@ A file holds
     token_ids      int64 [T]
     hidden_states  model dtype [T, L, H]     rows follow the layer ids in the metadata, in the user's order
     loss_mask      uint8 [T]                 optional: 1 where a trainer should learn
+plus, for an image prompt (a vision-language target, extractor.multimodal),
+    mm_token_type_ids     uint8 [T]          0 text, 1 image (the processor's marks)
+    position_ids          int64 [T, 3]       the M-RoPE positions each token was rotated by
+    mm_embeds             dtype [N, H]       optional: the merged input embeddings at the N image tokens
 plus, in a run with a top-k target (`--target top_k:K`: the last layer N replaced by what a trainer reads of it),
     target_topk_ids       int32 [T, K]       the target's K most likely next tokens after token t, best first
     target_topk_logprobs  float32 [T, K]     their log-probabilities (log_softmax of lm_head(final_norm(layer N)))
@@ -48,6 +52,18 @@ TARGET_TOPK_IDS = "target_topk_ids"
 """int32 [T, K]: the K most likely next tokens after token t (a top-k target run), best first."""
 TARGET_TOPK_LOGPROBS = "target_topk_logprobs"
 """float32 [T, K]: their log-probabilities under the target (a top-k target run)."""
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"
+"""uint8 [T] (an image prompt's file): 0 text, 1 image, as the model's processor marks its tokens."""
+POSITION_IDS = "position_ids"
+"""int64 [T, S] (an image prompt's file on an M-RoPE target, S = 3 streams): the positions the target rotated each
+token by; output tokens continue every stream from the prompt's largest + 1."""
+MM_EMBEDS = "mm_embeds"
+"""model dtype [N, H] (with the connector's mm_embeds setting): the merged input embeddings at the N image tokens
+(the vision tower's output; N = the count of mm_token_type_ids == 1), what vLLM's EAGLE proposer feeds the drafter
+there."""
+PROMPT_ROW_FILL = {MM_TOKEN_TYPE_IDS: "zeros", POSITION_IDS: "continue"}
+"""How a per-prompt-token tensor the engine hands the connector extends over output tokens (include_output_tokens):
+zeros (text), or positions continuing after the prompt's largest."""
 TARGET_STATES = ""
 """The default target: the listed layers' states, the last layer N among them when listed."""
 TOP_K_PREFIX = "top_k:"

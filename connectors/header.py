@@ -36,6 +36,9 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    MM_EMBEDS,
+    MM_TOKEN_TYPE_IDS,
+    POSITION_IDS,
     TARGET_TOPK_IDS,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
@@ -367,6 +370,17 @@ def _check_shapes(path: str, tensors: dict[str, TensorEntry]) -> None:
                          f"{_short(list(ids))}")
     if LOSS_MASK in tensors and tensors[LOSS_MASK].shape != (hs[0],):
         raise _bad(path, f"loss_mask has shape {_short(list(tensors[LOSS_MASK].shape))}, expected [{hs[0]}]")
+    if MM_TOKEN_TYPE_IDS in tensors and tensors[MM_TOKEN_TYPE_IDS].shape != (hs[0],):
+        raise _bad(path, f"mm_token_type_ids has shape {_short(list(tensors[MM_TOKEN_TYPE_IDS].shape))}, expected "
+                         f"[{hs[0]}]")
+    if POSITION_IDS in tensors and (len(tensors[POSITION_IDS].shape) != 2 or tensors[POSITION_IDS].shape[0] != hs[0]
+                                    or tensors[POSITION_IDS].dtype.is_floating_point):
+        raise _bad(path, f"position_ids is {tensors[POSITION_IDS].dtype} {_short(list(tensors[POSITION_IDS].shape))}, "
+                         f"expected integers [{hs[0]}, streams]")
+    if MM_EMBEDS in tensors and (len(tensors[MM_EMBEDS].shape) != 2 or tensors[MM_EMBEDS].shape[1] != hs[2]
+                                 or MM_TOKEN_TYPE_IDS not in tensors):
+        raise _bad(path, f"mm_embeds has shape {_short(list(tensors[MM_EMBEDS].shape))}; expected [N, {hs[2]}] beside "
+                         "mm_token_type_ids")
     if HIDDEN_STATES_SCALES in tensors:
         scales = tensors[HIDDEN_STATES_SCALES]
         if scales.shape not in ((hs[0], hs[1], 1), (hs[0], 1, 1)) or not scales.dtype.is_floating_point:

@@ -39,6 +39,8 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    MM_TOKEN_TYPE_IDS,
+    POSITION_IDS,
     TARGET_TOPK_IDS,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
@@ -58,7 +60,8 @@ from connectors.header import (
 from connectors.quant import dequantize as dequantize_states
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
-ROW_TENSORS = (TOKEN_IDS, HIDDEN_STATES, HIDDEN_STATES_SCALES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, LOSS_MASK)
+ROW_TENSORS = (TOKEN_IDS, HIDDEN_STATES, HIDDEN_STATES_SCALES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, LOSS_MASK,
+               MM_TOKEN_TYPE_IDS, POSITION_IDS)
 """The tensors of a file with one row per token, which a token range reads a slice of."""
 # verify streams the data region in blocks of about this many bytes (whole rows of each tensor)
 SCAN_BLOCK_BYTES = 16 << 20
@@ -230,7 +233,9 @@ def load_hidden_states(path: str, *, token_range: tuple[int, int] | None = None,
                    `offset` and `bytes`): only those bytes are read, as if they were the file.
 
     A whole load returns every tensor of the file; a token range returns those rows of every per-token tensor
-    (token_ids, hidden_states, loss_mask, a top-k target's tensors, and only the scales of those rows). Either way scaled states come back as values, the scales dropped, unless
+    (token_ids, hidden_states, loss_mask, a top-k target's tensors, an image prompt's mm_token_type_ids and
+    position_ids, and only the scales of those rows; not mm_embeds, which is per image token). Either way scaled
+    states come back as values, the scales dropped, unless
     `dequantize=False`.
     """
     fs, p = storage.open_url(path, storage_options)

@@ -45,7 +45,9 @@ from connectors.format import (
     HIDDEN_STATES,
     HIDDEN_STATES_SCALES,
     LOSS_MASK,
+    MM_EMBEDS,
     MODEL,
+    PROMPT_ROW_FILL,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
     HiddenStatesSpec,
@@ -112,6 +114,9 @@ class HiddenStatesConnectorConfig:
     """Which requests write a file: "all" (every request of an extraction engine), or "requested" (only those whose
     SamplingParams carry kv_transfer_params, {} included; the others only generate, nothing captured or written:
     what `hsx serve --no-files` runs)."""
+    mm_embeds: bool = False
+    """Also store an image prompt's merged input embeddings at its image tokens (`mm_embeds` [N, H]): what vLLM's
+    EAGLE proposer feeds the drafter there. Off: they are recomputable from the target's vision tower."""
     spool_dir: str = ""
     """Where long requests' spool files go: "" = beside the files on local storage (the request's allowed root), the
     system temp folder for object stores. The files are anonymous (nothing is left behind, even after a crash) and
@@ -122,7 +127,7 @@ class HiddenStatesConnectorConfig:
                            ("keep_lock_file", bool), ("check_states", bool), ("num_writer_threads", int),
                            ("max_bytes_in_flight", int), ("max_write_attempts", int),
                            ("write_retry_backoff_s", (int, float)), ("storage_options", dict),
-                           ("max_staged_bytes_per_request", int), ("spool_dir", str)):
+                           ("max_staged_bytes_per_request", int), ("spool_dir", str), ("mm_embeds", bool)):
             value = getattr(self, name)
             # a YAML/JSON "false" is a non-empty string, hence truthy: refuse it rather than enable custom paths
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -279,6 +284,10 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         if request.loss_mask is not None and request.loss_mask.shape != (request.num_prompt_tokens,):
             raise ValueError(f"request {request.request_id}: loss_mask has shape {list(request.loss_mask.shape)}, "
                              f"expected [{request.num_prompt_tokens}] (one value per prompt token)")
+        for name, rows in request.prompt_rows.items():
+            if name not in PROMPT_ROW_FILL or rows.dim() < 1 or rows.shape[0] != request.num_prompt_tokens:
+                raise ValueError(f"request {request.request_id}: prompt rows {name!r} of shape {list(rows.shape)}; "
+                                 f"expected one of {sorted(PROMPT_ROW_FILL)} with {request.num_prompt_tokens} rows")
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already in flight; request ids must be unique")
@@ -398,21 +407,34 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         tensors: dict[str, list[torch.Tensor]] = {TOKEN_IDS: token_chunks, HIDDEN_STATES: state_chunks}
         for name, (dtype, row) in self._extra_rows.items():
             tensors[name] = pending.extra_chunks.get(name) or [torch.empty(0, *row, dtype=dtype)]
-        mask = self._loss_mask(pending)
-        if mask is not None:
-            tensors[LOSS_MASK] = [mask]
+        tensors.update({name: [t] for name, t in self._request_rows(pending).items()})
         buffers = _buffers([*(c for chunks in tensors.values() for c in chunks),
                             *(t for ready in pending.prepared if ready is not None for t in ready)])
         return self._submit(pending, buffers, self._stored, tensors, pending.prepared)
 
-    def _loss_mask(self, pending: _Pending) -> torch.Tensor | None:
-        """[T] uint8: the request's loss_mask over its prompt, 1 over the output tokens after it."""
+    def _request_rows(self, pending: _Pending) -> dict[str, torch.Tensor]:
+        """The request's own tensors over the file's T rows, in file order: its loss_mask (1 over output tokens),
+        its prompt rows extended over output tokens by PROMPT_ROW_FILL, then mm_embeds when stored."""
         info = pending.info
-        if info.loss_mask is None:
-            return None
+        out: dict[str, torch.Tensor] = {}
         extra = max(0, pending.num_tokens - info.num_prompt_tokens)
-        mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
-        return mask[:pending.num_tokens]
+        if info.loss_mask is not None:
+            mask = torch.cat([info.loss_mask.reshape(-1).to(torch.uint8), torch.ones(extra, dtype=torch.uint8)])
+            out[LOSS_MASK] = mask[:pending.num_tokens]
+        for name, rows in info.prompt_rows.items():
+            rows = rows.cpu()
+            if extra:
+                if PROMPT_ROW_FILL[name] == "continue":  # positions: every stream goes on from the largest + 1
+                    start = int(rows.max()) + 1 if rows.numel() else 0
+                    after = torch.arange(start, start + extra, dtype=rows.dtype)
+                    after = after.reshape(-1, *[1] * (rows.dim() - 1)).expand(extra, *rows.shape[1:])
+                else:
+                    after = rows.new_zeros((extra, *rows.shape[1:]))
+                rows = torch.cat([rows, after])
+            out[name] = rows[:pending.num_tokens].contiguous()
+        if self.extra_config.mm_embeds and MM_EMBEDS in info.request_tensors:
+            out[MM_EMBEDS] = info.request_tensors[MM_EMBEDS].cpu().contiguous()
+        return out
 
     def _submit(self, pending: _Pending, buffers: dict[tuple, int], prepare, *args) -> dict[str, Any]:
         """The request's file goes to a writer thread: `prepare(pending, *args)` there gives its tensors."""
@@ -447,9 +469,7 @@ class SafetensorsHiddenStatesConnector(HiddenStatesConnector):
         names = [TOKEN_IDS, HIDDEN_STATES] + ([HIDDEN_STATES_SCALES] if self.spec.scaled else []) + list(
             self._extra_rows)
         tensors: dict[str, Any] = {name: spool.stream(name) for name in names}
-        mask = self._loss_mask(pending)
-        if mask is not None:
-            tensors[LOSS_MASK] = mask
+        tensors.update(self._request_rows(pending))
         return tensors
 
     def _write(self, pending: _Pending, prepare, args: tuple, metadata: dict[str, str], submitted: float) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from connectors import KVTransferConfig, RequestInfo
 from connectors.base import NullConnector
+from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
 from connectors.paths import PathInUse
 from connectors.quant import write_failure
 from extractor.chat_content import OPENAI, content_format, image_content, message_content, messages_for_template
@@ -294,8 +295,17 @@ class LLM:
                                  "KVTransferConfig names the NullConnector); drop them, or build the engine with the "
                                  "hidden-states connector to write them")
             if req.writes:
+                rows, kept = {}, {}
+                if req.media is not None:  # an image prompt's record (extractor.multimodal, connectors.format)
+                    rows = {MM_TOKEN_TYPE_IDS: req.media.mm_token_type_ids, POSITION_IDS: req.media.positions.T}
+                    kept = {MM_EMBEDS: req.media.image_features}
+                elif self.runner.vision is not None:  # a text prompt on a VL target: the same keys in every file
+                    n = len(req.prompt_token_ids)
+                    rows = {MM_TOKEN_TYPE_IDS: torch.zeros(n, dtype=torch.uint8),
+                            POSITION_IDS: torch.arange(n)[:, None].expand(n, 3)}
                 self.connector.start_request(RequestInfo(rid, len(req.prompt_token_ids), params.kv_transfer_params,
-                                                         sample_id=req.sample_id, loss_mask=mask))
+                                                         sample_id=req.sample_id, loss_mask=mask, prompt_rows=rows,
+                                                         request_tensors=kept))
         except (ValueError, TypeError) as e:
             req.error = str(e)
             req.error_kind = "path_in_use" if isinstance(e, PathInUse) else "invalid"

@@ -7,9 +7,9 @@ transformers processor, and the record that makes their states usable for a draf
                                                      AutoProcessor; where torchvision is missing (CPU machines), the
                                                      same processor class built without its video processor
     MediaPrompt                                      one request's processed inputs: ids with every placeholder
-                                                     expanded, pixel values, grids, modality mask, positions
-    Vision(model, processor, hf_config)              prepare(text, images) -> MediaPrompt; embeds(prompt) -> the
-                                                     merged input embeddings [T, H] (vision at image positions)
+                                                     expanded, the vision tower's features, modality mask, positions
+    Vision(model, processor, hf_config)              prepare(text, images) -> MediaPrompt (the vision tower runs
+                                                     here, once); embeds(prompt) -> the merged input embeddings [T, H]
 
 What a prompt may bring and how its images are loaded (vLLM's limit_mm_per_prompt, allowed_local_media_path):
 extractor.media.
@@ -97,10 +97,10 @@ def load_processor(model: str, *, revision: str | None = None, trust_remote_code
 # -- processing -------------------------------------------------------------------------------------------------------
 @dataclass
 class MediaPrompt:
-    """One request's processed multimodal inputs."""
+    """One request's processed multimodal inputs (on the CPU)."""
 
     input_ids: list[int]  # placeholders expanded to the processor's count
-    pixel_values: torch.Tensor
+    image_features: torch.Tensor  # [N, H] model dtype: the vision tower's output, one row per image token, in order
     image_grid_thw: torch.Tensor  # [images, 3]
     mm_token_type_ids: torch.Tensor  # uint8 [T]: 0 text, 1 image
     positions: torch.Tensor  # int64 [3, T]
@@ -118,11 +118,15 @@ class Vision:
         self.model, self.processor, self.hf_config = model, processor, hf_config
         self.image_token_id = int(hf_config.image_token_id)
         self.inner = model.model  # Qwen2_5_VLModel: get_image_features, get_rope_index
-        self.pixel_limits = {k: getattr(processor.image_processor, k, None)
-                             for k in ("min_pixels", "max_pixels", "patch_size", "merge_size")}
+        image = processor.image_processor
+        self.pixel_limits = {k: getattr(image, k) for k in ("min_pixels", "max_pixels", "patch_size", "merge_size")
+                             if getattr(image, k, None) is not None}
+        """The image processor's resizing bounds, recorded in run.json (what every stored image went through)."""
 
+    @torch.inference_mode()
     def prepare(self, text: str, images: list, where: str) -> MediaPrompt:
-        """Process `text` (one image placeholder per image, as vLLM prompts carry them) with `images`."""
+        """Process `text` (one image placeholder per image, as vLLM prompts carry them) with `images`: the expanded
+        ids, the modality mask, the M-RoPE positions and the vision tower's features (computed once, here)."""
         image_token = getattr(self.processor, "image_token", "<|image_pad|>")
         found = text.count(image_token)
         if found != len(images):
@@ -134,33 +138,32 @@ class Vision:
                                  return_mm_token_type_ids=True)
         except (ValueError, TypeError, OSError) as e:
             raise ValueError(f"{where}: the processor refused the image(s): {str(e).splitlines()[0][:160]}") from None
-        ids = out["input_ids"][0]
-        types = out["mm_token_type_ids"][0]
+        ids, types = out["input_ids"][0], out["mm_token_type_ids"][0]
         grid = out.get("image_grid_thw")
         grid = torch.zeros((0, 3), dtype=torch.long) if grid is None else grid
-        with torch.inference_mode():
-            positions, _ = self.inner.get_rope_index(ids[None], mm_token_type_ids=types[None], image_grid_thw=grid
-                                                     if len(grid) else None, attention_mask=None)
+        embed = self.inner.get_input_embeddings()
+        device = embed.weight.device
+        features = torch.empty((0, embed.embedding_dim), dtype=embed.weight.dtype)
+        if len(grid):
+            pixels = out["pixel_values"].to(device, self.inner.visual.dtype)
+            pooled = self.inner.get_image_features(pixels, grid.to(device), return_dict=True).pooler_output
+            features = torch.cat(list(pooled), dim=0).to("cpu", embed.weight.dtype)
+        if int((ids == self.image_token_id).sum()) != features.shape[0]:
+            raise ValueError(f"{where}: the processed prompt has {int((ids == self.image_token_id).sum())} image "
+                             f"tokens for {features.shape[0]} image features")
+        positions, _ = self.inner.get_rope_index(ids[None].to(device), mm_token_type_ids=types[None].to(device),
+                                                 image_grid_thw=grid.to(device) if len(grid) else None,
+                                                 attention_mask=None)
         positions = positions[:, 0].to("cpu", torch.long)  # [3, T]
-        return MediaPrompt(input_ids=ids.tolist(), pixel_values=out.get("pixel_values"), image_grid_thw=grid,
+        return MediaPrompt(input_ids=ids.tolist(), image_features=features, image_grid_thw=grid,
                            mm_token_type_ids=types.to(torch.uint8), positions=positions,
                            next_position=int(positions.max()) + 1 if positions.numel() else 0)
 
-    @torch.inference_mode()
     def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
         """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image
-        positions (what the model's forward builds from input_ids and pixel_values)."""
+        positions (what the model's own forward builds from input_ids and pixel_values)."""
         ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=device)
         embeds = self.inner.get_input_embeddings()(ids)
-        if prompt.num_images:
-            dtype = self.inner.visual.dtype if hasattr(self.inner, "visual") else embeds.dtype
-            pixels = prompt.pixel_values.to(device, dtype)
-            features = self.inner.get_image_features(pixels, prompt.image_grid_thw.to(device), return_dict=True)
-            image = torch.cat(list(features.pooler_output), dim=0).to(embeds.dtype)
-            mask = ids == self.image_token_id
-            if int(mask.sum()) != image.shape[0]:
-                raise ValueError(f"the prompt has {int(mask.sum())} image tokens for {image.shape[0]} image features "
-                                 "(a truncated image block?)")
-            embeds = embeds.clone()
-            embeds[mask] = image
+        if prompt.image_features.shape[0]:
+            embeds[ids == self.image_token_id] = prompt.image_features.to(device, embeds.dtype)
         return embeds
