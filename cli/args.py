@@ -36,7 +36,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _CHOICES = {"overlength": OVERLENGTH_POLICIES, "on_nonfinite": NONFINITE_POLICIES}  # dtype: validated by JobConfig, which takes aliases (bf16)
 _METAVARS = {"corpus": "FILE_OR_GLOB", "layers": "IDS", "model": "MODEL", "output": "URL",
              "storage_options": "JSON", "corpus_storage_options": "JSON", "chat_template": "FILE",
-             "speculative_config": "JSON"}
+             "speculative_config": "JSON", "limit_mm_per_prompt": "JSON", "allowed_local_media_path": "DIR"}
 
 
 class UsageError(ValueError):

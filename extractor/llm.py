@@ -35,6 +35,7 @@ from extractor.chat_content import OPENAI, content_format, image_content, messag
 from extractor.config import EngineConfig, speculative_config_from_dict
 from extractor.media import MediaPolicy, load_image
 from extractor.metrics import Metric, SpecDecodingStats
+from extractor.multimodal import MediaPrompt
 from extractor.proposers import Proposer, make_proposer
 from extractor.request import Request, check_request
 from extractor.runner import ModelRunner
@@ -332,25 +333,36 @@ class LLM:
             req.prompt_token_ids = list(self.tokenizer(req.prompt).input_ids)
         else:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if prompt.get("multi_modal_data") is not None:
-            self._media(req, prompt["multi_modal_data"])
+        if prompt.get("multi_modal_inputs") is not None:  # processed by prepare_media
+            media = prompt["multi_modal_inputs"]
+            if not isinstance(media, MediaPrompt) or list(media.input_ids) != req.prompt_token_ids:
+                raise TypeError("multi_modal_inputs must be what LLM.prepare_media returned, with its input_ids as "
+                                "prompt_token_ids")
+            req.media = media
+        elif prompt.get("multi_modal_data") is not None:
+            req.media = self.prepare_media(req.prompt, prompt["multi_modal_data"])
+            req.prompt_token_ids = list(req.media.input_ids)
         if prompt.get("loss_mask") is not None:
             req.loss_mask = [int(x) for x in prompt["loss_mask"]]
         if prompt.get("sample_id") is not None:
             req.sample_id = str(prompt["sample_id"])
 
-    def _media(self, req: Request, data: Any) -> None:
-        """An image prompt: its images loaded under the engine's media policy and processed with the prompt text by
-        the model's processor (placeholders expanded); ValueError names the image and the fix."""
+    def prepare_media(self, prompt: str | None, multi_modal_data: Any) -> MediaPrompt:
+        """An image prompt processed as generate() runs it: `multi_modal_data` ({"image": image or [images]}) loaded
+        under the engine's media policy (limit_mm_per_prompt, allowed_local_media_path) and processed with the
+        prompt text (one placeholder per image) by the model's processor; ValueError names the image and the fix.
+        generate() takes the result as {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve`
+        does on its admission thread)."""
         vision = self.runner.vision
         if vision is None:
             raise ValueError(f"multi_modal_data given, but {self.config.model} is a text-only target: hsx gives a "
                              "text-only target text alone (an image is never turned into text); drop it, or use a "
                              "vision-language target")
+        data = multi_modal_data
         if not isinstance(data, Mapping) or set(data) - {"image"}:
             other = sorted(set(data) - {"image"}) if isinstance(data, Mapping) else type(data).__name__
             raise ValueError(f"multi_modal_data takes {{'image': image or [images]}}; got {other} (hsx takes images)")
-        if req.prompt is None:
+        if prompt is None:
             raise ValueError("multi_modal_data needs the prompt as text ('prompt', one image placeholder per image), "
                              "not prompt_token_ids")
         refs = data["image"]
@@ -358,8 +370,7 @@ class LLM:
         policy = self.config.media
         policy.check_count("image", len(refs), "the prompt")
         images = [load_image(ref, policy, f"image {i}") for i, ref in enumerate(refs)]
-        req.media = vision.prepare(req.prompt, images, "the prompt")
-        req.prompt_token_ids = list(req.media.input_ids)
+        return vision.prepare(prompt, images, "the prompt")
 
     def check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None, **limits) -> int:
         """extractor.request.check_request against this engine's model (max_model_len, vocabulary): RequestRejected

@@ -40,6 +40,11 @@ class MediaPolicy:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.allow_fetch, bool):  # a config file's "false" is a truthy string
+            raise TypeError(f"allow_media_fetch must be true or false, got {self.allow_fetch!r}")
+        if not isinstance(self.limit_mm_per_prompt, (Mapping, type(None))):
+            raise TypeError(f"limit_mm_per_prompt must be a mapping like {{\"image\": 2}}, got "
+                            f"{type(self.limit_mm_per_prompt).__name__}")
         limits = dict(self.limit_mm_per_prompt or {})
         for name, value in limits.items():
             if isinstance(value, Mapping):  # vLLM also takes {"image": {"count": N, ...}}

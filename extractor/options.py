@@ -14,6 +14,7 @@ the connector's own config names that flag (`flag_errors`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from connectors.format import check_layer_ids, check_storage_dtype, check_target
 from connectors.storage import parse_storage_options
 from extractor.config import EngineConfig, canonical_dtype
+from extractor.media import MediaPolicy
 
 
 def flag(name: str) -> str:
@@ -79,6 +81,16 @@ class EngineOptions:
     K most likely next tokens and their log-probabilities in its place, all EAGLE-3 training reads of it: 64 tokens
     cost 512 bytes a token against 2H for a bf16 layer; N is captured but not stored)."""
 
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most images one prompt may bring (a vision-language target), as JSON {"image": N}; default vLLM's 999."""
+    allowed_local_media_path: str | None = None
+    """The folder local images (paths, file:// URLs) must lie in; unset: local images are refused (vLLM's rule)."""
+    allow_media_fetch: bool = False
+    """Fetch http(s) image URLs; off: such images are refused (download them, give local paths)."""
+    mm_embeds: bool = False
+    """Also store an image prompt's merged input embeddings at its image tokens (mm_embeds [N, H]), what vLLM's
+    EAGLE proposer feeds a drafter there."""
+
     def __post_init__(self) -> None:
         if self.layers is not None:
             object.__setattr__(self, "layers", check_layer_ids(self.layers, name="--layers"))
@@ -86,6 +98,12 @@ class EngineOptions:
         object.__setattr__(self, "storage_options", parse_storage_options(self.storage_options, "--storage-options"))
         object.__setattr__(self, "storage_dtype", check_storage_dtype(self.storage_dtype, flag="--storage-dtype"))
         object.__setattr__(self, "target", check_target(self.target, flag="--target") or "states")
+        if isinstance(self.limit_mm_per_prompt, str):  # the flag's JSON
+            try:
+                object.__setattr__(self, "limit_mm_per_prompt", json.loads(self.limit_mm_per_prompt))
+            except json.JSONDecodeError:
+                raise ValueError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}', got "
+                                 f"{self.limit_mm_per_prompt!r}") from None
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -110,7 +128,10 @@ class EngineOptions:
         return flag_errors(self, EngineConfig, model=model or self.model, layer_ids=layer_ids or self.layers,
                            dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
                            device=device, attn_implementation=self.attn_implementation, revision=self.revision,
-                           trust_remote_code=self.trust_remote_code, target=self.engine_target, **engine)
+                           trust_remote_code=self.trust_remote_code, target=self.engine_target,
+                           media=flag_errors(self, MediaPolicy, limit_mm_per_prompt=self.limit_mm_per_prompt,
+                                             allowed_local_media_path=self.allowed_local_media_path,
+                                             allow_fetch=self.allow_media_fetch), **engine)
 
     @property
     def engine_target(self) -> str:
@@ -120,7 +141,8 @@ class EngineOptions:
     def connector_settings(self) -> dict[str, Any]:
         """kv_connector_extra_config of the connector writing to --output (custom paths honoured under it)."""
         return {"shared_storage_path": self.output, "allow_custom_save_path": True,
-                "storage_options": dict(self.storage_options), "storage_dtype": self.storage_dtype}
+                "storage_options": dict(self.storage_options), "storage_dtype": self.storage_dtype,
+                "mm_embeds": self.mm_embeds}
 
     def connector_config(self):
         """The hidden-states connector's settings for --output."""

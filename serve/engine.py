@@ -31,7 +31,7 @@ from ray import serve
 
 from connectors import storage
 from connectors.writer import named_thread_pool
-from extractor.chat_content import messages_for_template
+from extractor.chat_content import OPENAI, content_format, messages_for_template
 from serve.config import ServeConfig
 from serve.templates import TemplateRefused, check_request_template
 
@@ -109,6 +109,7 @@ class _Item:
     prompt_token_ids: list[int]
     prompt_text: str | None
     params: Any  # extractor.SamplingParams
+    media: Any = None  # an image prompt's processed inputs (extractor.multimodal.MediaPrompt)
     abandoned: bool = False
     reply: EngineReply | None = None
 
@@ -242,9 +243,9 @@ class Engine:
         from extractor import SamplingParams  # torch: in the replica, not the ingress
         from extractor.request import RequestRejected  # torch: in the replica, not the ingress
 
-        text = r.prompt
+        text, media = r.prompt, None
         if r.messages is not None:
-            ids, text = self._apply_chat_template(r)
+            ids, text, media = self._apply_chat_template(r)
         elif r.prompt_token_ids is not None:
             ids = list(r.prompt_token_ids)
         else:
@@ -266,9 +267,35 @@ class Engine:
                                     **sampling)
         except (ValueError, TypeError) as e:
             raise _Rejected(400, str(e), None, "invalid_value") from None
-        return _Item(r, ids, text, params)
+        return _Item(r, ids, text, params, media)
 
-    def _apply_chat_template(self, r: PromptRequest) -> tuple[list[int], str]:
+    def _messages_with_images(self, r: PromptRequest) -> tuple[list[dict[str, Any]], list[Any]]:
+        """The messages for the template and the images they bring, in order: image parts become {"type": "image"}
+        on a vision-language target; on a text-only one the first image part is refused (400, naming it)."""
+        from extractor.chat_content import image_content, media_refusal
+
+        messages, images = [], []
+        for i, m in enumerate(r.messages):
+            content = m.get("content")
+            if self.llm.runner.vision is None:
+                refused = media_refusal(content, f"message {i}", self.config.model_name)
+                if refused is not None:
+                    raise _Rejected(400, refused, "messages", "invalid_content")
+                messages.append(m)
+                continue
+            if content is None or isinstance(content, str):
+                messages.append(m)
+                continue
+            try:
+                parts, found = image_content(content, f"message {i}")
+            except ValueError as e:
+                raise _Rejected(400, str(e), "messages", "invalid_content") from None
+            messages.append({**m, "content": parts})
+            images.extend(found)
+        return messages, images
+
+    def _apply_chat_template(self, r: PromptRequest) -> tuple[list[int], str, Any]:
+        """The prompt's token ids and text, and an image prompt's processed inputs (None without images)."""
         if r.add_generation_prompt and r.continue_final_message:
             raise _Rejected(400, "add_generation_prompt and continue_final_message cannot both be true; set "
                                  "add_generation_prompt=false to continue the last message", "continue_final_message",
@@ -281,19 +308,29 @@ class Engine:
             raise _Rejected(400, f"chat_template_kwargs may not set {', '.join(clash)}: hsx sets them itself (the "
                                  "template's token ids, whole); pass only the template's own variables",
                             "chat_template_kwargs", "invalid_value")
+        messages, images = self._messages_with_images(r)
         if r.chat_template is not None:
             self._check_request_template(r)
+        template = r.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if images and content_format(template) != OPENAI:
+            raise _Rejected(400, "the chat template takes string content, so it cannot place images; send a "
+                                 "chat_template that renders image parts", "messages", "chat_template_error")
         try:
-            template = r.chat_template or getattr(self.tokenizer, "chat_template", None)
             out = self.tokenizer.apply_chat_template(
-                messages_for_template(r.messages, template), chat_template=r.chat_template, add_generation_prompt=r.add_generation_prompt,
-                continue_final_message=r.continue_final_message, tokenize=True, return_dict=True,
-                **(r.chat_template_kwargs or {}))
+                messages_for_template(messages, template), chat_template=r.chat_template,
+                add_generation_prompt=r.add_generation_prompt, continue_final_message=r.continue_final_message,
+                tokenize=not images, return_dict=not images, **(r.chat_template_kwargs or {}))
         except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs: all the caller's input
             raise _Rejected(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                             "messages", "chat_template_error") from None
+        if images:  # the images loaded under --allowed-local-media-path / --limit-mm-per-prompt, then processed
+            try:
+                media = self.llm.prepare_media(out, {"image": images})
+            except (ValueError, TypeError) as e:
+                raise _Rejected(400, str(e), "messages", "invalid_image") from None
+            return list(media.input_ids), out, media
         ids = list(out["input_ids"])
-        return ids, self.tokenizer.decode(ids)
+        return ids, self.tokenizer.decode(ids), None
 
     def _check_request_template(self, r: PromptRequest) -> None:
         """A client's chat_template: refused unless the server trusts them, and then rendered first under bounds
@@ -357,7 +394,8 @@ class Engine:
     def _generate(self, items: list[_Item]) -> list[EngineReply]:
         """On the engine thread: one LLM.generate over the batch; returns once every file is durable."""
         start = time.perf_counter()
-        prompts = [{"prompt_token_ids": i.prompt_token_ids, "prompt": i.prompt_text} for i in items]
+        prompts = [{"prompt_token_ids": i.prompt_token_ids, "prompt": i.prompt_text, "multi_modal_inputs": i.media}
+                   for i in items]
         outputs = self.llm.generate(prompts, [i.params for i in items],
                                     request_ids=[i.request.request_id for i in items])
         seconds = time.perf_counter() - start

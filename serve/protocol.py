@@ -146,18 +146,37 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ... reach the chat template
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        """An image (audio, video) part: the text-only target's own refusal, not a type error."""
-        if isinstance(data, dict) and (refused := media_refusal(data.get("content"), "this message's")) is not None:
-            raise ValueError(refused)
+    def _text_and_images(cls, data: Any) -> Any:
+        """An audio, video or file part: refused by name, not as a type error. Image parts pass here: the replica
+        takes them to a vision-language target and refuses them for a text-only one."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "image_url") and media_refusal([part], "") is not None:
+                raise ValueError(f"this message's content part {j} is of type {kind or 'media'!r}: hsx serves text "
+                                 "and images (image_url parts); drop that part")
         return data
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
 
     def template_dict(self) -> dict[str, Any]:
         """The message for the chat template: text parts are joined or kept by the template's content format when
