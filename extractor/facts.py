@@ -18,6 +18,7 @@ from typing import Any
 from connectors.format import MODEL, HiddenStatesSpec, LayerIds, check_layer_ids, check_target, target_top_k
 from extractor.config import resolve_dtype
 from extractor.layers import default_layer_ids
+from extractor.media import is_multimodal
 
 DEFAULT_MAX_MODEL_LEN = 2048
 """The length limit of a model whose config gives none."""
@@ -35,6 +36,9 @@ class TargetFacts:
     dtype: str
     """Resolved torch dtype name (never "auto")."""
     max_model_len: int
+    multimodal: bool = False
+    """A vision-language target hsx runs with its vision tower (extractor.media.is_multimodal): prompts may bring
+    images."""
     target: str = ""
     """"" (the states) or "top_k:K" (connectors.format.check_target): then `layer_ids` lacks N, which the engine
     still captures to compute the top-K log-probabilities from."""
@@ -95,4 +99,5 @@ def target_facts(hf_config: Any, *, model: str, revision: str | None = None, lay
     return TargetFacts(model=model, revision=str(getattr(hf_config, "_commit_hash", None) or revision or ""),
                        architecture=",".join(getattr(hf_config, "architectures", None) or []),
                        num_hidden_layers=n, hidden_size=h, layer_ids=ids, dtype=resolve_dtype(dtype, hf_config),
-                       max_model_len=int(max_model_len or positions or DEFAULT_MAX_MODEL_LEN), target=target)
+                       max_model_len=int(max_model_len or positions or DEFAULT_MAX_MODEL_LEN), target=target,
+                       multimodal=is_multimodal(hf_config))

@@ -3,7 +3,9 @@
     MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_fetch, max_image_pixels)
     load_image(ref, policy, where) -> PIL.Image     a PIL image, a local path or file:// URL (inside
                                                     allowed_local_media_path), a data: URL, or (when allowed) http(s)
-    image_refs(parts) -> [ref]                      the images of an OpenAI content list, in order
+    is_multimodal(hf_config) / check_supported(hf_config, model)
+                                                    which targets take images in hsx's engine (extractor.multimodal
+                                                    runs them)
 
 Every refusal is a ValueError naming the image (`where`) and the fix; nothing is fetched or read outside the policy.
 """
@@ -15,16 +17,40 @@ import binascii
 import io
 import os
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+SUPPORTED_VL = ("qwen2_vl", "qwen2_5_vl")
+"""Vision-language families hsx's engine runs: their merged embeddings and M-RoPE positions are computed by the
+model's own methods (get_image_features, get_rope_index) and fed to the language model chunk by chunk."""
+DEEPSTACK_VL = ("qwen3_vl", "qwen3_vl_moe")
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    """Whether hsx runs this target as a vision-language model (its images through the vision tower). Other configs
+    with a vision tower whose text model transformers' AutoModelForCausalLM builds (Qwen3.5, Gemma-3, Llama-4) run as
+    text-only targets."""
+    return getattr(hf_config, "model_type", "") in (*SUPPORTED_VL, *DEEPSTACK_VL)
+
+
+def check_supported(hf_config: Any, model: str) -> None:
+    """ValueError naming what to do for a vision-language target hsx's engine cannot run exactly."""
+    kind = getattr(hf_config, "model_type", "")
+    if kind in DEEPSTACK_VL:
+        raise ValueError(f"{model} is a {kind} target: its deepstack adds visual features into early layers' outputs, "
+                         f"which hsx's engine does not feed yet; supported vision-language families: "
+                         f"{', '.join(SUPPORTED_VL)} (or run it with --engine vllm)")
+    if kind not in SUPPORTED_VL:
+        raise ValueError(f"{model} is a vision-language target of type {kind!r}, which hsx's engine does not run; "
+                         f"supported: {', '.join(SUPPORTED_VL)} (or use its text model alone)")
+
 
 DEFAULT_LIMIT_PER_PROMPT = 999
 """vLLM's default `limit_mm_per_prompt` per modality (V1 engine)."""
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 """PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS): larger images are refused before decoding."""
 MAX_FETCH_BYTES = 64 << 20
-IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 
 
 
@@ -152,16 +178,3 @@ def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
     if len(data) > MAX_FETCH_BYTES:
         raise ValueError(f"{where}: image URL {url!r} is larger than {MAX_FETCH_BYTES >> 20} MiB")
     return data
-
-
-def image_refs(parts: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """The image of each image part of an OpenAI content list, in order (its URL, or a PIL image for image_pil)."""
-    refs = []
-    for part in parts:
-        kind = part.get("type")
-        if kind in ("image_url", "input_image"):
-            value = part.get("image_url")
-            refs.append(value.get("url") if isinstance(value, Mapping) else value)
-        elif kind in ("image_pil", "image"):
-            refs.append(part.get(kind))
-    return refs

@@ -27,38 +27,15 @@ positions (what vLLM's EAGLE proposer feeds the drafter there, and what a traine
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from extractor.media import DEEPSTACK_VL, SUPPORTED_VL, check_supported, is_multimodal  # noqa: F401
+
 logger = logging.getLogger(__name__)
-
-SUPPORTED_VL = ("qwen2_vl", "qwen2_5_vl")
-"""Vision-language families hsx's engine runs: their merged embeddings and M-RoPE positions are computed by the
-model's own methods (get_image_features, get_rope_index) and fed to the language model chunk by chunk."""
-DEEPSTACK_VL = ("qwen3_vl", "qwen3_vl_moe")
-
-
-def is_multimodal(hf_config: Any) -> bool:
-    """Whether hsx runs this target as a vision-language model (its images through the vision tower). Other configs
-    with a vision tower whose text model transformers' AutoModelForCausalLM builds (Qwen3.5, Gemma-3, Llama-4) run as
-    text-only targets."""
-    return getattr(hf_config, "model_type", "") in (*SUPPORTED_VL, *DEEPSTACK_VL)
-
-
-def check_supported(hf_config: Any, model: str) -> None:
-    """ValueError naming what to do for a vision-language target hsx's engine cannot run exactly."""
-    kind = getattr(hf_config, "model_type", "")
-    if kind in DEEPSTACK_VL:
-        raise ValueError(f"{model} is a {kind} target: its deepstack adds visual features into early layers' outputs, "
-                         f"which hsx's engine does not feed yet; supported vision-language families: "
-                         f"{', '.join(SUPPORTED_VL)} (or run it with --engine vllm)")
-    if kind not in SUPPORTED_VL:
-        raise ValueError(f"{model} is a vision-language target of type {kind!r}, which hsx's engine does not run; "
-                         f"supported: {', '.join(SUPPORTED_VL)} (or use its text model alone)")
-
 
 def load_processor(model: str, *, revision: str | None = None, trust_remote_code: bool = False):
     """The model's processor. transformers' Qwen-VL processors require a video processor, which requires torchvision;
@@ -105,10 +82,49 @@ class MediaPrompt:
     mm_token_type_ids: torch.Tensor  # uint8 [T]: 0 text, 1 image
     positions: torch.Tensor  # int64 [3, T]
     next_position: int  # where decoding continues, in every stream
+    tokens_per_image: tuple[int, ...] = ()  # each image's count of tokens in input_ids, in order
 
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
+
+    def expand(self, unexpanded_ids: list[int], values: list[int], image_token_id: int, fill: int = 0) -> list[int]:
+        """Per-token `values` over the prompt as tokenized before the processor expanded it (one placeholder per
+        image, `unexpanded_ids`) carried over to input_ids: each image's tokens get `fill` (a loss mask: 0)."""
+        if len(values) != len(unexpanded_ids):
+            raise ValueError(f"{len(values)} values for a prompt of {len(unexpanded_ids)} tokens")
+        out: list[int] = []
+        images = iter(self.tokens_per_image)
+        for token, value in zip(unexpanded_ids, values):
+            if token == image_token_id:
+                count = next(images, None)
+                if count is None:
+                    raise ValueError("the prompt has more image placeholders than images")
+                out.extend([fill] * count)
+            else:
+                out.append(value)
+        if len(out) != len(self.input_ids) or next(images, None) is not None:
+            raise ValueError(f"the prompt before expansion does not match the processed one ({len(out)} tokens "
+                             f"expanded, {len(self.input_ids)} processed)")
+        return out
+
+    def truncated(self, limit: int) -> MediaPrompt:
+        """The first `limit` tokens, when no image is cut: ValueError naming the image whose tokens reach past the
+        limit (an image block is never stored half, nor an image fed without its tokens)."""
+        if len(self.input_ids) <= limit:
+            return self
+        image_at = torch.nonzero(self.mm_token_type_ids).flatten().tolist()
+        if image_at and image_at[-1] >= limit:
+            ends = list(itertools.accumulate(self.tokens_per_image))
+            k = next(i for i, end in enumerate(ends) if end > sum(1 for p in image_at if p < limit))
+            raise ValueError(f"the sample has {len(self.input_ids)} tokens, more than the limit of {limit}, and "
+                             f"cutting it there would cut image {k} (its tokens end at {image_at[ends[k] - 1] + 1}); "
+                             "raise --max-model-len, lower --max-tokens, or use fewer or smaller images")
+        positions = self.positions[:, :limit]
+        return MediaPrompt(input_ids=self.input_ids[:limit], image_features=self.image_features,
+                           image_grid_thw=self.image_grid_thw, mm_token_type_ids=self.mm_token_type_ids[:limit],
+                           positions=positions, next_position=int(positions.max()) + 1,
+                           tokens_per_image=self.tokens_per_image)
 
 
 class Vision:
@@ -155,9 +171,11 @@ class Vision:
                                                  image_grid_thw=grid.to(device) if len(grid) else None,
                                                  attention_mask=None)
         positions = positions[:, 0].to("cpu", torch.long)  # [3, T]
+        merge = int(self.pixel_limits.get("merge_size", 1)) ** 2
         return MediaPrompt(input_ids=ids.tolist(), image_features=features, image_grid_thw=grid,
                            mm_token_type_ids=types.to(torch.uint8), positions=positions,
-                           next_position=int(positions.max()) + 1 if positions.numel() else 0)
+                           next_position=int(positions.max()) + 1 if positions.numel() else 0,
+                           tokens_per_image=tuple(int(g.prod()) // merge for g in grid))
 
     def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
         """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extractor.chat_content import STRING, for_template, message_content
+from extractor.chat_content import OPENAI, STRING, for_template, image_content, message_content
 from extractor.chat_content import content_format as template_content_format
 
 ROLE_ALIASES = {
@@ -30,10 +30,13 @@ ROLE_ALIASES = {
 }
 
 
-def normalize_messages(record: Mapping[str, Any], content_format: str = STRING) -> list[dict[str, Any]]:
+def normalize_messages(record: Mapping[str, Any], content_format: str = STRING,
+                       images: list[Any] | None = None) -> list[dict[str, Any]]:
     """The conversation of an OpenAI (`messages`) or ShareGPT (`conversations`) record, with canonical roles. Content
     parts become what a template of `content_format` takes (ChatEncoder.content_format: text parts joined with
-    newlines, or kept as parts for a template that loops over them); a media part is refused (text-only targets).
+    newlines, or kept as parts for a template that loops over them); a media part is refused (text-only targets),
+    unless `images` is a list (a vision-language target): then image parts become {"type": "image"} where they stood
+    and their references are appended to it, in order.
 
     Raises ValueError saying what is wrong with the record.
     """
@@ -58,7 +61,14 @@ def normalize_messages(record: Mapping[str, Any], content_format: str = STRING) 
         if role is None:
             raise ValueError(f"{key}[{i}] has unknown role {_short(raw_role)}; known roles: {sorted(ROLE_ALIASES)}")
         content = turn.get(content_key)
-        if isinstance(content, list):  # OpenAI content parts: vLLM's rule (extractor.chat_content), as LLM.chat
+        if isinstance(content, list) and images is not None:  # a vision-language target, as LLM.chat
+            content, found = image_content(content, f"{key}[{i}]")
+            if found and content_format != OPENAI:
+                raise ValueError(f"{key}[{i}] has image parts but the chat template takes string content, so it "
+                                 "cannot place them; pass a template that renders image parts with --chat-template")
+            images.extend(found)
+            content = for_template(content, content_format)
+        elif isinstance(content, list):  # OpenAI content parts: vLLM's rule (extractor.chat_content), as LLM.chat
             content = for_template(message_content(content, f"{key}[{i}]"), content_format)
         if content is None and role == "assistant" and turn.get("tool_calls"):
             content = ""
@@ -124,6 +134,10 @@ class ChatEncoder:
 
     def encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """(token ids, loss mask): mask 1 on every token overlapping an assistant turn."""
+        return self.encode_text(messages)[1:]
+
+    def encode_text(self, messages: list[dict[str, Any]]) -> tuple[str, list[int], list[int]]:
+        """(the rendering, its token ids, loss mask): encode's, with the text it tokenized."""
         full, spans = self.assistant_spans(messages)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
@@ -136,7 +150,7 @@ class ChatEncoder:
                 j += 1
             if j < len(spans) and s < spans[j][1] and e > spans[j][0]:
                 mask[t] = 1
-        return ids, mask
+        return full, ids, mask
 
 
 def _appended_at(before: str, upto: str) -> int:

@@ -231,7 +231,7 @@ def tokenize_settings(plan: JobPlan) -> TokenizeSettings:
     c, f = plan.config, plan.facts
     return TokenizeSettings(tokenizer=f.model, max_prompt_tokens=f.max_model_len - c.max_tokens,
                             overlength=c.overlength, chat_template=plan.chat_template, revision=c.revision,
-                            trust_remote_code=c.trust_remote_code)
+                            trust_remote_code=c.trust_remote_code, images=f.multimodal)
 
 
 def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str,
@@ -251,7 +251,7 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
         on_nonfinite=c.on_nonfinite, layout=layout or c.layout, attempt=attempt, engine_kind=c.engine,
-        vllm=c.vllm_settings())
+        vllm=c.vllm_settings(), max_prompt_tokens=f.max_model_len - c.max_tokens, overlength=c.overlength)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,

@@ -7,6 +7,7 @@
 Record shapes, first match wins (a field that is null counts as absent, as Parquet columns leave them):
     {"input_ids": [int, ...], "loss_mask": [0/1, ...]?}    pre-tokenized; mask defaults to all ones
     {"messages": [{"role", "content"}, ...]}                OpenAI chat  -> chat template, mask on assistant tokens
+                                                            (image_url parts on a vision-language target: kept)
     {"conversations": [{"from", "value"}, ...]}             ShareGPT     -> same
     {"prompt": str}                                         plain text with the tokenizer's special tokens; mask all 1
 Samples longer than the limit (max_model_len minus max_tokens) are truncated or rejected (`overlength`).
@@ -33,7 +34,12 @@ SAMPLE_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("source", pa.string()),
     ("prompt_token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.uint8())),
     ("num_prompt_tokens", pa.int64()), ("truncated", pa.bool_()), ("error", pa.string()),
+    ("prompt_text", pa.string()), ("images", pa.list_(pa.string())),
 ])
+"""A sample. An image sample (a chat record with image parts, on a vision-language target) also carries its
+rendered prompt (one placeholder per image) and its images' references; its ids and loss mask are over that text
+before the processor expands the placeholders, and it is neither truncated nor limited here: the worker expands it
+(extractor.multimodal) and applies the limit then, never cutting an image."""
 INT64_MAX = 2**63 - 1
 
 
@@ -53,6 +59,8 @@ class TokenizeSettings:
     """Template text (not a path) replacing the tokenizer's own."""
     revision: str | None = None
     trust_remote_code: bool = False
+    images: bool = False
+    """The target takes images (a vision-language target): chat records' image parts are kept, not refused."""
 
 
 @dataclass
@@ -60,6 +68,10 @@ class Tokenized:
     ids: list[int]
     mask: list[int]
     truncated: bool = False
+    text: str | None = None
+    """An image sample's rendered prompt (one placeholder per image); None for text samples."""
+    images: list[str] | None = None
+    """An image sample's image references (paths, file://, data: or http(s) URLs), in order."""
 
 
 class SampleTokenizer:
@@ -99,16 +111,22 @@ class SampleTokenizer:
             if problem:
                 raise SampleError(problem)
             encoder = self._chat_encoder()
+            images: list | None = [] if self.settings.images else None
             try:
-                messages = normalize_messages({shape: record[shape]}, encoder.content_format)
+                messages = normalize_messages({shape: record[shape]}, encoder.content_format, images)
             except ValueError as e:
                 raise SampleError(str(e)) from e
             try:
-                ids, mask = encoder.encode(messages)
+                text, ids, mask = encoder.encode_text(messages)
             except ValueError as e:
                 raise SampleError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - a template or tokenizer failure fails this sample only
                 raise SampleError(f"chat template failed: {type(e).__name__}: {e}") from e
+            if images:  # expanded, limited and loaded by the worker (extractor.multimodal)
+                bad = [i for i, ref in enumerate(images) if not isinstance(ref, str)]
+                if bad:
+                    raise SampleError(f"image {bad[0]} of the record is not a path or URL string")
+                return Tokenized(ids, mask, text=text, images=list(images))
         else:  # "prompt"
             prompt = record["prompt"]
             if not isinstance(prompt, str):
@@ -207,10 +225,12 @@ def tokenize_table(tokenizer: SampleTokenizer, batch: pa.Table) -> pa.Table:
         ids: list[int] = []
         mask: list[int] = []
         truncated = False
+        text, images = None, None
         if error is None:
             try:
                 out = tokenizer.tokenize(payload)
                 ids, mask, truncated = out.ids, out.mask, out.truncated
+                text, images = out.text, out.images
             except SampleError as e:
                 error = f"{source}: {e}"
         cols["sample_id"].append(sid)
@@ -220,4 +240,6 @@ def tokenize_table(tokenizer: SampleTokenizer, batch: pa.Table) -> pa.Table:
         cols["num_prompt_tokens"].append(len(ids))
         cols["truncated"].append(truncated)
         cols["error"].append(None if error is None else storable_text(error))
+        cols["prompt_text"].append(text)
+        cols["images"].append(images)
     return pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)

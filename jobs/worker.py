@@ -74,6 +74,11 @@ class WorkerSettings:
     """"hsx": hsx's engine (extractor.LLM); "vllm": real vLLM with hsx's plug-in (vllm_engine.engine.VllmEngine)."""
     vllm: Any = None
     """vllm_engine.options.VllmSettings of a "vllm" worker: its parallel sizes and further engine arguments."""
+    max_prompt_tokens: int | None = None
+    """The limit an image sample is held to once the processor has expanded it (text samples were limited when
+    tokenized): max_model_len minus max_tokens."""
+    overlength: str = "truncate"
+    """An image sample over that limit: "truncate" (kept when no image is cut, else failed) or "skip" (failed)."""
 
 
 class ExtractionWorker:
@@ -156,8 +161,46 @@ class ExtractionWorker:
                                     RESULT_SCHEMA)
 
     def _extract(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
-                    "sample_id": r["sample_id"]} for r in rows]
+        llm = self._engine()
+        prompts, failed = [], {}
+        for i, r in enumerate(rows):
+            if r.get("images"):
+                try:
+                    prompts.append(self._image_prompt(llm, r))
+                except ValueError as e:  # the record's images or length: the same every time
+                    failed[i] = _failed(r, f"{r['source']}: {e}", retry=False)
+                continue
+            prompts.append({"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
+                            "sample_id": r["sample_id"]})
+        if failed:
+            kept = [r for i, r in enumerate(rows) if i not in failed]
+            results = iter(self._extract_prompts(kept, prompts) if kept else [])
+            return [failed[i] if i in failed else next(results) for i in range(len(rows))]
+        return self._extract_prompts(rows, prompts)
+
+    def _image_prompt(self, llm, row: dict[str, Any]) -> dict[str, Any]:
+        """An image sample as the engine takes it: its images loaded and processed (extractor.multimodal), the
+        length limit applied after expansion (never cutting an image), its loss mask carried over (0 on images).
+        Updates the row's num_prompt_tokens and truncated to the expanded prompt's."""
+        vision = getattr(getattr(llm, "runner", None), "vision", None)
+        if vision is None:
+            raise ValueError("image samples need hsx's engine (--engine hsx) on a vision-language target")
+        media = llm.prepare_media(row["prompt_text"], {"image": list(row["images"])})
+        mask = media.expand(row["prompt_token_ids"], row["loss_mask"], vision.image_token_id)
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and len(media.input_ids) > limit:
+            if self.settings.overlength == "skip":
+                raise ValueError(f"over-length: {len(media.input_ids)} tokens with its images > limit {limit} (max "
+                                 "model length minus --max-tokens); pass --overlength truncate or raise "
+                                 "--max-model-len")
+            media = media.truncated(limit)
+            mask = mask[:limit]
+            row["truncated"] = True
+        row["num_prompt_tokens"] = len(media.input_ids)
+        return {"prompt_token_ids": list(media.input_ids), "prompt": row["prompt_text"],
+                "multi_modal_inputs": media, "loss_mask": mask, "sample_id": row["sample_id"]}
+
+    def _extract_prompts(self, rows: list[dict[str, Any]], prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         paths = [self.settings.run.data_path(r["sample_id"]) for r in rows]
         params = [self._sampling_params(p) for p in paths]
         llm = self._engine()

@@ -1,0 +1,111 @@
+"""A job over a corpus of chat records with image parts, on a vision-language target: each good record's file is the
+offline engine's (states, mask, positions), its loss mask is the chat's (0 at image tokens), its manifest row counts
+the processor's expanded tokens; a bad image, an over-length record whose cut would fall in an image, an image on a
+text-only target are their own failed rows, with one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from connectors import KVTransferConfig, load_hidden_states
+from connectors.format import MM_TOKEN_TYPE_IDS, POSITION_IDS
+from jobs.tiny_models import build_tiny_vl_model
+from jobs.tokenization import SampleTokenizer, TokenizeSettings
+
+
+def _chat(text: str, refs: list[str], answer: str = "a red ball") -> dict:
+    content = [{"type": "image_url", "image_url": {"url": r}} for r in refs] + [{"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return build_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    for name, size in {"ball.png": (84, 84), "tall.png": (56, 168)}.items():
+        image = Image.new("RGB", size, "white")
+        ImageDraw.Draw(image).ellipse([4, 4, size[0] - 4, size[1] - 4], fill="red")
+        image.save(folder / name)
+    (folder / "broken.png").write_bytes(b"\x89PNG not really")
+    return str(folder)
+
+
+def test_the_tokenize_stage_keeps_image_records_whole_for_the_worker(vl_model):
+    tok = SampleTokenizer(TokenizeSettings(tokenizer=vl_model, max_prompt_tokens=8, images=True))
+    out = tok.tokenize(json.dumps(_chat("what is it", ["ball.png", "data:image/png;base64,AAAA"])))
+    assert out.images == ["ball.png", "data:image/png;base64,AAAA"] and not out.truncated  # limited after expansion
+    assert out.text.count("<|image_pad|>") == 2 and len(out.ids) == len(out.mask) > 8
+    learned = [t for t, m in zip(out.ids, out.mask) if m]  # the assistant's turn, as for text chats
+    assert "a red ball" in tok.tokenizer.decode(learned) and "what is it" not in tok.tokenizer.decode(learned)
+    text_only = SampleTokenizer(TokenizeSettings(tokenizer=vl_model, max_prompt_tokens=256))
+    with pytest.raises(ValueError, match="text-only"):
+        text_only.tokenize(json.dumps(_chat("what", ["ball.png"])))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
+    from connectors.manifest import read_manifest
+    from extractor import LLM, SamplingParams
+    from jobs.config import JobConfig
+    from jobs.pipeline import run_job
+
+    records = {
+        "one": _chat("what is it", ["ball.png"]),
+        "two": _chat("compare", ["ball.png", f"file://{media}/tall.png"], answer="the second is taller"),
+        "text": {"messages": [{"role": "user", "content": "no image here"}, {"role": "assistant", "content": "ok"}]},
+        "missing": _chat("what", ["gone.png"]),
+        "broken": _chat("what", ["broken.png"]),
+        "escape": _chat("what", ["../" + os.path.basename(os.path.dirname(media)) + "/x.png"]),
+        "long": {"messages": [{"role": "user", "content": [{"type": "text", "text": "tell me " * 30}] + [
+            {"type": "image_url", "image_url": {"url": r}} for r in ("ball.png", "tall.png", "ball.png")]}]},
+        "cut_after": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "ball.png"}},
+            {"type": "text", "text": "and then a long question " * 12}]}]},
+    }
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": k, **v}) + "\n" for k, v in records.items()))
+    output = str(tmp_path / "out")
+    result = run_job(JobConfig(model=vl_model, corpus=(str(corpus),), output=output, workers=1, progress=False,
+                               allowed_local_media_path=media, max_model_len=96, max_tokens=0, layers=(1, 2, 4)))
+    rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
+    failures = {"missing": "does not exist", "broken": "not an image", "escape": "must be inside",
+                "long": "would cut image"}
+    for sample_id, why in failures.items():
+        assert rows[sample_id]["status"] == "failed" and why in rows[sample_id]["error"], rows[sample_id]
+        assert "\n" not in rows[sample_id]["error"]
+    assert rows["cut_after"]["status"] == "ok" and rows["cut_after"]["truncated"]
+    assert rows["cut_after"]["num_prompt_tokens"] == 96
+    assert result.ok == 4 and result.failed == 4
+
+    llm = LLM(vl_model, kv_transfer_config=KVTransferConfig(kv_connector_extra_config={
+        "shared_storage_path": str(tmp_path / "offline")}), allowed_local_media_path=media,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}})
+    try:
+        for sample_id in ("one", "two", "text"):
+            row = rows[sample_id]
+            assert row["status"] == "ok", row
+            got = load_hidden_states(os.path.join(output, row["path"]))
+            (want,) = llm.chat(records[sample_id]["messages"], SamplingParams(max_tokens=0),
+                               add_generation_prompt=False)
+            ref = load_hidden_states(want.kv_transfer_params["hidden_states_path"])
+            assert got["token_ids"].tolist() == ref["token_ids"].tolist() and row["num_prompt_tokens"] == len(
+                ref["token_ids"])
+            torch.testing.assert_close(got["hidden_states"], ref["hidden_states"], rtol=1e-4, atol=5e-5)
+            for name in (MM_TOKEN_TYPE_IDS, POSITION_IDS):
+                assert torch.equal(got[name], ref[name]), name
+            images = got[MM_TOKEN_TYPE_IDS].bool()
+            assert images.any() == (sample_id != "text")
+            assert not got["loss_mask"][images].any() and got["loss_mask"][~images].any()
+    finally:
+        llm.shutdown()
