@@ -95,7 +95,8 @@ def read_rows(fs, path: str, max_rows: int | None = None, *, verify: bool = True
               names: Sequence[str] = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK),
               dtype: torch.dtype | None = None, dequantize: bool = True,
               byte_range: tuple[int, int] | None = None) -> tuple[HiddenStatesFileInfo, dict]:
-    """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds. With
+    """Header and the leading `max_rows` rows (all rows when None) of the tensors in `names` the file holds (a tensor
+    not per token, an image prompt's mm_embeds, whole). With
     `verify`, the whole data region is hashed and checked against the header's checksum (files without one are read
     as they are); without it only those tensors' bytes are read. `fs`/`path` as `storage.open_url` gives them.
     hidden_states stored scaled (fp8) come back dequantized to `dtype` (default: the model dtype the file records,
@@ -150,7 +151,7 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
         for name in names:
             if name in info.tensors:
                 e = info.tensors[name]
-                shape = (rows, *e.shape[1:])
+                shape = (rows if name in ROW_TENSORS else e.shape[0], *e.shape[1:])  # mm_embeds: all its rows
                 count = math.prod(shape)
                 out[name] = (torch.frombuffer(mm, dtype=e.dtype, count=count, offset=base + e.start).reshape(shape)
                              if count else torch.empty(shape, dtype=e.dtype))
@@ -176,7 +177,9 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
         data, base = memoryview(_exact(url, region, info.size - info.data_start)), info.data_start
     if checked:
         check_checksum(info, data_checksum([data[info.data_start - base:]]))
-    spans = [(info.tensors[n].start, info.tensors[n].start + rows * info.tensors[n].row_bytes) for n in names]
+    counts = [rows if n in ROW_TENSORS else info.tensors[n].shape[0] for n in names]  # mm_embeds: all its rows
+    spans = [(info.tensors[n].start, info.tensors[n].start + k * info.tensors[n].row_bytes)
+             for n, k in zip(names, counts)]
     if data is not None:
         blobs = [data[a - base:b - base] for a, b in spans]
     else:
@@ -187,8 +190,8 @@ def _read_rows(fs, path: str, max_rows: int | None, verify: bool, names: Sequenc
         for i, blob in zip(todo, fetched):
             blobs[i] = blob
     out = {}
-    for n, (a, b), blob in zip(names, spans, blobs):
-        out[n] = tensor_from_bytes(bytearray(_exact(url, blob, b - a)), info.tensors[n], rows)
+    for n, (a, b), blob, k in zip(names, spans, blobs, counts):
+        out[n] = tensor_from_bytes(bytearray(_exact(url, blob, b - a)), info.tensors[n], k)
     return info, out
 
 

@@ -154,6 +154,18 @@ class DrafterBatch:
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
     """A top-k target run's stand-in for layer N: (ids [R, S, K] int64, log-probabilities [R, S, K] float32), the
     target's K most likely tokens after x_t, best first; None when the run stores layer N itself."""
+    image_mask: torch.Tensor | None = None
+    """[R, S] bool: x_t is an image token (a multimodal run); None for text runs."""
+    image_embeds: torch.Tensor | None = None
+    """[R, S, H]: the target's merged input embedding of x_t where image_mask (the vision tower's output, what vLLM's
+    proposer feeds the drafter there); None: the drafter embeds image tokens as any other (placeholder)."""
+
+    def input_overrides(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mask [R, S], embeddings [R, S, H]) a drafter's token embeddings are replaced by (drafters.images), or
+        None."""
+        if self.image_mask is None or self.image_embeds is None:
+            return None
+        return self.image_mask, self.image_embeds
 
     @classmethod
     def from_packed(cls, batch: Mapping[str, Any], layer_ids: tuple[int, ...]) -> DrafterBatch:
@@ -164,14 +176,18 @@ class DrafterBatch:
         topk = None
         if TARGET_TOPK_IDS in batch:
             topk = (batch[TARGET_TOPK_IDS].long(), batch[TARGET_TOPK_LOGPROBS])
+        image = batch.get("image_mask")
         return cls(batch["input_ids"], batch["hidden_states"], batch["loss_mask"].bool(), batch["position_ids"],
-                   batch["document_ids"], tuple(layer_ids), topk)
+                   batch["document_ids"], tuple(layer_ids), topk, None if image is None else image.bool(),
+                   batch.get("image_embeds"))
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
         hs = self.hidden_states.to(device, dtype) if dtype is not None else self.hidden_states.to(device)
         topk = None if self.target_topk is None else tuple(t.to(device) for t in self.target_topk)  # float32 kept
+        image = None if self.image_mask is None else self.image_mask.to(device)
+        embeds = None if self.image_embeds is None else self.image_embeds.to(device, dtype or self.image_embeds.dtype)
         return DrafterBatch(self.input_ids.to(device), hs, self.loss_mask.to(device), self.position_ids.to(device),
-                            self.document_ids.to(device), self.layer_ids, topk)
+                            self.document_ids.to(device), self.layer_ids, topk, image, embeds)
 
     def layer(self, layer_id: int) -> torch.Tensor:
         """[R, S, H] the states of one stored layer id."""

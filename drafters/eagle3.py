@@ -270,11 +270,14 @@ class Eagle3Drafter(Drafter):
                 for step in self.unroll_steps(aux, input_ids, position_ids, document_ids, chains or [None] * steps)]
 
     def unroll_steps(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     document_ids: torch.Tensor, chains: list[torch.Tensor | None]) -> list[UnrollStep]:
+                     document_ids: torch.Tensor, chains: list[torch.Tensor | None],
+                     images: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[UnrollStep]:
         """The unroll over the chains each step needs (drafters/ttt.unroll_chains; chains[s] flat positions, None:
-        all): step 0 reads the fused aux states, step s >= 1 the chain's own previous output."""
+        all): step 0 reads the fused aux states, step s >= 1 the chain's own previous output. `images` (mask [R, S],
+        embeddings [R, S, H], DrafterBatch.input_overrides): the target's merged embeddings at image tokens."""
         return unroll_chains(self.decode, self.fuse(aux.to(self.fc.weight.dtype)), input_ids, position_ids,
-                             document_ids, chains, self.step_inputs)
+                             document_ids, chains, self.step_inputs,
+                             None if images is None else (self.embed_tokens, *images))
 
     def step_inputs(self, step: int, ids: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and hidden states step `step` reads: EAGLE-3's, x_{t+1+s} and the chain's previous output
@@ -313,7 +316,7 @@ class Eagle3Drafter(Drafter):
         trained = [self.trained_chains(batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False), s)
                    for s in range(steps)]
         outputs = self.unroll_steps(aux, batch.input_ids, batch.position_ids, batch.document_ids,
-                                    needed_chains(trained))
+                                    needed_chains(trained), batch.input_overrides())
         terms: list[tuple[int, torch.Tensor, int]] = []  # (step, mean cross-entropy, chains) per trained step
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from drafters.eagle3 import Eagle3Drafter
+from drafters.images import override_embeddings
 from extractor.proposers import Draft, Proposer
 from extractor.runner import BatchState
 from extractor.sampling import sampling_probs
@@ -53,10 +54,12 @@ class _RowCache:
         st.attention_mask = torch.cat([st.attention_mask, st.attention_mask.new_zeros((n, st.width))])
         st.next_position = torch.cat([st.next_position, st.next_position.new_zeros(n)])
 
-    def feed(self, drafter: Eagle3Drafter, ids: list[list[int]], hidden: list[torch.Tensor | None]) -> torch.Tensor:
+    def feed(self, drafter: Eagle3Drafter, ids: list[list[int]], hidden: list[torch.Tensor | None],
+             images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """Append row b's entries (token ids[b][i] with state hidden[b][i] [H]; hidden[b] [n_b, H], n_b may be 0)
         right-aligned in W = max n_b new columns; return the pre-norm outputs [B, W, H] (row b's in its last n_b
-        columns)."""
+        columns). images[b] (mask [m], embeddings [m, H], m <= n_b): row b's first m entries' token embeddings
+        replaced where the mask says (an image prompt's merged embeddings, drafters.images)."""
         st = self.state
         b_rows, width = len(ids), max(1, max(len(r) for r in ids))
         given = next(x for x in hidden if x is not None)  # at least one row has entries
@@ -81,7 +84,19 @@ class _RowCache:
         causal = cols[None, :] <= q_cols[:, None]  # [W, total]
         mask = st.attention_mask.bool()[:, None, :] & causal[None]  # [B, W, total]
         mask |= (cols[None, :] == q_cols[:, None])[None]  # every query sees itself (no empty rows in holes)
-        out = drafter.decode(tok.to(self.device), x, positions, mask[:, None], st.cache)  # [B, W, H]
+        override = None
+        if images is not None and any(i is not None for i in images):
+            image_mask = torch.zeros((b_rows, width), dtype=torch.bool, device=self.device)
+            image_values = torch.zeros((b_rows, width, h), dtype=dtype, device=self.device)
+            for b, (r, given_images) in enumerate(zip(ids, images)):
+                if given_images is not None:
+                    m, v = given_images
+                    cols0 = width - len(r)
+                    image_mask[b, cols0:cols0 + m.shape[0]] = m.to(self.device)
+                    image_values[b, cols0:cols0 + m.shape[0]] = v.to(self.device, dtype)
+            override = (image_mask, image_values)
+        with override_embeddings(getattr(drafter, "embed_tokens", None), *(override or (None, None))):
+            out = drafter.decode(tok.to(self.device), x, positions, mask[:, None], st.cache)  # [B, W, H]
         st.next_position = st.next_position + new_mask.sum(-1)
         return out
 
@@ -127,6 +142,7 @@ class Eagle3Proposer(Proposer):
     # -- the batch's rows --------------------------------------------------------------------------------------
     def start(self, contexts) -> None:
         self._cache = _RowCache(self.device)
+        self._images: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per row: image positions, embeddings
         self._states: list[list[torch.Tensor]] = []  # observed, not yet fed: [n, A, H] chunks per row
         self._seen: list[int] = []  # states observed per row (= entries possible)
         self.fed: list[int] = []  # entries in the cache per row (positions 0..fed-1)
@@ -137,6 +153,7 @@ class Eagle3Proposer(Proposer):
     def join(self, contexts) -> None:
         n = len(contexts)
         self._cache.add_rows(n)
+        self._images += [None] * n
         self._states += [[] for _ in range(n)]
         self._seen += [0] * n
         self.fed += [0] * n
@@ -145,6 +162,30 @@ class Eagle3Proposer(Proposer):
 
     def can_join(self) -> bool:
         return True
+
+    def media(self, rows) -> None:
+        """The image prompts of the rows start/join just added: at their image tokens the head reads the target's
+        merged input embeddings (the vision tower's output), as vLLM's EAGLE proposer feeds it."""
+        first = len(self._images) - len(rows)
+        for i, m in enumerate(rows):
+            if m is not None and m.image_features.shape[0]:
+                at = torch.nonzero(m.mm_token_type_ids).flatten()  # [N] prompt positions of the image tokens
+                self._images[first + i] = (at, m.image_features)
+
+    def entry_images(self, b: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row b's entries for context positions first..first+n-1 (their token x_p): (mask [n], embeddings [n, H])
+        at its image tokens, or None."""
+        if self._images[b] is None or n <= 0:
+            return None
+        at, features = self._images[b]
+        sel = (at >= first) & (at < first + n)
+        if not bool(sel.any()):
+            return None
+        mask = torch.zeros(n, dtype=torch.bool)
+        values = features.new_zeros((n, features.shape[1]))
+        mask[at[sel] - first] = True
+        values[at[sel] - first] = features[sel]
+        return mask, values
 
     def observe(self, states) -> None:
         if len(states) != len(self._seen):
@@ -161,7 +202,7 @@ class Eagle3Proposer(Proposer):
         keep = list(keep)
         self._rollback()
         self._cache.state.select(keep)
-        for name in ("_states", "_seen", "fed", "last_output", "drafted"):
+        for name in ("_states", "_seen", "fed", "last_output", "drafted", "_images"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
 
@@ -195,18 +236,23 @@ class Eagle3Proposer(Proposer):
                 hidden.append(None)
         return ids, hidden
 
-    def feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None
-                  ) -> list[torch.Tensor | None]:
+    def feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None,
+                 images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[torch.Tensor | None]:
         """Feed every row's entries (the rows share max_num_batched_tokens per forward: a joining prompt over it
         goes in chunks); per row the outputs [n, H] of its last keep[b] entries (default 1), in order (None for a
-        row with none). Only those are kept: a long prompt's other outputs are dropped chunk by chunk."""
+        row with none). Only those are kept: a long prompt's other outputs are dropped chunk by chunk. images[b]:
+        entry_images of row b's entries (from the first), or None."""
         step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
         keep = keep or [1] * len(ids)
+        images = images or [None] * len(ids)
         outs: list[torch.Tensor | None] = [None] * len(ids)
         for c0 in range(0, max(map(len, ids), default=0), step):
             piece = [r[c0:c0 + step] for r in ids]
+            chunk_images = [None if im is None or im[0].shape[0] <= c0 else (im[0][c0:c0 + step], im[1][c0:c0 + step])
+                            for im in images]
             out = self._cache.feed(self.drafter, piece,
-                                   [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)])  # [B, W, H]
+                                   [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)],
+                                   chunk_images)  # [B, W, H]
             for b, r in enumerate(piece):
                 if r:
                     new = out[b, out.shape[1] - len(r):]
@@ -217,8 +263,9 @@ class Eagle3Proposer(Proposer):
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
+        firsts = [f + 1 for f in self.fed]  # entry p feeds x_{p+1}: the first unfed entry's token position
         ids, hidden = self.verified_entries(contexts)
-        outs = self.feed_all(ids, hidden)
+        outs = self.feed_all(ids, hidden, images=[self.entry_images(b, firsts[b], len(r)) for b, r in enumerate(ids)])
         for b, r in enumerate(ids):
             if r:
                 self.last_output[b] = outs[b][-1]

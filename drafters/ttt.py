@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from drafters.attention import TTTAttention
+from drafters.images import override_embeddings, shifted_overrides
 
 
 def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -74,11 +76,14 @@ StepInputs = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, tor
 
 def unroll_chains(decode, first_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   document_ids: torch.Tensor, chains: list[torch.Tensor | None],
-                  step_inputs: StepInputs | None = None) -> list[UnrollStep]:
+                  step_inputs: StepInputs | None = None,
+                  images: tuple[nn.Module, torch.Tensor, torch.Tensor] | None = None) -> list[UnrollStep]:
     """The unroll: step s embeds x_{t+1+s} at position t+s with the previous step's output of chain t (step 0:
     first_hidden [R, S, H]); `step_inputs` may replace both (P-EAGLE's mask entries). chains[s]: the flat positions
     step s runs (None: all; nested; step 0 always all). decode(ids, hidden, positions, attention_mask, cache) is the
-    family's draft-layer pass. Steps after one that runs no chain are not run."""
+    family's draft-layer pass. Steps after one that runs no chain are not run. `images` (the drafter's token
+    embedding, mask [R, S], embeddings [R, S, H]): where x_{t+1+s} is an image token, its embedding is the target's
+    merged one (drafters.images)."""
     r, s_len = input_ids.shape
     attn = TTTAttention(document_ids)
     out: list[UnrollStep] = []
@@ -95,10 +100,21 @@ def unroll_chains(decode, first_hidden: torch.Tensor, input_ids: torch.Tensor, p
         else:
             ids, pos = ids[these], pos[these]
             hidden = prev[these] if prev_chains is None else prev[torch.searchsorted(prev_chains, these)]
-        if step_inputs is not None:
-            ids, hidden = step_inputs(s, ids, hidden)
         shape = (r, s_len) if these is None else (1, these.numel())
-        result = decode(ids.view(shape), hidden.reshape(*shape, -1), pos.view(shape), attn, attn)
+        override = None
+        if images is not None:  # x_{t+1+s}'s image embeddings, moved and picked as the ids are
+            mask, values = shifted_overrides(images[1:], 1 + s)
+            mask, values = mask.flatten(), values.reshape(r * s_len, -1)
+            if these is not None:
+                mask, values = mask[these], values[these]
+            override = (mask.view(shape), values.reshape(*shape, -1))
+        if step_inputs is not None:
+            given = ids
+            ids, hidden = step_inputs(s, ids, hidden)
+            if override is not None:  # only where the step still reads x_{t+1+s} (not P-EAGLE's mask entries)
+                override = (override[0] & (ids == given).view(shape), override[1])
+        with override_embeddings(images[0] if images is not None else None, *(override or (None, None))):
+            result = decode(ids.view(shape), hidden.reshape(*shape, -1), pos.view(shape), attn, attn)
         prev, prev_chains = result.reshape(-1, result.shape[-1]), these
         out.append(UnrollStep(prev, these, s_len))
     return out

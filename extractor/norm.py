@@ -27,6 +27,7 @@ import torch
 
 from extractor.facts import text_config
 from extractor.layers import find_decoder
+from extractor.media import is_multimodal
 
 _BEYOND_THE_DECODER = ("mtp", "vision", "visual", "audio", "multi_modal_projector", "layers.")
 """Parts of a checkpoint key that put a norm outside the text decoder's final norm (MTP heads, encoders, layers)."""
@@ -97,14 +98,20 @@ class FinalNorm:
             raise FileNotFoundError(f"no config.json in {model_dir!r}; pass the target model's local folder as "
                                     "model_dir (hsx never downloads models)")
         try:
-            config = text_config(AutoConfig.from_pretrained(model_dir))
+            full = AutoConfig.from_pretrained(model_dir)
+            config = text_config(full)
         except (ValueError, KeyError, OSError) as e:
             raise ValueError(f"{cfg_path}: transformers cannot read this config ({e}); the final norm is found in "
                              "the model transformers builds from it") from None
         model_type = getattr(config, "model_type", "")
         try:
             with torch.device("meta"):  # the modules only: no weights allocated, nothing initialised
-                skeleton = AutoModelForCausalLM.from_config(config)
+                if is_multimodal(full):  # a vision-language target: its text model's norm, under its own names
+                    from transformers import AutoModelForImageTextToText
+
+                    skeleton = AutoModelForImageTextToText.from_config(full)
+                else:
+                    skeleton = AutoModelForCausalLM.from_config(config)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{model_dir!r}: transformers cannot build a causal LM of model_type {model_type!r} "
                              f"({e}); extract with the last layer normalised, or apply the norm in your trainer"

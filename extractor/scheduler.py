@@ -284,6 +284,8 @@ class Scheduler:
                 self.proposer.join(contexts)
             else:
                 self.proposer.start(contexts)
+            if any(r.media is not None for r in joined):
+                self.proposer.media([r.media for r in joined])
             if states is not None:
                 empty = states[0][:0]
                 self.proposer.observe([empty] * len(running) + [states[i] for i in keep])

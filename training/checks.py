@@ -98,7 +98,8 @@ def open_dataset(config: TrainDrafterConfig, run: str | None = None):
     run = run or config.run
     try:
         return HiddenStatesDataset(run, layout="raw", storage_options=config.storage_options,
-                                   max_length=config.batch_tokens, include_sample_id=True)
+                                   max_length=config.batch_tokens, include_sample_id=True,
+                                   image_inputs=config.image_inputs)
     except (OSError, ValueError) as e:
         raise ValueError(f"{run}: cannot open the run ({e})") from e
 

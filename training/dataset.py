@@ -56,6 +56,8 @@ from connectors.format import (
     HIDDEN_STATES_SCALES,
     LAYER_ID_CONVENTION,
     LOSS_MASK,
+    MM_EMBEDS,
+    MM_TOKEN_TYPE_IDS,
     TARGET_TOPK_IDS,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
@@ -70,6 +72,7 @@ from extractor.norm import FinalNorm
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("raw", "eagle3")
+IMAGE_INPUTS = ("vision", "placeholder")
 RUN_COMPARED = (*COMPARED_FIELDS, "layer_id_convention")
 """RunSpec fields two runs must share to be read as one dataset."""
 
@@ -135,6 +138,11 @@ class HiddenStatesDatasetConfig:
     raw items hold hidden_states as the run stores them, and for an fp8 run its hidden_states_scales [T, L, 1]
     (value = fp8 x scale), for a reader that takes fp8 itself (speculators' export). Needs layout "raw" without
     normalize_last_layer."""
+    image_inputs: str = "vision"
+    """What a drafter reads at the image tokens of a multimodal run (files with mm_token_type_ids): "vision" (items
+    carry image_embeds [T, H], the merged input embeddings the run stored with --mm-embeds: what vLLM's proposer
+    feeds the drafter there; a run without them is refused) or "placeholder" (the image token's own embedding, as
+    peers trained). Either way items carry image_mask [T] and the loss mask is 0 at image tokens."""
     verify: bool = True
     """Check every item's data against the checksum in its file's header (xxh3_64, a few GB/s per core); a damaged
     file raises HiddenStatesFileError. The whole data region is hashed, so with `max_length` the rest of each file
@@ -145,6 +153,8 @@ class HiddenStatesDatasetConfig:
             raise ValueError(f"layout {self.layout!r} is not one of {list(LAYOUTS)}")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"max_length must be >= 1 (or None for whole samples), got {self.max_length}")
+        if self.image_inputs not in IMAGE_INPUTS:
+            raise ValueError(f"image_inputs {self.image_inputs!r} is not one of {list(IMAGE_INPUTS)}")
         if not self.dequantize and (self.layout != "raw" or self.normalize_last_layer):
             raise ValueError("dequantize=False gives states as stored, which only layout='raw' without "
                              "normalize_last_layer can hold; drop dequantize=False, or use that layout")
@@ -200,8 +210,9 @@ class HiddenStatesDataset(Dataset):
 
         info = self.run_info
         self._top_k = info.target_top_k
-        self._names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK) + (
-            (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if self._top_k is not None else ())
+        self._names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS) + (
+            (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if self._top_k is not None else ()) + (
+            (MM_EMBEDS,) if config.image_inputs == "vision" else ())
         if config.layout == "eagle3" and self._top_k is None and len(info.layer_ids) < 2:
             raise ValueError(f"layout='eagle3' needs at least 2 stored layers (aux + target); the run stores "
                              f"{list(info.layer_ids)}. Use layout='raw'")
@@ -254,6 +265,8 @@ class HiddenStatesDataset(Dataset):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} samples")
         item, tensors = self._read(index, self.config.verify, self._names)  # input_ids, loss_mask [T]
         states = tensors[HIDDEN_STATES]  # [T, L, H]
+        if MM_TOKEN_TYPE_IDS in tensors:  # a multimodal run: no loss at image tokens, their input embeddings
+            self._image_inputs(index, item, tensors, states)
         if self._top_k is not None:  # the target's top-K next tokens stand in for layer N
             item[TARGET_TOPK_IDS] = tensors[TARGET_TOPK_IDS]  # [T, K] int32
             item[TARGET_TOPK_LOGPROBS] = tensors[TARGET_TOPK_LOGPROBS]  # [T, K] float32
@@ -274,6 +287,25 @@ class HiddenStatesDataset(Dataset):
         if self.config.include_sample_id:
             item["sample_id"] = self.sample_id(index)
         return item
+
+    def _image_inputs(self, index: int, item: dict[str, Any], tensors: dict, states: torch.Tensor) -> None:
+        """An image sample's item fields: image_mask [T] (loss off there) and, with image_inputs "vision", image_embeds
+        [T, H] (the stored merged embeddings at image tokens, zeros elsewhere)."""
+        image = tensors[MM_TOKEN_TYPE_IDS] != 0  # [T]
+        item["loss_mask"] = item["loss_mask"] * (~image).long()
+        item["image_mask"] = image.to(torch.uint8)
+        if self.config.image_inputs != "vision":
+            return
+        n = int(image.sum())
+        embeds = tensors.get(MM_EMBEDS)
+        if n and (embeds is None or embeds.shape[0] < n):
+            raise ValueError(f"{self.path(index)} (sample {self.sample_id(index)!r}) has {n} image tokens and "
+                             f"{0 if embeds is None else embeds.shape[0]} stored input embeddings: extract with "
+                             "--mm-embeds for image_inputs='vision', or train with image_inputs='placeholder'")
+        values = torch.zeros((image.shape[0], states.shape[-1]), dtype=states.dtype)
+        if n:
+            values[image] = embeds[:n].to(states.dtype)
+        item["image_embeds"] = values
 
     def token_items(self, threads: int = 16, on_error: Callable[[int, Exception], None] | None = None
                     ) -> Iterator[dict[str, torch.Tensor]]:

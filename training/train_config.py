@@ -132,11 +132,17 @@ class TrainDrafterConfig:
     """Where the TensorBoard curves go (loss, accuracy per position, simulated acceptance length, learning rate,
     tokens/s per step; `tensorboard --logdir DIR`); default OUT/tensorboard. A resumed training continues them.
     A local folder, checked and leased like --checkpoint-dir."""
+    image_inputs: str = "vision"
+    """A multimodal run: what the drafter reads at image tokens: vision (the target's merged input embeddings, stored
+    by `hsx run --mm-embeds`: what vLLM's proposer feeds it there) or placeholder (the image token's own embedding,
+    as peers train). The loss is off at image tokens either way."""
     snapshot: bool = False
     """Train on a run that an `hsx run` is writing now: on the samples it has committed so far (report.json says so
     and names the writer). Without it, such a run is refused."""
 
     def __post_init__(self) -> None:
+        if self.image_inputs not in ("vision", "placeholder"):
+            raise ValueError(f"--image-inputs must be vision or placeholder, got {self.image_inputs!r}")
         for name in ("storage_options", "family_options"):
             object.__setattr__(self, name, json_object(getattr(self, name), name))
         for name in ("model", "out") + (("run",) if self.reads_run() else ()):

@@ -478,3 +478,83 @@ def test_the_checkpoint_tells_vllm_how_many_aux_layers_fc_fuses(family_head, kin
     aux = doc["eagle_aux_hidden_state_layer_ids"]
     assert doc["transformer_layer_config"]["num_aux_hidden_states"] == len(aux) == len(drafter.aux_layer_ids)
     assert drafter.fc.in_features == len(aux) * doc["target_hidden_size"]
+
+
+# -- image tokens: the target's merged input embeddings in place of the placeholder's (drafters/images.py) -----------
+def _with_image_rows(drafter, values: torch.Tensor):
+    """A copy of `drafter` whose embedding table has `values` [N, H] appended as ids V..V+N-1: embedding an image
+    token through a plain lookup, the oracle for the override."""
+    import copy
+
+    oracle = copy.deepcopy(drafter)
+    table = oracle.embed_tokens.weight.data
+    oracle.embed_tokens = torch.nn.Embedding(table.shape[0] + values.shape[0], table.shape[1])
+    oracle.embed_tokens.weight.data = torch.cat([table, values.to(table.dtype)])
+    return oracle
+
+
+def test_training_unroll_embeds_image_tokens_with_the_targets_merged_embeddings(trained_head):
+    folder, drafter = trained_head
+    seq = list(range(20, 36))
+    image_at = [4, 5, 6, 11]
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(len(seq), 64, generator=g)
+    mask = torch.zeros(1, len(seq), dtype=torch.bool)
+    mask[0, image_at] = True
+    aux = torch.randn(1, len(seq), 2, 64, generator=g)
+    pos, doc = torch.arange(len(seq))[None], torch.zeros(1, len(seq), dtype=torch.long)
+    vocab = drafter.embed_tokens.weight.shape[0]
+    oracle = _with_image_rows(drafter, values[image_at])
+    oracle_ids = torch.tensor([seq])
+    oracle_ids[0, image_at] = torch.arange(vocab, vocab + len(image_at))
+    with torch.no_grad():
+        got = drafter.unroll_steps(aux, torch.tensor([seq]), pos, doc, [None] * 3, (mask, values[None]))
+        want = oracle.unroll_steps(aux, oracle_ids, pos, doc, [None] * 3)
+        plain = drafter.unroll_steps(aux, torch.tensor([seq]), pos, doc, [None] * 3)
+    for s in range(3):
+        torch.testing.assert_close(got[s].hidden, want[s].hidden, rtol=0, atol=0)
+    assert not torch.equal(got[0].hidden, plain[0].hidden)  # the override reached the draft layers
+
+
+def test_proposer_feeds_image_tokens_the_embeddings_training_read(trained_head, runner, oracle_model):
+    """Drafts of a row whose prompt holds image tokens (MediaPrompt.mm_token_type_ids, image_features) equal what
+    the training unroll with the same merged embeddings predicts."""
+    from drafters.eagle3_proposer import Eagle3Proposer
+    from extractor.multimodal import MediaPrompt
+
+    folder, drafter = trained_head
+    model, tokenizer = oracle_model
+    ctx = tokenizer("the quick model reads a batch of hidden states from disk")["input_ids"]
+    image_at = [2, 3, 4]
+    features = torch.randn(len(image_at), 64, generator=torch.Generator().manual_seed(1))
+    types = torch.zeros(len(ctx), dtype=torch.uint8)
+    types[image_at] = 1
+    media = MediaPrompt(input_ids=list(ctx), image_features=features, image_grid_thw=torch.tensor([[1, 2, 6]]),
+                        mm_token_type_ids=types, positions=torch.arange(len(ctx)).expand(3, -1),
+                        next_position=len(ctx), tokens_per_image=(3,))
+    proposer = Eagle3Proposer(folder, runner, 3)
+    proposer.start([ctx])
+    proposer.media([media])
+    states = _aux_states(model, ctx[:-1], (1, 2))
+    proposer.observe([states])
+    drafts = proposer.propose([ctx], [3], [_greedy()], [None])[0].token_ids
+
+    seq = ctx + drafts
+    aux = torch.zeros(1, len(seq), 2, 64)
+    aux[0, :len(ctx) - 1] = states
+    mask = torch.zeros(1, len(seq), dtype=torch.bool)
+    mask[0, image_at] = True
+    values = torch.zeros(1, len(seq), 64)
+    values[0, image_at] = features
+    with torch.no_grad():
+        outputs = drafter.unroll_steps(aux, torch.tensor([seq]), torch.arange(len(seq))[None],
+                                       torch.zeros(1, len(seq), dtype=torch.long), [None] * 3, (mask, values))
+    chain = len(ctx) - 2
+    assert [int(drafter.draft_ids[drafter.logits(outputs[s].grid(1)[0, chain]).argmax()]) for s in range(3)] == drafts
+    # the head's state after the verified entries, not only its argmax: every image entry in its place
+    torch.testing.assert_close(proposer.last_output[0], outputs[0].grid(1)[0, chain], rtol=1e-5, atol=1e-5)
+    plain = Eagle3Proposer(folder, runner, 3)  # without the image embeddings the head reads other inputs
+    plain.start([ctx])
+    plain.observe([states])
+    plain.propose([ctx], [3], [_greedy()], [None])
+    assert not torch.equal(plain.last_output[0], proposer.last_output[0])

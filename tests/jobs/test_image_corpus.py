@@ -13,7 +13,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from connectors import KVTransferConfig, load_hidden_states
-from connectors.format import MM_TOKEN_TYPE_IDS, POSITION_IDS
+from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
 from jobs.tiny_models import build_tiny_vl_model
 from jobs.tokenization import SampleTokenizer, TokenizeSettings
 
@@ -76,7 +76,8 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
     corpus.write_text("".join(json.dumps({"id": k, **v}) + "\n" for k, v in records.items()))
     output = str(tmp_path / "out")
     result = run_job(JobConfig(model=vl_model, corpus=(str(corpus),), output=output, workers=1, progress=False,
-                               allowed_local_media_path=media, max_model_len=96, max_tokens=0, layers=(1, 2, 4)))
+                               allowed_local_media_path=media, max_model_len=96, max_tokens=0, layers=(1, 2, 4),
+                               mm_embeds=True))
     rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
     failures = {"missing": "does not exist", "broken": "not an image", "escape": "must be inside",
                 "long": "would cut image"}
@@ -107,5 +108,39 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
             images = got[MM_TOKEN_TYPE_IDS].bool()
             assert images.any() == (sample_id != "text")
             assert not got["loss_mask"][images].any() and got["loss_mask"][~images].any()
+            assert got[MM_EMBEDS].shape == (int(images.sum()), 64) if images.any() else MM_EMBEDS not in got
     finally:
         llm.shutdown()
+
+    # the training feed: loss off at image tokens, the stored merged embeddings there (or the placeholder's)
+    from training.dataset import HiddenStatesDataset
+
+    vision = HiddenStatesDataset(output, include_sample_id=True)
+    placeholder = HiddenStatesDataset(output, image_inputs="placeholder")
+    for i in range(len(vision)):
+        item, plain = vision[i], placeholder[i]
+        got = load_hidden_states(vision.path(i), byte_range=vision.byte_range(i))
+        image = got[MM_TOKEN_TYPE_IDS].bool()
+        assert torch.equal(item["image_mask"].bool(), image) and torch.equal(plain["image_mask"].bool(), image)
+        assert not item["loss_mask"][image].any() and torch.equal(item["loss_mask"], plain["loss_mask"])
+        assert torch.equal(item["image_embeds"][image], got.get(MM_EMBEDS, torch.zeros(0, 64)))
+        assert not item["image_embeds"][~image].any()
+        assert "image_embeds" not in plain
+
+    # EAGLE-3 trained on the run with the vision embeddings, decoding image prompts losslessly in hsx's engine
+    from jobs.train import train_drafter
+    from training.train_config import TrainDrafterConfig
+
+    head = str(tmp_path / "eagle3")
+    train_drafter(TrainDrafterConfig(run=output, model=vl_model, out=head, kind="eagle3", steps=3, batch_tokens=256,
+                                     device="cpu", progress=False))
+    chats = [records[k]["messages"][:1] for k in ("one", "two", "text")]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain_llm = LLM(vl_model, allowed_local_media_path=media)
+    spec_llm = LLM(vl_model, allowed_local_media_path=media,
+                   speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    want = plain_llm.chat(chats, greedy)
+    got = spec_llm.chat(chats, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    drafts = {m.name: m.value for m in spec_llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts"}
+    assert drafts["vllm:spec_decode_num_drafts"] > 0
