@@ -175,7 +175,7 @@ FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model"
 _OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
 """Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
-_JOB_OMITTED_WHEN_EMPTY = ("model_quantization",)
+_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "image_processing")
 """Job fields written only when set: run.json of an unquantized model's run stays as it was before the field."""
 
 
@@ -217,6 +217,9 @@ class RunSpec:
     storage_layout: str = "files"
     """How samples are stored: "files" (one per sample) or "sharded" (connectors.shards; run.json version 3). (Not
     `layout`: version 1 used that key for a description of its folders.)"""
+    image_processing: Mapping[str, int] = field(default_factory=dict)
+    """A vision-language target's image processor: its pixel limits and patching (min_pixels, max_pixels,
+    patch_size, merge_size, ...), what every stored image was resized by; empty for text targets."""
     versions: Mapping[str, str] = field(default_factory=dict)
     """Package versions of the first attempt."""
     created_at: str = ""
@@ -392,6 +395,9 @@ _RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "corpus": (_is_corpus, "{\"files\": [paths], \"fingerprint\": string}"),
     "data_layout": (lambda v: isinstance(v, str), "a string"),
     "storage_layout": (lambda v: isinstance(v, str), "a string"),
+    "image_processing": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and _is_int(x)
+                                                                  for k, x in v.items()),
+                         "an object of integers (pixel limits)"),
     "versions": (_is_str_map, "an object of package name -> version string"),
     "created_at": (lambda v: isinstance(v, str), "a string"),
 }

@@ -275,9 +275,9 @@ class Eagle3Drafter(Drafter):
         """The unroll over the chains each step needs (drafters/ttt.unroll_chains; chains[s] flat positions, None:
         all): step 0 reads the fused aux states, step s >= 1 the chain's own previous output. `images` (mask [R, S],
         embeddings [R, S, H], DrafterBatch.input_overrides): the target's merged embeddings at image tokens."""
+        extra = {} if images is None else {"images": (self.embed_tokens, *images)}
         return unroll_chains(self.decode, self.fuse(aux.to(self.fc.weight.dtype)), input_ids, position_ids,
-                             document_ids, chains, self.step_inputs,
-                             None if images is None else (self.embed_tokens, *images))
+                             document_ids, chains, self.step_inputs, **extra)
 
     def step_inputs(self, step: int, ids: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and hidden states step `step` reads: EAGLE-3's, x_{t+1+s} and the chain's previous output

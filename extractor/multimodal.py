@@ -71,6 +71,30 @@ def load_processor(model: str, *, revision: str | None = None, trust_remote_code
                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
+PIXEL_LIMIT_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size")
+
+
+def pixel_limits(image_processor) -> dict[str, int]:
+    """An image processor's resizing bounds and patching (what every image it processes goes through)."""
+    out = {}
+    for key in PIXEL_LIMIT_KEYS:
+        value = getattr(image_processor, key, None)
+        if value is None and key.endswith("_pixels"):  # transformers 5 keeps them in `size` as well
+            size = getattr(image_processor, "size", None) or {}
+            value = size.get({"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}[key])
+        if isinstance(value, int):
+            out[key] = value
+    return out
+
+
+def image_processing(model: str, *, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, int]:
+    """The pixel limits of a vision-language target's image processor, read from its folder (no weights)."""
+    from transformers import AutoImageProcessor
+
+    return pixel_limits(AutoImageProcessor.from_pretrained(model, revision=revision,
+                                                           trust_remote_code=trust_remote_code))
+
+
 # -- processing -------------------------------------------------------------------------------------------------------
 @dataclass
 class MediaPrompt:
@@ -134,9 +158,7 @@ class Vision:
         self.model, self.processor, self.hf_config = model, processor, hf_config
         self.image_token_id = int(hf_config.image_token_id)
         self.inner = model.model  # Qwen2_5_VLModel: get_image_features, get_rope_index
-        image = processor.image_processor
-        self.pixel_limits = {k: getattr(image, k) for k in ("min_pixels", "max_pixels", "patch_size", "merge_size")
-                             if getattr(image, k, None) is not None}
+        self.pixel_limits = pixel_limits(processor.image_processor)
         """The image processor's resizing bounds, recorded in run.json (what every stored image went through)."""
 
     @torch.inference_mode()

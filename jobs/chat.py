@@ -31,12 +31,13 @@ ROLE_ALIASES = {
 
 
 def normalize_messages(record: Mapping[str, Any], content_format: str = STRING,
-                       images: list[Any] | None = None) -> list[dict[str, Any]]:
+                       images: list[Any] | None = None, keep_images: bool = False) -> list[dict[str, Any]]:
     """The conversation of an OpenAI (`messages`) or ShareGPT (`conversations`) record, with canonical roles. Content
     parts become what a template of `content_format` takes (ChatEncoder.content_format: text parts joined with
     newlines, or kept as parts for a template that loops over them); a media part is refused (text-only targets),
     unless `images` is a list (a vision-language target): then image parts become {"type": "image"} where they stood
-    and their references are appended to it, in order.
+    and their references are appended to it, in order; with `keep_images` they stay image parts, as
+    {"type": "image_url", "image_url": {"url": ...}} (a request to a server that loads them itself).
 
     Raises ValueError saying what is wrong with the record.
     """
@@ -63,6 +64,10 @@ def normalize_messages(record: Mapping[str, Any], content_format: str = STRING,
         content = turn.get(content_key)
         if isinstance(content, list) and images is not None:  # a vision-language target, as LLM.chat
             content, found = image_content(content, f"{key}[{i}]")
+            if keep_images:  # each image part as OpenAI's image_url part, in its place
+                refs = iter(found)
+                content = [p if p["type"] == "text" else {"type": "image_url", "image_url": {"url": next(refs)}}
+                           for p in content]
             if found and content_format != OPENAI:
                 raise ValueError(f"{key}[{i}] has image parts but the chat template takes string content, so it "
                                  "cannot place them; pass a template that renders image parts with --chat-template")

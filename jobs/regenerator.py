@@ -144,8 +144,10 @@ class Regenerator:
         out.record = new
 
     async def _chat(self, record: dict[str, Any], shape: str, out: Outcome) -> None:
-        try:  # content parts kept as parts: the server applies its template's rule, hsx run later its own
-            messages = normalize_messages({shape: record[shape]}, OPENAI)
+        images: list[Any] = []
+        try:  # content parts kept as parts: the server applies its template's rule, hsx run later its own; image
+            # parts go to the server as they are (it loads them under its own media settings)
+            messages = normalize_messages({shape: record[shape]}, OPENAI, images, keep_images=True)
         except ValueError as e:
             raise BadRecord(str(e)) from None
         if messages[-1]["role"] != "assistant":  # one answer to the last turn
@@ -171,6 +173,8 @@ class Regenerator:
         new["messages"] = messages
         new["finish_reasons"] = [t.finish_reason for t in turns]
         ids, mask, why = exact_tokens(turns, self.config.reasoning)
+        if images:  # the server's ids hold the images' expanded placeholders: hsx run processes the images itself
+            ids, why = None, "the record holds images (hsx run loads and processes them again)"
         if ids is None:
             out.text_only_reason = why
         else:

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from connectors import storage
-from connectors.format import HIDDEN_STATES, LOSS_MASK
+from connectors.format import HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS
 from connectors.lease import snapshot_writer
 from connectors.manifest import committed_rows, read_manifest, row_path_problem, sample_range
 from connectors.outputs import check_output_file, write_output_file
@@ -217,7 +217,7 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
     zero = np.zeros(layers)
     nonfinite = np.zeros(layers)
     rows_seen = 0
-    coverage, unread = [], []
+    coverage, unread, image_share = [], [], []
     fs, _ = storage.open_url(run.url, run.storage_options)
     for r in rows:
         rel = r["path"]
@@ -225,7 +225,7 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
             unread.append({"sample_id": r["sample_id"], "error": problem})
             continue
         try:
-            _, t = read_rows(fs, run.path(rel), None, verify=False, names=(HIDDEN_STATES, LOSS_MASK),
+            _, t = read_rows(fs, run.path(rel), None, verify=False, names=(HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS),
                              dtype=torch.float32, byte_range=sample_range(r["offset"], r["bytes"]))
             hs = t.get(HIDDEN_STATES)
             if hs is None or hs.dim() != 3 or hs.shape[1] != layers:
@@ -250,6 +250,9 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
             coverage.append(float(t[LOSS_MASK].to(torch.float32).mean()) if t[LOSS_MASK].numel() else 0.0)
         else:
             coverage.append(None)
+        types = t.get(MM_TOKEN_TYPE_IDS)  # an image prompt's marks (a vision-language target's run)
+        image_share.append(None if types is None else float((types != 0).to(torch.float32).mean()) if types.numel()
+                           else 0.0)
     used = int((counts > 0).sum())
     by_position = (sums[:, :used] / np.maximum(counts[:used], 1)).tolist()
     cv, mean_rms = [], []
@@ -264,7 +267,7 @@ def _states(run, spec, rows: list[dict], max_positions: int) -> dict[str, Any]:
             "positions": list(range(used)), "rms_by_position": by_position, "mean_rms": mean_rms, "token_rms_cv": cv,
             "zero_row_fraction": (zero / rows_seen).tolist() if rows_seen else [None] * layers,
             "nonfinite_row_fraction": (nonfinite / rows_seen).tolist() if rows_seen else [None] * layers,
-            "loss_mask_coverage": coverage}
+            "loss_mask_coverage": coverage, "image_token_share": image_share}
 
 
 def _flags(data: dict[str, Any]) -> list[dict[str, str]]:
@@ -386,13 +389,18 @@ def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
               f'<p id="snapshot" class="warning"><b>snapshot</b>: this run was being written when this page was made '
               f'(by {e(snapshot["writer"])}); it shows the rows committed at {e(snapshot["taken_at"])}, and more may '
               "have come since</p>")
+    shares = [v for v in data["states"].get("image_token_share", []) if v is not None]
+    images_section = ("" if not shares else
+                      f"<h2>Image tokens</h2><p>Share of each sampled sample's tokens that are image tokens (a "
+                      f"vision-language target's run): mean {sum(shares) / len(shares):.1%} over {len(shares)} "
+                      f"samples; the loss mask is 0 there.</p>{img.get('images', '')}")
     return f"""{PAGE_START}<title>hsx report: {e(run['url'])}</title><style>{_CSS}</style></head>
 <body><h1>hsx report</h1>{banner}<table>{rows}<tr><th>verify</th><td>{e(verify)}</td></tr></table>
 <h2>Checks</h2><ul id="checks">{checks}</ul>
 <h2>Lengths</h2>{img['lengths']}
 <h2>States</h2><p>The last layer and the aux layers on one chart: a post-norm last layer labelled pre-norm sits flat;
 a dead layer at zero.</p>{img['states']}
-<h2>Loss mask and bytes per token</h2>{img['mask_bytes']}
+<h2>Loss mask and bytes per token</h2>{img['mask_bytes']}{images_section}
 <h2>Failures and throughput</h2>{img['failures_throughput']}
 <script type="application/json" id="{DATA_ELEMENT_ID}">{embedded_json(data)}</script>
 </body></html>

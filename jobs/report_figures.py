@@ -4,6 +4,7 @@
         lengths                 prompt and generated-token histograms, stacked per corpus file
         states                  RMS of the stored states by token position per layer; the share of bad rows
         mask_bytes              loss-mask coverage per sampled sample; bytes per token
+        images                  image-token share per sampled sample (a vision-language target's run)
         failures_throughput     failed samples by reason; tokens committed per second
     plots(data) -> (images, not drawn)   every figure as base64 PNG; one that fails is a reason, never a lost page
 
@@ -100,6 +101,19 @@ def _draw_mask_bytes(data: dict[str, Any]):
     return fig
 
 
+def _draw_images(data: dict[str, Any]):
+    shares = [v for v in data["states"].get("image_token_share", []) if v is not None]
+    fig, axes = _figure(11, 3.2)
+    if shares:
+        axes[0].hist(shares, bins=np.linspace(0, 1, 21), edgecolor="white")
+        axes[1].bar(range(len(shares)), sorted(shares, reverse=True))
+    else:
+        _note(axes[0], "no image tokens")
+    axes[0].set_title("image-token share per sampled sample"), axes[0].set_xlabel("share of tokens that are image")
+    axes[1].set_title("image-token share, samples by share"), axes[1].set_xlabel("sampled samples")
+    return fig
+
+
 def _draw_failures_throughput(data: dict[str, Any]):
     fig, axes = _figure(11, 3.2)
     failures = data["failures"]
@@ -120,8 +134,10 @@ def _draw_failures_throughput(data: dict[str, Any]):
 
 
 FIGURES = {"lengths": _draw_lengths, "states": _draw_states, "mask_bytes": _draw_mask_bytes,
-           "failures_throughput": _draw_failures_throughput}
+           "images": _draw_images, "failures_throughput": _draw_failures_throughput}
 """The page's figures by section name, in page order."""
+_DRAWN_WHEN = {"images": lambda data: any(v is not None for v in data["states"].get("image_token_share", []))}
+"""Figures drawn only for runs that have what they show."""
 
 
 def plots(data: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
@@ -129,6 +145,8 @@ def plots(data: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     figure failing is a warning: the page is still written, that figure replaced by a note."""
     images, failed = {}, {}
     for name, draw in FIGURES.items():
+        if name in _DRAWN_WHEN and not _DRAWN_WHEN[name](data):
+            continue
         try:
             with literal_text():  # text from data (file names, failure reasons) is never math or TeX
                 images[name] = _png(draw(data))

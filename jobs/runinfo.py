@@ -33,6 +33,7 @@ IDENTITY = {
     "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
     "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field", "storage_layout": "--layout",
+    "image_processing": "--model (its image processor's pixel limits, preprocessor_config.json)",
 }
 
 
@@ -75,9 +76,22 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
         include_output_tokens=config.include_output_tokens, sampling=sampling, id_field=config.id_field,
-        storage_layout=config.layout,
+        storage_layout=config.layout, image_processing=_image_processing(config, facts),
         corpus=tuple(f.url for f in files), corpus_fingerprint=corpus_fingerprint(files, sizes),
         versions=_versions(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def _image_processing(config: JobConfig, facts: ModelFacts) -> dict[str, int]:
+    """A vision-language target's pixel limits (run.json records them); {} for text targets."""
+    if not facts.multimodal:
+        return {}
+    from extractor.multimodal import image_processing
+
+    try:
+        return image_processing(facts.model, revision=config.revision, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {config.model!r} is a vision-language target whose image processor cannot be "
+                         f"read ({e}); its folder needs preprocessor_config.json") from e
 
 
 def ensure_run_spec(run: RunDir, spec: RunSpec, present: RunSpec | None | EllipsisType = ...) -> bool:

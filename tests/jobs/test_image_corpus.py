@@ -79,6 +79,9 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
                                allowed_local_media_path=media, max_model_len=96, max_tokens=0, layers=(1, 2, 4),
                                mm_embeds=True))
     rows = {r["sample_id"]: r for r in read_manifest(output).to_pylist()}
+    run_json = json.loads(open(os.path.join(output, "run.json")).read())
+    assert run_json["image_processing"] == {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64, "patch_size": 14,
+                                            "merge_size": 2, "temporal_patch_size": 2}
     failures = {"missing": "does not exist", "broken": "not an image", "escape": "must be inside",
                 "long": "would cut image"}
     for sample_id, why in failures.items():
@@ -111,6 +114,19 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
             assert got[MM_EMBEDS].shape == (int(images.sum()), 64) if images.any() else MM_EMBEDS not in got
     finally:
         llm.shutdown()
+
+    # hsx report: the image-token share of every sampled sample, and its own section
+    from jobs.report import collect, render
+    from jobs.report_config import ReportConfig
+
+    data = collect(ReportConfig(output=output, sample=64))
+    shares = sorted(v for v in data["states"]["image_token_share"])
+    expected = []
+    for sample_id in ("one", "two", "text", "cut_after"):
+        types = load_hidden_states(os.path.join(output, rows[sample_id]["path"]))[MM_TOKEN_TYPE_IDS]
+        expected.append(float((types != 0).float().mean()))
+    assert shares == pytest.approx(sorted(expected)) and shares[0] == 0.0 and shares[-1] > 0
+    assert "<h2>Image tokens</h2>" in render(data)
 
     # the training feed: loss off at image tokens, the stored merged embeddings there (or the placeholder's)
     from training.dataset import HiddenStatesDataset

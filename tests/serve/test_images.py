@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import openai
 import pytest
@@ -15,9 +16,12 @@ from PIL import Image, ImageDraw
 from connectors import KVTransferConfig, load_hidden_states
 from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
 from extractor import LLM, SamplingParams
+from jobs.corpus import expand_corpus, read_records
+from jobs.regenerate import regenerate
+from jobs.regenerate_config import RegenerateConfig
 from jobs.tiny_models import build_tiny_vl_model
 from tests.extractor.conftest import spec_config
-from tests.serving import LAYERS, served
+from tests.serving import API_KEY, LAYERS, served
 
 
 @pytest.mark.ray
@@ -53,6 +57,15 @@ def test_an_image_chat_request_writes_the_offline_engines_file(tmp_path):
         again = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0)
         assert again.choices[0].message.content == reply.choices[0].message.content
 
+        # hsx regenerate sends image parts to the server as they are and keeps them in the regenerated record
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text(json.dumps({"id": "img", "messages": messages}) + "\n")
+        result = regenerate(RegenerateConfig(server=(server.url,), corpus=(str(corpus),), output=str(tmp_path / "re"),
+                                             api_key=API_KEY, max_tokens=4, concurrency=1, progress=False))
+        assert result.ok == 1, result
+        (file,) = expand_corpus([str(tmp_path / "re")])
+        (regenerated,) = [json.loads(r.payload) for block in read_records(file) for r in block]
+
     llm = LLM(model=model, speculative_config=spec_config(LAYERS), allowed_local_media_path=str(media),
               kv_transfer_config=KVTransferConfig(kv_connector_extra_config={
                   "shared_storage_path": str(tmp_path / "offline"), "mm_embeds": True}))
@@ -62,6 +75,8 @@ def test_an_image_chat_request_writes_the_offline_engines_file(tmp_path):
     finally:
         llm.shutdown()
     assert reply.choices[0].message.content == want.outputs[0].text
+    assert regenerated["messages"][0] == messages[0] and "input_ids" not in regenerated  # images: text kept
+    assert regenerated["messages"][1] == {"role": "assistant", "content": want.outputs[0].text}
     assert got["token_ids"].tolist() == ref["token_ids"].tolist()
     assert int(got[MM_TOKEN_TYPE_IDS].sum()) == got[MM_EMBEDS].shape[0] > 0
     for name in (MM_TOKEN_TYPE_IDS, POSITION_IDS):
