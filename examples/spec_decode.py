@@ -7,6 +7,8 @@
     python examples/spec_decode.py --method eagle3 --parallel-drafting --model TARGET_DIR --draft-model HEAD_DIR  # peagle
     python examples/spec_decode.py --method mtp --model TARGET_DIR      # the target's own MTP layers (DeepSeek-V3 ...)
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
+    python examples/spec_decode.py --custom-mm-prompts --method eagle3 --model VL_TARGET --draft-model HEAD_DIR
+                                                     # image prompts (local pictures drawn here) on a VL target
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
 draft cut from it (same tokenizer); for mtp a tiny DeepSeek-V3-style target with one random MTP layer. Without
@@ -48,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--dataset-path", default=None,
                    help='local JSONL: one {"prompt": ...} or ShareGPT {"conversations": [...]} object a line')
+    p.add_argument("--custom-mm-prompts", action="store_true",
+                   help="image prompts (vLLM's flag): chats with an image_url part each, about pictures drawn here "
+                        "(training/reference_vl_target.py, no downloads); needs a vision-language --model (default: "
+                        "a tiny random Qwen2.5-VL)")
     p.add_argument("--print-output", action="store_true", help="print each prompt's generated text")
     args = p.parse_args(argv)
     if args.draft_model and args.method == "ngram":
@@ -128,7 +134,11 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hsx-spec-decode-") as root:
         model, draft = args.model, args.draft_model
-        if model is None:
+        if model is None and args.custom_mm_prompts:
+            from jobs.tiny_models import build_tiny_vl_model
+
+            model = build_tiny_vl_model(os.path.join(root, "target"))
+        elif model is None:
             model, built_draft = build_tiny_models(root, with_draft=args.method == "draft_model" and not draft,
                                                    mtp=args.method == "mtp")
             draft = draft or built_draft
@@ -142,9 +152,20 @@ def main(argv: list[str] | None = None) -> float:
                 del spec["model"]
             if args.parallel_drafting:
                 spec["parallel_drafting"] = True
-        llm = LLM(model=model, speculative_config=spec)
-        prompts = load_prompts(args.dataset_path, args.num_prompts)
-        outputs = llm.generate(prompts, SamplingParams(temperature=args.temp, max_tokens=args.output_len))
+        params = SamplingParams(temperature=args.temp, max_tokens=args.output_len)
+        if args.custom_mm_prompts:  # chats about pictures drawn here, loaded as vLLM loads local media
+            from training.reference_vl_target import image_chats
+
+            media = os.path.join(root, "images")
+            records = image_chats(args.num_prompts, seed=20261207, folder=media, answers=False)
+            llm = LLM(model=model, speculative_config=spec, allowed_local_media_path=media)
+            prompts = [f"[{r['messages'][0]['content'][0]['image_url']['url']}] "
+                       f"{r['messages'][0]['content'][1]['text']}" for r in records]
+            outputs = llm.chat([r["messages"] for r in records], params)
+        else:
+            llm = LLM(model=model, speculative_config=spec)
+            prompts = load_prompts(args.dataset_path, args.num_prompts)
+            outputs = llm.generate(prompts, params)
         if args.print_output:
             for prompt, out in zip(prompts, outputs):
                 print("-" * 50)

@@ -159,6 +159,55 @@ VL_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)
 """The tiny target's image processor's min_pixels / max_pixels: 4 to 64 patches of 28 x 28 after merging."""
 
 
+def vl_config(tokenizer, *, text: dict | None = None, vision: dict | None = None):
+    """A Qwen2.5-VL config for `tokenizer` (Qwen-VL's vision tokens in it): a 4-layer text model with M-RoPE and a
+    2-block vision tower by default; `text` / `vision` override either."""
+    import transformers
+
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                       vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                       **ids)
+    text_config.update(text or {})
+    half = text_config["hidden_size"] // text_config["num_attention_heads"] // 2  # rotary pairs per head
+    text_config["rope_parameters"] = {**text_config["rope_parameters"],  # M-RoPE: time, height, width streams
+                                      "mrope_section": [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]}
+    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                         spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                         in_channels=3, initializer_range=0.2)
+    vision_config.update(vision or {})
+    vision_config["out_hidden_size"] = text_config["hidden_size"]
+    return transformers.Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
+                                         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
+                                         video_token_id=video, tie_word_embeddings=False, **ids)
+
+
+def save_vl_target(model, tokenizer, out_dir: str) -> str:
+    """Save a VL model with its tokenizer (vision tokens, the image-placing chat template) and Qwen2-VL's PIL image
+    processor (patch 14, merge 2, VL_IMAGE_PIXELS): a folder extractor.LLM, hsx serve and transformers load."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")  # a chat's answer ends its turn there
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *(
+        [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else [])]
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=VL_IMAGE_PIXELS[0], max_pixels=VL_IMAGE_PIXELS[1], patch_size=14,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(out_dir)
+    return out_dir
+
+
+def vl_tokenizer(tokenizer):
+    """`tokenizer` with Qwen-VL's vision tokens and the image-placing chat template added (in place)."""
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", text: dict | None = None,
                         vision: dict | None = None) -> str:
     """A random Qwen2.5-VL-style target (transformers' Qwen2_5_VLForConditionalGeneration: a 2-block vision tower,
@@ -167,35 +216,11 @@ def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", 
     `text` / `vision` override the text and vision configs."""
     import torch
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_tokenizer(out_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = VL_CHAT_TEMPLATE
-    tokenizer.save_pretrained(out_dir)
-    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                       vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                       **ids, **(text or {}))
-    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                         patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                         fullatt_block_indexes=[1], in_channels=3, initializer_range=0.2, **(vision or {}))
-    vision_config["out_hidden_size"] = text_config["hidden_size"]
-    config = transformers.Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
-                                           vision_start_token_id=start, vision_end_token_id=end,
-                                           image_token_id=image, video_token_id=video, tie_word_embeddings=False,
-                                           **ids)
+    tokenizer = vl_tokenizer(build_tokenizer(out_dir))
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, dtype))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=VL_IMAGE_PIXELS[0], max_pixels=VL_IMAGE_PIXELS[1], patch_size=14,
-                             merge_size=2, temporal_patch_size=2).save_pretrained(out_dir)
-    return out_dir
+    model = transformers.Qwen2_5_VLForConditionalGeneration(vl_config(tokenizer, text=text, vision=vision))
+    return save_vl_target(model.to(getattr(torch, dtype)), tokenizer, out_dir)
 
 
 def randomise_norms(model_dir: str, seed: int = 2, scale: float = 0.3) -> str:

@@ -1,0 +1,349 @@
+"""A vision-language target whose acceptance on image prompts means something: a small Qwen2.5-VL (transformers'
+classes, a tiny vision tower) trained here, on CPU, on pictures drawn on the spot with questions whose answers only
+the picture gives.
+
+    VLTargetConfig(...)                      sizes, training length, seed, cache root (typed, validated)
+    build_vl_target(config) -> VLTarget      .path: the checkpoint folder with its processor files (extractor.LLM, hsx
+                                             serve, transformers load it); .report: reference_vl_target.json (losses,
+                                             held-out answer accuracy, timing)
+    Scene.draw(rng) / scene.image()          one picture: one or two shapes (circle, square, triangle) in a colour at a
+                                             place, or a digit in a colour, on white
+    chat(scene, rng) -> (question, answer)   a question about it (describe / colour / count / digit) and its answer
+    image_chats(n, seed, folder)             n pictures saved as PNG under folder + OpenAI chat records that point at
+                                             them (image_url parts with the file's name): a corpus for `hsx run`
+
+Training and held-out scenes come from different seeds. The build caches by a digest of the config, this module's
+BUILD_VERSION and the torch / transformers versions under CACHE_ROOT/<digest>/ (built under a temporary name, renamed
+when complete); a second call returns the cached folder. Random-weight models (jobs/tiny_models.build_tiny_vl_model)
+measure machinery; this one answers from what it sees, so a drafter's acceptance on image prompts means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = "2"
+REPORT_NAME = "reference_vl_target.json"
+IMAGE_SIZE = 84
+"""Pictures are 84 x 84: 6 x 6 patches of 14, merged 2 x 2 into 9 image tokens."""
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20),
+           "purple": (140, 50, 170), "orange": (240, 130, 20)}
+PLACES = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75),
+          "middle": (0.5, 0.5)}
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def default_cache_root() -> str:
+    """$HSX_CACHE/reference-vl-target, else ~/.cache/hsx/reference-vl-target."""
+    base = os.environ.get("HSX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hsx")
+    return os.path.join(base, "reference-vl-target")
+
+
+@dataclass(frozen=True)
+class VLTargetConfig:
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    vision_hidden_size: int = 64
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    train_scenes: int = 4000
+    heldout_scenes: int = 64
+    seed: int = 0
+    threads: int | None = None
+    cache_root: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "vision_hidden_size", "steps", "batch_size", "train_scenes",
+                     "heldout_scenes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.hidden_size % 4:
+            raise ValueError(f"hidden_size must be a multiple of 4 (4 heads), got {self.hidden_size}")
+
+    def digest(self) -> str:
+        import torch
+        import transformers
+
+        fields = {k: v for k, v in asdict(self).items() if k not in ("threads", "cache_root")}
+        text = json.dumps({**fields, "build": BUILD_VERSION, "torch": torch.__version__,
+                           "transformers": transformers.__version__}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class VLTarget:
+    path: str
+    report: dict
+    cached: bool
+
+
+# -- scenes ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Item:
+    kind: str  # a shape name, or "digit"
+    colour: str
+    place: str
+    digit: int = 0
+
+    def phrase(self) -> str:
+        if self.kind == "digit":
+            return f"the digit {NUMBERS[self.digit]} in {self.colour}"
+        where = "in the middle" if self.place == "middle" else f"on the {self.place}" if self.place in (
+            "left", "right") else f"at the {self.place}"
+        return f"{'an' if self.colour[0] in 'aeiou' else 'a'} {self.colour} {self.kind} {where}"
+
+
+@dataclass(frozen=True)
+class Scene:
+    items: tuple[Item, ...]
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Scene:
+        if rng.random() < 0.25:
+            return cls((Item("digit", rng.choice(list(COLOURS)), "middle", rng.randrange(10)),))
+        places = rng.sample(["left", "right", "top", "bottom"], 2) if rng.random() < 0.4 else [
+            rng.choice(list(PLACES))]
+        return cls(tuple(Item(rng.choice(SHAPES), rng.choice(list(COLOURS)), p) for p in places))
+
+    def image(self):
+        from PIL import Image, ImageDraw, ImageFont
+
+        picture = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "white")
+        pen = ImageDraw.Draw(picture)
+        r = IMAGE_SIZE // 7
+        for item in self.items:
+            cx, cy = (int(f * IMAGE_SIZE) for f in PLACES[item.place])
+            colour = COLOURS[item.colour]
+            if item.kind == "circle":
+                pen.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            elif item.kind == "square":
+                pen.rectangle([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            elif item.kind == "triangle":
+                pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
+            else:
+                font = ImageFont.load_default(size=IMAGE_SIZE * 2 // 3)
+                pen.text((cx, cy), str(item.digit), fill=colour, font=font, anchor="mm")
+        return picture
+
+
+def chat(scene: Scene, rng: random.Random) -> tuple[str, str]:
+    """A question about `scene` and the answer only the picture gives."""
+    items = scene.items
+    if items[0].kind == "digit":
+        item = items[0]
+        question = rng.choice(["What digit is shown?", "Describe the picture.", "What colour is the digit?"])
+        if question.startswith("What colour"):
+            return question, f"The digit is {item.colour}."
+        return question, f"It shows {item.phrase()}."
+    kind = rng.choice(["describe", "count", "colour"] if len(items) == 1 else ["describe", "count"])
+    if kind == "count":
+        return "How many shapes are there?", f"There {'is one shape' if len(items) == 1 else 'are two shapes'}: " + \
+            " and ".join(i.phrase() for i in items) + "."
+    if kind == "colour":
+        return f"What colour is the {items[0].kind}?", f"The {items[0].kind} is {items[0].colour}."
+    text = " and ".join(i.phrase() for i in items)
+    return "Describe the picture.", text[0].upper() + text[1:] + "."
+
+
+def image_chats(n: int, seed: int, folder: str, *, answers: bool = True) -> list[dict]:
+    """n pictures saved under `folder` (scene-<seed>-<i>.png) and one chat record each: the user's image_url part
+    (the file's name, for hsx's --allowed-local-media-path FOLDER) and question, and (with `answers`) the answer."""
+    rng = random.Random(seed)
+    os.makedirs(folder, exist_ok=True)
+    records = []
+    for i in range(n):
+        scene = Scene.draw(rng)
+        name = f"scene-{seed}-{i}.png"
+        scene.image().save(os.path.join(folder, name))
+        question, answer = chat(scene, rng)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": name}},
+                                                 {"type": "text", "text": question}]}]
+        if answers:
+            messages.append({"role": "assistant", "content": answer})
+        records.append({"id": f"scene-{seed}-{i}", "messages": messages, "answer": answer})
+    return records
+
+
+# -- build ----------------------------------------------------------------------------------------------------------
+def build_vl_target(config: VLTargetConfig | None = None, *, progress: bool = True) -> VLTarget:
+    config = config or VLTargetConfig()
+    root = config.cache_root or default_cache_root()
+    folder = os.path.join(root, f"qwen2_5_vl-{config.digest()}")
+    if os.path.isfile(os.path.join(folder, REPORT_NAME)):
+        with open(os.path.join(folder, REPORT_NAME)) as f:
+            return VLTarget(folder, json.load(f), cached=True)
+    os.makedirs(root, exist_ok=True)
+    temp = os.path.join(root, f".tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        report = _build(config, temp, progress)
+        os.replace(temp, folder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return VLTarget(folder, report, cached=False)
+
+
+def _tokenizer(out_dir: str):
+    from jobs.tiny_models import SPECIAL_TOKENS, vl_tokenizer
+    from training.reference_target import build_tokenizer
+
+    rng = random.Random(12345)
+    texts = []
+    for _ in range(3000):
+        scene = Scene.draw(rng)
+        texts.extend(chat(scene, rng))
+    tokenizer = build_tokenizer(texts, 384, out_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS
+                                                                if t not in (tokenizer.eos_token, tokenizer.pad_token)]})
+    return vl_tokenizer(tokenizer)
+
+
+def _samples(processor, scenes_and_chats, image_token_id: int) -> list[dict]:
+    """Each (scene, question, answer) as model inputs: ids with the image expanded, labels on the answer alone."""
+    out = []
+    for scene, question, answer in scenes_and_chats:
+        user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        prompt = processor.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        full = prompt + answer + "<|im_end|>"
+        image = scene.image()
+        enc = processor(text=[full], images=[image], return_tensors="pt", return_mm_token_type_ids=True)
+        n_prompt = processor(text=[prompt], images=[image], return_tensors="pt")["input_ids"].shape[1]
+        ids = enc["input_ids"][0]
+        labels = ids.clone()
+        labels[:n_prompt] = -100
+        out.append({"input_ids": ids, "labels": labels, "mm_token_type_ids": enc["mm_token_type_ids"][0],
+                    "pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]})
+        assert int((ids == image_token_id).sum()) == 9
+    return out
+
+
+def _batch(samples: list[dict], pad_id: int) -> dict:
+    import torch
+
+    width = max(s["input_ids"].shape[0] for s in samples)
+    n = len(samples)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), -100, dtype=torch.long)
+    types = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for b, s in enumerate(samples):
+        t = s["input_ids"].shape[0]
+        ids[b, :t], labels[b, :t], types[b, :t], mask[b, :t] = s["input_ids"], s["labels"], s["mm_token_type_ids"], 1
+    return {"input_ids": ids, "labels": labels, "mm_token_type_ids": types, "attention_mask": mask,
+            "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
+            "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples])}
+
+
+def _build(config: VLTargetConfig, out_dir: str, progress: bool) -> dict:
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    from extractor.multimodal import load_processor
+    from jobs.tiny_models import save_vl_target, vl_config
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    started = time.time()
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = _tokenizer(out_dir)
+    torch.manual_seed(config.seed)
+    h = config.hidden_size
+    model_config = vl_config(tokenizer, text=dict(hidden_size=h, intermediate_size=2 * h,
+                                                  num_hidden_layers=config.num_hidden_layers, initializer_range=0.02),
+                             vision=dict(hidden_size=config.vision_hidden_size,
+                                         intermediate_size=2 * config.vision_hidden_size, initializer_range=0.02))
+    model = transformers.Qwen2_5_VLForConditionalGeneration(model_config)
+    save_vl_target(model, tokenizer, out_dir)  # processor files first: training processes through them
+    processor = load_processor(out_dir)
+    rng = random.Random(config.seed)
+    train = []
+    for _ in range(config.train_scenes):
+        scene = Scene.draw(rng)
+        train.append((scene, *chat(scene, rng)))
+    samples = _samples(processor, train, model_config.image_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(config.seed)
+    losses = []
+    model.train()
+    bar = tqdm(range(config.steps), desc="reference VL target", disable=not progress, unit="step")
+    order, cursor = torch.randperm(len(samples), generator=g), 0
+    for step in bar:
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(samples), generator=g), 0
+        picked = [samples[i] for i in order[cursor:cursor + config.batch_size].tolist()]
+        cursor += config.batch_size
+        lr = config.lr * min(1.0, (step + 1) / config.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / config.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = model(**_batch(picked, tokenizer.pad_token_id)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 4))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+    model.eval()
+    accuracy = _heldout_accuracy(model, processor, config)
+    save_vl_target(model, tokenizer, out_dir)
+    report = {"config": asdict(config), "final_loss": sum(losses[-20:]) / min(20, len(losses)),
+              "loss_curve": losses[::10], "heldout_answer_accuracy": accuracy,
+              "seconds": round(time.time() - started, 1)}
+    with open(os.path.join(out_dir, REPORT_NAME), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def heldout_seed(config: VLTargetConfig) -> int:
+    return config.seed + 1_000_003
+
+
+def _heldout_accuracy(model, processor, config: VLTargetConfig) -> float:
+    """Share of held-out questions (scenes of another seed) the target answers exactly, greedy."""
+    import torch
+
+    rng = random.Random(heldout_seed(config))
+    right = 0
+    for _ in range(config.heldout_scenes):
+        scene = Scene.draw(rng)
+        question, answer = chat(scene, rng)
+        user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        prompt = processor.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        enc = processor(text=[prompt], images=[scene.image()], return_tensors="pt", return_mm_token_type_ids=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        text = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        right += text.strip() == answer
+    return right / config.heldout_scenes
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m training.reference_vl_target [--steps N]: build (or find) the reference VL target, print it."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--steps", type=int, default=VLTargetConfig.steps)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cache-root", default="")
+    args = p.parse_args(argv)
+    target = build_vl_target(VLTargetConfig(steps=args.steps, threads=args.threads, cache_root=args.cache_root))
+    print(json.dumps({"path": target.path, "cached": target.cached,
+                      **{k: v for k, v in target.report.items() if k != "loss_curve"}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
