@@ -56,10 +56,15 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "_
 _STALE_TEMP_S = 24 * 3600
 
 
+def cache_folder(name: str) -> str:
+    """$HSX_CACHE/NAME, else ~/.cache/hsx/NAME: where hsx keeps what it builds once (reference targets)."""
+    base = os.environ.get("HSX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hsx")
+    return os.path.join(base, name)
+
+
 def default_cache_root() -> str:
     """$HSX_CACHE/reference-target, else ~/.cache/hsx/reference-target."""
-    base = os.environ.get("HSX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hsx")
-    return os.path.join(base, "reference-target")
+    return cache_folder("reference-target")
 
 
 @dataclass(frozen=True)

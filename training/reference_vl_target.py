@@ -47,24 +47,40 @@ NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight
 
 def default_cache_root() -> str:
     """$HSX_CACHE/reference-vl-target, else ~/.cache/hsx/reference-vl-target."""
-    base = os.environ.get("HSX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hsx")
-    return os.path.join(base, "reference-vl-target")
+    from training.reference_target import cache_folder
+
+    return cache_folder("reference-vl-target")
 
 
 @dataclass(frozen=True)
 class VLTargetConfig:
+    """The reference VL target: sizes, training length and where it is cached. The default (2000 steps of 16
+    pictures) takes ~3 min on this 2-core CPU; tests use a much smaller config."""
+
     hidden_size: int = 128
+    """Text model width (4 heads, 2 key/value heads)."""
     num_hidden_layers: int = 4
+    """Text decoder layers."""
     vision_hidden_size: int = 64
+    """Vision tower width (2 blocks, patch 14, merge 2)."""
     steps: int = 2000
+    """Optimizer steps (AdamW, linear warm-up, cosine decay)."""
     batch_size: int = 16
+    """Pictures per step."""
     lr: float = 2e-3
+    """Peak learning rate."""
     warmup_steps: int = 30
+    """Linear warm-up steps."""
     train_scenes: int = 4000
+    """Training pictures (each with one question and its answer), drawn from `seed`."""
     heldout_scenes: int = 64
+    """Held-out pictures (another seed) whose exact-answer accuracy the report records."""
     seed: int = 0
+    """Seed of the weights, the pictures and the order."""
     threads: int | None = None
+    """torch threads while training (default torch's)."""
     cache_root: str = ""
+    """Where built targets are kept (default $HSX_CACHE/reference-vl-target)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "vision_hidden_size", "steps", "batch_size", "train_scenes",
