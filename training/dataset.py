@@ -309,9 +309,9 @@ class HiddenStatesDataset(Dataset):
 
     def token_items(self, threads: int = 16, on_error: Callable[[int, Exception], None] | None = None
                     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Every sample's input_ids [T] and loss_mask [T] (T after `max_length`, as items have), in dataset order,
-        reading only those two tensors' bytes from each file (one small read each; remote files `threads` at a
-        time) — for passes over the tokens alone, such as counting EAGLE-3's draft vocabulary, that would otherwise
+        """Every sample's input_ids [T] and loss_mask [T] (T after `max_length`, as items have; 0 at image tokens), in
+        dataset order, reading only those tensors' bytes from each file (one small read each; remote files `threads`
+        at a time) — for passes over the tokens alone, such as counting EAGLE-3's draft vocabulary, that would otherwise
         read every hidden state. Headers are checked as for items; checksums are not (they cover the whole data
         region): the states, and the checksum, are checked when the items themselves are read. A sample that cannot
         be read raises at its place, or, with `on_error(index, error)`, is reported there and left out."""
@@ -319,7 +319,10 @@ class HiddenStatesDataset(Dataset):
 
         def read(index: int) -> dict[str, torch.Tensor] | None:
             try:
-                return self._read(index, False, (TOKEN_IDS, LOSS_MASK))[0]
+                item, tensors = self._read(index, False, (TOKEN_IDS, LOSS_MASK, MM_TOKEN_TYPE_IDS))
+                if MM_TOKEN_TYPE_IDS in tensors:  # image tokens are never trained: as items have it
+                    item["loss_mask"] = item["loss_mask"] * (tensors[MM_TOKEN_TYPE_IDS] == 0).long()
+                return item
             except (OSError, ValueError) as e:
                 if on_error is None:
                     raise

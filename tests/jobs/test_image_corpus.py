@@ -143,6 +143,21 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
         assert not item["image_embeds"][~image].any()
         assert "image_embeds" not in plain
 
+    # the peers' layouts: speculators' files and its Arrow dataset, with the loss off at image tokens
+    from safetensors.torch import load_file
+
+    from training.export.exporter import export_run
+
+    export_run(output, str(tmp_path / "speculators"), "speculators")
+    for i in range(len(vision)):
+        exported = load_file(str(tmp_path / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
+        item = vision[i]
+        assert torch.equal(exported["token_ids"], item["input_ids"])
+        assert torch.equal(exported["loss_mask"].long(), item["loss_mask"].long())
+    tokens = {t["input_ids"].tolist().__repr__(): t["loss_mask"] for t in vision.token_items()}
+    for i in range(len(vision)):
+        assert torch.equal(tokens[vision[i]["input_ids"].tolist().__repr__()].long(), vision[i]["loss_mask"].long())
+
     # EAGLE-3 trained on the run with the vision embeddings, decoding image prompts losslessly in hsx's engine
     from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig

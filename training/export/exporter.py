@@ -244,9 +244,10 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     if norm_dir is not None:
         FinalNorm.from_model_dir(norm_dir)  # fail before writing anything
         out.inputs["model"] = norm_dir  # the run's own model when --model-dir is not given: checked by open()
+    # an image run's loss mask goes out 0 at image tokens; the peers' layouts hold no image embeddings
     ds = HiddenStatesDataset(output, storage_options=config.storage_options, layout=layout.dataset_layout,
                              normalize_last_layer=layout.needs_post_norm, model_dir=norm_dir,
-                             dequantize=not layout.stored_states)
+                             dequantize=not layout.stored_states, image_inputs="placeholder")
     if fmt == "modelopt":
         stems: dict[str, int] = {}
         for i in range(len(ds)):
