@@ -373,7 +373,7 @@ def _check_shapes(path: str, tensors: dict[str, TensorEntry]) -> None:
     if MM_TOKEN_TYPE_IDS in tensors and tensors[MM_TOKEN_TYPE_IDS].shape != (hs[0],):
         raise _bad(path, f"mm_token_type_ids has shape {_short(list(tensors[MM_TOKEN_TYPE_IDS].shape))}, expected "
                          f"[{hs[0]}]")
-    if POSITION_IDS in tensors and (len(tensors[POSITION_IDS].shape) != 2 or tensors[POSITION_IDS].shape[0] != hs[0]
+    if MM_TOKEN_TYPE_IDS in tensors and POSITION_IDS in tensors and (len(tensors[POSITION_IDS].shape) != 2 or tensors[POSITION_IDS].shape[0] != hs[0]
                                     or tensors[POSITION_IDS].dtype.is_floating_point):
         raise _bad(path, f"position_ids is {tensors[POSITION_IDS].dtype} {_short(list(tensors[POSITION_IDS].shape))}, "
                          f"expected integers [{hs[0]}, streams]")

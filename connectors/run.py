@@ -175,7 +175,7 @@ FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model"
 _OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
 """Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
-_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "image_processing")
+_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "image_processing", "mm_embeds")
 """Job fields written only when set: run.json of an unquantized model's run stays as it was before the field."""
 
 
@@ -217,6 +217,8 @@ class RunSpec:
     storage_layout: str = "files"
     """How samples are stored: "files" (one per sample) or "sharded" (connectors.shards; run.json version 3). (Not
     `layout`: version 1 used that key for a description of its folders.)"""
+    mm_embeds: bool = False
+    """An image run's files hold the merged input embeddings at image tokens (`hsx run --mm-embeds`)."""
     image_processing: Mapping[str, int] = field(default_factory=dict)
     """A vision-language target's image processor: its pixel limits and patching (min_pixels, max_pixels,
     patch_size, merge_size, ...), what every stored image was resized by; empty for text targets."""
@@ -395,6 +397,7 @@ _RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "corpus": (_is_corpus, "{\"files\": [paths], \"fingerprint\": string}"),
     "data_layout": (lambda v: isinstance(v, str), "a string"),
     "storage_layout": (lambda v: isinstance(v, str), "a string"),
+    "mm_embeds": (lambda v: isinstance(v, bool), "true or false"),
     "image_processing": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and _is_int(x)
                                                                   for k, x in v.items()),
                          "an object of integers (pixel limits)"),

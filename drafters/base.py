@@ -240,6 +240,9 @@ class Drafter(nn.Module, ABC):
 
     kind: ClassVar[str]
     """The family's name (FAMILY.name): the speculative_config method that decodes with it."""
+    reads_image_embeddings: ClassVar[bool] = False
+    """Whether it embeds tokens itself and so reads the target's merged embeddings at image tokens (EAGLE-3, EAGLE,
+    P-EAGLE: DrafterBatch.input_overrides); the others train on an image run without them."""
     features: ClassVar[Features] = Features()
     """What it reads from a run (drafters/features.py): the family module's FEATURES, also its Family.features."""
 

@@ -93,6 +93,7 @@ class EagleDrafter(Drafter):
     """The EAGLE draft model (see the module docstring)."""
 
     kind = "eagle"
+    reads_image_embeddings = True
     features = FEATURES
 
     def __init__(self, config: EagleConfig, layer_config, target: TargetHead, num_speculative_tokens: int = 3,
@@ -175,8 +176,10 @@ class EagleDrafter(Drafter):
         steps = self.config.ttt_steps
         # chains whose x_{t+2+s} is trained and in t's document; step s runs those it or a later step trains
         trained = [batch.same_document(2 + s) & batch.shifted(batch.loss_mask, 2 + s, False) for s in range(steps)]
+        images = batch.input_overrides()  # an image run: the target's merged embeddings at image tokens
         outputs = unroll_chains(self.decode, features, batch.input_ids, batch.position_ids, batch.document_ids,
-                                needed_chains(trained))
+                                needed_chains(trained),
+                                **({} if images is None else {"images": (self.embed_tokens, *images)}))
         loss = torch.zeros((), dtype=torch.float32, device=features.device)
         correct = torch.zeros(steps, dtype=torch.long)
         counted = torch.zeros(steps, dtype=torch.long)

@@ -145,6 +145,7 @@ class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model (see the module docstring for its parts and training)."""
 
     kind = "eagle3"
+    reads_image_embeddings = True
     features = FEATURES
     speculators_model_type: str = SPECULATORS_MODEL_TYPE
     """config.json's speculators_model_type (and the speculators_config algorithm) of this class's checkpoints."""

@@ -55,11 +55,14 @@ class _RowCache:
         st.next_position = torch.cat([st.next_position, st.next_position.new_zeros(n)])
 
     def feed(self, drafter: Eagle3Drafter, ids: list[list[int]], hidden: list[torch.Tensor | None],
-             images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+             images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+             positions: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Append row b's entries (token ids[b][i] with state hidden[b][i] [H]; hidden[b] [n_b, H], n_b may be 0)
         right-aligned in W = max n_b new columns; return the pre-norm outputs [B, W, H] (row b's in its last n_b
         columns). images[b] (mask [m], embeddings [m, H], m <= n_b): row b's first m entries' token embeddings
-        replaced where the mask says (an image prompt's merged embeddings, drafters.images)."""
+        replaced where the mask says (an image prompt's merged embeddings, drafters.images). positions[b] ([m],
+        m <= n_b, an image prompt's row): its first m entries' positions as the target had them (M-RoPE's time
+        stream), the rest continuing by one; the row's next position is after its last."""
         st = self.state
         b_rows, width = len(ids), max(1, max(len(r) for r in ids))
         given = next(x for x in hidden if x is not None)  # at least one row has entries
@@ -77,7 +80,16 @@ class _RowCache:
                 x[b, width - n:] = hidden[b].to(self.device, dtype)
         new_mask, offsets = new_mask.to(self.device), offsets.to(self.device)
         st.attention_mask = torch.cat([st.attention_mask, new_mask], dim=1)
+        given = positions
         positions = (st.next_position[:, None] + offsets) * new_mask  # [B, W]
+        for b, own in enumerate(given or []):
+            n = len(ids[b])
+            if own is None or not n or not len(own):
+                continue
+            m = min(len(own), n)  # entries past the given ones (P-EAGLE's masks) continue by one
+            row = torch.cat([own[:m].to(torch.long), int(own[m - 1]) + 1 + torch.arange(n - m)])
+            positions[b, width - n:] = row.to(self.device)
+            st.next_position[b] = int(row[-1]) + 1 - n  # + n below: after the last
         total = st.width
         cols = torch.arange(total, device=self.device)
         q_cols = cols[total - width:]  # the new columns' indices
@@ -143,6 +155,7 @@ class Eagle3Proposer(Proposer):
     def start(self, contexts) -> None:
         self._cache = _RowCache(self.device)
         self._images: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per row: image positions, embeddings
+        self._times: list[torch.Tensor | None] = []  # per row: an image prompt's positions (M-RoPE time stream)
         self._states: list[list[torch.Tensor]] = []  # observed, not yet fed: [n, A, H] chunks per row
         self._seen: list[int] = []  # states observed per row (= entries possible)
         self.fed: list[int] = []  # entries in the cache per row (positions 0..fed-1)
@@ -154,6 +167,7 @@ class Eagle3Proposer(Proposer):
         n = len(contexts)
         self._cache.add_rows(n)
         self._images += [None] * n
+        self._times += [None] * n
         self._states += [[] for _ in range(n)]
         self._seen += [0] * n
         self.fed += [0] * n
@@ -171,6 +185,19 @@ class Eagle3Proposer(Proposer):
             if m is not None and m.image_features.shape[0]:
                 at = torch.nonzero(m.mm_token_type_ids).flatten()  # [N] prompt positions of the image tokens
                 self._images[first + i] = (at, m.image_features)
+                self._times[first + i] = m.positions[0]  # vLLM gives a drafter the target's time stream
+        if getattr(self.drafter, "embed_tokens", None) is None:
+            super().media(rows)  # a head without its own token embedding: the placeholder's, said once
+
+    def entry_positions(self, b: int, first: int, n: int) -> torch.Tensor | None:
+        """Row b's entries first..first+n-1 (entry p holds x_p's state): their positions as the target had them
+        (an image prompt's M-RoPE time stream, continuing by one after the prompt), or None (0..: counted)."""
+        times = self._times[b]
+        if times is None or n <= 0:
+            return None
+        p = torch.arange(first, first + n)
+        last = len(times) - 1
+        return torch.where(p <= last, times[p.clamp(max=last)], times[last] + p - last)
 
     def entry_images(self, b: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Row b's entries for context positions first..first+n-1 (their token x_p): (mask [n], embeddings [n, H])
@@ -202,7 +229,7 @@ class Eagle3Proposer(Proposer):
         keep = list(keep)
         self._rollback()
         self._cache.state.select(keep)
-        for name in ("_states", "_seen", "fed", "last_output", "drafted", "_images"):
+        for name in ("_states", "_seen", "fed", "last_output", "drafted", "_images", "_times"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
 
@@ -237,22 +264,25 @@ class Eagle3Proposer(Proposer):
         return ids, hidden
 
     def feed_all(self, ids: list[list[int]], hidden: list[torch.Tensor | None], keep: list[int] | None = None,
-                 images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[torch.Tensor | None]:
+                 images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                 positions: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
         """Feed every row's entries (the rows share max_num_batched_tokens per forward: a joining prompt over it
         goes in chunks); per row the outputs [n, H] of its last keep[b] entries (default 1), in order (None for a
         row with none). Only those are kept: a long prompt's other outputs are dropped chunk by chunk. images[b]:
-        entry_images of row b's entries (from the first), or None."""
+        entry_images of row b's entries (from the first), or None; positions[b]: entry_positions of them, or None."""
         step = max(1, self.budget // max(1, sum(1 for r in ids if r)))
         keep = keep or [1] * len(ids)
         images = images or [None] * len(ids)
+        positions = positions or [None] * len(ids)
         outs: list[torch.Tensor | None] = [None] * len(ids)
         for c0 in range(0, max(map(len, ids), default=0), step):
             piece = [r[c0:c0 + step] for r in ids]
             chunk_images = [None if im is None or im[0].shape[0] <= c0 else (im[0][c0:c0 + step], im[1][c0:c0 + step])
                             for im in images]
+            chunk_positions = [None if p is None or p.shape[0] <= c0 else p[c0:c0 + step] for p in positions]
             out = self._cache.feed(self.drafter, piece,
                                    [x[c0:c0 + step] if r else None for x, r in zip(hidden, piece)],
-                                   chunk_images)  # [B, W, H]
+                                   chunk_images, chunk_positions)  # [B, W, H]
             for b, r in enumerate(piece):
                 if r:
                     new = out[b, out.shape[1] - len(r):]
@@ -263,9 +293,10 @@ class Eagle3Proposer(Proposer):
     # -- drafting ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
-        firsts = [f + 1 for f in self.fed]  # entry p feeds x_{p+1}: the first unfed entry's token position
+        fed = list(self.fed)  # entry p holds x_p's state and feeds x_{p+1}
         ids, hidden = self.verified_entries(contexts)
-        outs = self.feed_all(ids, hidden, images=[self.entry_images(b, firsts[b], len(r)) for b, r in enumerate(ids)])
+        outs = self.feed_all(ids, hidden, images=[self.entry_images(b, fed[b] + 1, len(r)) for b, r in enumerate(ids)],
+                             positions=[self.entry_positions(b, fed[b], len(r)) for b, r in enumerate(ids)])
         for b, r in enumerate(ids):
             if r:
                 self.last_output[b] = outs[b][-1]

@@ -29,7 +29,10 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.inference_mode()
     def propose(self, contexts, ks, params, generators):
+        fed = list(self.fed)
         ids, hidden = self.verified_entries(contexts)
+        images = [self.entry_images(b, fed[b] + 1, len(r)) for b, r in enumerate(ids)]  # before the mask entries
+        positions = [self.entry_positions(b, fed[b], len(r)) for b, r in enumerate(ids)]
         rows = [b for b, k in enumerate(ks) if k > 0 and (ids[b] or self.last_output[b] is not None)]
         k_max = min(max((ks[b] for b in rows), default=1), self.k)
         masks = k_max - 1
@@ -41,7 +44,8 @@ class PEagleProposer(Eagle3Proposer):
                 pad = mask_state.expand(masks, -1)
                 hidden[b] = pad if hidden[b] is None else torch.cat([hidden[b], pad])
         extra = [masks if b in rows else 0 for b in range(len(ids))]
-        outs = self.feed_all(ids, hidden, keep=[1 + m for m in extra])  # the last verified entry and the masks
+        outs = self.feed_all(ids, hidden, keep=[1 + m for m in extra], images=images,
+                             positions=positions)  # the last verified entry and the masks
         for b, n in enumerate(verified):
             if n:
                 self.last_output[b] = outs[b][-1 - extra[b]]

@@ -120,7 +120,7 @@ class LLM:
             model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
-            media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, bool(allow_media_fetch)),
+            media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch),
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 
@@ -335,6 +335,8 @@ class LLM:
             raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if prompt.get("multi_modal_inputs") is not None:  # processed by prepare_media
             media = prompt["multi_modal_inputs"]
+            if self.runner.vision is None:
+                raise ValueError(f"multi_modal_inputs given, but {self.config.model} is a text-only target")
             if not isinstance(media, MediaPrompt) or list(media.input_ids) != req.prompt_token_ids:
                 raise TypeError("multi_modal_inputs must be what LLM.prepare_media returned, with its input_ids as "
                                 "prompt_token_ids")
@@ -342,17 +344,31 @@ class LLM:
         elif prompt.get("multi_modal_data") is not None:
             req.media = self.prepare_media(req.prompt, prompt["multi_modal_data"])
             req.prompt_token_ids = list(req.media.input_ids)
+        self._refuse_bare_image_tokens(req)
         if prompt.get("loss_mask") is not None:
             req.loss_mask = [int(x) for x in prompt["loss_mask"]]
         if prompt.get("sample_id") is not None:
             req.sample_id = str(prompt["sample_id"])
 
-    def prepare_media(self, prompt: str | None, multi_modal_data: Any) -> MediaPrompt:
+    def _refuse_bare_image_tokens(self, req: Request) -> None:
+        """Image placeholder tokens with no image behind them (token ids, or text naming the placeholder) would run
+        on the placeholder's embedding: refused, as vLLM refuses them."""
+        vision = self.runner.vision
+        if vision is None or req.media is not None or vision.image_token_id not in req.prompt_token_ids:
+            return
+        raise ValueError(f"the prompt holds the image placeholder token {vision.image_token_id} but no image; give "
+                         "its image in multi_modal_data (or an image part in a chat message), or drop the "
+                         "placeholder")
+
+    def prepare_media(self, prompt: str | None, multi_modal_data: Any, max_tokens: int | None = -1) -> MediaPrompt:
         """An image prompt processed as generate() runs it: `multi_modal_data` ({"image": image or [images]}) loaded
         under the engine's media policy (limit_mm_per_prompt, allowed_local_media_path) and processed with the
         prompt text (one placeholder per image) by the model's processor; ValueError names the image and the fix.
         generate() takes the result as {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve`
-        does on its admission thread)."""
+        does on its admission thread). `max_tokens`: a prompt whose images expand it past this many tokens is refused
+        before the vision tower runs (default max_model_len; None: no limit, for a caller that truncates)."""
+        if max_tokens == -1:
+            max_tokens = self.runner.max_model_len
         vision = self.runner.vision
         if vision is None:
             raise ValueError(f"multi_modal_data given, but {self.config.model} is a text-only target: hsx gives a "
@@ -370,7 +386,14 @@ class LLM:
         policy = self.config.media
         policy.check_count("image", len(refs), "the prompt")
         images = [load_image(ref, policy, f"image {i}") for i, ref in enumerate(refs)]
-        return vision.prepare(prompt, images, "the prompt")
+        try:
+            return vision.prepare(prompt, images, "the prompt", max_tokens=max_tokens)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the vision tower or the model's position code on these images:
+            # this request's failure (an out-of-memory included), never the batch's
+            raise ValueError(f"the prompt's images could not be processed: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
 
     def check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None, **limits) -> int:
         """extractor.request.check_request against this engine's model (max_model_len, vocabulary): RequestRejected

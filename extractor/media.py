@@ -16,6 +16,7 @@ import base64
 import binascii
 import io
 import os
+import stat
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 """PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS): larger images are refused before decoding."""
 MAX_FETCH_BYTES = 64 << 20
+"""Largest image file read (a local file or a fetched URL)."""
+ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "ICO")
+"""The image formats PIL may open here (never EPS, which may run Ghostscript on the file's PostScript)."""
 
 
 
@@ -116,10 +120,10 @@ def load_image(ref: Any, policy: MediaPolicy, where: str):
         raise ValueError(f"{where}: image URL scheme {scheme!r} is not supported; use a path, file://, data: or "
                          "http(s) URL")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS)
     except Exception as e:  # PIL raises UnidentifiedImageError, or its decoders' own errors
-        raise ValueError(f"{where}: not an image PIL can read ({type(e).__name__}: {str(e)[:80]}); give a PNG, JPEG "
-                         "or another image file") from None
+        raise ValueError(f"{where}: not an image PIL can read ({type(e).__name__}: {str(e)[:80]}); give a "
+                         f"{', '.join(ALLOWED_IMAGE_FORMATS)} file") from None
     return _checked(image, policy, where)
 
 
@@ -131,9 +135,21 @@ def _checked(image, policy: MediaPolicy, where: str):
     if width == 0 or height == 0:
         raise ValueError(f"{where}: the image is empty ({width}x{height})")
     try:
-        return image.convert("RGB")
+        return _rgb(image)
     except Exception as e:
         raise ValueError(f"{where}: the image cannot be decoded ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def _rgb(image):
+    """RGB as vLLM's loader gives it: turned upright by its EXIF orientation, transparency laid on white."""
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def _data_url(ref: str, where: str) -> bytes:
@@ -156,8 +172,14 @@ def _local(ref: str, policy: MediaPolicy, where: str) -> bytes:
     if os.path.commonpath([real, root]) != root:
         raise ValueError(f"{where}: the image path {ref!r} must be inside allowed_local_media_path {root!r}")
     try:
+        info = os.stat(real)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{where}: {ref!r} is not a regular file")
+        if info.st_size > MAX_FETCH_BYTES:
+            raise ValueError(f"{where}: image file {ref!r} is {info.st_size:,} bytes, over the limit of "
+                             f"{MAX_FETCH_BYTES >> 20} MiB")
         with open(real, "rb") as f:
-            return f.read()
+            return f.read(MAX_FETCH_BYTES + 1)
     except FileNotFoundError:
         raise ValueError(f"{where}: image file {ref!r} does not exist") from None
     except OSError as e:

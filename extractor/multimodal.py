@@ -95,6 +95,18 @@ def image_processing(model: str, *, revision: str | None = None, trust_remote_co
                                                            trust_remote_code=trust_remote_code))
 
 
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a 1-D bool tensor."""
+    runs, start = [], None
+    for i, v in enumerate(mask.tolist() + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
 # -- processing -------------------------------------------------------------------------------------------------------
 @dataclass
 class MediaPrompt:
@@ -162,9 +174,11 @@ class Vision:
         """The image processor's resizing bounds, recorded in run.json (what every stored image went through)."""
 
     @torch.inference_mode()
-    def prepare(self, text: str, images: list, where: str) -> MediaPrompt:
+    def prepare(self, text: str, images: list, where: str, max_tokens: int | None = None) -> MediaPrompt:
         """Process `text` (one image placeholder per image, as vLLM prompts carry them) with `images`: the expanded
-        ids, the modality mask, the M-RoPE positions and the vision tower's features (computed once, here)."""
+        ids, the modality mask, the M-RoPE positions and the vision tower's features (computed once, here). A prompt
+        longer than `max_tokens` once expanded is refused before the vision tower runs; each image's tokens must
+        form a block of their own (a placeholder next to another without a token between is refused)."""
         image_token = getattr(self.processor, "image_token", "<|image_pad|>")
         found = text.count(image_token)
         if found != len(images):
@@ -179,6 +193,15 @@ class Vision:
         ids, types = out["input_ids"][0], out["mm_token_type_ids"][0]
         grid = out.get("image_grid_thw")
         grid = torch.zeros((0, 3), dtype=torch.long) if grid is None else grid
+        if max_tokens is not None and ids.shape[0] > max_tokens:
+            raise ValueError(f"{where}: with its images the prompt has {ids.shape[0]} tokens, more than the limit of "
+                             f"{max_tokens}; use fewer or smaller images, or a shorter prompt")
+        merge = int(self.pixel_limits.get("merge_size", 1)) ** 2
+        per_image = tuple(int(g.prod()) // merge for g in grid)
+        runs = _runs(types != 0)
+        if [n for _, n in runs] != list(per_image):
+            raise ValueError(f"{where}: the image placeholders are not separated ({len(runs)} image blocks for "
+                             f"{len(per_image)} images); put text or the vision markers between images")
         embed = self.inner.get_input_embeddings()
         device = embed.weight.device
         features = torch.empty((0, embed.embedding_dim), dtype=embed.weight.dtype)
@@ -193,11 +216,10 @@ class Vision:
                                                  image_grid_thw=grid.to(device) if len(grid) else None,
                                                  attention_mask=None)
         positions = positions[:, 0].to("cpu", torch.long)  # [3, T]
-        merge = int(self.pixel_limits.get("merge_size", 1)) ** 2
         return MediaPrompt(input_ids=ids.tolist(), image_features=features, image_grid_thw=grid,
                            mm_token_type_ids=types.to(torch.uint8), positions=positions,
                            next_position=int(positions.max()) + 1 if positions.numel() else 0,
-                           tokens_per_image=tuple(int(g.prod()) // merge for g in grid))
+                           tokens_per_image=per_image)
 
     def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
         """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image

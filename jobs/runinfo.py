@@ -34,6 +34,7 @@ IDENTITY = {
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
     "sampling": "--temperature/--top-p/--top-k/--seed", "id_field": "--id-field", "storage_layout": "--layout",
     "image_processing": "--model (its image processor's pixel limits, preprocessor_config.json)",
+    "mm_embeds": "--mm-embeds",
 }
 
 
@@ -77,6 +78,7 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
         include_output_tokens=config.include_output_tokens, sampling=sampling, id_field=config.id_field,
         storage_layout=config.layout, image_processing=_image_processing(config, facts),
+        mm_embeds=bool(config.mm_embeds and facts.multimodal),
         corpus=tuple(f.url for f in files), corpus_fingerprint=corpus_fingerprint(files, sizes),
         versions=_versions(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 

@@ -185,7 +185,7 @@ class ExtractionWorker:
         vision = getattr(getattr(llm, "runner", None), "vision", None)
         if vision is None:
             raise ValueError("image samples need hsx's engine (--engine hsx) on a vision-language target")
-        media = llm.prepare_media(row["prompt_text"], {"image": list(row["images"])})
+        media = llm.prepare_media(row["prompt_text"], {"image": list(row["images"])}, max_tokens=None)
         mask = media.expand(row["prompt_token_ids"], row["loss_mask"], vision.image_token_id)
         limit = self.settings.max_prompt_tokens
         if limit is not None and len(media.input_ids) > limit:

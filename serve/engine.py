@@ -325,7 +325,7 @@ class Engine:
                             "messages", "chat_template_error") from None
         if images:  # the images loaded under --allowed-local-media-path / --limit-mm-per-prompt, then processed
             try:
-                media = self.llm.prepare_media(out, {"image": images})
+                media = self.llm.prepare_media(out, {"image": images}, max_tokens=self.max_prompt_tokens)
             except (ValueError, TypeError) as e:
                 raise _Rejected(400, str(e), "messages", "invalid_image") from None
             return list(media.input_ids), out, media

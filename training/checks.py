@@ -96,10 +96,16 @@ def open_dataset(config: TrainDrafterConfig, run: str | None = None):
     """The run (default --run) as the trainer reads it (raw layout, samples truncated to --batch-tokens, with their
     ids)."""
     run = run or config.run
+    from drafters.registry import drafter_class
+
+    try:  # only the families that embed tokens themselves read (and need) the stored image embeddings
+        reads = getattr(drafter_class(config.kind), "reads_image_embeddings", False)
+    except ValueError:
+        reads = False  # an unknown --kind is refused by its own check
     try:
         return HiddenStatesDataset(run, layout="raw", storage_options=config.storage_options,
                                    max_length=config.batch_tokens, include_sample_id=True,
-                                   image_inputs=config.image_inputs)
+                                   image_inputs=config.image_inputs if reads else "placeholder")
     except (OSError, ValueError) as e:
         raise ValueError(f"{run}: cannot open the run ({e})") from e
 

@@ -10,6 +10,9 @@ aux_hidden_states [T, (L-1)*H] / target_hidden_states [T, H], whatever the datas
 pad_token_id for input_ids and zero elsewhere (loss_mask is 0 on padding, so a loss masked with it ignores pads).
 String fields (sample_id) come back as lists in batch order.
 
+An item's `positions` [T] (an image run's: the target's M-RoPE time stream) become its position_ids in place of
+0..T-1: drafters rotate by the positions vLLM's proposer feeds them.
+
 A trainer that shifts targets by one token (EAGLE predicts the state / token at t+1 from t) must not shift across
 a document boundary in a packed row: positions where document_ids[t] != document_ids[t+1] have no target.
 """
@@ -64,6 +67,8 @@ class PadCollator:
             out[key] = padded  # [B, T_max, ...]
         positions = torch.arange(t_max).expand(len(batch), t_max)  # [B, T_max]
         out["attention_mask"] = (positions < lengths[:, None]).long()  # [B, T_max]
+        if "positions" in out:  # the target's own positions (an image run: M-RoPE's time stream)
+            positions = out["positions"]
         out["position_ids"] = positions * out["attention_mask"]  # [B, T_max], 0 on padding
         out["lengths"] = lengths
         for key in other_keys:
@@ -143,7 +148,8 @@ class PackCollator:
                 n = used[i]
                 for key in tensor_keys:
                     out[key][r, offset: offset + n] = batch[i][key][:n]
-                position_ids[r, offset: offset + n] = torch.arange(n)
+                own = batch[i].get("positions")  # the target's own (an image run: M-RoPE's time stream)
+                position_ids[r, offset: offset + n] = torch.arange(n) if own is None else own[:n]
                 document_ids[r, offset: offset + n] = i
                 offset += n
                 seqlens.append(n)

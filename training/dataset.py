@@ -58,6 +58,7 @@ from connectors.format import (
     LOSS_MASK,
     MM_EMBEDS,
     MM_TOKEN_TYPE_IDS,
+    POSITION_IDS,
     TARGET_TOPK_IDS,
     TARGET_TOPK_LOGPROBS,
     TOKEN_IDS,
@@ -142,7 +143,9 @@ class HiddenStatesDatasetConfig:
     """What a drafter reads at the image tokens of a multimodal run (files with mm_token_type_ids): "vision" (items
     carry image_embeds [T, H], the merged input embeddings the run stored with --mm-embeds: what vLLM's proposer
     feeds the drafter there; a run without them is refused) or "placeholder" (the image token's own embedding, as
-    peers trained). Either way items carry image_mask [T] and the loss mask is 0 at image tokens."""
+    peers trained). Either way items carry image_mask [T], the loss mask is 0 at image tokens, and items carry
+    positions [T]: the target's positions (M-RoPE: the time stream), which collators give drafters as position_ids,
+    as vLLM's proposer feeds them."""
     verify: bool = True
     """Check every item's data against the checksum in its file's header (xxh3_64, a few GB/s per core); a damaged
     file raises HiddenStatesFileError. The whole data region is hashed, so with `max_length` the rest of each file
@@ -210,12 +213,16 @@ class HiddenStatesDataset(Dataset):
 
         info = self.run_info
         self._top_k = info.target_top_k
-        self._names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS) + (
+        self._names = (TOKEN_IDS, HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS, POSITION_IDS) + (
             (TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS) if self._top_k is not None else ()) + (
             (MM_EMBEDS,) if config.image_inputs == "vision" else ())
         if config.layout == "eagle3" and self._top_k is None and len(info.layer_ids) < 2:
             raise ValueError(f"layout='eagle3' needs at least 2 stored layers (aux + target); the run stores "
                              f"{list(info.layer_ids)}. Use layout='raw'")
+        if config.image_inputs == "vision" and info.image_processing and not info.mm_embeds:
+            raise ValueError("the run is an image run stored without the image embeddings (hsx run --mm-embeds): "
+                             "re-extract with --mm-embeds to train with the vision embeddings at image tokens, or "
+                             "train with --image-inputs placeholder")
         self._norm: FinalNorm | None = None
         if config.normalize_last_layer and not info.last_layer_normalized:
             self._norm = _load_norm(info, config.model_dir)
@@ -294,6 +301,8 @@ class HiddenStatesDataset(Dataset):
         image = tensors[MM_TOKEN_TYPE_IDS] != 0  # [T]
         item["loss_mask"] = item["loss_mask"] * (~image).long()
         item["image_mask"] = image.to(torch.uint8)
+        if POSITION_IDS in tensors:  # the positions vLLM feeds a drafter: the target's (M-RoPE: the time stream)
+            item["positions"] = tensors[POSITION_IDS][:, 0].to(torch.long)
         if self.config.image_inputs != "vision":
             return
         n = int(image.sum())

@@ -518,7 +518,8 @@ def test_training_unroll_embeds_image_tokens_with_the_targets_merged_embeddings(
 
 def test_proposer_feeds_image_tokens_the_embeddings_training_read(trained_head, runner, oracle_model):
     """Drafts of a row whose prompt holds image tokens (MediaPrompt.mm_token_type_ids, image_features) equal what
-    the training unroll with the same merged embeddings predicts."""
+    the training unroll with the same merged embeddings and the target's positions (M-RoPE's time stream, as vLLM
+    feeds a drafter) predicts."""
     from drafters.eagle3_proposer import Eagle3Proposer
     from extractor.multimodal import MediaPrompt
 
@@ -529,9 +530,11 @@ def test_proposer_feeds_image_tokens_the_embeddings_training_read(trained_head, 
     features = torch.randn(len(image_at), 64, generator=torch.Generator().manual_seed(1))
     types = torch.zeros(len(ctx), dtype=torch.uint8)
     types[image_at] = 1
+    # M-RoPE's time stream: the image's three tokens share one time, the text after it goes on from the next
+    times = torch.tensor([0, 1, 2, 2, 2] + list(range(3, len(ctx) - 2)))
     media = MediaPrompt(input_ids=list(ctx), image_features=features, image_grid_thw=torch.tensor([[1, 2, 6]]),
-                        mm_token_type_ids=types, positions=torch.arange(len(ctx)).expand(3, -1),
-                        next_position=len(ctx), tokens_per_image=(3,))
+                        mm_token_type_ids=types, positions=times.expand(3, -1), next_position=int(times[-1]) + 1,
+                        tokens_per_image=(3,))
     proposer = Eagle3Proposer(folder, runner, 3)
     proposer.start([ctx])
     proposer.media([media])
@@ -546,8 +549,9 @@ def test_proposer_feeds_image_tokens_the_embeddings_training_read(trained_head, 
     mask[0, image_at] = True
     values = torch.zeros(1, len(seq), 64)
     values[0, image_at] = features
+    positions = torch.cat([times, times[-1] + 1 + torch.arange(len(drafts))])[None]  # as vLLM feeds the drafter
     with torch.no_grad():
-        outputs = drafter.unroll_steps(aux, torch.tensor([seq]), torch.arange(len(seq))[None],
+        outputs = drafter.unroll_steps(aux, torch.tensor([seq]), positions,
                                        torch.zeros(1, len(seq), dtype=torch.long), [None] * 3, (mask, values))
     chain = len(ctx) - 2
     assert [int(drafter.draft_ids[drafter.logits(outputs[s].grid(1)[0, chain]).argmax()]) for s in range(3)] == drafts

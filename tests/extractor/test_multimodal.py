@@ -172,7 +172,7 @@ def test_each_bad_image_fails_its_own_request(vl_model, images, tmp_path, tmp_pa
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), "blue").save(buf, format="PNG")
     good_data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    config = EngineConfig(model=vl_model, layer_ids=tuple(LAYERS),
+    config = EngineConfig(model=vl_model, layer_ids=tuple(LAYERS), max_model_len=96,
                           media=MediaPolicy({"image": 2}, images, max_image_pixels=150 * 150))
     llm = LLM.from_config(config, KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
     cases = {
@@ -192,8 +192,16 @@ def test_each_bad_image_fails_its_own_request(vl_model, images, tmp_path, tmp_pa
     prompts.append({"prompt": f"{PAD}{PAD}{PAD}three", "multi_modal_data": {"image": ["red.png"] * 3}})
     prompts.append({"prompt": "no placeholder", "multi_modal_data": {"image": "red.png"}})
     prompts.append({"prompt": PAD, "multi_modal_data": {"video": "clip.mp4"}})
+    prompts.append({"prompt": "<|image_pad|><|image_pad|>", "multi_modal_data": {"image": ["red.png", "blue.png"]}})
+    prompts.append({"prompt": f"{PAD} a bare placeholder with no image"})
+    prompts.append({"prompt": f"{PAD}{PAD} too long", "multi_modal_data": {"image": ["blue.png", "blue.png"]},
+                    "max": True})
     expected = [why for _, why in cases.values()] + ["at most 2 image(s)", "0 image placeholder(s)",
-                                                      "hsx takes images"]
+                                                      "hsx takes images", "not separated", "but no image",
+                                                      "more than the limit"]
+    for p in prompts:  # a prompt that its images make longer than the engine's limit
+        if p.pop("max", False):
+            p["prompt"] += " and more" * 40
     outs = llm.generate(prompts)
     for out, why, prompt in zip(outs, expected, prompts):
         if why is None:
@@ -238,11 +246,37 @@ def test_load_image_policy(images, tmp_path):
     assert MediaPolicy().limit("image") == 999
 
 
+def test_images_load_as_vllm_loads_them(tmp_path):
+    """EXIF orientation applied, transparency laid on white, EPS never opened, only regular files under a cap."""
+    from PIL import Image
+
+    policy = MediaPolicy(allowed_local_media_path=str(tmp_path))
+    rotated = Image.new("RGB", (40, 20), "red")
+    exif = rotated.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to display
+    rotated.save(tmp_path / "rotated.jpg", exif=exif)
+    assert load_image("rotated.jpg", policy, "x").size == (20, 40)
+    clear = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    clear.save(tmp_path / "clear.png")
+    assert load_image("clear.png", policy, "x").getpixel((0, 0)) == (255, 255, 255)
+    (tmp_path / "page.eps").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")
+    with pytest.raises(ValueError, match="not an image PIL can read"):
+        load_image("page.eps", policy, "x")
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_image("pipe.png", policy, "x")
+    with open(tmp_path / "huge.png", "wb") as f:
+        f.truncate((64 << 20) + 1)
+    with pytest.raises(ValueError, match="over the limit"):
+        load_image("huge.png", policy, "x")
+
+
 def test_header_refuses_misshapen_multimodal_tensors(tmp_path):
     from safetensors.torch import save_file
 
     base = {"token_ids": torch.arange(4), "hidden_states": torch.ones(4, 2, 8)}
-    for bad, match in [({POSITION_IDS: torch.zeros(3, 3, dtype=torch.int64)}, "position_ids"),
+    types = {MM_TOKEN_TYPE_IDS: torch.zeros(4, dtype=torch.uint8)}
+    for bad, match in [({**types, POSITION_IDS: torch.zeros(3, 3, dtype=torch.int64)}, "position_ids"),
                        ({MM_TOKEN_TYPE_IDS: torch.zeros(5, dtype=torch.uint8)}, "mm_token_type_ids"),
                        ({MM_EMBEDS: torch.zeros(2, 8)}, "mm_embeds")]:
         path = str(tmp_path / "bad.safetensors")

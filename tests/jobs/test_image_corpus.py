@@ -82,6 +82,7 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
     run_json = json.loads(open(os.path.join(output, "run.json")).read())
     assert run_json["image_processing"] == {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64, "patch_size": 14,
                                             "merge_size": 2, "temporal_patch_size": 2}
+    assert run_json["mm_embeds"] is True
     failures = {"missing": "does not exist", "broken": "not an image", "escape": "must be inside",
                 "long": "would cut image"}
     for sample_id, why in failures.items():
@@ -142,6 +143,23 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
         assert torch.equal(item["image_embeds"][image], got.get(MM_EMBEDS, torch.zeros(0, 64)))
         assert not item["image_embeds"][~image].any()
         assert "image_embeds" not in plain
+        assert torch.equal(item["positions"], got[POSITION_IDS][:, 0])  # the drafter's: M-RoPE's time stream
+    from training.collate import PackCollator
+
+    packed = PackCollator(max_tokens=1024, pad_to_max=False)([vision[0], vision[1]])
+    n0 = vision[0]["input_ids"].shape[0]
+    assert torch.equal(packed["position_ids"][0, :n0], vision[0]["positions"])
+    assert torch.equal(packed["position_ids"][0, n0:n0 + vision[1]["input_ids"].shape[0]], vision[1]["positions"])
+    # a run stored without the embeddings trains EAGLE-3 only the placeholder way, said when it opens
+    doc = dict(run_json)
+    del doc["mm_embeds"]
+    with open(os.path.join(output, "run.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(ValueError, match="--mm-embeds"):
+        HiddenStatesDataset(output)
+    assert len(HiddenStatesDataset(output, image_inputs="placeholder")) == len(vision)
+    with open(os.path.join(output, "run.json"), "w") as f:
+        json.dump(run_json, f)
 
     # the peers' layouts: speculators' files and its Arrow dataset, with the loss off at image tokens
     from safetensors.torch import load_file
