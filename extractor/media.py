@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_VL = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Vision-language families hsx's engine runs: their merged embeddings and M-RoPE positions are computed by the
 model's own methods (get_image_features, get_rope_index) and fed to the language model chunk by chunk."""
-DEEPSTACK_VL = ("qwen3_vl", "qwen3_vl_moe")
+DEEPSTACK_VL = ("qwen3_vl_moe",)
 
 
 def is_multimodal(hf_config: Any) -> bool:
@@ -39,9 +39,8 @@ def check_supported(hf_config: Any, model: str) -> None:
     """ValueError naming what to do for a vision-language target hsx's engine cannot run exactly."""
     kind = getattr(hf_config, "model_type", "")
     if kind in DEEPSTACK_VL:
-        raise ValueError(f"{model} is a {kind} target: its deepstack adds visual features into early layers' outputs, "
-                         f"which hsx's engine does not feed yet; supported vision-language families: "
-                         f"{', '.join(SUPPORTED_VL)} (or run it with --engine vllm)")
+        raise ValueError(f"{model} is a {kind} target, which hsx's engine has not been checked against yet; supported "
+                         f"vision-language families: {', '.join(SUPPORTED_VL)}")
     if kind not in SUPPORTED_VL:
         raise ValueError(f"{model} is a vision-language target of type {kind!r}, which hsx's engine does not run; "
                          f"supported: {', '.join(SUPPORTED_VL)} (or use its text model alone)")

@@ -14,7 +14,11 @@ transformers processor, and the record that makes their states usable for a draf
 What a prompt may bring and how its images are loaded (vLLM's limit_mm_per_prompt, allowed_local_media_path):
 extractor.media.
 
-Positions. Qwen2-VL / Qwen2.5-VL rotate with M-RoPE: three position streams (time, height, width), which differ from
+Deepstack (Qwen3-VL): the vision tower's intermediate features are added to the first few decoder layers' outputs at
+image tokens; prefill then runs the language model itself with each chunk's share of them (DeepstackBatch), and the
+stored id k is layer k-1's output after its add, as vLLM records it for its proposer.
+
+Positions. Qwen2-VL / Qwen2.5-VL / Qwen3-VL rotate with M-RoPE: three position streams (time, height, width), which differ from
 0..T-1 inside and after an image. `MediaPrompt.positions` is the model's own `get_rope_index` of the processed
 inputs ([3, T]); decoding continues every stream at `next_position` = max + 1 (transformers' `rope_deltas` rule).
 Text-only prompts on such a target have positions 0..T-1 in all three streams and run as text.
@@ -71,6 +75,38 @@ def load_processor(model: str, *, revision: str | None = None, trust_remote_code
                      chat_template=getattr(tokenizer, "chat_template", None))
 
 
+@dataclass
+class DeepstackBatch:
+    """A batch's deepstack inputs: mask [B, W] of its image tokens, per deepstack layer [N, H] in row-major order.
+
+    hsx stores layer id k (the output of decoder layer k-1) after that layer's deepstack add, as vLLM (0.32)
+    captures the aux states it hands its proposer (`hidden_states + deepstack` before it records layer k);
+    transformers' own hidden_states (5.25) are the layer's output before the add."""
+
+    mask: torch.Tensor
+    features: list[torch.Tensor]
+
+    def chunk(self, c0: int, c1: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The chunk [c0, c1)'s mask and features, or None when it holds no image token."""
+        part = self.mask[:, c0:c1]
+        if not bool(part.any()):
+            return None
+        cols = torch.nonzero(self.mask)[:, 1]  # row-major, as the features are
+        keep = (cols >= c0) & (cols < c1)
+        return part, [f[keep] for f in self.features]
+
+    def add_to(self, states: torch.Tensor, layer_ids, chunk: tuple[torch.Tensor, list[torch.Tensor]] | None) -> None:
+        """Captured states [B, c, L, H] of a chunk, in place: id k (1 <= k <= layers) + deepstack layer k-1 at the
+        chunk's image tokens."""
+        if chunk is None:
+            return
+        part, features = chunk
+        for j, k in enumerate(layer_ids):
+            if 1 <= k <= len(features):
+                view = states[:, :, j]
+                view[part] = view[part] + features[k - 1].to(view.dtype)
+
+
 PIXEL_LIMIT_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size")
 
 
@@ -119,6 +155,7 @@ class MediaPrompt:
     positions: torch.Tensor  # int64 [3, T]
     next_position: int  # where decoding continues, in every stream
     tokens_per_image: tuple[int, ...] = ()  # each image's count of tokens in input_ids, in order
+    deepstack: tuple[torch.Tensor, ...] = ()  # Qwen3-VL: per deepstack layer [N, H], added to that layer's output
 
     @property
     def num_images(self) -> int:
@@ -160,7 +197,7 @@ class MediaPrompt:
         return MediaPrompt(input_ids=self.input_ids[:limit], image_features=self.image_features,
                            image_grid_thw=self.image_grid_thw, mm_token_type_ids=self.mm_token_type_ids[:limit],
                            positions=positions, next_position=int(positions.max()) + 1,
-                           tokens_per_image=self.tokens_per_image)
+                           tokens_per_image=self.tokens_per_image, deepstack=self.deepstack)
 
 
 class Vision:
@@ -170,6 +207,9 @@ class Vision:
         self.model, self.processor, self.hf_config = model, processor, hf_config
         self.image_token_id = int(hf_config.image_token_id)
         self.inner = model.model  # Qwen2_5_VLModel: get_image_features, get_rope_index
+        self.deepstack = len(getattr(getattr(hf_config, "vision_config", None), "deepstack_visual_indexes", None)
+                             or ())
+        """Qwen3-VL: how many early decoder layers get visual features added to their outputs (0: none)."""
         self.pixel_limits = pixel_limits(processor.image_processor)
         """The image processor's resizing bounds, recorded in run.json (what every stored image went through)."""
 
@@ -205,10 +245,14 @@ class Vision:
         embed = self.inner.get_input_embeddings()
         device = embed.weight.device
         features = torch.empty((0, embed.embedding_dim), dtype=embed.weight.dtype)
+        deepstack: tuple[torch.Tensor, ...] = ()
         if len(grid):
             pixels = out["pixel_values"].to(device, self.inner.visual.dtype)
-            pooled = self.inner.get_image_features(pixels, grid.to(device), return_dict=True).pooler_output
-            features = torch.cat(list(pooled), dim=0).to("cpu", embed.weight.dtype)
+            encoded = self.inner.get_image_features(pixels, grid.to(device), return_dict=True)
+            features = torch.cat(list(encoded.pooler_output), dim=0).to("cpu", embed.weight.dtype)
+            deepstack = tuple(  # per deepstack layer: its per-image features, one [N, H] in token order
+                (torch.cat(list(d)) if isinstance(d, (list, tuple)) else d).to("cpu", embed.weight.dtype)
+                for d in getattr(encoded, "deepstack_features", None) or ())
         if int((ids == self.image_token_id).sum()) != features.shape[0]:
             raise ValueError(f"{where}: the processed prompt has {int((ids == self.image_token_id).sum())} image "
                              f"tokens for {features.shape[0]} image features")
@@ -219,7 +263,24 @@ class Vision:
         return MediaPrompt(input_ids=ids.tolist(), image_features=features, image_grid_thw=grid,
                            mm_token_type_ids=types.to(torch.uint8), positions=positions,
                            next_position=int(positions.max()) + 1 if positions.numel() else 0,
-                           tokens_per_image=per_image)
+                           tokens_per_image=per_image, deepstack=deepstack)
+
+    def deepstack_batch(self, media: list, starts: list[int], width: int, device: torch.device
+                        ) -> DeepstackBatch | None:
+        """A batch's deepstack inputs (Qwen3-VL): where its image tokens are and each deepstack layer's features in
+        that (row-major) order; None when no row has any."""
+        if not self.deepstack or not any(m is not None and m.deepstack for m in media):
+            return None
+        mask = torch.zeros((len(media), width), dtype=torch.bool)
+        layers: list[list[torch.Tensor]] = [[] for _ in range(self.deepstack)]
+        for b, m in enumerate(media):
+            if m is None or not m.deepstack:
+                continue
+            at = torch.nonzero(m.mm_token_type_ids).flatten() + starts[b]
+            mask[b, at] = True
+            for j, d in enumerate(m.deepstack):
+                layers[j].append(d)
+        return DeepstackBatch(mask.to(device), [torch.cat(d).to(device) for d in layers])
 
     def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
         """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image

@@ -433,6 +433,16 @@ class ModelRunner:
             following[b] = m.next_position
         return embeds, streams, following
 
+    def _deepstack_forward(self, inputs: dict, chunk, want_logits: bool) -> torch.Tensor | None:
+        """One prefill chunk of a deepstack target (Qwen3-VL) through its language model, the chunk's visual features
+        added to the early layers' outputs at its image tokens; last-position logits [B, V] when wanted."""
+        language = self.model.model.language_model
+        extra = {} if chunk is None else {"visual_pos_masks": chunk[0], "deepstack_visual_embeds": chunk[1]}
+        out = language(**inputs, **extra)
+        if not want_logits:
+            return None
+        return self.model.get_output_embeddings()(out.last_hidden_state[:, -1])
+
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
                 on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True,
@@ -450,12 +460,13 @@ class ModelRunner:
         """
         width = max(len(r) for r in rows)
         ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
-        embeds, following = None, positions[:, -1] + 1
+        embeds, following, deep = None, positions[:, -1] + 1, None
         if media is not None and any(m is not None for m in media):
             if self.vision is None:
                 raise ValueError("image inputs for a text-only target (internal error: the request should have been "
                                  "refused)")
             embeds, positions, following = self._media_inputs(ids, positions, starts, media)
+            deep = self.vision.deepstack_batch(media, starts, width, self.device)  # Qwen3-VL's, or None
         cache = self._new_cache() if (keep_cache or chunk_size < width) else None
         capture = self.capture if capture else None
         early_exit = not want_logits and not keep_cache and capture is not None
@@ -475,8 +486,11 @@ class ModelRunner:
                     inputs[self._cache_kw] = cache
                 if capture is not None:
                     capture.begin(early_exit=early_exit)
+                chunk = None if deep is None else deep.chunk(c0, c1)
                 try:
-                    if want_logits and c1 == width:
+                    if deep is not None:  # deepstack: the language model itself, with this chunk's visual features
+                        logits = self._deepstack_forward(inputs, chunk, want_logits and c1 == width)
+                    elif want_logits and c1 == width:
                         logits = self._logits(**inputs)
                     else:
                         self.base(**inputs)
@@ -485,7 +499,13 @@ class ModelRunner:
                 finally:
                     if capture is not None:
                         capture.end()
-                on_chunk(c0, c1, None if capture is None else self._captured(capture.collect(), to_host), starts)
+                captured = None
+                if capture is not None:
+                    states = capture.collect()
+                    if deep is not None:  # stored after each layer's deepstack add, as vLLM hands its proposer
+                        deep.add_to(states, capture.layer_ids, chunk)
+                    captured = self._captured(states, to_host)
+                on_chunk(c0, c1, captured, starts)
         finally:
             if self.capture is not None:
                 self.capture.enabled = True

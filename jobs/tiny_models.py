@@ -159,10 +159,14 @@ VL_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)
 """The tiny target's image processor's min_pixels / max_pixels: 4 to 64 patches of 28 x 28 after merging."""
 
 
-def vl_config(tokenizer, *, text: dict | None = None, vision: dict | None = None):
-    """A Qwen2.5-VL config for `tokenizer` (Qwen-VL's vision tokens in it): a 4-layer text model with M-RoPE and a
-    2-block vision tower by default; `text` / `vision` override either."""
+def vl_config(tokenizer, *, text: dict | None = None, vision: dict | None = None, family: str = "qwen2_5_vl"):
+    """A Qwen2.5-VL (or, family "qwen3_vl", a Qwen3-VL: deepstack features from both vision blocks added to the first
+    two decoder layers' outputs) config for `tokenizer` (Qwen-VL's vision tokens in it): a 4-layer text model with
+    M-RoPE and a 2-block vision tower by default; `text` / `vision` override either."""
     import transformers
+
+    if family == "qwen3_vl":
+        return _qwen3_vl_config(tokenizer, text or {}, vision or {})
 
     start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
@@ -185,6 +189,29 @@ def vl_config(tokenizer, *, text: dict | None = None, vision: dict | None = None
                                          video_token_id=video, tie_word_embeddings=False, **ids)
 
 
+def _qwen3_vl_config(tokenizer, text: dict, vision: dict):
+    import transformers
+
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                       vocab_size=len(tokenizer), initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                        "mrope_interleaved": True})
+    text_config.update(text)
+    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                         spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                         deepstack_visual_indexes=[0, 1], initializer_range=0.2)
+    vision_config.update(vision)
+    vision_config["out_hidden_size"] = text_config["hidden_size"]
+    config = transformers.Qwen3VLConfig(text_config=text_config, vision_config=vision_config, image_token_id=image,
+                                        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                                        tie_word_embeddings=False)
+    config.eos_token_id, config.pad_token_id = ids["eos_token_id"], ids["pad_token_id"]
+    return config
+
+
 def save_vl_target(model, tokenizer, out_dir: str) -> str:
     """Save a VL model with its tokenizer (vision tokens, the image-placing chat template) and Qwen2-VL's PIL image
     processor (patch 14, merge 2, VL_IMAGE_PIXELS): a folder extractor.LLM, hsx serve and transformers load."""
@@ -196,8 +223,10 @@ def save_vl_target(model, tokenizer, out_dir: str) -> str:
         [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else [])]
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=VL_IMAGE_PIXELS[0], max_pixels=VL_IMAGE_PIXELS[1], patch_size=14,
-                             merge_size=2, temporal_patch_size=2).save_pretrained(out_dir)
+    patch = int(getattr(model.config.vision_config, "patch_size", 14))
+    unit = (patch * 2) ** 2
+    Qwen2VLImageProcessorPil(min_pixels=unit * 4, max_pixels=unit * 64, patch_size=patch, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out_dir)
     return out_dir
 
 
@@ -209,7 +238,7 @@ def vl_tokenizer(tokenizer):
 
 
 def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", text: dict | None = None,
-                        vision: dict | None = None) -> str:
+                        vision: dict | None = None, family: str = "qwen2_5_vl") -> str:
     """A random Qwen2.5-VL-style target (transformers' Qwen2_5_VLForConditionalGeneration: a 2-block vision tower,
     a 4-layer text model with M-RoPE) with the local tokenizer (Qwen-VL's vision tokens added), a chat template that
     places images, and Qwen2-VL's PIL image processor (patch 14, merge 2), saved to `out_dir`; returns it.
@@ -219,7 +248,8 @@ def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", 
 
     tokenizer = vl_tokenizer(build_tokenizer(out_dir))
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(vl_config(tokenizer, text=text, vision=vision))
+    config = vl_config(tokenizer, text=text, vision=vision, family=family)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
     return save_vl_target(model.to(getattr(torch, dtype)), tokenizer, out_dir)
 
 

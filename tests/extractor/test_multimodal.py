@@ -26,9 +26,10 @@ LAYERS = [0, 1, 2, 3, 4]
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    return build_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_model(request, tmp_path_factory):
+    """A tiny Qwen2.5-VL, and a tiny Qwen3-VL (deepstack: visual features added to decoder layers 0 and 1)."""
+    return build_tiny_vl_model(str(tmp_path_factory.mktemp(f"tiny_{request.param}")), family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,15 @@ def _oracle_inputs(reference, text: str, paths: list[str]) -> dict:
 
 
 def _oracle_states(reference, inputs: dict) -> torch.Tensor:
-    """[T, L, H] for LAYERS: HF's hidden_states 0..N-1 and the last decoder layer's output before the final norm."""
+    """[T, L, H] for LAYERS: HF's hidden_states 0..N-1 and the last decoder layer's output before the final norm;
+    for a deepstack target (Qwen3-VL), layer k's output after its deepstack add at image tokens (k = 1..deepstack
+    layers), written out from the vision tower's deepstack features: what vLLM 0.32 hands its proposer."""
     model = reference[0]
+    deep = []
+    if "pixel_values" in inputs:
+        with torch.no_grad():
+            encoded = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+        deep = [torch.cat(list(d)) for d in getattr(encoded, "deepstack_features", None) or ()]
     captured = {}
     handle = model.model.language_model.layers[-1].register_forward_hook(
         lambda module, args, output: captured.setdefault("last", output[0] if isinstance(output, tuple) else output))
@@ -91,7 +99,10 @@ def _oracle_states(reference, inputs: dict) -> torch.Tensor:
             hidden = model(**inputs, output_hidden_states=True).hidden_states
     finally:
         handle.remove()
-    states = [h[0] for h in hidden[:-1]] + [captured["last"][0]]
+    states = [h[0].clone() for h in hidden[:-1]] + [captured["last"][0]]
+    image = inputs["mm_token_type_ids"][0].bool()
+    for k in range(1, len(deep) + 1):
+        states[k][image] += deep[k - 1]
     return torch.stack([states[k] for k in LAYERS], dim=1)
 
 
@@ -168,7 +179,8 @@ def test_each_bad_image_fails_its_own_request(vl_model, images, tmp_path, tmp_pa
     placeholder count that does not match: each its own failed request with one line; the good ones are written."""
     outside = tmp_path_factory.mktemp("outside")
     Image.new("RGB", (64, 64), "red").save(outside / "secret.png")
-    os.symlink(outside / "secret.png", os.path.join(images, "link.png"))
+    if not os.path.lexists(os.path.join(images, "link.png")):  # the images folder serves both targets
+        os.symlink(outside / "secret.png", os.path.join(images, "link.png"))
     buf = io.BytesIO()
     Image.new("RGB", (64, 64), "blue").save(buf, format="PNG")
     good_data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -225,11 +237,13 @@ def test_text_only_target_refuses_images(tmp_path):
     llm.shutdown()
 
 
-def test_deepstack_and_unknown_vl_families_are_refused():
-    from transformers import Qwen3VLConfig
+def test_unchecked_vl_families_are_refused():
+    from transformers import LlavaConfig, Qwen3VLMoeConfig
 
-    with pytest.raises(ValueError, match="deepstack"):
-        check_supported(Qwen3VLConfig(), "some/qwen3-vl")
+    with pytest.raises(ValueError, match="not been checked"):
+        check_supported(Qwen3VLMoeConfig(), "some/qwen3-vl-moe")
+    with pytest.raises(ValueError, match="does not run"):
+        check_supported(LlavaConfig(), "some/llava")
 
 
 def test_load_image_policy(images, tmp_path):
