@@ -186,8 +186,10 @@ class Eagle3Proposer(Proposer):
                 at = torch.nonzero(m.mm_token_type_ids).flatten()  # [N] prompt positions of the image tokens
                 self._images[first + i] = (at, m.image_features)
                 self._times[first + i] = m.positions[0]  # vLLM gives a drafter the target's time stream
-        if getattr(self.drafter, "embed_tokens", None) is None:
-            super().media(rows)  # a head without its own token embedding: the placeholder's, said once
+        if getattr(self.drafter, "embed_tokens", None) is None and not getattr(self, "_warned_media", False):
+            self._warned_media = True  # a head that embeds through something else: the placeholder's, said once
+            logger.warning("%s drafts after image tokens from their placeholder's embedding (vLLM feeds EAGLE "
+                           "drafters the vision embeddings there)", type(self).__name__)
 
     def entry_positions(self, b: int, first: int, n: int) -> torch.Tensor | None:
         """Row b's entries first..first+n-1 (entry p holds x_p's state): their positions as the target had them

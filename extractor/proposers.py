@@ -77,14 +77,10 @@ class Proposer(ABC):
         """Whether join() can add rows now (False: the engine runs the current rows to their end first)."""
         return True
 
-    def media(self, rows: Sequence) -> None:
+    def media(self, rows: Sequence) -> None:  # noqa: B027 - optional hook
         """The image prompts (extractor.multimodal.MediaPrompt, None for text) of the rows start/join just added, in
-        their order. Default: image tokens are drafted from as any token (their placeholder's embedding)."""
-        if any(m is not None for m in rows) and not getattr(self, "_warned_media", False):
-            self._warned_media = True
-            logger.warning("%s drafts after image tokens from their placeholder's embedding (vLLM feeds EAGLE "
-                           "drafters the vision embeddings there); its acceptance on image prompts may be lower",
-                           type(self).__name__)
+        their order. Default: nothing (a proposer that never embeds the prompt's tokens: ngram, a draft model on
+        token ids, heads on the target's states); EAGLE-family proposers feed the vision embeddings at image tokens."""
 
     def observe(self, states: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """states[b]: [n_b, len(capture_layer_ids), H] (engine device and dtype) the target's states of row b's
