@@ -47,6 +47,8 @@ training never loads decoding code.
     ttt.py             shift_left, needed_chains, unroll_chains: the test-time-training unroll (EAGLE-3, EAGLE,
                        P-EAGLE), each step over the chains it trains
     vocab.py           DraftVocab, build_draft_vocab: EAGLE-3's draft vocabulary and its d2t / t2d maps
+    images.py          override_embeddings, shifted_overrides: the target's merged embeddings at image tokens in
+                       a head's token embedding (EAGLE-3, EAGLE, P-EAGLE training and decoding)
     last_state.py      predicted_mask, TeacherLogits, head_loss, ...: heads on the last post-norm state (Medusa,
                        MLPSpeculator)
     last_state_proposer.py   LastStateProposer: their proposer base (the newest verified state per row)

@@ -24,6 +24,10 @@
     layers.py       layer-id semantics, the decoder layers found by structure, the capture hooks, early exit
     batching.py     token-budget batches grouped by length
     chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
+    media.py        MediaPolicy, load_image: what an image prompt may bring and how its images load (vLLM's
+                    limit_mm_per_prompt, allowed_local_media_path; no torch); which VL families run
+    multimodal.py   vision-language targets: the processor (without torchvision), MediaPrompt, Vision (the tower,
+                    M-RoPE positions, merged embeddings, Qwen3-VL's deepstack)
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ from connectors.run import RunDir, RunFormatError, read_run_spec
 from jobs.manifest import summarize
 from jobs.progress import human_bytes, human_count
 from jobs.report_config import ReportConfig
-from jobs.report_figures import FIGURES, plots
+from jobs.report_figures import FIGURES, RUN_FIGURES, plots
 from jobs.verify import latest_report
 
 logger = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ def render(data: dict[str, Any], images: dict[str, str] | None = None) -> str:
     not_drawn = data.get("figures_not_drawn") or {}
     img = {k: f'<img alt="{e(k)}" src="data:image/png;base64,{images[k]}">' if k in images else
            f'<p class="error figure-not-drawn">figure not drawn ({e(not_drawn.get(k, "no image"))}); its numbers are '
-           "in the page's JSON</p>" for k in FIGURES}
+           "in the page's JSON</p>" for k in (*FIGURES, *(k for k in RUN_FIGURES if k in images or k in not_drawn))}
     snapshot = data.get("snapshot")
     banner = ("" if not snapshot else
               f'<p id="snapshot" class="warning"><b>snapshot</b>: this run was being written when this page was made '

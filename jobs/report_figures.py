@@ -4,6 +4,7 @@
         lengths                 prompt and generated-token histograms, stacked per corpus file
         states                  RMS of the stored states by token position per layer; the share of bad rows
         mask_bytes              loss-mask coverage per sampled sample; bytes per token
+    RUN_FIGURES                 drawn only for runs that have what they show:
         images                  image-token share per sampled sample (a vision-language target's run)
         failures_throughput     failed samples by reason; tokens committed per second
     plots(data) -> (images, not drawn)   every figure as base64 PNG; one that fails is a reason, never a lost page
@@ -134,19 +135,19 @@ def _draw_failures_throughput(data: dict[str, Any]):
 
 
 FIGURES = {"lengths": _draw_lengths, "states": _draw_states, "mask_bytes": _draw_mask_bytes,
-           "images": _draw_images, "failures_throughput": _draw_failures_throughput}
-"""The page's figures by section name, in page order."""
-_DRAWN_WHEN = {"images": lambda data: any(v is not None for v in data["states"].get("image_token_share", []))}
-"""Figures drawn only for runs that have what they show."""
+           "failures_throughput": _draw_failures_throughput}
+"""The page's figures by section name, in page order: every run's."""
+RUN_FIGURES = {"images": (_draw_images,
+                          lambda data: any(v is not None for v in data["states"].get("image_token_share", [])))}
+"""Figures of the runs that have what they show: section name -> (draw, whether a run's data has it)."""
 
 
 def plots(data: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(every figure drawn, as base64 PNG by section name; why each figure that could not be drawn was not). One
     figure failing is a warning: the page is still written, that figure replaced by a note."""
     images, failed = {}, {}
-    for name, draw in FIGURES.items():
-        if name in _DRAWN_WHEN and not _DRAWN_WHEN[name](data):
-            continue
+    drawn = {**FIGURES, **{name: draw for name, (draw, applies) in RUN_FIGURES.items() if applies(data)}}
+    for name, draw in drawn.items():
         try:
             with literal_text():  # text from data (file names, failure reasons) is never math or TeX
                 images[name] = _png(draw(data))

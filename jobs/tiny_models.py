@@ -141,102 +141,6 @@ def build_tiny_model(family: str, out_dir: str, *, seed: int = 0, dtype: str = "
     return out_dir
 
 
-VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url', 'image_pil', 'input_image') %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""The tiny vision-language target's chat template: Qwen-VL's placeholder where each image part stands."""
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-VL_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)
-"""The tiny target's image processor's min_pixels / max_pixels: 4 to 64 patches of 28 x 28 after merging."""
-
-
-def vl_config(tokenizer, *, text: dict | None = None, vision: dict | None = None, family: str = "qwen2_5_vl"):
-    """A Qwen2.5-VL (or, family "qwen3_vl", a Qwen3-VL: deepstack features from both vision blocks added to the first
-    two decoder layers' outputs) config for `tokenizer` (Qwen-VL's vision tokens in it): a 4-layer text model with
-    M-RoPE and a 2-block vision tower by default; `text` / `vision` override either."""
-    import transformers
-
-    if family == "qwen3_vl":
-        return _qwen3_vl_config(tokenizer, text or {}, vision or {})
-
-    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                       vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                       **ids)
-    text_config.update(text or {})
-    half = text_config["hidden_size"] // text_config["num_attention_heads"] // 2  # rotary pairs per head
-    text_config["rope_parameters"] = {**text_config["rope_parameters"],  # M-RoPE: time, height, width streams
-                                      "mrope_section": [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]}
-    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                         spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                         in_channels=3, initializer_range=0.2)
-    vision_config.update(vision or {})
-    vision_config["out_hidden_size"] = text_config["hidden_size"]
-    return transformers.Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
-                                         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
-                                         video_token_id=video, tie_word_embeddings=False, **ids)
-
-
-def _qwen3_vl_config(tokenizer, text: dict, vision: dict):
-    import transformers
-
-    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    text_config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                       vocab_size=len(tokenizer), initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                        "mrope_interleaved": True})
-    text_config.update(text)
-    vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                         spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                         deepstack_visual_indexes=[0, 1], initializer_range=0.2)
-    vision_config.update(vision)
-    vision_config["out_hidden_size"] = text_config["hidden_size"]
-    config = transformers.Qwen3VLConfig(text_config=text_config, vision_config=vision_config, image_token_id=image,
-                                        video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-                                        tie_word_embeddings=False)
-    config.eos_token_id, config.pad_token_id = ids["eos_token_id"], ids["pad_token_id"]
-    return config
-
-
-def save_vl_target(model, tokenizer, out_dir: str) -> str:
-    """Save a VL model with its tokenizer (vision tokens, the image-placing chat template) and Qwen2-VL's PIL image
-    processor (patch 14, merge 2, VL_IMAGE_PIXELS): a folder extractor.LLM, hsx serve and transformers load."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")  # a chat's answer ends its turn there
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *(
-        [end_of_turn] if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else [])]
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    patch = int(getattr(model.config.vision_config, "patch_size", 14))
-    unit = (patch * 2) ** 2
-    Qwen2VLImageProcessorPil(min_pixels=unit * 4, max_pixels=unit * 64, patch_size=patch, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(out_dir)
-    return out_dir
-
-
-def vl_tokenizer(tokenizer):
-    """`tokenizer` with Qwen-VL's vision tokens and the image-placing chat template added (in place)."""
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = VL_CHAT_TEMPLATE
-    return tokenizer
-
-
 def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", text: dict | None = None,
                         vision: dict | None = None, family: str = "qwen2_5_vl") -> str:
     """A random Qwen2.5-VL-style target (transformers' Qwen2_5_VLForConditionalGeneration: a 2-block vision tower,
@@ -245,6 +149,8 @@ def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", 
     `text` / `vision` override the text and vision configs."""
     import torch
     import transformers
+
+    from training.reference_vl_target import save_vl_target, vl_config, vl_tokenizer
 
     tokenizer = vl_tokenizer(build_tokenizer(out_dir))
     torch.manual_seed(seed)

@@ -26,6 +26,8 @@ for another trainer.
     reference_target.py   a small target trained locally on the standard library's sources, for acceptance figures
                           (a Llama, or a DeepSeek-V3 / Qwen3-Next with native MTP layers)
     mtp_target.py         MergeMtpConfig, merge_mtp: `hsx merge-mtp`, a target folder with tuned MTP layers
+    reference_vl_target.py   a small Qwen2.5-VL trained locally on drawn pictures, for acceptance on image prompts;
+                             the VL configs, tokenizer and folder layout jobs.tiny_models' random ones share
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports
 connectors, extractor, drafters, torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
