@@ -3,7 +3,7 @@ feeds it) against one trained with the image placeholder's embedding (what peers
 vLLM serves them (the vision embeddings at image tokens), on held-out pictures.
 
     python benchmarks/bench_vl_drafters.py --quick          # few scenes and steps: the plumbing (~2 min)
-    python benchmarks/bench_vl_drafters.py --out bench-out  # the figures in docs/drafters.md
+    python benchmarks/bench_vl_drafters.py --out bench-out  # the figures in docs/drafters.md (results-vl-drafters.*)
 
 1. The reference vision-language target (training/reference_vl_target.py: a small Qwen2.5-VL trained here on drawn
    pictures of shapes, colours and digits with questions only the picture answers), cached.
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image
     from transformers import AutoTokenizer
 
+    from benchmarks.common import write_results
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
     from jobs.train import train_drafter
@@ -103,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     results = evaluate_speculation(target.path, prompts, methods, args.max_tokens, ignore_eos=False,
                                    threads=args.threads, max_num_seqs=1)
     table = comparison_table(results)
-    print("\n".join(table))
     summary = {"target": target.path, "target_report": {k: v for k, v in target.report.items() if k != "loss_curve"},
                "train_scenes": args.train_scenes, "eval_scenes": args.eval_scenes, "steps": args.steps, "k": args.k,
                "results": [{"method": r.method, "mean_acceptance_length": r.mean_acceptance_length,
@@ -112,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                "seconds": round(time.time() - started, 1)}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        with open(os.path.join(args.out, "table.md"), "w") as f:
-            f.write("\n".join(table) + "\n")
+        write_results(args.out, "results-vl-drafters", summary, "\n".join(table) + "\n")
+    else:
+        print("\n".join(table))
     bad = [r.method for r in results if not r.lossless]
     if bad:
         print(f"NOT LOSSLESS: {bad}", file=sys.stderr)
