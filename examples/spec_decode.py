@@ -7,7 +7,8 @@
     python examples/spec_decode.py --method eagle3 --parallel-drafting --model TARGET_DIR --draft-model HEAD_DIR  # peagle
     python examples/spec_decode.py --method mtp --model TARGET_DIR      # the target's own MTP layers (DeepSeek-V3 ...)
     python examples/spec_decode.py --dataset-path prompts.jsonl      # {"prompt": ...} or ShareGPT {"conversations": [...]}
-    python examples/spec_decode.py --custom-mm-prompts --method eagle3 --model VL_TARGET --draft-model HEAD_DIR
+    python examples/spec_decode.py --custom-mm-prompts --backend openai-chat --method eagle3 --model VL_TARGET \
+        --draft-model HEAD_DIR
                                                      # image prompts (local pictures drawn here) on a VL target
 
 Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
@@ -50,12 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--dataset-path", default=None,
                    help='local JSONL: one {"prompt": ...} or ShareGPT {"conversations": [...]} object a line')
+    p.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
+                   help="openai: llm.generate on the prompts; openai-chat: llm.chat on them as user messages "
+                        "(vLLM's flag; --custom-mm-prompts needs openai-chat)")
     p.add_argument("--custom-mm-prompts", action="store_true",
                    help="image prompts (vLLM's flag): chats with an image_url part each, about pictures drawn here "
                         "(training/reference_vl_target.py, no downloads); needs a vision-language --model (default: "
                         "a tiny random Qwen2.5-VL)")
     p.add_argument("--print-output", action="store_true", help="print each prompt's generated text")
     args = p.parse_args(argv)
+    if args.custom_mm_prompts and args.backend != "openai-chat":
+        p.error("--custom-mm-prompts are chat conversations with image parts: pass --backend openai-chat")
     if args.draft_model and args.method == "ngram":
         p.error(f"--draft-model needs --method draft_model or one of {', '.join(heads)}")
     if args.method in heads and args.method not in own and not (args.model and args.draft_model):
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> float:
         else:
             llm = LLM(model=model, speculative_config=spec)
             prompts = load_prompts(args.dataset_path, args.num_prompts)
-            outputs = llm.generate(prompts, params)
+            outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+                       if args.backend == "openai-chat" else llm.generate(prompts, params))
         if args.print_output:
             for prompt, out in zip(prompts, outputs):
                 print("-" * 50)

@@ -252,6 +252,8 @@ def test_load_image_policy(images, tmp_path):
     assert load_image(f"file://{images}/red.png", policy, "x").mode == "RGB"
     with pytest.raises(ValueError, match="without allowed_local_media_path"):
         load_image(f"{images}/red.png", MediaPolicy(), "image 0")
+    with pytest.raises(ValueError, match="cannot be fetched"):  # fetching allowed, nothing listens there
+        load_image("http://127.0.0.1:9/x.png", MediaPolicy(allow_fetch=True), "image 0")
     with pytest.raises(ValueError, match="is not an existing folder"):
         MediaPolicy(allowed_local_media_path=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="count >= 0"):

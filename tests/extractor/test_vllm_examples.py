@@ -220,8 +220,9 @@ def test_example_reads_local_datasets(layout, tiny_llama, tmp_path, capsys):
 def test_example_runs_custom_mm_prompts_on_a_vision_language_target():
     """--custom-mm-prompts (vLLM's flag): chats about pictures drawn here, loaded from local files, on a tiny random
     Qwen2.5-VL; prints vLLM's lines."""
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "spec_decode.py"), "--custom-mm-prompts", "--method",
-           "ngram", "--num-spec-tokens", "2", "--num-prompts", "3", "--output-len", "8", "--print-output"]
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "spec_decode.py"), "--custom-mm-prompts", "--backend",
+           "openai-chat", "--method", "ngram", "--num-spec-tokens", "2", "--num-prompts", "3", "--output-len", "8",
+           "--print-output"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
