@@ -9,7 +9,8 @@ transformers processor, and the record that makes their states usable for a draf
     MediaPrompt                                      one request's processed inputs: ids with every placeholder
                                                      expanded, the vision tower's features, modality mask, positions
     Vision(model, processor, hf_config)              prepare(text, images) -> MediaPrompt (the vision tower runs
-                                                     here, once); embeds(prompt) -> the merged input embeddings [T, H]
+                                                     here, once); merge(row_embeds, prompt, start): the tower's
+                                                     output at its image tokens (the merged input embeddings)
 
 What a prompt may bring and how its images are loaded (vLLM's limit_mm_per_prompt, allowed_local_media_path):
 extractor.media.
@@ -282,11 +283,11 @@ class Vision:
                 layers[j].append(d)
         return DeepstackBatch(mask.to(device), [torch.cat(d).to(device) for d in layers])
 
-    def embeds(self, prompt: MediaPrompt, device: torch.device) -> torch.Tensor:
-        """The merged input embeddings [T, H]: the text embedding of each token, the vision tower's output at image
-        positions (what the model's own forward builds from input_ids and pixel_values)."""
-        ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=device)
-        embeds = self.inner.get_input_embeddings()(ids)
+    @staticmethod
+    def merge(embeds: torch.Tensor, prompt: MediaPrompt, start: int) -> None:
+        """A row's token embeddings [W, H] (the prompt's ids embedded from column `start`), in place: the vision
+        tower's output at its image tokens — the merged input embeddings the model's own forward builds from
+        input_ids and pixel_values."""
         if prompt.image_features.shape[0]:
-            embeds[ids == self.image_token_id] = prompt.image_features.to(device, embeds.dtype)
-        return embeds
+            at = torch.nonzero(prompt.mm_token_type_ids).flatten().to(embeds.device) + start
+            embeds[at] = prompt.image_features.to(embeds.device, embeds.dtype)

@@ -421,14 +421,14 @@ class ModelRunner:
         """A batch with image prompts as the language model takes it: merged input embeddings [B, W, H] (the vision
         tower's output at image positions), M-RoPE positions [3, B, W] (text rows and padding: their 1-D positions in
         every stream) and where each row continues decoding [B]."""
-        embeds = self.model.get_input_embeddings()(ids)
+        embeds = self.model.get_input_embeddings()(ids)  # every row's tokens, image placeholders included
         streams = positions[None].expand(3, -1, -1).clone()
         following = positions[:, -1] + 1
         for b, m in enumerate(media):
             if m is None:
                 continue
             n = len(m.input_ids)
-            embeds[b, starts[b]:starts[b] + n] = self.vision.embeds(m, self.device)
+            self.vision.merge(embeds[b], m, starts[b])  # the placeholders' rows replaced by the tower's output
             streams[:, b, starts[b]:starts[b] + n] = m.positions.to(self.device)
             following[b] = m.next_position
         return embeds, streams, following
