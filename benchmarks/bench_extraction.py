@@ -15,6 +15,9 @@ which changes nothing for speed.
     (c) per-sample     what extraction scripts do today: one sample at a time, `model(ids, output_hidden_states=True)`,
                        pick the layers, `safetensors.torch.save_file` one file per sample
     (e) early exit     hsx again with every requested layer <= N/2, against (a)
+    (p) padded         hsx with packing off: the same prompts padded to each batch's longest (length-grouped
+                       batches), against (b), which packs them end to end where the target allows (extractor.packing)
+    (q) bare, padded   (a) over (p)'s padded batches: what packing saves the forward itself
     memory             peak RSS of hsx over the corpus and over the same corpus 10x (ten `generate` calls, as a job
                        feeds it), each in fresh subprocesses, peak reset after a warm-up pass, glibc's mmap threshold
                        pinned (see --malloc-mmap-threshold)
@@ -97,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="interleave approaches on this many slices of the corpus per pass (default: 4 on CPU, "
                         "1 on CUDA); each slice is one generate call")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--sections", default="extraction,early_exit,memory,storage",
+    p.add_argument("--packing", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's packing for (a), (b), (e) [(p) and (q) always pad]")
+    p.add_argument("--sections", default="extraction,early_exit,packing,memory,storage",
                    help="comma-separated subset of extraction,early_exit,memory,storage")
     p.add_argument("--memory-samples", type=int, default=None,
                    help="corpus size of the memory runs (default: 16 for small, 64 for llama3-8b)")
@@ -210,7 +215,7 @@ def files_size(root: str) -> tuple[int, int]:
 
 # -- sections ---------------------------------------------------------------------------------------------------------
 def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_ids, device, scratch,
-                checkpoint=lambda res: None) -> dict:
+                checkpoint=lambda res: None, llm_padded: LLM | None = None) -> dict:
     tokens = sum(len(s) for s in corpus)
     wanted = {"a"}
     if "extraction" in args.sections:
@@ -219,14 +224,19 @@ def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_
         wanted.add("b")
     if llm_early is not None:
         wanted.add("e")
-    order = [k for k in ("a", "b", "c", "e") if k in wanted]
+    if llm_padded is not None:
+        wanted |= {"b", "p", "q"}
+    order = [k for k in ("a", "b", "c", "e", "p", "q") if k in wanted]
 
     def approaches(part: list[list[int]]) -> dict:
         batches = plan(llm, part)
+        padded = plan(llm_padded, part) if llm_padded is not None else None
         return {"a": lambda: run_bare(llm, batches),
                 "b": lambda: run_hsx(llm, part, os.path.join(scratch, "b")),
                 "c": lambda: run_per_sample(llm, part, layer_ids, os.path.join(scratch, "c")),
-                "e": lambda: run_hsx(llm_early, part, os.path.join(scratch, "e"))}
+                "e": lambda: run_hsx(llm_early, part, os.path.join(scratch, "e")),
+                "p": lambda: run_hsx(llm_padded, part, os.path.join(scratch, "p")),
+                "q": lambda: run_bare(llm_padded, padded)}
 
     warm = approaches(sorted(corpus, key=len)[::4] or corpus)  # a quarter of the corpus, spread over all lengths
     for name in order:
@@ -266,11 +276,17 @@ def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_
     n = config.num_hidden_layers
     flops = {"a": model_flops(config, corpus, n, False), "b": model_flops(config, corpus, max(layer_ids), False),
              "c": model_flops(config, corpus, n, True), "e": model_flops(config, corpus, max(early_ids), False)}
+    flops["p"], flops["q"] = flops["b"], flops["a"]
     peak, peak_src = peak_flops(args, device)
     batches = [b for part in parts for b in plan(llm, part)]
-    padded = sum(len(b.items) * b.max_len for b in batches)
-    res = {"tokens": tokens, "samples": len(corpus), "forwards": len(batches), "padding_overhead": padded / tokens - 1,
+    res = {"tokens": tokens, "samples": len(corpus), "forwards": len(batches),
+           "padding_overhead": sum(b.padded_tokens(len) for b in batches) / tokens,
+           "packed": llm.runner.packer is not None, "packing_refusal": llm.runner.packing_refusal,
            "peak_flops": peak, "peak_source": peak_src, "approaches": {}, "ratios": {}, "storage": storage}
+    if llm_padded is not None:
+        padded = [b for part in parts for b in plan(llm_padded, part)]
+        res["padded_forwards"] = len(padded)
+        res["padding_overhead_padded"] = sum(b.padded_tokens(len) for b in padded) / tokens
     for name, rs in runs.items():
         walls, cpus = [r[0] for r in rs], [r[1] for r in rs]
         med = statistics.median(walls)
@@ -290,6 +306,9 @@ def bench_speed(args, llm: LLM, llm_early: LLM | None, corpus, layer_ids, early_
         res["ratios"]["early_exit_speedup"] = speedup("e", "a")
     if "a" in runs and "c" in runs:
         res["ratios"]["a_over_c"] = speedup("a", "c")
+    if "p" in runs:
+        res["ratios"]["packing_speedup"] = speedup("b", "p")
+        res["ratios"]["bare_packing_speedup"] = speedup("a", "q")
     if "b" in runs and "c" in runs and peak:
         # What b/c would be if hsx ran its FLOPs at 100% of the peak while (c) kept its measured time: no engine on
         # this machine can beat (c) by more.
@@ -447,16 +466,20 @@ def markdown(r: dict) -> str:
     s = r.get("speed")
     if s:
         c = r["config"]
+        layout = ("packed" if s.get("packed") else f"padded ({s.get('packing_refusal')})") + (
+            f"; padded instead: {s['padded_forwards']} forwards, padding overhead {s['padding_overhead_padded']:.1%}"
+            if "padded_forwards" in s else "")
         lines += [f"Corpus: {s['samples']} samples, {s['tokens']} tokens, lengths log-uniform "
                   f"{c['min_len']}-{c['max_len']}; layers {c['layers']} of N={c['num_hidden_layers']}; hsx ran "
-                  f"{s['forwards']} forwards, padding overhead {s['padding_overhead']:.1%}. Peak for MFU: "
+                  f"{s['forwards']} forwards, padding overhead {s['padding_overhead']:.1%} ({layout}). Peak for MFU: "
                   f"{_fmt_flops(s['peak_flops'])} ({s['peak_source']}). {c['repeats']} repeats, medians; approaches "
                   f"interleaved on {c['slices']} slice(s) of the corpus per repeat.", "",
                   "| approach | tokens/s | wall s (median) | CPU s (median) | model TFLOP | MFU |",
                   "|---|---:|---:|---:|---:|---:|"]
         names = {"a": "(a) bare forward, same batches (limit)", "b": "(b) hsx, 4 layers, writes on",
                  "c": "(c) per-sample output_hidden_states + save_file",
-                 "e": f"(e) hsx early exit, layers {c['early_exit_layers']}"}
+                 "e": f"(e) hsx early exit, layers {c['early_exit_layers']}",
+                 "p": "(p) hsx, packing off (padded batches)", "q": "(q) bare forward, padded batches"}
         for key, row in s["approaches"].items():
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
             lines.append(f"| {names[key]} | {row['tokens_per_s']:,.0f} | {row['median_wall_s']:.2f} | "
@@ -465,6 +488,8 @@ def markdown(r: dict) -> str:
         labels = {"b_over_a": "b/a (hsx vs the limit)", "b_over_c": "b/c (hsx vs per-sample)",
                   "early_exit_speedup": "e/a (early exit vs full forward)",
                   "a_over_c": "a/c (the limit vs per-sample)",
+                  "packing_speedup": "b/p (hsx packed vs padded)",
+                  "bare_packing_speedup": "a/q (bare forward packed vs padded)",
                   "b_over_c_ceiling": "b/c ceiling: hsx at 100% of the peak vs (c) as measured"}
         for key, val in s["ratios"].items():
             if key in TARGETS:
@@ -538,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = make_llm(args, layer_ids, os.path.join(scratch, "b"))
     corpus = make_corpus(llm.tokenizer, args.num_samples, args.min_len, args.max_len, args.seed)
     results = {"config": {"shape": args.shape, "dtype": args.dtype, "storage_dtype": args.storage_dtype or "model",
-                          "device": args.device, "attn": args.attn,
+                          "device": args.device, "attn": args.attn, "packing": args.packing,
                           "num_hidden_layers": n, "hidden_size": config["hidden_size"],
                           "vocab_size": config["vocab_size"], "layers": layer_ids, "early_exit_layers": early_ids,
                           "min_len": args.min_len, "max_len": args.max_len, "repeats": args.repeats,
@@ -546,17 +571,21 @@ def main(argv: list[str] | None = None) -> None:
                           "memory_repeats": args.memory_repeats, "slices": args.slices,
                           "corpus": "sample_text through the local BPE tokenizer, log-uniform lengths"},
                "machine": machine_info(device)}
-    if {"extraction", "early_exit", "storage"} & set(args.sections):
+    if {"extraction", "early_exit", "packing", "storage"} & set(args.sections):
         llm_early = make_llm(args, early_ids, os.path.join(scratch, "e")) if "early_exit" in args.sections else None
+        llm_padded = (make_llm(argparse.Namespace(**{**vars(args), "packing": "off"}), layer_ids,
+                               os.path.join(scratch, "p")) if "packing" in args.sections else None)
         def checkpoint(speed: dict) -> None:
             now = {**results, "speed": speed, "load_before": load_before,
                    "load_after": [round(x, 2) for x in os.getloadavg()]}
             write_results(args.out, "results", now, markdown(now))
 
-        results["speed"] = bench_speed(args, llm, llm_early, corpus, layer_ids, early_ids, device, scratch, checkpoint)
-        if llm_early is not None:
-            llm_early.shutdown()
-            del llm_early
+        results["speed"] = bench_speed(args, llm, llm_early, corpus, layer_ids, early_ids, device, scratch, checkpoint,
+                                       llm_padded)
+        for other in (llm_early, llm_padded):
+            if other is not None:
+                other.shutdown()
+        del llm_early, llm_padded
     llm.shutdown()
     del llm
     if device.type == "cuda":

@@ -28,7 +28,7 @@ import torch
 
 from connectors import KVTransferConfig
 from extractor import LLM, SamplingParams
-from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, plan_batches
+from extractor.batching import plan_prompt_only
 
 SHAPES = {
     # Llama-3-8B scaled down 8x in width and 4x in depth; GQA 4:1, MLP 3.5x; vocabulary scaled so the lm_head is
@@ -137,21 +137,27 @@ def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
     return LLM(model=args.model_dir, speculative_config=speculative_config(layer_ids),
                kv_transfer_config=KVTransferConfig(kv_connector_extra_config=extra),
                dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-               attn_implementation=args.attn)
+               attn_implementation=args.attn, packing=getattr(args, "packing", "auto"))
 
 
 def plan(llm: LLM, corpus: list[list[int]]):
-    """The batches hsx runs for this corpus (its own planner, its own device cost)."""
-    cost = FORWARD_COST_TOKENS.get(llm.runner.device.type, DEFAULT_FORWARD_COST_TOKENS)
-    return plan_batches(corpus, length=len, max_num_batched_tokens=llm.config.max_num_batched_tokens,
-                        max_num_seqs=llm.config.max_num_seqs, forward_cost_tokens=cost)
+    """The batches hsx runs for this corpus (its own planner: packed where its runner packs, else padded with its
+    device's forward cost)."""
+    return plan_prompt_only(corpus, len, llm.config.max_num_batched_tokens, llm.config.max_num_seqs,
+                            packed=llm.runner.packer is not None, device_type=llm.runner.device.type)
 
 
 def run_bare(llm: LLM, batches) -> None:
-    """(a) The decoder stack over hsx's batches and padded inputs; nothing captured, kept or written."""
+    """(a) The decoder stack over hsx's batches and inputs (padded, or packed: attention per prompt); nothing
+    captured, kept or written."""
     runner = llm.runner
     with hooks_off(llm), torch.inference_mode():
         for batch in batches:
+            if batch.packed:
+                ids, positions, starts = runner.packer.inputs(batch.items, runner.device)
+                with runner.packer.active(starts, [len(r) for r in batch.items]):
+                    runner.base(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False)
+                continue
             ids, mask, positions, _ = runner.pad(batch.items, left=False)
             width = ids.shape[1]
             cache = runner._new_cache() if batch.chunk_size < width else None

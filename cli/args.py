@@ -29,11 +29,12 @@ import types
 import typing
 from typing import Any
 
+from extractor.config import PACKING_MODES
 from extractor.options import flag
 from jobs.config import NONFINITE_POLICIES, OVERLENGTH_POLICIES, JobConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_CHOICES = {"overlength": OVERLENGTH_POLICIES, "on_nonfinite": NONFINITE_POLICIES}  # dtype: validated by JobConfig, which takes aliases (bf16)
+_CHOICES = {"overlength": OVERLENGTH_POLICIES, "on_nonfinite": NONFINITE_POLICIES, "packing": PACKING_MODES}  # dtype: validated by JobConfig, which takes aliases (bf16)
 _METAVARS = {"corpus": "FILE_OR_GLOB", "layers": "IDS", "model": "MODEL", "output": "URL",
              "storage_options": "JSON", "corpus_storage_options": "JSON", "chat_template": "FILE",
              "speculative_config": "JSON", "limit_mm_per_prompt": "JSON", "allowed_local_media_path": "DIR"}

@@ -22,7 +22,9 @@
     verification.py which drafted tokens the target keeps (greedy match, speculative rejection sampling)
     metrics.py      Counter / Vector shaped as vLLM's metrics reader, the speculative-decoding counters
     layers.py       layer-id semantics, the decoder layers found by structure, the capture hooks, early exit
-    batching.py     token-budget batches grouped by length
+    batching.py     token-budget batches grouped by length; packed batches (prompts end to end, best fit)
+    packing.py      packed prefill: prompt-only batches as one row, attention per prompt (transformers' attention
+                    interface), where a probe at load shows it exact
     chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
     media.py        MediaPolicy, load_image: what an image prompt may bring and how its images load (vLLM's
                     limit_mm_per_prompt, allowed_local_media_path; no torch); which VL families run

@@ -8,10 +8,15 @@ it is cheaper to run them apart. A prompt longer than the budget goes alone and 
 `chunk_size` columns. The engine plans prompt-only requests this way (they can stop the forward early and skip the
 lm_head); generating ones are batched continuously instead (extractor/llm.py), each prefill group admitted being
 the first batch of this plan over the longest waiting requests (first_batch_rows).
+
+Packed (plan_packed, where the runner packs: extractor.packing): no padding at all, so a batch is simply as many
+prompts as fit the budget end to end (at most `max_num_seqs`): best-fit decreasing, each prompt, longest first, into
+the fullest batch it still fits; a prompt of the budget or longer goes alone, prefilled in chunks.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -31,7 +36,13 @@ class Batch(Generic[T]):
     items: list[T]
     max_len: int
     chunk_size: int
-    """Columns per forward: max_len when the whole padded batch fits the budget."""
+    """Columns per forward: max_len when the whole padded batch fits the budget; packed, the batch's token count."""
+    packed: bool = False
+    """The items' prompts run end to end in one row (plan_packed); otherwise padded to max_len."""
+
+    def padded_tokens(self, length: Callable[[T], int]) -> int:
+        """Tokens the forward computes that belong to no prompt."""
+        return 0 if self.packed else sum(self.max_len - length(m) for m in self.items)
 
 
 def plan_batches(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int, max_num_seqs: int,
@@ -43,6 +54,42 @@ def plan_batches(items: Sequence[T], length: Callable[[T], int], max_num_batched
         longest = lengths[i]
         batches.append(Batch(members[i:j], longest, min(longest, max_num_batched_tokens)))
     return batches
+
+
+def plan_prompt_only(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int, max_num_seqs: int,
+                     *, packed: bool, device_type: str) -> list[Batch[T]]:
+    """The engine's forwards for prompt-only items: packed end to end (plan_packed) where its runner packs, padded
+    batches grouped by length (plan_batches, this device type's forward cost) otherwise."""
+    if packed:
+        return plan_packed(items, length, max_num_batched_tokens, max_num_seqs)
+    return plan_batches(items, length, max_num_batched_tokens, max_num_seqs,
+                        FORWARD_COST_TOKENS.get(device_type, DEFAULT_FORWARD_COST_TOKENS))
+
+
+def plan_packed(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int,
+                max_num_seqs: int) -> list[Batch[T]]:
+    """Batches of prompts packed end to end: at most `max_num_batched_tokens` tokens and `max_num_seqs` prompts each
+    (best-fit decreasing); a prompt of the budget or longer alone (chunked, not packed); a batch of one is not packed."""
+    members = sorted(items, key=length, reverse=True)
+    alone: list[Batch[T]] = []
+    bins: list[list[T]] = []
+    room: list[tuple[int, int]] = []  # (tokens still free, bin) of the bins that take more, sorted
+    for m in members:
+        n = length(m)
+        if n >= max_num_batched_tokens:
+            alone.append(Batch([m], n, max_num_batched_tokens))
+            continue
+        i = bisect.bisect_left(room, (n, -1))  # the fullest bin with room for n
+        if i < len(room):
+            free, b = room.pop(i)
+        else:
+            free, b = max_num_batched_tokens, len(bins)
+            bins.append([])
+        bins[b].append(m)
+        if free - n > 0 and len(bins[b]) < max_num_seqs:
+            bisect.insort(room, (free - n, b))
+    packed = [Batch(b, length(b[0]), sum(length(m) for m in b), packed=len(b) > 1) for b in bins]
+    return alone + packed
 
 
 def first_batch_rows(lengths: Sequence[int], max_num_batched_tokens: int, max_num_seqs: int,

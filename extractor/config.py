@@ -25,6 +25,8 @@ from connectors.format import check_layer_ids, check_target
 from extractor.media import MediaPolicy
 from extractor.methods import families
 
+PACKING_MODES = ("auto", "on", "off")
+"""EngineConfig.packing (extractor.packing: how prompt-only batches are laid out)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORED_DTYPES = DTYPES[1:]
 # Unambiguous aliases only: "float" and "double" are refused (torch reads "float" as float32, users often mean fp16).
@@ -105,6 +107,9 @@ class EngineConfig:
     target: str = ""
     """What the files keep of the last layer N: "" / "states" = its state when layer_ids list it, or "top_k:K" = the
     target's top-K next-token log-probabilities (N through the final norm and lm_head) in its place (EAGLE-3)."""
+    packing: str = "auto"
+    """Prompt-only batches: "auto" packs the prompts end to end without padding where that is exact for the target
+    (extractor.packing; else padded), "on" refuses a target that cannot be packed, "off" always pads."""
     media: MediaPolicy = field(default_factory=MediaPolicy)
     """What image prompts may bring (a vision-language target): vLLM's limit_mm_per_prompt and
     allowed_local_media_path, and whether http(s) images are fetched (extractor.media)."""
@@ -133,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"packing must be one of {', '.join(PACKING_MODES)}, got {self.packing!r}")
         if not isinstance(self.media, MediaPolicy):
             raise TypeError(f"media must be an extractor.media.MediaPolicy, got {type(self.media).__name__}")
 

@@ -101,7 +101,7 @@ class LLM:
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
                  target: str = "", limit_mm_per_prompt: Mapping[str, int] | None = None,
                  allowed_local_media_path: str | None = None, allow_media_fetch: bool = False,
-                 **unsupported: Any) -> None:
+                 packing: str = "auto", **unsupported: Any) -> None:
         cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
                   (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
         if cannot:
@@ -110,7 +110,7 @@ class LLM:
             raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
-                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch "
+                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, packing "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
@@ -120,7 +120,7 @@ class LLM:
             model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
-            media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch),
+            packing=packing, media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch),
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 

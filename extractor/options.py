@@ -71,6 +71,9 @@ class EngineOptions:
     """Longest sequence in tokens (prompt + generated); default the model's max_position_embeddings."""
     max_num_batched_tokens: int | None = None
     """Token budget of one forward pass; longer batches are split. Default the engine's (8192)."""
+    packing: str = "auto"
+    """Prompt-only batches: auto packs prompts end to end without padding where that is exact for the target (else
+    pads), on refuses a target that cannot be packed, off always pads."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for --output, as JSON (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
     storage_dtype: str = "model"
@@ -129,7 +132,7 @@ class EngineOptions:
                            dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
                            device=device, attn_implementation=self.attn_implementation, revision=self.revision,
                            trust_remote_code=self.trust_remote_code, target=self.engine_target,
-                           media=flag_errors(self, MediaPolicy, limit_mm_per_prompt=self.limit_mm_per_prompt,
+                           packing=self.packing, media=flag_errors(self, MediaPolicy, limit_mm_per_prompt=self.limit_mm_per_prompt,
                                              allowed_local_media_path=self.allowed_local_media_path,
                                              allow_fetch=self.allow_media_fetch), **engine)
 

@@ -47,6 +47,7 @@ from extractor.config import EngineConfig
 from extractor.facts import target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
 from extractor.multimodal import MediaPrompt, Vision, check_supported, is_multimodal, load_processor
+from extractor.packing import Packer, packing_refusal
 from extractor.rollback import RollbackPlan, refuse_state_space_only, rollback_plan
 from extractor.topk import TopK
 
@@ -60,13 +61,18 @@ class Captured:
 
     states: torch.Tensor  # [B, S, L, H]
     extra: dict[str, torch.Tensor]  # name -> [B, S, K]
+    packed: bool = False
+    """One packed row ([1, S, ...]) holding every prompt of the batch end to end (extractor.packing)."""
 
     def row(self, b: int, lo: int, hi: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Row b's columns [lo, hi): (states [hi - lo, L, H], {name: [hi - lo, ...]})."""
-        return self.states[b, lo:hi], {name: t[b, lo:hi] for name, t in self.extra.items()}
+        """Row b's columns [lo, hi): (states [hi - lo, L, H], {name: [hi - lo, ...]}); packed: columns of the one
+        row."""
+        r = 0 if self.packed else b
+        return self.states[r, lo:hi], {name: t[r, lo:hi] for name, t in self.extra.items()}
 
     def take_rows(self, keep: list[int]) -> Captured:
         """Rows `keep` only, copied into tensors of their own (the batch's tensors can then go)."""
+        assert not self.packed, "a packed row has no rows to take (internal error)"
         if len(keep) == self.states.shape[0]:
             return self
         idx = torch.tensor(keep, dtype=torch.long, device=self.states.device)
@@ -320,6 +326,41 @@ class ModelRunner:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
+        self.packer: Packer | None = None
+        """Packed prefill of prompt-only batches (extractor.packing); None: they are padded."""
+        self.packing_refusal = self._set_up_packing(config.packing)
+        """Why prompt-only batches are padded rather than packed (None: they are packed)."""
+
+    def _set_up_packing(self, mode: str) -> str | None:
+        """Packing where it is exact (the checks and the probe of extractor.packing); the reason it is not, else. With
+        mode "on" a target that cannot be packed is refused (ValueError, one line)."""
+        if mode == "off":
+            return "packing is off"
+        text = self.hf_config.get_text_config()
+        inner = getattr(text, "_attn_implementation", None)
+        why = ("image targets carry per-row M-RoPE positions and vision features" if self.vision is not None
+               else packing_refusal(self.model, inner))
+        packer = None
+        if why is None:
+            packer = Packer(self.model, self.base, inner)
+            window = getattr(text, "sliding_window", None)
+            if self.capture is not None:
+                self.capture.enabled = False
+            try:
+                why = packer.probe(self.device, self.vocab_size, self.dtype, window if isinstance(window, int) else None)
+            except Exception as e:  # a model that cannot run a packed row at all: padded batches
+                why = f"a packed probe forward failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            finally:
+                if self.capture is not None:
+                    self.capture.enabled = True
+        if why is None:
+            self.packer = packer
+            return None
+        if mode == "on":
+            raise ValueError(f"packing='on' but {getattr(text, 'model_type', 'this target')} cannot pack prompts: {why}; "
+                             "use packing='auto' (padded batches where packing does not apply) or 'off'")
+        logger.info("prompt-only batches are padded, not packed: %s", why)
+        return why
 
     def set_capture(self, layer_ids: tuple[int, ...], top_k: int | None = None) -> None:
         """Capture these layer ids from now on (empty: capture nothing; prefill hands on_chunk None). With `top_k`,
@@ -335,7 +376,7 @@ class ModelRunner:
                 self._top_k = TopK.of_model(self.model, top_k)
             self.capture = LayerCapture(find_decoder_layers(self.model, self.num_hidden_layers), ids)
 
-    def _captured(self, states: torch.Tensor, to_host: bool) -> Captured:
+    def _captured(self, states: torch.Tensor, to_host: bool, packed: bool = False) -> Captured:
         """Collected states [B, S, L(+1), H] as the connector takes them: a top-k target split off the last layer
         (on the model's device), then on the CPU unless `to_host` is off."""
         extra: dict[str, torch.Tensor] = {}
@@ -350,7 +391,7 @@ class ModelRunner:
         if to_host:
             states = self.to_host(states)
             extra = {name: self.to_host(t) for name, t in extra.items()}
-        return Captured(states, extra)
+        return Captured(states, extra, packed)
 
     def close(self) -> None:
         if self.capture is not None:
@@ -446,7 +487,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], chunk_size: int, want_logits: bool, keep_cache: bool,
                 on_chunk: Callable[[int, int, Captured | None, list[int]], None], to_host: bool = True,
-                capture: bool = True, media: list[MediaPrompt | None] | None = None
+                capture: bool = True, media: list[MediaPrompt | None] | None = None, packed: bool = False
                 ) -> tuple[torch.Tensor | None, BatchState | None]:
         """Run rows (token id lists) through the model, handing captured states of each chunk to `on_chunk`.
 
@@ -457,9 +498,19 @@ class ModelRunner:
         `capture` off: nothing is captured (no row of the batch writes a file), on_chunk gets None.
         `media`: per row, an image prompt's processed inputs (a vision-language target; rows[b] is then its
         input_ids) or None; a batch with any runs on merged input embeddings and M-RoPE positions.
+        `packed` (prompt-only text rows, the runner's packer set, the rows within one forward's budget): the rows end
+        to end in one row, no padding (extractor.packing); on_chunk then gets one call with a packed Captured and each
+        row's first column in it.
         """
-        width = max(len(r) for r in rows)
-        ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
+        if packed:
+            if self.packer is None or want_logits or keep_cache or (media is not None and any(media)):
+                raise RuntimeError("a packed prefill needs prompt-only text rows and a packing runner (internal error)")
+            ids, positions, starts = self.packer.inputs(rows, self.device)
+            mask, width = None, ids.shape[1]
+            chunk_size = width
+        else:
+            width = max(len(r) for r in rows)
+            ids, mask, positions, starts = self.pad(rows, left=want_logits or keep_cache)
         embeds, following, deep = None, positions[:, -1] + 1, None
         if media is not None and any(m is not None for m in media):
             if self.vision is None:
@@ -488,12 +539,14 @@ class ModelRunner:
                     capture.begin(early_exit=early_exit)
                 chunk = None if deep is None else deep.chunk(c0, c1)
                 try:
-                    if deep is not None:  # deepstack: the language model itself, with this chunk's visual features
-                        logits = self._deepstack_forward(inputs, chunk, want_logits and c1 == width)
-                    elif want_logits and c1 == width:
-                        logits = self._logits(**inputs)
-                    else:
-                        self.base(**inputs)
+                    with (self.packer.active(starts, [len(r) for r in rows]) if packed
+                          else contextlib.nullcontext()):
+                        if deep is not None:  # deepstack: the language model itself, with this chunk's visual features
+                            logits = self._deepstack_forward(inputs, chunk, want_logits and c1 == width)
+                        elif want_logits and c1 == width:
+                            logits = self._logits(**inputs)
+                        else:
+                            self.base(**inputs)
                 except EarlyExit:
                     pass
                 finally:
@@ -504,7 +557,7 @@ class ModelRunner:
                     states = capture.collect()
                     if deep is not None:  # stored after each layer's deepstack add, as vLLM hands its proposer
                         deep.add_to(states, capture.layer_ids, chunk)
-                    captured = self._captured(states, to_host)
+                    captured = self._captured(states, to_host, packed)
                 on_chunk(c0, c1, captured, starts)
         finally:
             if self.capture is not None:

@@ -20,7 +20,12 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from extractor.batching import DEFAULT_FORWARD_COST_TOKENS, FORWARD_COST_TOKENS, first_batch_rows, plan_batches
+from extractor.batching import (
+    DEFAULT_FORWARD_COST_TOKENS,
+    FORWARD_COST_TOKENS,
+    first_batch_rows,
+    plan_prompt_only,
+)
 from extractor.config import EngineConfig
 from extractor.metrics import SpecDecodingStats
 from extractor.proposers import Proposer
@@ -132,19 +137,23 @@ class Scheduler:
 
     def _run(self, requests: Sequence[Request], progress) -> None:
         prompt_only = [r for r in requests if r.params.max_tokens == 0]
-        batches = plan_batches(prompt_only, length=lambda r: len(r.prompt_token_ids),
-                               max_num_batched_tokens=self.config.max_num_batched_tokens,
-                               max_num_seqs=self.config.max_num_seqs, forward_cost_tokens=self._forward_cost_tokens)
-        for batch in batches:
+        for batch in self.plan_prompt_only(prompt_only):
             self.aborts.take(batch.items)
             live = [r for r in batch.items if r.error is None]
             if live:
                 try:
-                    self._run_prompt_batch(live, batch.chunk_size)
+                    self._run_prompt_batch(live, batch.chunk_size, batch.packed and len(live) > 1)
                 except Exception as e:  # fails the batch's requests, not the others
                     self._fail(live, e)
             progress.update(len(batch.items))
         self._run_generating([r for r in requests if r.params.max_tokens > 0], progress)
+
+    def plan_prompt_only(self, requests: Sequence[Request]) -> list:
+        """The forwards of prompt-only requests: packed end to end where the runner packs (text prompts), padded
+        batches grouped by length otherwise (extractor.batching)."""
+        return plan_prompt_only(requests, lambda r: len(r.prompt_token_ids), self.config.max_num_batched_tokens,
+                                self.config.max_num_seqs, packed=self.runner.packer is not None,
+                                device_type=self.runner.device.type)
 
     def _fail(self, requests: Sequence[Request], e: Exception) -> None:
         """Fail the unfinished ones of `requests` after an exception in their forward (finished ones are written)."""
@@ -157,7 +166,7 @@ class Scheduler:
                     self.connector.abort_request(r.request_id)
                 r.error, r.error_kind = f"{type(e).__name__}: {e}", "engine"
 
-    def _prefill(self, batch: list[Request], chunk_size: int, generating: bool
+    def _prefill(self, batch: list[Request], chunk_size: int, generating: bool, packed: bool = False
                  ) -> tuple[torch.Tensor | None, BatchState | None, list[torch.Tensor] | None]:
         """Prefill `batch`: captured prompt states go to the connector (extraction) or, for a proposer that reads
         target states, are returned per row ([T_b, L, H] on the device)."""
@@ -183,12 +192,12 @@ class Scheduler:
         logits, state = self.runner.prefill(rows, chunk_size, want_logits=generating, keep_cache=generating,
                                             on_chunk=on_chunk, to_host=not observe,
                                             capture=observe or any(r.writes for r in batch),
-                                            media=[r.media for r in batch])
+                                            media=[r.media for r in batch], packed=packed)
         return logits, state, ([torch.cat(p) for p in parts] if observe else None)
 
-    def _run_prompt_batch(self, batch: list[Request], chunk_size: int) -> None:
+    def _run_prompt_batch(self, batch: list[Request], chunk_size: int, packed: bool) -> None:
         if any(r.writes for r in batch):  # prompt-only requests that write no file need no forward at all
-            self._prefill(batch, chunk_size, generating=False)
+            self._prefill(batch, chunk_size, generating=False, packed=packed)
         for r in batch:
             r.finish_reason = "length"
             r.kv_transfer_params = self.connector.request_finished(r.request_id) if r.writes else None

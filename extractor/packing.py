@@ -1,0 +1,225 @@
+"""Packed prefill: the prompts of a prompt-only batch end to end in one row, no padding, attention kept within each
+prompt and positions restarting at 0 for each.
+
+    packing_refusal(model, inner)     why a loaded target cannot be packed (one line), None where it can
+    Packer(model, base, inner)        one runner's packing
+        .inputs(rows, device)         ids [1, T], positions [1, T] and each prompt's first column
+        .active(starts, lengths)      context: the model's attention runs per prompt for one forward
+        .probe(device, vocab)         one line where a small packed forward's states differ from the padded one's
+    PACKED_ATTENTION                  the attention implementation registered with transformers for it
+
+How: for the forward, the model's attention implementation is switched to PACKED_ATTENTION, a function registered in
+transformers' AttentionInterface. transformers builds no mask for an implementation it does not know (so no
+[T, T] mask of the packed row is ever made), and every attention layer hands this function its query, key and value
+for the whole row; it runs the model's own implementation (sdpa or eager) on each prompt's slice with exactly the
+mask the padded path would give that prompt alone (causal, or causal within the layer's sliding window; built by
+transformers' own mask functions), and puts the outputs back end to end. Everything else in a decoder (projections,
+MLPs, MoE routing, norms) works token by token, so the padded tokens' compute is simply gone; attention costs
+sum(L_i^2) instead of B * max(L)^2. A flash-attention model needs no switch: transformers' flash path already reads
+packed prompts from position ids that restart.
+
+A target packs only where that is exact: every cache layer a plain attention one (full or sliding window; linear
+attention and state-space layers carry state along the row, chunked attention is fixed to absolute positions), a
+text target (image prompts carry M-RoPE positions and vision features per row), an attention implementation this
+module runs per prompt, and a probe at load — three short prompts, packed and padded, every layer's states compared —
+that agrees. Where it does not, the engine pads as before (EngineConfig.packing "auto") or refuses ("on").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+PACKED_ATTENTION = "hsx_packed"
+PER_PROMPT = ("sdpa", "eager")
+"""Attention implementations run prompt by prompt inside the packed row."""
+NATIVE = ("flash_attention_2", "flash_attention_3")
+"""Implementations that read packed prompts from restarting position ids themselves (transformers' varlen path)."""
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+"""Largest relative difference (per prompt and layer) between the probe's packed and padded states; half-precision
+dtypes get HALF_TOLERANCE. A leak across prompts changes states by tens of percent, rounding by far less."""
+HALF_TOLERANCE = 2e-2
+ATTENTION_TYPES = {"full_attention", "sliding_attention"}
+"""Layer types packing reproduces: causal attention, alone or within a sliding window."""
+
+
+@dataclass
+class _Segments:
+    """The packed row of the forward running now: prompt b is columns [bounds[b][0], bounds[b][1])."""
+
+    bounds: list[tuple[int, int]]
+    inner: str
+    masks: dict = field(default_factory=dict)
+    windows: list[int | None] = field(default_factory=list)
+    """Each attention call's sliding window (None: full attention), in call order."""
+
+    def mask(self, length: int, window: int | None, dtype: torch.dtype, device: torch.device):
+        """The mask the padded path gives one prompt of `length` tokens alone (None: sdpa's causal fast path)."""
+        key = (length, window, dtype, device)
+        if key not in self.masks:
+            from transformers.masking_utils import (
+                ALL_MASK_ATTENTION_FUNCTIONS,
+                causal_mask_function,
+                sliding_window_causal_mask_function,
+            )
+
+            function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+            self.masks[key] = ALL_MASK_ATTENTION_FUNCTIONS[self.inner](
+                batch_size=1, q_length=length, kv_length=length, q_offset=0, kv_offset=0, mask_function=function,
+                attention_mask=None, allow_is_causal_skip=True, local_size=window, dtype=dtype, device=device)
+        return self.masks[key]
+
+
+_ACTIVE: ContextVar[_Segments | None] = ContextVar("hsx_packed_segments", default=None)
+
+
+def _inner_function(module: torch.nn.Module, inner: str) -> Callable:
+    """The attention function the model runs for `inner`: its own module's eager_attention_forward (models keep
+    their variants there: soft-capping, attention sinks), or transformers' registered one."""
+    if inner == "eager":
+        function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if function is None:
+            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward beside it (internal error: "
+                               "packing should have been refused at load)")
+        return function
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for a packed row: query / key / value [1, heads, T, D]; each prompt's slice
+    through the model's own implementation with its own mask; output [1, T, heads, D]."""
+    segments = _ACTIVE.get()
+    if segments is None:
+        raise RuntimeError(f"attention implementation {PACKED_ATTENTION!r} outside a packed forward (internal error)")
+    total = segments.bounds[-1][1]
+    if query.shape[0] != 1 or query.shape[2] != total or key.shape[2] != total:
+        raise RuntimeError(f"packed attention got query {tuple(query.shape)} / key {tuple(key.shape)} for a packed "
+                           f"row of {total} tokens (internal error: a cache or a batch in a packed forward)")
+    inner = _inner_function(module, segments.inner)
+    window = kwargs.get("sliding_window")
+    segments.windows.append(window)
+    outputs = []
+    for lo, hi in segments.bounds:
+        mask = segments.mask(hi - lo, window, query.dtype, query.device)
+        out, _ = inner(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], mask, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+def packing_refusal(model: torch.nn.Module, inner: str | None) -> str | None:
+    """Why this loaded target's prompts cannot be packed (one line), or None: they can, if the probe agrees."""
+    from extractor.rollback import FULL, SLIDING, cache_kinds
+
+    kinds = cache_kinds(model.config)
+    other = sorted({k for k in kinds if k not in (FULL, SLIDING)})
+    if other:
+        return f"its cache holds {', '.join(other)} layers, which carry state along a row"
+    types = sorted(set(getattr(model.config.get_text_config(), "layer_types", None) or ()) - ATTENTION_TYPES)
+    if types:
+        return f"its {', '.join(types)} layers mask by more than causality and a window"
+    if inner not in PER_PROMPT + NATIVE:
+        return f"attention implementation {inner!r} is not one packing runs ({', '.join(PER_PROMPT + NATIVE)})"
+    if inner == "eager":
+        missing = sorted({type(m).__name__ for m in model.modules() if _is_attention(m)
+                          and getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None) is None})
+        if missing:
+            return f"eager attention of {', '.join(missing)} is not found beside it"
+    return None
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention") and hasattr(module, "config")
+
+
+class Packer:
+    """Packed prefill for one loaded model (attention implementation `inner`: what its config says)."""
+
+    def __init__(self, model: torch.nn.Module, base: torch.nn.Module, inner: str) -> None:
+        from extractor.rollback import SLIDING, cache_kinds
+
+        self.model, self.base, self.inner = model, base, inner
+        self.sliding_layers = cache_kinds(model.config).count(SLIDING)
+        if inner in PER_PROMPT:
+            _register()
+
+    @staticmethod
+    def inputs(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The packed row: ids [1, T], positions [1, T] (0.. for each prompt), and where each prompt starts."""
+        starts, total = [], 0
+        for r in rows:
+            starts.append(total)
+            total += len(r)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)[None]
+        positions = torch.cat([torch.arange(len(r), dtype=torch.long) for r in rows])[None]
+        return ids.to(device), positions.to(device), starts
+
+    @contextlib.contextmanager
+    def active(self, starts: list[int], lengths: list[int]) -> Iterator[_Segments]:
+        """For one forward of a packed row: attention per prompt (the model's implementation switched, then
+        restored)."""
+        segments = _Segments([(s, s + n) for s, n in zip(starts, lengths)], self.inner)
+        if self.inner not in PER_PROMPT:  # flash attention: packed prompts read from the position ids
+            yield segments
+            return
+        config = self.model.config
+        token = _ACTIVE.set(segments)
+        config._attn_implementation = PACKED_ATTENTION
+        try:
+            yield segments
+        finally:
+            config._attn_implementation = self.inner
+            _ACTIVE.reset(token)
+
+    @torch.inference_mode()
+    def probe(self, device: torch.device, vocab_size: int, dtype: torch.dtype, window: int | None) -> str | None:
+        """Three short prompts (one longer than a short sliding window) through the model packed and padded: one line
+        saying where their states differ, or None where every layer agrees."""
+        lengths = [11, 5, 8]
+        if window is not None and window < 32:
+            lengths[0] = window + 3  # the window is crossed inside the packed row
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+        width = max(lengths)
+        padded_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            padded_ids[b, :len(r)] = torch.tensor(r)
+        padded = self._states(padded_ids.to(device), torch.arange(width, device=device).expand(len(rows), width))
+        ids, positions, starts = self.inputs(rows, device)
+        with self.active(starts, lengths) as segments:
+            packed = self._states(ids, positions)
+        if self.inner in PER_PROMPT:
+            if not segments.windows:
+                return "its attention does not go through transformers' attention interface"
+            told = sum(w is not None for w in segments.windows)
+            if told != self.sliding_layers:
+                return (f"its sliding-window layers do not hand the attention function their window ({told} calls "
+                        f"did, for {self.sliding_layers} sliding layers)")
+        tolerance = PROBE_TOLERANCE.get(dtype, HALF_TOLERANCE)
+        for layer, (p, u) in enumerate(zip(packed, padded)):
+            for b, (s, n) in enumerate(zip(starts, lengths)):
+                want = u[b, :n].float()
+                rel = ((p[0, s:s + n].float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+                if not rel <= tolerance:
+                    return (f"a probe's packed states differ from the padded ones at hidden state {layer}, prompt {b} "
+                            f"(relative {rel:.1e} > {tolerance:.0e})")
+        return None
+
+    def _states(self, ids: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        out = self.base(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False,
+                        output_hidden_states=True)
+        states = getattr(out, "hidden_states", None)
+        return list(states) if states else [out.last_hidden_state]
