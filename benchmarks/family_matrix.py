@@ -7,6 +7,9 @@ random weights so that a wrong norm shows. Columns (each an independent oracle: 
 `generate`, never hsx):
     states      ids 0, 1 and N (pre-norm) of three prompts of different lengths, extracted by hsx's offline API
                 (chunked prefill, 8-token chunks), equal transformers' forward
+    packed      the same prompts prompt-only in one forward: packed end to end (extractor.packing) where hsx packs
+                the family, equal transformers' forward of each prompt alone; "padded: why" where packing would not
+                be exact and the engine pads instead
     final_norm  FinalNorm.from_model_dir (weights read from the checkpoint alone) turns the pre-norm N into
                 transformers' last_hidden_state
     top_k       the top-k target (`target="top_k:8"`) equals transformers' log_softmax(logits) top 8
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jobs.tiny_models import FAMILIES, build_tiny_model, randomise_norms  # noqa: E402
 
-COLUMNS = ("states", "final_norm", "top_k", "generation", "ngram", "eagle3", "verify")
+COLUMNS = ("states", "packed", "final_norm", "top_k", "generation", "ngram", "eagle3", "verify")
 SLOW_COLUMNS = ("eagle3", "verify")
 NEW_TOKENS = 32
 CHUNK = 8
@@ -102,20 +105,23 @@ def _llm(**kwargs):
         raise Refused(str(e)) from None
 
 
-def check_states(model_dir: str, model, tmp: str) -> str:
+def _stored_states(model_dir: str, model, tmp: str, max_tokens: int, **engine) -> tuple[str, object]:
+    """(the worst relative difference, the engine) of ids 0, 1 and N that hsx's offline API stores for the three
+    prompts, each against transformers' forward of it alone."""
     from connectors import KVTransferConfig, example_hidden_states_connector
     from extractor import SamplingParams
 
     n = model.config.get_text_config().num_hidden_layers
     layer_ids = [0, 1, n]
-    llm = _llm(model=model_dir, max_num_batched_tokens=CHUNK, speculative_config={
+    llm = _llm(model=model_dir, speculative_config={
         "method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
         kv_transfer_config=KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
-                                            kv_connector_extra_config={"shared_storage_path": tmp}))
+                                            kv_connector_extra_config={"shared_storage_path": tmp}), **engine)
     worst = 0.0
     rows = prompts(model.config.get_text_config().vocab_size)
-    for ids, output in zip(rows, llm.generate([{"prompt_token_ids": r} for r in rows], SamplingParams(max_tokens=1))):
+    outputs = llm.generate([{"prompt_token_ids": r} for r in rows], SamplingParams(max_tokens=max_tokens))
+    for ids, output in zip(rows, outputs):
         got = example_hidden_states_connector.load_hidden_states(output.kv_transfer_params["hidden_states_path"])
         assert got["token_ids"].tolist() == ids
         states, _ = _oracle_states(model, ids)
@@ -123,7 +129,17 @@ def check_states(model_dir: str, model, tmp: str) -> str:
         rel = ((got["hidden_states"].float() - want).norm() / want.norm()).item()
         assert rel < 1e-5, f"states differ from transformers' forward by {rel:.2e} (relative)"
         worst = max(worst, rel)
-    return f"{worst:.0e}"
+    return f"{worst:.0e}", llm
+
+
+def check_states(model_dir: str, model, tmp: str) -> str:
+    return _stored_states(model_dir, model, tmp, 1, max_num_batched_tokens=CHUNK)[0]
+
+
+def check_packed(model_dir: str, model, tmp: str) -> str:
+    worst, llm = _stored_states(model_dir, model, tmp, 0, max_num_batched_tokens=256)
+    why = llm.runner.packing_refusal
+    return worst if why is None else f"padded: {why}"
 
 
 def check_final_norm(model_dir: str, model, tmp: str) -> str:
@@ -259,7 +275,7 @@ def check_verify(model_dir: str, model, tmp: str) -> str:
     return "passes"
 
 
-CHECKS = {"states": check_states, "final_norm": check_final_norm, "top_k": check_top_k,
+CHECKS = {"states": check_states, "packed": check_packed, "final_norm": check_final_norm, "top_k": check_top_k,
           "generation": check_generation, "ngram": check_ngram, "eagle3": check_eagle3, "verify": check_verify}
 
 
@@ -305,19 +321,32 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--columns", default=",".join(COLUMNS))
-    ap.add_argument("--write", help="replace the generated table in this markdown file (between its markers)")
+    ap.add_argument("--write", help="replace the generated table in this markdown file (between its markers); with "
+                                    "some --columns only, the file's cells of the other columns are kept")
     args = ap.parse_args(argv)
     families, columns = args.families.split(","), args.columns.split(",")
     results = matrix(families, columns)
-    table = markdown(results, columns)
     if args.write:
-        write_table(args.write, table)
+        kept = read_table(args.write) if os.path.exists(args.write) and set(columns) != set(COLUMNS) else {}
+        merged = {f: {c: results.get(f, {}).get(c) or kept.get(f, {}).get(c, "-") for c in COLUMNS}
+                  for f in (FAMILIES if kept else families)}
+        write_table(args.write, markdown(merged, COLUMNS if kept else columns))
     else:
-        print(table)
+        print(markdown(results, columns))
     return 1 if any(v.startswith("FAILS") for row in results.values() for v in row.values()) else 0
 
 
 BEGIN, END = "<!-- family_matrix: begin -->", "<!-- family_matrix: end -->"
+
+
+def read_table(path: str) -> dict[str, dict[str, str]]:
+    """family -> {column: cell} of the generated table in a markdown file."""
+    with open(path) as f:
+        table = f.read().split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table.splitlines()
+            if line.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    return {row[0]: dict(zip(header[1:], row[1:])) for row in body}
 
 
 def write_table(path: str, table: str) -> None:

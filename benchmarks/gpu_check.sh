@@ -15,7 +15,8 @@
 #      Train replicas (NCCL) vs one process on the same global batch (target: >= 1.8x tokens/s).
 #   7. where vLLM is installed (`pip install "hsx[vllm]"`): benchmarks/bench_engines.py on the same 8B model, hsx's
 #      engine vs vLLM with hsx's plug-in: prompt tokens/s plain and extracting, each engine's extraction overhead.
-#   Issue 46 added: 2b. the extraction with fp8 files (converted on the GPU); 4b. bench_host_path.py (CPU-seconds per
+#   Issue 46 added: 2b. the extraction with fp8 files (converted on the GPU); 2c. packed vs padded prefill (hsx and
+#   the bare forward each way); 4b. bench_host_path.py (CPU-seconds per
 #   GB written); and at the end benchmarks/gpu_summary.py prints its figures as one table (RESULTS_DIR/summary.md).
 #   The whole script now needs more than one 10-minute command: run it with HSX_GPU_TESTS_S=0 after a tests-only call.
 #
@@ -61,6 +62,11 @@ timeout 150 python3 benchmarks/bench_extraction.py --out "$scratch/bench-fp8" --
     --device cuda --sections extraction --storage-dtype fp8 --repeats 2 --num-samples 128 2>&1 \
     | tee "$results/bench-fp8.log" || status=1
 cp "$scratch"/bench-fp8/results.json "$results"/extraction-fp8.json 2>/dev/null
+# 2c. packed vs padded prefill (issue 46 item 3): hsx and the bare forward, each packed and padded, same prompts
+timeout 150 python3 benchmarks/bench_extraction.py --out "$scratch/bench-packing" --model-dir "$scratch/model" \
+    --device cuda --sections packing --repeats 2 --num-samples 128 2>&1 \
+    | tee "$results/bench-packing.log" || status=1
+cp "$scratch"/bench-packing/results.json "$results"/packing.json 2>/dev/null
 for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done \
     > "$results/profiles.txt"
 

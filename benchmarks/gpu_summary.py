@@ -3,8 +3,9 @@
     python benchmarks/gpu_summary.py RESULTS_DIR          # prints the table, writes RESULTS_DIR/summary.md
 
 Reads (each optional: a step that did not run or ran out of time is a row saying so): results.json
-(bench_extraction: early exit e/a, hsx vs the bare forward b/a, MFU of b), extraction-fp8.json (the same with
---storage-dtype fp8), regeneration.json (bench_regeneration: hsx with output-token files vs transformers generate),
+(bench_extraction: early exit e/a, hsx vs the bare forward b/a, MFU of b: packed where the target packs),
+extraction-fp8.json (the same with --storage-dtype fp8), packing.json (bench_extraction's packing section: hsx
+packed vs padded, b/p), regeneration.json (bench_regeneration: hsx with output-token files vs transformers generate),
 host_path.json (bench_host_path: CPU-seconds per GB written) and tests.log (the CUDA tests' pytest summary line).
 """
 
@@ -40,6 +41,7 @@ GOALS: list[tuple[str, str, float, str, Callable[[dict], float | None]]] = [
     ("hsx extraction vs the bare forward (b/a), bf16 files", "results.json", 0.95, ">=", _ratio("b_over_a")),
     ("hsx extraction vs the bare forward (b/a), fp8 files", "extraction-fp8.json", 0.97, ">=", _ratio("b_over_a")),
     ("MFU of hsx extraction", "results.json", 0.45, ">=", _mfu),
+    ("hsx extraction packed vs padded (b/p)", "packing.json", 1.0, ">=", _ratio("packing_speedup")),
     ("regeneration with output-token files vs transformers generate", "regeneration.json", 0.9, ">=", _regeneration),
     ("host CPU-s per GB written, bf16", "host_path.json", 1.0, "<=", _cpu_per_gb("model")),
     ("host CPU-s per GB written, fp8 converted on the device", "host_path.json", 1.0, "<=",

@@ -74,6 +74,7 @@ def test_config_round_trips_through_argv():
     (["--include-output-tokens"], "--include-output-tokens"),
     (["--storage-options", "{not json"], "--storage-options"),
     (["--max-model-len", "8", "--max-tokens", "8"], "--max-tokens"),
+    (["--packing", "yes"], "--packing"),
 ])
 def test_bad_settings_are_usage_errors_that_name_the_flag(argv, flag_named, capsys):
     base = ["run", "--model", "m", "--corpus", "c.jsonl", "--output", "o"]

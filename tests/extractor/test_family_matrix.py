@@ -10,7 +10,7 @@ import re
 import pytest
 import transformers
 
-from benchmarks.family_matrix import BEGIN, COLUMNS, END, SLOW_COLUMNS, build, reference, run_cell
+from benchmarks.family_matrix import BEGIN, COLUMNS, SLOW_COLUMNS, build, read_table, reference, run_cell
 from jobs.tiny_models import FAMILIES
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "families.md")
@@ -29,12 +29,7 @@ def _same_minor(a: str, b: str) -> bool:
 
 
 def _documented() -> dict[str, dict[str, str]]:
-    with open(DOCS) as f:
-        table = f.read().split(BEGIN, 1)[1].split(END, 1)[0]
-    rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table.splitlines()
-            if line.startswith("| ")]
-    header, body = rows[0], rows[1:]
-    return {row[0]: dict(zip(header[1:], row[1:])) for row in body}
+    return read_table(DOCS)
 
 
 @pytest.fixture(scope="module")
