@@ -10,8 +10,9 @@ lm_head); generating ones are batched continuously instead (extractor/llm.py), e
 the first batch of this plan over the longest waiting requests (first_batch_rows).
 
 Packed (plan_packed, where the runner packs: extractor.packing): no padding at all, so a batch is simply as many
-prompts as fit the budget end to end (at most `max_num_seqs`): best-fit decreasing, each prompt, longest first, into
-the fullest batch it still fits; a prompt of the budget or longer goes alone, prefilled in chunks.
+prompts as fit end to end (at most `max_num_seqs`) in the budget, or in PACKED_FORWARD_TOKENS where the device runs
+smaller forwards faster (a CPU): best-fit decreasing, each prompt, longest first, into the fullest batch it still
+fits; a prompt that long goes alone (over the budget: prefilled in chunks).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
 """Fixed cost of one forward pass in tokens' worth of work, per device type: a CPU is near full speed on one short
 row; a GPU needs hundreds of tokens per forward before the weights stop dominating."""
 DEFAULT_FORWARD_COST_TOKENS = 256
+PACKED_FORWARD_TOKENS = {"cpu": 2048}
+"""Tokens a packed forward is filled to, per device type, where that is below the budget: a CPU runs a decoder fastest
+on forwards of 1-2k tokens (its caches: 12% fewer tokens/s at 8k, measured with benchmarks/bench_extraction.py's
+small shape); a GPU fills the whole budget."""
 
 
 @dataclass
@@ -61,29 +66,32 @@ def plan_prompt_only(items: Sequence[T], length: Callable[[T], int], max_num_bat
     """The engine's forwards for prompt-only items: packed end to end (plan_packed) where its runner packs, padded
     batches grouped by length (plan_batches, this device type's forward cost) otherwise."""
     if packed:
-        return plan_packed(items, length, max_num_batched_tokens, max_num_seqs)
+        return plan_packed(items, length, max_num_batched_tokens, max_num_seqs,
+                           PACKED_FORWARD_TOKENS.get(device_type))
     return plan_batches(items, length, max_num_batched_tokens, max_num_seqs,
                         FORWARD_COST_TOKENS.get(device_type, DEFAULT_FORWARD_COST_TOKENS))
 
 
 def plan_packed(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int,
-                max_num_seqs: int) -> list[Batch[T]]:
-    """Batches of prompts packed end to end: at most `max_num_batched_tokens` tokens and `max_num_seqs` prompts each
-    (best-fit decreasing); a prompt of the budget or longer alone (chunked, not packed); a batch of one is not packed."""
+                max_num_seqs: int, forward_tokens: int | None = None) -> list[Batch[T]]:
+    """Batches of prompts packed end to end: at most `forward_tokens` (default and at most `max_num_batched_tokens`)
+    tokens and `max_num_seqs` prompts each (best-fit decreasing); a prompt that long or longer alone (over the budget:
+    chunked); a batch of one is not packed."""
+    capacity = min(forward_tokens or max_num_batched_tokens, max_num_batched_tokens)
     members = sorted(items, key=length, reverse=True)
     alone: list[Batch[T]] = []
     bins: list[list[T]] = []
     room: list[tuple[int, int]] = []  # (tokens still free, bin) of the bins that take more, sorted
     for m in members:
         n = length(m)
-        if n >= max_num_batched_tokens:
-            alone.append(Batch([m], n, max_num_batched_tokens))
+        if n >= capacity:
+            alone.append(Batch([m], n, min(n, max_num_batched_tokens)))
             continue
         i = bisect.bisect_left(room, (n, -1))  # the fullest bin with room for n
         if i < len(room):
             free, b = room.pop(i)
         else:
-            free, b = max_num_batched_tokens, len(bins)
+            free, b = capacity, len(bins)
             bins.append([])
         bins[b].append(m)
         if free - n > 0 and len(bins[b]) < max_num_seqs:

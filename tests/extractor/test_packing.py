@@ -158,6 +158,10 @@ def test_plan_packed_fills_the_budget_once_per_prompt_and_runs_long_prompts_alon
     padded = plan_batches(items, lambda i: lengths[i], max_num_batched_tokens=512, max_num_seqs=16)
     assert len(batches) < len(padded)  # padding's plan runs more forwards for the same prompts
     assert sum(b.padded_tokens(lambda i: lengths[i]) for b in padded) > 0
+    small = plan_packed(items, lambda i: lengths[i], max_num_batched_tokens=512, max_num_seqs=16, forward_tokens=128)
+    assert sorted(i for b in small for i in b.items) == items
+    assert all(sum(lengths[i] for i in b.items) <= 128 for b in small if b.packed)
+    assert all(b.chunk_size == min(lengths[b.items[0]], 512) for b in small if not b.packed)
     assert plan_packed([], len, 8, 2) == []
     (only,) = plan_packed([[1, 2]], len, 8, 2)
     assert not only.packed
