@@ -107,8 +107,8 @@ def quantize(states: torch.Tensor, storage_dtype: str, magnitudes: torch.Tensor 
     buf = torch.empty((min(step, states.shape[0]), *states.shape[1:]), dtype=torch.float32, device=states.device)
     for i in range(0, states.shape[0], step):
         block = buf[:min(step, states.shape[0] - i)]
-        block.copy_(states[i:i + step])
-        block.div_(scales[i:i + step]).clamp_(-FP8_MAX, FP8_MAX)
+        torch.div(states[i:i + step], scales[i:i + step], out=block)  # in float32: the exact upcast, then the divide
+        block.clamp_(-FP8_MAX, FP8_MAX)
         stored[i:i + step].copy_(block)
     return stored, scales
 
