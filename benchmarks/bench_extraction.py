@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--packing", default="auto", choices=["auto", "on", "off"],
                    help="the engine's packing for (a), (b), (e) [(p) and (q) always pad]")
     p.add_argument("--sections", default="extraction,early_exit,packing,memory,storage",
-                   help="comma-separated subset of extraction,early_exit,memory,storage")
+                   help="comma-separated subset of extraction,early_exit,packing,memory,storage (packing loads a "
+                        "second engine, padded, for (p) and (q))")
     p.add_argument("--memory-samples", type=int, default=None,
                    help="corpus size of the memory runs (default: 16 for small, 64 for llama3-8b)")
     p.add_argument("--memory-scale", type=int, default=10, help="the larger memory run is this many times the corpus")

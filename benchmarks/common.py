@@ -28,7 +28,6 @@ import torch
 
 from connectors import KVTransferConfig
 from extractor import LLM, SamplingParams
-from extractor.batching import plan_prompt_only
 
 SHAPES = {
     # Llama-3-8B scaled down 8x in width and 4x in depth; GQA 4:1, MLP 3.5x; vocabulary scaled so the lm_head is
@@ -141,10 +140,9 @@ def make_llm(args: argparse.Namespace, layer_ids, out_dir: str) -> LLM:
 
 
 def plan(llm: LLM, corpus: list[list[int]]):
-    """The batches hsx runs for this corpus (its own planner: packed where its runner packs, else padded with its
-    device's forward cost)."""
-    return plan_prompt_only(corpus, len, llm.config.max_num_batched_tokens, llm.config.max_num_seqs,
-                            packed=llm.runner.packer is not None, device_type=llm.runner.device.type)
+    """The batches hsx runs for this corpus (its own scheduler's plan: packed where its runner packs, else padded
+    with its device's forward cost)."""
+    return llm._scheduler.plan_prompt_only(corpus, len)
 
 
 def run_bare(llm: LLM, batches) -> None:

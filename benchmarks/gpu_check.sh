@@ -62,9 +62,11 @@ timeout 150 python3 benchmarks/bench_extraction.py --out "$scratch/bench-fp8" --
     --device cuda --sections extraction --storage-dtype fp8 --repeats 2 --num-samples 128 2>&1 \
     | tee "$results/bench-fp8.log" || status=1
 cp "$scratch"/bench-fp8/results.json "$results"/extraction-fp8.json 2>/dev/null
-# 2c. packed vs padded prefill (issue 46 item 3): hsx and the bare forward, each packed and padded, same prompts
+# 2c. packed vs padded prefill (issue 46 item 3): hsx and the bare forward, each packed and padded, on short prompts
+#     (16-512 tokens: where padding costs most, and where packing's one attention call per prompt and layer adds the
+#     most kernel launches)
 timeout 150 python3 benchmarks/bench_extraction.py --out "$scratch/bench-packing" --model-dir "$scratch/model" \
-    --device cuda --sections packing --repeats 2 --num-samples 128 2>&1 \
+    --device cuda --sections packing --repeats 2 --num-samples 512 --min-len 16 --max-len 512 2>&1 \
     | tee "$results/bench-packing.log" || status=1
 cp "$scratch"/bench-packing/results.json "$results"/packing.json 2>/dev/null
 for f in "$scratch"/bench/profile-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done \

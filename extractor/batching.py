@@ -62,12 +62,13 @@ def plan_batches(items: Sequence[T], length: Callable[[T], int], max_num_batched
 
 
 def plan_prompt_only(items: Sequence[T], length: Callable[[T], int], max_num_batched_tokens: int, max_num_seqs: int,
-                     *, packed: bool, device_type: str) -> list[Batch[T]]:
+                     *, packed: bool, device_type: str, packed_limit: int | None = None) -> list[Batch[T]]:
     """The engine's forwards for prompt-only items: packed end to end (plan_packed) where its runner packs, padded
-    batches grouped by length (plan_batches, this device type's forward cost) otherwise."""
+    batches grouped by length (plan_batches, this device type's forward cost) otherwise. `packed_limit`: no packed
+    forward reaches this many tokens (the packer's max_prompt_tokens: longer prompts run alone)."""
     if packed:
-        return plan_packed(items, length, max_num_batched_tokens, max_num_seqs,
-                           PACKED_FORWARD_TOKENS.get(device_type))
+        limits = [n for n in (PACKED_FORWARD_TOKENS.get(device_type), packed_limit) if n]
+        return plan_packed(items, length, max_num_batched_tokens, max_num_seqs, min(limits) if limits else None)
     return plan_batches(items, length, max_num_batched_tokens, max_num_seqs,
                         FORWARD_COST_TOKENS.get(device_type, DEFAULT_FORWARD_COST_TOKENS))
 

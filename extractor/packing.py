@@ -13,7 +13,9 @@ transformers' AttentionInterface. transformers builds no mask for an implementat
 [T, T] mask of the packed row is ever made), and every attention layer hands this function its query, key and value
 for the whole row; it runs the model's own implementation (sdpa or eager) on each prompt's slice with exactly the
 mask the padded path would give that prompt alone (causal, or causal within the layer's sliding window; built by
-transformers' own mask functions), and puts the outputs back end to end. Everything else in a decoder (projections,
+transformers' own mask functions), and puts the outputs back end to end. (On CUDA in half precision an sdpa layer
+without extras such as soft-capping or sinks runs every prompt in one call of torch's variable-length flash attention,
+torch.nn.attention.varlen, instead of one call per prompt.) Everything else in a decoder (projections,
 MLPs, MoE routing, norms) works token by token, so the padded tokens' compute is simply gone; attention costs
 sum(L_i^2) instead of B * max(L)^2. A flash-attention model needs no switch: transformers' flash path already reads
 packed prompts from position ids that restart.
@@ -41,9 +43,13 @@ PER_PROMPT = ("sdpa", "eager")
 NATIVE = ("flash_attention_2", "flash_attention_3")
 """Implementations that read packed prompts from restarting position ids themselves (transformers' varlen path)."""
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
-"""Largest relative difference (per prompt and layer) between the probe's packed and padded states; half-precision
-dtypes get HALF_TOLERANCE. A leak across prompts changes states by tens of percent, rounding by far less."""
+"""Largest relative difference (per prompt and layer) the probe allows; half-precision dtypes get HALF_TOLERANCE. A
+leak across prompts changes states by tens of percent, rounding by far less."""
 HALF_TOLERANCE = 2e-2
+HALF_AGREEMENT_LAYERS = 3
+"""In half precision the probe compares packed with padded states at hidden states 0..2 only (the embeddings, where
+wrong positions show, and the first layers, before rounding compounds and a MoE's routing can flip); every layer is
+checked for leaks by the packed row against itself, with only the first prompt's tokens changed."""
 ATTENTION_TYPES = {"full_attention", "sliding_attention"}
 """Layer types packing reproduces: causal attention, alone or within a sliding window."""
 
@@ -57,6 +63,16 @@ class _Segments:
     masks: dict = field(default_factory=dict)
     windows: list[int | None] = field(default_factory=list)
     """Each attention call's sliding window (None: full attention), in call order."""
+    varlen_calls: int = 0
+    _cumulative: tuple | None = None
+
+    def cumulative(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(each prompt's first column and the row's end, int32 [N + 1] on `device`; the longest prompt)."""
+        if self._cumulative is None:
+            starts = [lo for lo, _ in self.bounds] + [self.bounds[-1][1]]
+            self._cumulative = (torch.tensor(starts, dtype=torch.int32, device=device),
+                                max(hi - lo for lo, hi in self.bounds))
+        return self._cumulative
 
     def mask(self, length: int, window: int | None, dtype: torch.dtype, device: torch.device):
         """The mask the padded path gives one prompt of `length` tokens alone (None: sdpa's causal fast path)."""
@@ -106,12 +122,48 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     inner = _inner_function(module, segments.inner)
     window = kwargs.get("sliding_window")
     segments.windows.append(window)
+    if _varlen_fits(query, key, value, segments.inner, kwargs):
+        return _varlen(query, key, value, segments, window, kwargs.get("scaling")), None
     outputs = []
     for lo, hi in segments.bounds:
         mask = segments.mask(hi - lo, window, query.dtype, query.device)
         out, _ = inner(module, query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], mask, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
+
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _varlen_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inner: str, kwargs: dict) -> bool:
+    """Whether one call of torch's variable-length flash attention computes this layer exactly as sdpa per prompt
+    would: CUDA, half precision, one head size, none of the extras flash does not take (soft-capping, sinks, a
+    bias)."""
+    if inner != "sdpa" or not query.is_cuda or query.dtype not in VARLEN_DTYPES:
+        return False
+    if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias")):
+        return False
+    if not query.shape[-1] == key.shape[-1] == value.shape[-1] or query.shape[-1] > 256:
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401 - torch >= 2.9
+    except ImportError:
+        return False
+    return True
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: _Segments, window: int | None,
+            scaling: float | None) -> torch.Tensor:
+    """Every prompt of the packed row in one varlen flash-attention call (one kernel per layer, not one per prompt):
+    causal, or causal within `window` keys (transformers' sliding window counts the query's own key)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu, longest = segments.cumulative(query.device)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, D]
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling,
+                      window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    segments.varlen_calls += 1
+    return out[None]  # [1, T, heads, D]
 
 
 def _register() -> None:
@@ -141,6 +193,38 @@ def packing_refusal(model: torch.nn.Module, inner: str | None) -> str | None:
     return None
 
 
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _configs(config) -> list:
+    """A config and its sub-configs, all levels (what transformers' _attn_implementation setter walks)."""
+    out = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            out += _configs(sub)
+    return out
+
+
+def rope_length_limit(text) -> int | None:
+    """The prompt length from which a model's RoPE frequencies depend on the forward's largest position id (longrope:
+    its long factors past original_max_position_embeddings; dynamic NTK: scaled past max_position_embeddings), or
+    None. Below it a prompt gets the same frequencies packed beside others as alone."""
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    entries = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    limits = []
+    for entry in entries:
+        kind = str(entry.get("rope_type") or entry.get("type") or "")
+        if "longrope" in kind:
+            limits.append(entry.get("original_max_position_embeddings")
+                          or getattr(text, "original_max_position_embeddings", None))
+        elif "dynamic" in kind:
+            limits.append(getattr(text, "max_position_embeddings", None))
+    limits = [n for n in limits if isinstance(n, int) and n > 0]
+    return min(limits) if limits else None
+
+
 def _is_attention(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "config")
 
@@ -153,6 +237,9 @@ class Packer:
 
         self.model, self.base, self.inner = model, base, inner
         self.sliding_layers = cache_kinds(model.config).count(SLIDING)
+        self.max_prompt_tokens = rope_length_limit(model.config.get_text_config())
+        """Prompts this long or longer are never packed (None: no such limit): RoPE that picks its frequencies from
+        the forward's largest position (longrope, dynamic NTK) must see each packed prompt as it sees it alone."""
         if inner in PER_PROMPT:
             _register()
 
@@ -175,19 +262,24 @@ class Packer:
         if self.inner not in PER_PROMPT:  # flash attention: packed prompts read from the position ids
             yield segments
             return
-        config = self.model.config
+        configs = _configs(self.model.config)
+        saved = [c._attn_implementation for c in configs]
         token = _ACTIVE.set(segments)
-        config._attn_implementation = PACKED_ATTENTION
+        self.model.config._attn_implementation = PACKED_ATTENTION  # transformers sets the sub-configs' too
         try:
             yield segments
         finally:
-            config._attn_implementation = self.inner
+            for config, value in zip(configs, saved):  # each back to its own (a sub-config may have had another)
+                config._attn_implementation_internal = value
             _ACTIVE.reset(token)
 
     @torch.inference_mode()
     def probe(self, device: torch.device, vocab_size: int, dtype: torch.dtype, window: int | None) -> str | None:
-        """Three short prompts (one longer than a short sliding window) through the model packed and padded: one line
-        saying where their states differ, or None where every layer agrees."""
+        """Three short prompts (one longer than a short sliding window) through the model packed: one line saying
+        where packing is not exact, or None. Checks: every layer of the packed row against the same row with the first
+        prompt's tokens changed (a leak across prompts changes the others); the packed states against the padded
+        batch's (all layers in float32, the first HALF_AGREEMENT_LAYERS in half precision: positions, masks); every
+        sliding-window layer handing the attention function its window, the config's."""
         lengths = [11, 5, 8]
         if window is not None and window < 32:
             lengths[0] = window + 3  # the window is crossed inside the packed row
@@ -201,19 +293,30 @@ class Packer:
         ids, positions, starts = self.inputs(rows, device)
         with self.active(starts, lengths) as segments:
             packed = self._states(ids, positions)
+        other = ids.clone()
+        other[0, :lengths[0]] = (other[0, :lengths[0]] + 1 + torch.arange(lengths[0], device=device)) % vocab_size
+        with self.active(starts, lengths):
+            changed = self._states(other, positions)
         if self.inner in PER_PROMPT:
             if not segments.windows:
                 return "its attention does not go through transformers' attention interface"
-            told = sum(w is not None for w in segments.windows)
-            if told != self.sliding_layers:
-                return (f"its sliding-window layers do not hand the attention function their window ({told} calls "
-                        f"did, for {self.sliding_layers} sliding layers)")
+            told = [w for w in segments.windows if w is not None]
+            if len(told) != self.sliding_layers:
+                return (f"its sliding-window layers do not hand the attention function their window ({len(told)} "
+                        f"calls did, for {self.sliding_layers} sliding layers)")
+            if told and set(told) != {window}:
+                return (f"its layers hand the attention function windows {sorted(set(told))}, not the config's "
+                        f"sliding_window {window}")
         tolerance = PROBE_TOLERANCE.get(dtype, HALF_TOLERANCE)
-        for layer, (p, u) in enumerate(zip(packed, padded)):
+        agreement = len(packed) if dtype in PROBE_TOLERANCE else HALF_AGREEMENT_LAYERS
+        for layer, (p, c, u) in enumerate(zip(packed, changed, padded)):
             for b, (s, n) in enumerate(zip(starts, lengths)):
-                want = u[b, :n].float()
-                rel = ((p[0, s:s + n].float() - want).norm() / want.norm().clamp_min(1e-30)).item()
-                if not rel <= tolerance:
+                got = p[0, s:s + n].float()
+                if b > 0 and _relative(c[0, s:s + n].float(), got) > tolerance:
+                    return (f"a probe's prompt {b} changed with the tokens of prompt 0 packed before it, at hidden "
+                            f"state {layer}: attention (or another layer) reaches across prompts")
+                rel = _relative(got, u[b, :n].float())
+                if layer < agreement and not rel <= tolerance:
                     return (f"a probe's packed states differ from the padded ones at hidden state {layer}, prompt {b} "
                             f"(relative {rel:.1e} > {tolerance:.0e})")
         return None

@@ -338,10 +338,11 @@ class ModelRunner:
             return "packing is off"
         text = self.hf_config.get_text_config()
         inner = getattr(text, "_attn_implementation", None)
-        why = ("image targets carry per-row M-RoPE positions and vision features" if self.vision is not None
+        why = ("image targets carry per-row positions and vision features" if self.vision is not None
                else packing_refusal(self.model, inner))
-        packer = None
+        packer, probed = None, False
         if why is None:
+            probed = True
             packer = Packer(self.model, self.base, inner)
             window = getattr(text, "sliding_window", None)
             if self.capture is not None:
@@ -359,7 +360,7 @@ class ModelRunner:
         if mode == "on":
             raise ValueError(f"packing='on' but {getattr(text, 'model_type', 'this target')} cannot pack prompts: {why}; "
                              "use packing='auto' (padded batches where packing does not apply) or 'off'")
-        logger.info("prompt-only batches are padded, not packed: %s", why)
+        (logger.warning if probed else logger.info)("prompt-only batches are padded, not packed: %s", why)
         return why
 
     def set_capture(self, layer_ids: tuple[int, ...], top_k: int | None = None) -> None:
@@ -385,9 +386,13 @@ class ModelRunner:
             states = states[:, :, :-1]
             extra = {TARGET_TOPK_IDS: ids, TARGET_TOPK_LOGPROBS: logprobs}
         if self.device_storage is not None:  # fp8 cast and scales here, before the copy: half the bytes cross
-            magnitudes = row_magnitudes(states)  # [B, S, L]: the connector's state check reads them
-            states, scales = quantize(states, self.device_storage, magnitudes)
-            extra.update({HIDDEN_STATES_SCALES: scales, ROW_MAGNITUDES: magnitudes})
+            rows = states.flatten(0, 1)  # [B * S, L, H]: converted in blocks of tokens, whatever B (a packed row: 1)
+            magnitudes = row_magnitudes(rows)  # the connector's state check reads them
+            stored, scales = quantize(rows, self.device_storage, magnitudes)
+            shape = states.shape
+            states = stored.view(shape)
+            extra.update({HIDDEN_STATES_SCALES: scales.view(*shape[:3], 1),
+                          ROW_MAGNITUDES: magnitudes.view(*shape[:3])})
         if to_host:
             states = self.to_host(states)
             extra = {name: self.to_host(t) for name, t in extra.items()}

@@ -148,12 +148,14 @@ class Scheduler:
             progress.update(len(batch.items))
         self._run_generating([r for r in requests if r.params.max_tokens > 0], progress)
 
-    def plan_prompt_only(self, requests: Sequence[Request]) -> list:
-        """The forwards of prompt-only requests: packed end to end where the runner packs (text prompts), padded
-        batches grouped by length otherwise (extractor.batching)."""
-        return plan_prompt_only(requests, lambda r: len(r.prompt_token_ids), self.config.max_num_batched_tokens,
-                                self.config.max_num_seqs, packed=self.runner.packer is not None,
-                                device_type=self.runner.device.type)
+    def plan_prompt_only(self, items: Sequence, length=lambda r: len(r.prompt_token_ids)) -> list:
+        """The forwards of prompt-only requests (or any items, with their `length`): packed end to end where the runner
+        packs (text prompts; none as long as the packer's max_prompt_tokens), padded batches grouped by length
+        otherwise (extractor.batching)."""
+        packer = self.runner.packer
+        return plan_prompt_only(items, length, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                packed=packer is not None, device_type=self.runner.device.type,
+                                packed_limit=None if packer is None else packer.max_prompt_tokens)
 
     def _fail(self, requests: Sequence[Request], e: Exception) -> None:
         """Fail the unfinished ones of `requests` after an exception in their forward (finished ones are written)."""

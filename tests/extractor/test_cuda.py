@@ -95,15 +95,26 @@ def test_cuda_fp8_converted_on_the_gpu_writes_the_host_paths_bytes(tiny_model_fa
         assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
-def test_cuda_packed_prefill_equals_a_plain_cuda_forward(attn, tiny_model_factory, kv_config):
-    """Packed prefill on CUDA (issue 46): sdpa runs per prompt inside the packed row; flash attention reads the packed
-    prompts from the restarting position ids itself (transformers' varlen path)."""
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gemma3_text", "sdpa"), ("exaone4", "sdpa"),
+                                         ("qwen3_moe", "sdpa"), ("llama", "flash_attention_2")])
+def test_cuda_packed_prefill_equals_a_plain_cuda_forward(family, attn, tiny_model_factory, kv_config, monkeypatch):
+    """Packed prefill on CUDA (issue 46): bf16 sdpa layers run every prompt in one varlen flash-attention call
+    (windows of 8 tokens in gemma3_text / exaone4, shorter than the prompts); flash attention reads the packed prompts
+    from the restarting position ids itself (transformers' varlen path)."""
+    import torch.nn.attention.varlen as varlen
     from transformers.utils import is_flash_attn_2_available
 
     if attn == "flash_attention_2" and not is_flash_attn_2_available():
         pytest.skip("flash-attn is not installed")
-    model_dir = tiny_model_factory("llama")
+    calls = []
+    original = varlen.varlen_attn
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("window_size"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", counting)
+    model_dir = tiny_model_factory(family)
     ref = load_reference(model_dir, dtype=torch.bfloat16, device="cuda")
     llm = LLM(model=model_dir, speculative_config=spec_config(ORDERED), dtype="bfloat16", device="cuda",
               attn_implementation=attn, packing="on", kv_transfer_config=kv_config(), max_num_batched_tokens=256)
@@ -112,6 +123,9 @@ def test_cuda_packed_prefill_equals_a_plain_cuda_forward(attn, tiny_model_factor
     outs = llm.generate(prompts, SamplingParams(max_tokens=0))
     llm.shutdown()
     assert [o.error for o in outs] == [None] * len(prompts)
+    assert bool(calls) == (attn == "sdpa")
+    if family in ("gemma3_text", "exaone4"):
+        assert (7, 0) in calls and (-1, 0) in calls  # window 8: the query and its 7 predecessors
     for out in outs:
         obj = load_hidden_states(out.kv_transfer_params["hidden_states_path"])
         assert_close_for("bfloat16", obj["hidden_states"], reference_states(ref, out.prompt_token_ids, ORDERED))

@@ -178,18 +178,22 @@ def test_requests_that_ask_for_no_file_generate_the_same_and_capture_nothing(con
     llm.shutdown()
 
 
-def test_fp8_quantized_on_the_device_writes_the_host_paths_file_bytes(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("prompt_only", [False, True], ids=["generating", "prompt-only-packed"])
+def test_fp8_quantized_on_the_device_writes_the_host_paths_file_bytes(prompt_only, tiny_model_factory, tmp_path):
     """On CUDA the runner converts fp8 (scales, cast) before the copy (LLM sets runner.device_storage); forced here on
-    CPU, prompt and output-token rows across prefill chunks must give the host path's file bytes exactly."""
+    CPU, prompt and output-token rows across prefill chunks, and prompts packed in one row, must give the host path's
+    file bytes exactly."""
     import safetensors.torch
 
     from connectors import KVTransferConfig
 
     model_dir = tiny_model_factory("llama")
-    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, extra_args=INCLUDE)
+    params = (SamplingParams(max_tokens=0) if prompt_only
+              else SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, extra_args=INCLUDE))
     tensors = {}
     for where in ("host", "device"):
-        llm = LLM(model=model_dir, speculative_config=spec_config(LAYERS), dtype="bfloat16", max_num_batched_tokens=8,
+        llm = LLM(model=model_dir, speculative_config=spec_config(LAYERS), dtype="bfloat16",
+                  max_num_batched_tokens=256 if prompt_only else 8,
                   kv_transfer_config=KVTransferConfig(kv_connector_extra_config={
                       "shared_storage_path": str(tmp_path / where), "storage_dtype": "fp8"}))
         assert llm.runner.device_storage is None  # CPU: the host converts

@@ -14,6 +14,7 @@ from connectors import load_hidden_states
 from extractor import LLM, EngineConfig, SamplingParams
 from extractor.batching import plan_batches, plan_packed
 from extractor.packing import Packer
+from jobs.tiny_models import build_tiny_model
 from tests.extractor.conftest import spec_config
 from tests.extractor.oracle import load_reference, reference_states
 
@@ -124,7 +125,7 @@ def test_the_probe_catches_attention_leaking_across_prompts_and_unrestarted_posi
     args = (runner.device, runner.vocab_size, runner.dtype, None)
     assert Packer(runner.model, runner.base, "sdpa").probe(*args) is None
     leak = Leaking(runner.model, runner.base, "sdpa").probe(*args)
-    assert leak is not None and "prompt 1" in leak and "differ from the padded ones" in leak
+    assert leak is not None and "prompt 1 changed with the tokens of prompt 0" in leak
     # rotary positions are relative: per-prompt attention makes Llama's states independent of where positions start;
     # GPT-2's learned absolute positions are not
     assert Counting(runner.model, runner.base, "sdpa").probe(*args) is None
@@ -133,6 +134,36 @@ def test_the_probe_catches_attention_leaking_across_prompts_and_unrestarted_posi
     args = (gpt2.device, gpt2.vocab_size, gpt2.dtype, None)
     assert Packer(gpt2.model, gpt2.base, "sdpa").probe(*args) is None
     assert "differ from the padded ones" in Counting(gpt2.model, gpt2.base, "sdpa").probe(*args)
+
+
+def test_longrope_prompts_past_the_original_length_run_alone_so_short_ones_keep_their_short_factors(
+        kv_config, tmp_path):
+    """Longrope picks long or short factors from the forward's largest position: a 30-token prompt (past the original
+    24) packed beside short ones would switch them to long factors; it runs alone, they pack, all equal the oracle."""
+    model_dir = build_tiny_model("phi3", str(tmp_path / "phi3"), original_max_position_embeddings=24, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+        "long_factor": [3.0 + i for i in range(8)]})
+    ref = load_reference(model_dir)
+    rows = _prompts(500, [30, 9, 6, 7])
+    llm, states, seen = _extract(model_dir, rows, kv_config, str(tmp_path / "out"), max_num_batched_tokens=256)
+    assert llm.runner.packer.max_prompt_tokens == 24
+    assert sorted(seen) == [False, True]  # the long prompt alone, the short ones packed
+    for ids, got in zip(rows, states):
+        torch.testing.assert_close(got, reference_states(ref, ids, LAYERS), rtol=1e-4, atol=1e-4)
+
+
+def test_the_probe_passes_and_catches_leaks_in_bfloat16(tiny_model_factory):
+    runner = LLM(model=tiny_model_factory("qwen3_moe"), dtype="bfloat16").runner
+    assert runner.packer is not None, runner.packing_refusal
+
+    class Leaking(Packer):
+        @contextlib.contextmanager
+        def active(self, starts, lengths):
+            with super().active([0], [sum(lengths)]) as segments:
+                yield segments
+
+    leak = Leaking(runner.model, runner.base, "sdpa").probe(runner.device, runner.vocab_size, runner.dtype, None)
+    assert leak is not None and "changed with the tokens of prompt 0" in leak
 
 
 def test_packing_setting_is_checked_by_name():

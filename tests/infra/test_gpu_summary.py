@@ -25,6 +25,9 @@ def test_the_summary_reads_each_benchmarks_json_and_says_what_is_missing(tmp_pat
     assert "not measured" in got["hsx extraction packed vs padded (b/p)"][0]
     (tmp_path / "packing.json").write_text(json.dumps({"speed": {"ratios": {"packing_speedup": 1.21}}}))
     assert ("hsx extraction packed vs padded (b/p)", "1.21", ">= 1.0", "yes") in rows(str(tmp_path))
+    (tmp_path / "packing.json").write_text(json.dumps({"speed": {"packed": False, "packing_refusal": "why",
+                                                                 "ratios": {"packing_speedup": 1.0}}}))
+    assert ("hsx extraction packed vs padded (b/p)", "not packed: why", ">= 1.0", "-") in rows(str(tmp_path))
     assert got["regeneration with output-token files vs transformers generate"] == ("0.49", "no")
     assert got["host CPU-s per GB written, bf16"] == ("0.83", "yes")
     assert got["host CPU-s per GB written, fp8 converted on the device"] == ("0.57", "yes")
