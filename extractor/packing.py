@@ -23,8 +23,9 @@ packed prompts from position ids that restart.
 A target packs only where that is exact: every cache layer a plain attention one (full or sliding window; linear
 attention and state-space layers carry state along the row, chunked attention is fixed to absolute positions), a
 text target (image prompts carry M-RoPE positions and vision features per row), an attention implementation this
-module runs per prompt, and a probe at load — three short prompts, packed and padded, every layer's states compared —
-that agrees. Where it does not, the engine pads as before (EngineConfig.packing "auto") or refuses ("on").
+module runs per prompt, and a probe at load that agrees (Packer.probe: three short prompts packed, checked for leaks
+across prompts at every layer and against the padded batch's states). Where any of these fails, the engine pads as
+before (EngineConfig.packing "auto") or refuses ("on").
 """
 
 from __future__ import annotations
