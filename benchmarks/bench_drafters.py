@@ -40,6 +40,8 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 KINDS = ("eagle", "eagle3", "peagle", "dflash", "medusa", "mlp_speculator")
 NATURAL_K = {"peagle": 7, "dflash": 7}
 """Drafts per step a family is built for besides the shared --num-speculative-tokens: P-EAGLE's parallel depths and
@@ -262,6 +264,7 @@ def reference_target(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from benchmarks.common import lossless_status
     from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
     from training.reference_target import default_cache_root
 
@@ -388,11 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                        "results_one_at_a_time": [r.to_dict() for r in single]}, f, indent=2, default=str)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-    lossy = [f"{r.method} (max_num_seqs {r.max_num_seqs or 'default'})" for r in results + single if not r.lossless]
-    if lossy:
-        print(f"NOT LOSSLESS: {lossy}", file=sys.stderr)
-        return 1
-    return 0
+    return lossless_status([f"{r.method} (max_num_seqs {r.max_num_seqs or 'default'})" for r in results + single
+                            if not r.lossless])
 
 
 if __name__ == "__main__":

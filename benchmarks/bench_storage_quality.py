@@ -130,6 +130,7 @@ def run_bytes(run: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from benchmarks.common import lossless_status
     from jobs.train import train_drafter
     from training.evaluate import evaluate_speculation
     from training.train_config import TrainDrafterConfig
@@ -198,11 +199,7 @@ def main(argv=None) -> int:
                        "results": [r.to_dict() for r in results]}, f, indent=2, default=str)
         with open(os.path.join(args.out, "results-storage-quality.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-    lossy = [r.method for r in results if not r.lossless]
-    if lossy:
-        print(f"NOT LOSSLESS: {lossy}", file=sys.stderr)
-        return 1
-    return 0
+    return lossless_status([r.method for r in results if not r.lossless])
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from benchmarks.common import write_results
+    from benchmarks.common import lossless_status, write_results
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
     from jobs.train import train_drafter
@@ -115,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.out, "results-vl-drafters", summary, "\n".join(table) + "\n")
     else:
         print("\n".join(table))
-    bad = [r.method for r in results if not r.lossless]
-    if bad:
-        print(f"NOT LOSSLESS: {bad}", file=sys.stderr)
-        return 1
-    return 0
+    return lossless_status([r.method for r in results if not r.lossless])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ sys.path first); never run on its own.
     hooks_off(llm), speculative_config(layer_ids)
     timed(fn, device), sync(device), machine_info(device), cpu_model()
     reset_peak_rss(), status_kb(key, pid), rss(), peak_rss()
-    write_results(out, stem, results, markdown)
+    write_results(out, stem, results, markdown), lossless_status(lossy)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import shutil
+import sys
 import time
 
 import torch
@@ -234,6 +235,14 @@ def rss() -> int:
 
 def peak_rss() -> int:
     return status_kb("VmHWM")
+
+
+def lossless_status(lossy: list[str]) -> int:
+    """A decoding benchmark's exit status: 0, or 1 with "NOT LOSSLESS: [...]" on stderr naming the `lossy` results."""
+    if lossy:
+        print(f"NOT LOSSLESS: {lossy}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def write_results(out: str, stem: str, results: dict, md: str) -> None:
