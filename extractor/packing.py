@@ -5,7 +5,7 @@ prompt and positions restarting at 0 for each.
     Packer(model, base, inner)        one runner's packing
         .inputs(rows, device)         ids [1, T], positions [1, T] and each prompt's first column
         .active(starts, lengths)      context: the model's attention runs per prompt for one forward
-        .probe(device, vocab)         one line where a small packed forward's states differ from the padded one's
+        .probe(pad, device, vocab, ...) one line where a small packed forward's states differ from the padded one's
     PACKED_ATTENTION                  the attention implementation registered with transformers for it
 
 How: for the forward, the model's attention implementation is switched to PACKED_ATTENTION, a function registered in
@@ -275,8 +275,9 @@ class Packer:
             _ACTIVE.reset(token)
 
     @torch.inference_mode()
-    def probe(self, device: torch.device, vocab_size: int, dtype: torch.dtype, window: int | None) -> str | None:
-        """Three short prompts (one longer than a short sliding window) through the model packed: one line saying
+    def probe(self, pad: Callable, device: torch.device, vocab_size: int, dtype: torch.dtype, window: int | None
+              ) -> str | None:
+        """`pad`: the runner's ModelRunner.pad (the padded batch the engine would run). Three short prompts (one longer than a short sliding window) through the model packed: one line saying
         where packing is not exact, or None. Checks: every layer of the packed row against the same row with the first
         prompt's tokens changed (a leak across prompts changes the others); the packed states against the padded
         batch's (all layers in float32, the first HALF_AGREEMENT_LAYERS in half precision: positions, masks); every
@@ -286,11 +287,8 @@ class Packer:
             lengths[0] = window + 3  # the window is crossed inside the packed row
         g = torch.Generator().manual_seed(0)
         rows = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
-        width = max(lengths)
-        padded_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            padded_ids[b, :len(r)] = torch.tensor(r)
-        padded = self._states(padded_ids.to(device), torch.arange(width, device=device).expand(len(rows), width))
+        padded_ids, _, padded_positions, _ = pad(rows, left=False)
+        padded = self._states(padded_ids, padded_positions)
         ids, positions, starts = self.inputs(rows, device)
         with self.active(starts, lengths) as segments:
             packed = self._states(ids, positions)

@@ -348,7 +348,8 @@ class ModelRunner:
             if self.capture is not None:
                 self.capture.enabled = False
             try:
-                why = packer.probe(self.device, self.vocab_size, self.dtype, window if isinstance(window, int) else None)
+                why = packer.probe(self.pad, self.device, self.vocab_size, self.dtype,
+                                   window if isinstance(window, int) else None)
             except Exception as e:  # a model that cannot run a packed row at all: padded batches
                 why = f"a packed probe forward failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             finally:

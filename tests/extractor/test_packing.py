@@ -122,7 +122,7 @@ def test_the_probe_catches_attention_leaking_across_prompts_and_unrestarted_posi
             ids, positions, starts = Packer.inputs(rows, device)
             return ids, torch.arange(ids.shape[1], device=device)[None], starts
 
-    args = (runner.device, runner.vocab_size, runner.dtype, None)
+    args = (runner.pad, runner.device, runner.vocab_size, runner.dtype, None)
     assert Packer(runner.model, runner.base, "sdpa").probe(*args) is None
     leak = Leaking(runner.model, runner.base, "sdpa").probe(*args)
     assert leak is not None and "prompt 1 changed with the tokens of prompt 0" in leak
@@ -131,7 +131,7 @@ def test_the_probe_catches_attention_leaking_across_prompts_and_unrestarted_posi
     assert Counting(runner.model, runner.base, "sdpa").probe(*args) is None
     gpt2 = LLM(model=tiny_model_factory("gpt2"), dtype="float32").runner
     assert gpt2.packer is not None
-    args = (gpt2.device, gpt2.vocab_size, gpt2.dtype, None)
+    args = (gpt2.pad, gpt2.device, gpt2.vocab_size, gpt2.dtype, None)
     assert Packer(gpt2.model, gpt2.base, "sdpa").probe(*args) is None
     assert "differ from the padded ones" in Counting(gpt2.model, gpt2.base, "sdpa").probe(*args)
 
@@ -162,7 +162,8 @@ def test_the_probe_passes_and_catches_leaks_in_bfloat16(tiny_model_factory):
             with super().active([0], [sum(lengths)]) as segments:
                 yield segments
 
-    leak = Leaking(runner.model, runner.base, "sdpa").probe(runner.device, runner.vocab_size, runner.dtype, None)
+    leak = Leaking(runner.model, runner.base, "sdpa").probe(runner.pad, runner.device, runner.vocab_size,
+                                                            runner.dtype, None)
     assert leak is not None and "changed with the tokens of prompt 0" in leak
 
 
