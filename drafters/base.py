@@ -1,7 +1,8 @@
 """What every drafter family shares: the teacher, the batch a training step gets, the interface, checkpoint files.
 
-    TargetHead.from_model_dir(dir)   the target's frozen final norm + lm_head: teacher logits from the stored last
-                                     layer (pre-norm, vLLM id N), exactly what the target's own forward computes
+    TargetHead.from_model_dir(dir)   the target's frozen final norm + lm_head (+ its family's logits transform):
+                                     teacher logits from the stored last layer (pre-norm, vLLM id N), exactly what the
+                                     target's own forward computes
     TargetHead.of_model(model)       the same parts of a loaded target (no copies): what a proposer reads out with
     topk_distribution(ids, logprobs, index, size)   a top-k target's distribution over a (draft) vocabulary
     DrafterBatch.from_packed(batch, layer_ids)   a PackCollator batch of a raw-layout HiddenStatesDataset
@@ -37,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -50,6 +51,7 @@ from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
 from drafters.memory import MemoryOptions, recompute_in_backward
 from extractor.facts import text_config
+from extractor.head import has_logits_transform, logits_transform
 from extractor.norm import FinalNorm, checkpoint_weight_map
 
 
@@ -82,6 +84,10 @@ class TargetHead:
     config (EAGLE-3's decoder layer) read it from here."""
     num_hidden_layers: int | None = None
     """The target's decoder layers (N: its last layer's vLLM id), from its config."""
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """What the family does to lm_head's output (extractor.head.logits_transform: Gemma's soft-cap, Granite's and
+    Falcon-H1's scales, Cohere's logit scale); None: nothing. logits() applies it, so KL / TV losses learn the
+    distribution the target serves."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> TargetHead:
@@ -93,7 +99,8 @@ class TargetHead:
             head = embed
         else:
             head = read_target_tensor(model_dir, LM_HEAD_KEYS)
-        return cls(FinalNorm.from_model_dir(model_dir), head, embed, model_dir, int(config.num_hidden_layers))
+        return cls(FinalNorm.from_model_dir(model_dir), head, embed, model_dir, int(config.num_hidden_layers),
+                   _transform_or_none(config))
 
     @classmethod
     def of_model(cls, model: nn.Module, model_dir: str = "") -> TargetHead:
@@ -102,7 +109,8 @@ class TargetHead:
         nothing is read from the target's folder again."""
         config = text_config(model.config)
         return cls(FinalNorm.of_model(model), model.get_output_embeddings().weight,
-                   model.get_input_embeddings().weight, model_dir, int(config.num_hidden_layers))
+                   model.get_input_embeddings().weight, model_dir, int(config.num_hidden_layers),
+                   _transform_or_none(config))
 
     @property
     def vocab_size(self) -> int:
@@ -116,17 +124,25 @@ class TargetHead:
         norm = self.norm.to(dtype)
         norm.module.to(device)
         return TargetHead(norm, self.lm_head.to(device, dtype), self.embed_tokens.to(device, dtype), self.model_dir,
-                          self.num_hidden_layers)
+                          self.num_hidden_layers, self.transform)
 
     def post_norm(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., H]: the state lm_head reads (call .to() first to match device and dtype)."""
         return self.norm(last_pre_norm)
 
     def logits(self, last_pre_norm: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V] the target's logits (no grad)."""
+        """[..., H] -> [..., V] the target's logits (no grad), its family's transform applied."""
         with torch.no_grad():
             x = self.post_norm(last_pre_norm)
-            return x @ self.lm_head.to(x.device, x.dtype).T
+            return self.transformed(x @ self.lm_head.to(x.device, x.dtype).T)
+
+    def transformed(self, logits: torch.Tensor) -> torch.Tensor:
+        """lm_head's output [..., V] -> the target's logits: its family's transform applied (identity for most)."""
+        return self.transform(logits) if self.transform is not None else logits
+
+
+def _transform_or_none(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    return logits_transform(config) if has_logits_transform(config) else None
 
 
 def topk_distribution(ids: torch.Tensor, logprobs: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:

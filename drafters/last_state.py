@@ -43,6 +43,8 @@ class TeacherLogits:
     logits: torch.Tensor | None  # [n, V] float32 (no chunking)
     states: torch.Tensor | None  # [n, H] the post-norm states (chunking)
     lm_head: torch.Tensor | None  # [V, H] (chunking)
+    target: TargetHead | None = None
+    """Whose family's logits transform the chunked path applies (soft-cap, scaling)."""
 
     @classmethod
     def of(cls, batch: DrafterBatch, post: torch.Tensor, target: TargetHead, chunk: int = 0) -> TeacherLogits:
@@ -54,10 +56,10 @@ class TeacherLogits:
         with torch.no_grad():
             states = post[needed]  # [n, H]
             if not chunk:
-                logits = (states @ head.T).float()  # [n, V]
+                logits = target.transformed((states @ head.T).float())  # [n, V]
                 return cls(index, logits.argmax(-1), logits, None, None)
-            greedy = chunked_argmax(lambda part: part @ head.T, states, chunk)
-        return cls(index, greedy, None, states, head)
+            greedy = chunked_argmax(lambda part: part @ head.T, states, chunk)  # the transforms keep the order
+        return cls(index, greedy, None, states, head, target)
 
     def rows(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """[m] the teacher's rows of positions (rows[i], cols[i]) (each one whose next token is trained)."""
@@ -71,8 +73,10 @@ class TeacherLogits:
 
     def _softmax(self, where: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         rows = where[index]
-        logits = self.logits[rows] if self.logits is not None else (self.states[rows] @ self.lm_head.T).float()
-        return F.softmax(logits, dim=-1)
+        if self.logits is not None:
+            return F.softmax(self.logits[rows], dim=-1)
+        logits = (self.states[rows] @ self.lm_head.T).float()
+        return F.softmax(self.target.transformed(logits) if self.target is not None else logits, dim=-1)
 
 
 def head_loss(hidden: torch.Tensor, readout, teacher, tokens: torch.Tensor, targets: str,

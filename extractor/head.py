@@ -1,6 +1,8 @@
 """The target's output head as its own forward computes it: final norm, lm_head, then whatever the family does to
 the logits (Gemma's soft-cap, Granite's and Falcon-H1's scales, Cohere's logit scale).
 
+    logits_transform(config)     the family's transform of lm_head's output, from its config (TargetHead applies it
+                                 too, so drafters train on the distribution the target serves)
     LogitsHead.of_model(model)   the loaded model's own norm and lm_head (shared, not copied) and its logits transform
     head(states)                 [..., H] pre-norm last-layer states -> [..., V] logits, in the model's dtype
     head.check(model)            one short forward of the model: the head must give the model's own logits from its
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,24 +22,35 @@ from extractor.layers import find_decoder
 from extractor.norm import FinalNorm
 
 
-def logits_transform(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the model's CausalLM forward does to lm_head's output, in its own order of operations (so the result is
-    bit-identical): identity for most families."""
-    config = text_config(model.config)
+def logits_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the family's CausalLM forward does to lm_head's output, read from its text config (`config`: a
+    PretrainedConfig, or a loaded model, whose config is read), in the forward's own order of operations (so the
+    result is bit-identical): Gemma's soft-cap, Granite's logits_scaling (a divide), Falcon-H1's lm_head_multiplier
+    and Cohere's logit_scale (multiplies); identity for most families. A loaded model's LogitsHead.check proves it."""
+    if isinstance(config, torch.nn.Module):
+        config = config.config
+    config = text_config(config)
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         return lambda x: torch.tanh(x / cap) * cap
     scaling = getattr(config, "logits_scaling", None)
     if scaling not in (None, 1, 1.0):
         return lambda x: x / scaling
-    base = getattr(model, "model", None)
-    multiplier = getattr(base, "lm_head_multiplier", None)
-    if multiplier not in (None, 1, 1.0):
-        return lambda x: x * multiplier
-    scale = getattr(model, "logit_scale", None)
-    if isinstance(scale, (int, float)) and scale != 1:
-        return lambda x: x * scale
-    return lambda x: x
+    for name in ("lm_head_multiplier", "logit_scale"):
+        factor = getattr(config, name, None)
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
+            return lambda x, factor=factor: x * factor
+    return _identity
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def has_logits_transform(config: Any) -> bool:
+    """Whether the family transforms its logits (soft-cap, scaling): softmax over raw lm_head outputs is then not
+    the distribution the target serves."""
+    return logits_transform(config) is not _identity
 
 
 @dataclass(frozen=True)
