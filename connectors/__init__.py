@@ -19,6 +19,8 @@
     lease.py                           WriterLease: one writer per folder (FOLDER/writer.lease), renewed while it runs
     outputs.py                         OutputFolder / check_output_file: outputs that cannot destroy inputs
     csvfile.py                         csv_bytes / safe_cell: every CSV hsx writes, safe to open in a spreadsheet
+    http_reads.py                      read_bounded / is_redirect: an HTTP answer from a peer hsx does not control
+                                       (a regenerate server, an image URL), its bytes bounded, redirects refused
     storage.py                         fsspec primitives: the one durable atomic put, pending-write locks, retries
     safetensors_file.py                one safetensors file's bytes through that put: write_atomic (checksummed)
     writer.py                          background writes with a bound on bytes in flight

@@ -3,7 +3,6 @@ kept: a server is a peer the job does not control, so its bytes are bounded, its
 it has an OpenAI completion's shape, and its token ids are checked against what was asked and what it said.
 
     answer_cap(max_tokens, max_answer_bytes) -> int     the most bytes of one answer read (--max-answer-bytes)
-    read_bounded(response, cap) -> bytes | None         an aiohttp response's body, or None once it passes cap
     parse_completion(doc) / parse_chat(doc) -> Turn     a /v1/completions or /v1/chat/completions answer: text, the
                                                         prompt's and the generated token ids (None where the server
                                                         returns none), finish reason, reasoning, tool calls;
@@ -36,26 +35,11 @@ ANSWER_BYTES_PER_TOKEN = 1 << 10
 MARKUP_CHARS = 64
 """Characters (whitespace aside) a chat answer's ids may decode to beyond its reasoning and content: reasoning tags,
 channel names."""
-_READ_CHUNK = 1 << 16
 
 
 def answer_cap(max_tokens: int, max_answer_bytes: int | None = None) -> int:
     """The most bytes of one answer read: --max-answer-bytes, or the floor plus a KiB per token asked for."""
     return max_answer_bytes or ANSWER_FLOOR_BYTES + ANSWER_BYTES_PER_TOKEN * max_tokens
-
-
-async def read_bounded(response: Any, cap: int) -> bytes | None:
-    """The body of an aiohttp response, or None as soon as it passes `cap` bytes (a declared length over it is not
-    read at all); what was read is dropped with the connection."""
-    if response.content_length is not None and not response.headers.get("Content-Encoding") \
-            and response.content_length > cap:
-        return None
-    body = bytearray()
-    while chunk := await response.content.read(_READ_CHUNK):
-        body += chunk
-        if len(body) > cap:
-            return None
-    return bytes(body)
 
 
 # -- what the answer says ---------------------------------------------------------------------------------------

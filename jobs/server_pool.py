@@ -36,7 +36,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
-from jobs.answers import read_bounded
+from connectors.http_reads import is_redirect, read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Pool:
             if raw is None:
                 raise ValueError(f"--server {s.url}: GET /v1/models answered more than {self.cap} bytes "
                                  "(--max-answer-bytes); is it an OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
-            if 300 <= status < 400:
+            if is_redirect(status):
                 raise ValueError(f"--server {s.url}: GET /v1/models answered {status}, a redirect to {location!r}; "
                                  "hsx regenerate follows no redirects: pass the server it redirects to as --server")
             if status in (401, 403):
@@ -272,7 +272,7 @@ class Pool:
         if raw is None:  # read no further: an endless or huge answer would take the driver's memory
             raise BadAnswer(f"{server.url} answered {status} with more than {self.cap} bytes; the answer was dropped "
                             "(raise --max-answer-bytes if the server's answers are that long)")
-        if 300 <= status < 400:  # followed, the prompt would go to a server never checked (or never named)
+        if is_redirect(status):  # followed, the prompt would go to a server never checked (or never named)
             raise BadAnswer(f"{server.url} answered {status}, a redirect to {location[:200]!r}; hsx regenerate "
                             "follows no redirects: pass the server it redirects to as --server")
         if status in BUSY:
