@@ -145,6 +145,9 @@ class EngineConfig:
 
 
 NGRAM_DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+MAX_SPECULATIVE_TOKENS = 128
+"""The most tokens drafted per step hsx accepts: past it every step's k draft positions and buffers cost memory and
+time before anything runs (10^9 took 8 GB), and no drafter family drafts that many (DFlash's blocks: 16)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k} is more than the {MAX_SPECULATIVE_TOKENS} tokens hsx drafts "
+                             "per step; drafters propose 1-16 (3-5 is usual)")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             given = ", ".join(f"{n}={v!r}" for n, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
-from extractor.config import checkpoint_method, drafter_methods
+from extractor.config import MAX_SPECULATIVE_TOKENS, checkpoint_method, drafter_methods
 from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
 from training.eval_result import (
     EvalResult,
@@ -395,8 +395,10 @@ class EvalDrafterConfig:
             value = getattr(self, name)
             if isinstance(value, int):
                 object.__setattr__(self, name, (value,))
-        if not self.num_speculative_tokens or any(k < 1 for k in self.num_speculative_tokens):
-            raise ValueError(f"--num-speculative-tokens must be >= 1, got {list(self.num_speculative_tokens)}")
+        if not self.num_speculative_tokens or any(not 1 <= k <= MAX_SPECULATIVE_TOKENS
+                                                  for k in self.num_speculative_tokens):
+            raise ValueError(f"--num-speculative-tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, got "
+                             f"{list(self.num_speculative_tokens)}")
         if self.num_prompts < 1 or self.max_tokens < 1 or self.repeats < 1:
             raise ValueError("--num-prompts, --max-tokens and --repeats must be >= 1")
         if self.max_num_seqs is not None and any(n < 1 for n in self.max_num_seqs):

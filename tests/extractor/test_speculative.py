@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -351,6 +352,10 @@ def test_bad_speculative_configs_are_clear_errors(models, tmp_path):
         LLM(model=target, speculative_config={"method": "lookahead", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1, got 0"):
         LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="num_speculative_tokens=1000000000 is more than the 128 tokens"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 10**9})
+    assert time.monotonic() - start < 5  # refused before anything is built (it took 32 s and 8 GB)
     with pytest.raises(ValueError, match="needs num_speculative_tokens"):
         LLM(model=target, speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match=r"unknown speculative_config keys \['lookahead'\].*valid"):

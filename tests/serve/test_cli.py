@@ -31,6 +31,8 @@ from cli.main import main
     (["--model", "{model}", "--speculative-config", '{{"method": "ngram"}}'], "needs num_speculative_tokens"),
     (["--model", "{model}", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'],
      "num_speculative_tokens must be an integer >= 1"),
+    (["--model", "{model}", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 1000000000000}}'],
+     "num_speculative_tokens=1000000000000 is more than the 128 tokens"),
     (["--model", "{model}", "--output", "{out}", "--speculative-config", '{{"method": "ngram", '
       '"num_speculative_tokens": 2}}'], "--output with --speculative-config method 'ngram'"),
     (["--model", "{model}", "--layers", "1,2", "--speculative-config", '{{"method": "ngram", '
