@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -56,12 +57,14 @@ from drafters.features import Features
 from drafters.llama_layers import cache_kwarg
 from drafters.memory import chunked_argmax, cross_entropy, softmax_of
 from drafters.registry import Family
+from drafters.target_identity import check_made_for, target_digest
 from drafters.ttt import needed_chains, unroll_chains
 
 FEATURES = Features()
 """MTP layers read layer N's state (through the target's final norm): no aux layers, no top-k target."""
 
 WEIGHTS_NAME = "model.safetensors"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -434,6 +437,7 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
         raise ValueError(f"--out {out_dir} is the target folder itself; write the tuned target to a new folder")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ValueError(f"--out {out_dir} exists and is not an empty folder; name a new folder")
+    check_source(drafter_dir, target_dir, "hsx merge-mtp")
     weight_map = _weight_map(target_dir)
     tuned_map = _weight_map(drafter_dir)
     found = mtp_style(_read_json(os.path.join(target_dir, "config.json")))
@@ -602,6 +606,8 @@ class MtpDrafter(Drafter):
         doc = dict(self.target_config)
         doc["hsx"] = {"kind": self.kind, "verifier": self.verifier, "num_speculative_tokens":
                       self.num_speculative_tokens, **asdict(self.config)}
+        if os.path.isdir(self.verifier):  # which target the layers were tuned for, told by content (merge, decode)
+            doc["hsx"]["target_digest"] = target_digest(self.verifier)
         write_checkpoint(out_dir, doc, checkpoint_tensors(self.head))
 
     @classmethod
@@ -614,6 +620,7 @@ class MtpDrafter(Drafter):
         if not target_dir or not os.path.isdir(target_dir):
             raise ValueError(f"{model_dir}: an MTP checkpoint reads its target's embeddings and lm_head, but its "
                              f"target {target_dir!r} is not a local folder; pass the target folder")
+        check_source(model_dir, target_dir, "the MTP checkpoint")
         target = TargetHead.from_model_dir(target_dir)
         head = MtpHead.from_folder(model_dir, hf_config=_hf_text_config(target_dir),
                                    embed_tokens=target.embed_tokens.float(), lm_head=target.lm_head.float(),
@@ -623,6 +630,23 @@ class MtpDrafter(Drafter):
         target_doc = {k: v for k, v in doc.items() if k != "hsx"}
         return cls(head, config, target.norm.to(torch.float32).module, int(hsx.get("num_speculative_tokens") or 3),
                    target_dir, target_doc).eval()
+
+
+def check_source(model_dir: str, target_dir: str, what: str) -> None:
+    """ValueError when the MTP layers at `model_dir` were not made for `target_dir`: a tuned checkpoint by the
+    target digest it recorded (an older one without it: its recorded verifier folder, when there), a target folder
+    by its own embeddings, final norm and lm_head (drafters.target_identity)."""
+    doc = _read_json(os.path.join(model_dir, "config.json"))
+    hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
+    if hsx.get("kind") != "mtp":
+        check_made_for(model_dir, target_dir, None, what)
+    elif isinstance(hsx.get("target_digest"), str):
+        check_made_for(model_dir, target_dir, hsx["target_digest"], what)
+    elif isinstance(hsx.get("verifier"), str) and os.path.isdir(hsx["verifier"]):
+        check_made_for(hsx["verifier"], target_dir, None, what)
+    else:
+        logger.warning("%s: %s records no target digest and its verifier %r is not here: cannot check it was tuned for "
+                       "%s", what, model_dir, hsx.get("verifier"), target_dir)
 
 
 def _hf_text_config(folder: str):

@@ -14,7 +14,7 @@ from torch import nn
 
 from drafters.base import runner_target
 from drafters.eagle3_proposer import Eagle3Proposer
-from drafters.mtp import MtpHead
+from drafters.mtp import MtpHead, check_source
 from extractor.facts import text_config
 
 
@@ -45,6 +45,8 @@ class MtpProposer(Eagle3Proposer):
         target = runner_target(runner)
         head = MtpHead.from_folder(model_dir or runner.config.model, hf_config=text_config(runner.model.config),
                                    embed_tokens=target.embed_tokens, lm_head=target.lm_head, dtype=runner.dtype)
+        if model_dir:  # another folder's MTP layers (shapes checked above): made for this target, or refused
+            check_source(model_dir, runner.config.model, "speculative_config method 'mtp'")
         self.device = torch.device(runner.device)
         self.head = head.to(self.device)
         self.drafter = _MtpDrafter(self.head, target.norm.module).eval()

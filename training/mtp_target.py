@@ -26,6 +26,11 @@ class MergeMtpConfig:
                 raise ValueError(f"--{name} {getattr(self, name)!r} is not a local folder")
         if not self.out or "://" in self.out:
             raise ValueError(f"--out {self.out!r} must be a local folder (a target serving engines load from disk)")
+        from connectors.outputs import check_output_place
+
+        # never inside --model or --drafter (a whole model folder written into the target, copied by the next merge)
+        check_output_place(self.out, flag="--out", inputs={"--model": self.model, "--drafter": self.drafter},
+                           around_ok=False)
 
 
 def merge_mtp(config: MergeMtpConfig) -> dict[str, Any]:

@@ -320,6 +320,12 @@ def test_hsx_eval_drafter_measures_mtp_on_a_target_folder_and_refuses_one_withou
     printed = capsys.readouterr()
     assert "NOT EVALUATED" in printed.out + printed.err and "declares no MTP layers" in printed.out + printed.err
     assert "Traceback" not in printed.out + printed.err
+    twin = add_mtp_layers(randomise_norms(build_tiny_model("deepseek_v3", str(tmp_path / "twin"), seed=8)), 1, seed=6)
+    assert main(["eval-drafter", "--model", folder, "--drafter", f"mtp:{twin}", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--no-ngram"]) == 1  # another target's MTP layers of the same shape
+    printed = capsys.readouterr()
+    assert "NOT EVALUATED" in printed.out + printed.err and "belongs to another target" in printed.out + printed.err
+    assert "Traceback" not in printed.out + printed.err
 
 
 # -- fine-tuning (hsx train-drafter --kind mtp) and merging back --------------------------------------------------
@@ -454,16 +460,29 @@ def test_tuned_mtp_layers_save_in_the_checkpoints_own_layout_decode_and_merge_in
     assert in_place == refs  # and the same drafts: the same acceptance, count for count
     assert {m.name: getattr(m, "value", getattr(m, "values", None)) for m in m1 if m.name.startswith("vllm:spec")} \
         == {m.name: getattr(m, "value", getattr(m, "values", None)) for m in m2 if m.name.startswith("vllm:spec")}
-    # refused, nothing written: an --out that is not empty, layers tuned from another target
+    # refused, nothing written: an --out that is not empty or lies inside --model / --drafter, layers tuned for
+    # another target (of another shape, or of the same shape: another seed)
+    twin = add_mtp_layers(randomise_norms(build_tiny_model("deepseek_v3", str(tmp_path / "twin"), seed=9)), 2, seed=5,
+                          own_copies=True)
+    twin_before = _sha(twin)
     capsys.readouterr()
-    for argv, message in ((["--out", merged], "not an empty folder"),
-                          (["--drafter", targets["glm4_moe"], "--out", str(tmp_path / "x")], "does not hold exactly")):
+    for argv, message in ((["--out", merged], "holds a model"),
+                          (["--out", os.path.join(folder, "inside")], "lies inside the --model folder"),
+                          (["--out", os.path.join(tuned, "inside")], "lies inside the --drafter folder"),
+                          (["--drafter", targets["glm4_moe"], "--out", str(tmp_path / "x")], "another target"),
+                          (["--model", twin, "--out", str(tmp_path / "x")], "was tuned for another target")):
         args = ["merge-mtp", "--model", folder, "--drafter", tuned, "--out", str(tmp_path / "y"), *argv]
         with pytest.raises(SystemExit) as e:
             main(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+    assert not os.path.exists(os.path.join(folder, "inside")) and not os.path.exists(os.path.join(tuned, "inside"))
+    assert _sha(folder) == before and _sha(twin) == twin_before
+    # decoding the twin with layers tuned for `folder`, or with `folder`'s own layers: refused, not a silent wrong draft
+    for model in (tuned, folder):
+        assert "another target" in _llm_error(twin, {"method": "mtp", "model": model, "num_speculative_tokens": 2})
 
 
 def test_hsx_train_drafter_kind_mtp_tunes_a_targets_own_layers_from_a_run(targets, tmp_path, capsys):
