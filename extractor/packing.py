@@ -173,17 +173,29 @@ def _register() -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
-def packing_refusal(model: torch.nn.Module, inner: str | None) -> str | None:
-    """Why this loaded target's prompts cannot be packed (one line), or None: they can, if the probe agrees."""
+def config_packing_refusal(config) -> str | None:
+    """Why a target of this transformers config can never be packed (one line), or None: read from the config
+    alone, so a plan refuses `--packing on` before any worker loads the model."""
+    from extractor.media import is_multimodal
     from extractor.rollback import FULL, SLIDING, cache_kinds
 
-    kinds = cache_kinds(model.config)
+    if is_multimodal(config):
+        return "image targets carry per-row positions and vision features"
+    kinds = cache_kinds(config)
     other = sorted({k for k in kinds if k not in (FULL, SLIDING)})
     if other:
         return f"its cache holds {', '.join(other)} layers, which carry state along a row"
-    types = sorted(set(getattr(model.config.get_text_config(), "layer_types", None) or ()) - ATTENTION_TYPES)
+    types = sorted(set(getattr(config.get_text_config(), "layer_types", None) or ()) - ATTENTION_TYPES)
     if types:
         return f"its {', '.join(types)} layers mask by more than causality and a window"
+    return None
+
+
+def packing_refusal(model: torch.nn.Module, inner: str | None) -> str | None:
+    """Why this loaded target's prompts cannot be packed (one line), or None: they can, if the probe agrees."""
+    why = config_packing_refusal(model.config)
+    if why is not None:
+        return why
     if inner not in PER_PROMPT + NATIVE:
         return f"attention implementation {inner!r} is not one packing runs ({', '.join(PER_PROMPT + NATIVE)})"
     if inner == "eager":

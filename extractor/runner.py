@@ -338,8 +338,7 @@ class ModelRunner:
             return "packing is off"
         text = self.hf_config.get_text_config()
         inner = getattr(text, "_attn_implementation", None)
-        why = ("image targets carry per-row positions and vision features" if self.vision is not None
-               else packing_refusal(self.model, inner))
+        why = packing_refusal(self.model, inner)
         packer, probed = None, False
         if why is None:
             probed = True

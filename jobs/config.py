@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,6 +256,16 @@ class JobConfig(EngineOptions):
         for name in names:
             if not getattr(self, name):
                 raise ValueError(f"{flag(name)} is required (or key {name!r} in the --config file)")
+
+    def check_engine_installed(self) -> None:
+        """ValueError (one line) when --engine vllm runs on a private local Ray and vLLM does not import here; on a
+        cluster of one's own (--address, $RAY_ADDRESS) the workers' environment decides."""
+        if self.engine == "vllm" and not (self.address or os.environ.get("RAY_ADDRESS")):
+            from vllm_engine.options import vllm_missing
+
+            missing = vllm_missing()
+            if missing:
+                raise ValueError(f"--engine vllm: {missing}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values, keyed by field name (the job-file format)."""

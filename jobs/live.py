@@ -117,6 +117,7 @@ def plan_stream(job: JobConfig) -> JobPlan:
     """prepare_job's plan without an output: the model's facts, the corpus files, the chat template and the run
     spec every streamed sample's file follows."""
     job.check_required()
+    job.check_engine_installed()
     facts = ModelFacts.resolve(job)
     files = expand_corpus(job.corpus, job.corpus_storage_options)
     override, template, template_source = load_chat_template(job, facts)

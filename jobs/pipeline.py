@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -120,11 +119,7 @@ def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None
 def prepare_job(config: JobConfig) -> JobPlan:
     """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
     config.check_required()
-    if config.engine == "vllm" and not (config.address or os.environ.get("RAY_ADDRESS")):
-        from vllm_engine.options import vllm_missing  # on a cluster of one's own, the workers' environment decides
-
-        if vllm_missing():
-            raise ValueError(f"--engine vllm: {vllm_missing()}")
+    config.check_engine_installed()
     output = RunDir(config.output, config.storage_options)
     corpus = [] if config.regenerate_with else expand_corpus(config.corpus, config.corpus_storage_options)
     # never the model, a corpus file, inside either or another run, a file, or a folder of other things

@@ -75,7 +75,8 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--model {config.model}: cannot read its config ({first_line(e)}); pass a model folder or a "
                          "hub id in the local cache") from e
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
-                 layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
+                 layers_flag="--layers", target=config.engine_target, target_flag="--target",
+                 packing=config.packing, packing_flag="--packing")  # layer ids and --max-model-len against the model, before Ray starts
     if config.speculative is not None:
         check_draft_source(config.speculative, config.model)
     if not config.writes_files:

@@ -107,6 +107,25 @@ def test_targets_packing_would_change_are_padded_under_auto_and_refused_under_on
         LLM(model=model_dir, speculative_config=spec_config(LAYERS), packing="on")
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "llama4_text"])
+def test_packing_on_for_a_target_that_cannot_pack_is_refused_when_the_job_is_planned(family, tiny_model_factory,
+                                                                                    tmp_path, capsys):
+    """`hsx run --packing on` was refused only in the worker (exit 1 after 38 s, run.json left behind): the plan reads
+    the refusal from the config, before Ray starts or anything is written."""
+    from cli.main import main
+
+    model_dir = tiny_model_factory(family)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "x y z"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", model_dir, "--corpus", str(corpus), "--output", str(tmp_path / "out"), "--packing",
+              "on"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--packing on but" in err and "cannot pack prompts" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_probe_catches_attention_leaking_across_prompts_and_unrestarted_positions(tiny_llama, tiny_model_factory):
     runner = LLM(model=tiny_llama, dtype="float32").runner
 

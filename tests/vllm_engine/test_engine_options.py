@@ -85,6 +85,21 @@ def test_hsx_run_with_engine_vllm_where_vllm_is_missing_says_how_to_install_it(t
     assert not (tmp_path / "out" / "run.json").exists()  # refused before anything was written
 
 
+def test_online_training_with_engine_vllm_where_vllm_is_missing_is_one_line_before_ray(tiny_llama, tmp_path):
+    """`train-drafter --online --extract '{"engine": "vllm"}'` without vLLM was 97 lines of tracebacks from a Ray
+    worker, exit 1: the live stream's plan checks the engine as `hsx run`'s does."""
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the message is for machines without it")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "x y z"}\n')
+    proc = subprocess.run([sys.executable, "-m", "cli", "train-drafter", "--online", "--kind", "eagle3", "--model",
+                           tiny_llama, "--corpus", str(corpus), "--out", str(tmp_path / "head"), "--steps", "2",
+                           "--extract", '{"engine": "vllm"}'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--engine vllm: {INSTALL_HINT}" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_eval_drafter_engine_is_checked_and_vllm_missing_says_how_to_install_it(tmp_path):
     from training.evaluate import EvalDrafterConfig, run_eval
 
