@@ -649,6 +649,21 @@ def check_source(model_dir: str, target_dir: str, what: str) -> None:
                        "%s", what, model_dir, hsx.get("verifier"), target_dir)
 
 
+def preflight(model_dir: str, target_dir: str) -> None:
+    """The registry's check before an engine loads (hsx serve): `model_dir` declares MTP layers, its checkpoint holds
+    tensors of them (a target re-saved by transformers lost them), and they were made for `target_dir`."""
+    doc = _read_json(os.path.join(model_dir, "config.json"))
+    found = mtp_style(doc)
+    if found is None:
+        raise ValueError(f"{model_dir} declares no MTP layers; method 'mtp' needs a target folder that ships them or "
+                         "a `hsx train-drafter --kind mtp` checkpoint")
+    if not any(_is_mtp_key(k, found[0], doc) for k in _weight_map(model_dir)):
+        raise ValueError(f"{model_dir} declares {found[1]} MTP layer(s) ({found[0].name} style) but its checkpoint "
+                         "holds none of their tensors (a target re-saved by transformers drops them); use the "
+                         "checkpoint as published, or another method")
+    check_source(model_dir, target_dir, "speculative_config method 'mtp'")
+
+
 def _hf_text_config(folder: str):
     from transformers import AutoConfig
 
@@ -670,6 +685,6 @@ FAMILY = Family(name="mtp", description="a target folder with MTP layers (DeepSe
                 "Qwen3.5 style) or a `hsx train-drafter --kind mtp` checkpoint",
                 drafter="drafters.mtp:MtpDrafter", proposer_class="drafters.mtp_proposer:MtpProposer",
                 config_matches=lambda config: mtp_style(config) is not None, config_k=_speculative_tokens,
-                options=("ttt_steps",), features=FEATURES, model_optional=True)
+                options=("ttt_steps",), features=FEATURES, model_optional=True, preflight="drafters.mtp:preflight")
 """MTP in the drafter registry (pyproject.toml's hsx.drafters entry point `mtp`); 'model' may be left out (the
 target's own folder, as vLLM)."""

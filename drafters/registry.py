@@ -20,6 +20,8 @@ Family(...)`; drafters/<name>_proposer.py: its Proposer) and one entry point in 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +70,23 @@ class Family:
     leave out 'model', as vLLM; such a family tunes a target's own layers rather than training a head for any
     target."""
 
+    preflight: str | None = None
+    """"module:function" of a check of a draft folder against its target before any engine loads (function(model_dir,
+    target_dir) raising ValueError in one line): MTP's, that the tensors its config declares are there and were made
+    for that target. Every family also gets check_against's config check (sizes and aux layers its config records)."""
+
     def matches(self, checkpoint_config: dict[str, Any]) -> bool:
         return bool(self.config_matches(checkpoint_config))
+
+    def check_against(self, model_dir: str, target_dir: str, target_config) -> None:
+        """ValueError (one line) when the draft at `model_dir` cannot serve the target `target_dir` (transformers text
+        config `target_config`): the sizes and aux layers its config.json records, then the family's preflight."""
+        why = draft_target_mismatch(_read_json_object(os.path.join(model_dir, "config.json")), target_config)
+        if why:
+            raise ValueError(f"the {self.name} draft {model_dir} {why}: it was trained for another target; train one "
+                             f"on a run of {target_dir}")
+        if self.preflight:
+            load(self.preflight)(model_dir, target_dir)
 
     def num_speculative_tokens(self, checkpoint_config: dict[str, Any]) -> int | None:
         k = self.config_k(checkpoint_config)
@@ -80,6 +97,39 @@ class Family:
 
     def drafter_class(self) -> type:
         return load(self.drafter)
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return doc
+
+
+def draft_target_mismatch(config: dict[str, Any], target_config) -> str | None:
+    """What a draft checkpoint's config.json records of the target it was trained for that differs from
+    `target_config` (its hidden size, vocabulary, aux layer ids past the target's last layer), or None; keys every
+    family's layout uses (speculators' target_hidden_size and transformer_layer_config, Medusa's hidden_size,
+    MLPSpeculator's emb_dim, the aux-layer lists)."""
+    layer = config.get("transformer_layer_config") if isinstance(config.get("transformer_layer_config"), dict) else {}
+    hidden = config.get("target_hidden_size") or config.get("emb_dim") or layer.get("hidden_size") \
+        or config.get("hidden_size")
+    vocab = layer.get("vocab_size") or config.get("vocab_size")
+    want_h, want_v = int(target_config.hidden_size), int(target_config.vocab_size)
+    n = int(target_config.num_hidden_layers)
+    if isinstance(hidden, int) and hidden != want_h:
+        return f"reads states {hidden} wide, the target's are {want_h}"
+    if isinstance(vocab, int) and vocab != want_v:
+        return f"has a vocabulary of {vocab}, the target's is {want_v}"
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids") or []
+    bad = [i for i in aux if not isinstance(i, int) or not 0 <= i <= n] if isinstance(aux, list) else [aux]
+    if bad:
+        return f"reads layers {aux}, the target has layer ids 0..{n}"
+    return None
 
 
 def drafter_class(name: str) -> type:

@@ -70,10 +70,9 @@ def text_config(hf_config: Any) -> Any:
 
 def target_facts(hf_config: Any, *, model: str, revision: str | None = None, layer_ids=None, dtype: str = "auto",
                  max_model_len: int | None = None, layers_flag: str = "layer_ids", target: str = "",
-                 target_flag: str = "target", packing: str = "auto", packing_flag: str = "packing") -> TargetFacts:
+                 target_flag: str = "target") -> TargetFacts:
     """The facts of the model whose transformers config is `hf_config`; ValueError naming `layers_flag`,
-    `target_flag`, max_model_len or `packing_flag` (packing "on" for a target that can never pack) when the settings
-    do not fit the model."""
+    `target_flag` or max_model_len when the settings do not fit the model."""
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ValueError(f"{model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
     text = text_config(hf_config)
@@ -92,13 +91,6 @@ def target_facts(hf_config: Any, *, model: str, revision: str | None = None, lay
         if vocab and k > int(vocab):
             raise ValueError(f"{target_flag} {target}: K={k} is more than {model}'s vocabulary of {vocab} tokens; "
                              f"use K <= {vocab}")
-    if packing == "on":
-        from extractor.packing import config_packing_refusal  # torch: imported only when asked
-
-        why = config_packing_refusal(hf_config)
-        if why:
-            raise ValueError(f"{packing_flag} on but {model} ({getattr(text, 'model_type', '?')}) cannot pack prompts: "
-                             f"{why}; use {packing_flag} auto (padded batches where packing does not apply) or off")
     positions = getattr(text, "max_position_embeddings", None)
     if max_model_len and positions and max_model_len > positions:
         raise ValueError(f"max_model_len={max_model_len} is more than {model} was built for (max_position_embeddings="

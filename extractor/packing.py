@@ -191,6 +191,16 @@ def config_packing_refusal(config) -> str | None:
     return None
 
 
+def check_packing_mode(hf_config, mode: str, model: str, flag: str = "--packing") -> None:
+    """ValueError (one line) for packing "on" on a target that can never pack (config_packing_refusal): what a plan
+    checks before any worker loads the model."""
+    why = config_packing_refusal(hf_config) if mode == "on" else None
+    if why:
+        kind = getattr(hf_config.get_text_config(), "model_type", None) or getattr(hf_config, "model_type", "?")
+        raise ValueError(f"{flag} on but {model} ({kind}) cannot pack prompts: {why}; use {flag} auto (padded "
+                         "batches where packing does not apply) or off")
+
+
 def packing_refusal(model: torch.nn.Module, inner: str | None) -> str | None:
     """Why this loaded target's prompts cannot be packed (one line), or None: they can, if the probe agrees."""
     why = config_packing_refusal(model.config)

@@ -49,7 +49,10 @@ class ModelFacts(TargetFacts):
         # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
         f = target_facts(hf, model=model, revision=config.revision, layer_ids=layer_ids, dtype=config.dtype,
                          max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,
-                         target_flag="--target", packing=config.packing, packing_flag="--packing")
+                         target_flag="--target")
+        from extractor.packing import check_packing_mode  # torch
+
+        check_packing_mode(hf, config.packing, model)
         max_len = f.max_model_len
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "

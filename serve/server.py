@@ -75,10 +75,12 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--model {config.model}: cannot read its config ({first_line(e)}); pass a model folder or a "
                          "hub id in the local cache") from e
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
-                 layers_flag="--layers", target=config.engine_target, target_flag="--target",
-                 packing=config.packing, packing_flag="--packing")  # layer ids and --max-model-len against the model, before Ray starts
+                 layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
+    from extractor.packing import check_packing_mode
+
+    check_packing_mode(hf_config, config.packing, config.model)
     if config.speculative is not None:
-        check_draft_source(config.speculative, config.model)
+        check_draft_source(config.speculative, config.model, hf_config)
     if not config.writes_files:
         return  # a decoding service writes no files
 
@@ -93,23 +95,33 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--output {config.output}: cannot use it ({type(e).__name__}: {e})") from e
 
 
-def check_draft_source(speculative, model: str) -> None:
-    """For a method whose draft lives in the target's own folder (mtp, 'model' left out): that the folder declares
-    one (the family's reader names the rest once a replica loads it)."""
+def check_draft_source(speculative, model: str, hf_config=None) -> None:
+    """The draft against the target before Ray starts (a replica would fail after a minute, in 200 lines): a folder
+    that declares one for a method whose draft lives in the target's own folder (mtp, 'model' left out); a head's
+    recorded sizes and aux layers, and the family's own preflight (MTP: its tensors there, made for this target)."""
     import json
     import os
 
+    from extractor.facts import text_config
     from extractor.methods import family
 
     found = family(speculative.method)
-    if speculative.model or not getattr(found, "model_optional", False) or not os.path.isdir(model):
-        return
-    with open(os.path.join(model, "config.json")) as f:
-        raw = json.load(f)
-    if not found.matches(raw):
-        raise ValueError(f"--speculative-config method {speculative.method!r} reads its draft from the target's "
-                         f"folder, and {model} is not {found.description} (its config.json declares none); serve a "
-                         "target that ships one, or use another method (e.g. eagle3 with a trained head: 'model': DIR)")
+    if found is None or not os.path.isdir(model):
+        return  # ngram / draft_model (the engine checks a draft model's vocabulary); a hub id: read when loaded
+    draft = speculative.model or model
+    if not speculative.model and getattr(found, "model_optional", False):
+        with open(os.path.join(model, "config.json")) as f:
+            raw = json.load(f)
+        if not found.matches(raw):
+            raise ValueError(f"--speculative-config method {speculative.method!r} reads its draft from the target's "
+                             f"folder, and {model} is not {found.description} (its config.json declares none); serve "
+                             "a target that ships one, or use another method (e.g. eagle3 with a trained head: "
+                             "'model': DIR)")
+    if hf_config is not None and hasattr(found, "check_against"):
+        try:
+            found.check_against(draft, model, text_config(hf_config))
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from e
 
 
 def run(config: ServeConfig, ready: Callable[[str], None] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -113,3 +114,55 @@ def test_an_open_server_beyond_loopback_is_warned_about(host, key, warned, monke
     assert (note is not None) == warned, note
     if warned:
         assert "--api-key" in note and host in note
+
+
+def _eagle3_head(target: str, out: str) -> str:
+    """An (untrained) EAGLE-3 head built for `target` and saved as `hsx train-drafter` saves one."""
+    import types
+
+    from drafters.base import TargetHead
+    from drafters.eagle3 import Eagle3Drafter
+
+    head = TargetHead.from_model_dir(target)
+    spec = types.SimpleNamespace(num_hidden_layers=4, layer_ids=(1, 2, 3, 4), target_top_k=None, hidden_size=64,
+                                 vocab_size=head.vocab_size, model=target)
+    Eagle3Drafter.for_run(spec, head, 3, draft_vocab_size=48).save_pretrained(out, verifier=target)
+    return out
+
+
+def test_a_draft_for_another_target_is_refused_in_one_line_before_ray_starts(serve_model, tmp_path, capsys):
+    """A --speculative-config head trained for another target, or `mtp` on a folder that declares MTP layers without
+    their tensors, failed only when the replica loaded it (83 s, 201 lines): refused before Ray, exit 2."""
+    import json
+
+    from jobs.tiny_models import build_tiny_model
+
+    head = _eagle3_head(serve_model, str(tmp_path / "head"))
+    wide = build_tiny_model("llama", str(tmp_path / "wide"), hidden_size=96)
+    lost = build_tiny_model("deepseek_v3", str(tmp_path / "lost"), kv_lora_rank=32, q_lora_rank=32,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+                            n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+                            num_experts_per_tok=2, moe_intermediate_size=32)
+    with open(os.path.join(lost, "config.json")) as f:
+        doc = json.load(f)
+    with open(os.path.join(lost, "config.json"), "w") as f:  # declared, but the tensors are not in the checkpoint
+        json.dump({**doc, "num_nextn_predict_layers": 1}, f)
+    cases = [(wide, {"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+              "reads states 64 wide, the target's are 96: it was trained for another target"),
+             (lost, {"method": "mtp", "num_speculative_tokens": 1}, "holds none of their tensors")]
+    for model, spec, needle in cases:
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", model, "--speculative-config", json.dumps(spec)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        assert time.monotonic() - start < 30
+    # the same head on its own target passes the check (the server would start)
+    from transformers import AutoConfig
+
+    from extractor.config import speculative_config_from_dict
+    from serve.server import check_draft_source
+
+    spec, _ = speculative_config_from_dict({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    check_draft_source(spec, serve_model, AutoConfig.from_pretrained(serve_model))
