@@ -27,7 +27,8 @@ import logging
 import sys
 
 from cli import jobs, serve, training
-from cli.args import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from cli.args import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from cluster.session import RayStartFailed
 
 COMMANDS = (jobs, training, serve)
 """Modules whose `register(subparsers)` adds their subcommands, in `hsx --help` order."""
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UsageError as e:
         parser.exit(EXIT_USAGE, f"hsx {args.command}: error: {e}\n")
+    except RayStartFailed as e:  # the work could not start: one line, exit 1
+        print(f"hsx {args.command}: failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # another pipe (a socket, a child's): a bug to see, not the reader of our output leaving

@@ -9,6 +9,7 @@
     check_fits(problems, local=, fix=, waiting=)   resources a command needs and the cluster lacks: an error on a
                               private local Ray, a warning on a cluster that may autoscale
     first_line(error)         an exception's first line, for one-line Ray errors
+    RayStartFailed            a private local Ray did not start (a RuntimeError the CLI prints in one line, exit 1)
 
 Ray itself is imported where it is used (a command's --help never loads it); the quiet console's filter of Ray's
 C++ core lines is cluster/console.py's.
@@ -25,6 +26,11 @@ from collections.abc import Iterator
 from cluster.console import core_echo_off
 
 logger = logging.getLogger(__name__)
+
+
+class RayStartFailed(RuntimeError):
+    """The private local Ray of a command did not start (its node timed out on a loaded machine, a port taken...):
+    the work failed, in one line (`hsx` exits 1), not a bug's traceback."""
 
 
 @contextlib.contextmanager
@@ -63,8 +69,15 @@ def ray_cluster(address: str | None, quiet: bool = False) -> Iterator[bool]:
             logger.warning("a Ray cluster started with `ray start` is registered on this machine (%s); this job "
                            "starts a private local Ray instead. Pass --address auto to run on that cluster", existing)
         # at least 4 logical CPUs: read tasks, tokenizer actors and workers must fit at once on a small machine
-        with core_echo_off() if quiet else contextlib.nullcontext():
-            ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **console)
+        try:
+            with core_echo_off() if quiet else contextlib.nullcontext():
+                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **console)
+        except Exception as e:  # noqa: BLE001 - Ray raises a plain Exception when its node times out starting
+            with contextlib.suppress(Exception):
+                ray.shutdown()  # what was half started
+            raise RayStartFailed(f"a private local Ray could not start ({first_line(e)}); the machine may be "
+                                 "overloaded: retry when it is quieter, or start one with `ray start --head` and pass "
+                                 "--address auto") from e
     try:
         yield not address
     finally:

@@ -57,3 +57,24 @@ def test_an_error_is_shown_by_its_first_line_or_its_type():
     assert first_line(RuntimeError("the GCS is gone\n  at line 12\n  at line 13")) == "the GCS is gone"
     assert first_line(ConnectionError("")) == "ConnectionError"
     assert first_line(ValueError("  \n")) == "ValueError"
+
+
+def test_a_private_ray_that_does_not_start_is_one_line_and_exit_1(monkeypatch, serve_model, capsys):
+    """A private Ray whose node timed out starting on a loaded machine (Ray raises a plain Exception) printed a
+    traceback from `hsx serve`: the work failed, one line, exit 1. The fault is Ray's own message, raised where
+    ray.init raises it."""
+    import ray
+
+    from cli.main import main
+
+    def timed_out(*args, **kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = main(["serve", "--model", serve_model, "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 2}'])
+    err = capsys.readouterr().err
+    assert code == 1 and "a private local Ray could not start (The current node timed out during startup" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
