@@ -301,7 +301,9 @@ class EstimateConfig(JobConfig):
         if self.device_memory is not None:
             from jobs.device_fit import parse_size
 
-            parse_size(self.device_memory)
+            if parse_size(self.device_memory) <= 0:
+                raise ValueError(f"--device-memory {self.device_memory!r} is no memory; give the device's size, e.g. "
+                                 "80GiB")
 
 
 @dataclass(frozen=True)

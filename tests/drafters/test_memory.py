@@ -105,6 +105,19 @@ def test_bad_memory_options_are_refused(options, message):
         MemoryOptions(**options)
 
 
+def test_a_chunk_too_small_to_pay_is_warned_about_and_a_useful_one_is_not(caplog):
+    """--ce-chunk-tokens 1 ran 10x slower without a word: the same result, so a warning, not a refusal."""
+    from drafters.memory import MIN_USEFUL_CE_CHUNK, MemoryOptions
+
+    with caplog.at_level("WARNING", logger="drafters.memory"):
+        MemoryOptions(ce_chunk_tokens=1)
+        assert "--ce-chunk-tokens 1 recomputes the logits 1 rows at a time" in caplog.text
+        caplog.clear()
+        MemoryOptions(ce_chunk_tokens=MIN_USEFUL_CE_CHUNK)
+        MemoryOptions(ce_chunk_tokens=0)
+        assert caplog.text == ""
+
+
 def test_chunked_teacher_keeps_states_not_vocabulary_wide_logits(oracle_run, tiny_llama):
     """Medusa's and MLPSpeculator's teacher with --ce-chunk-tokens: the [n, V] logits are never kept; each position's
     greedy token and distribution equal the unchunked teacher's."""

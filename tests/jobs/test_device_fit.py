@@ -67,9 +67,11 @@ def test_hsx_estimate_prints_the_fit_and_refuses_a_bad_size(tiny_llama, tmp_path
     assert main(["estimate", "--model", tiny_llama, "--corpus", str(corpus), "--device-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert "weights:" in out and "fits:     tensor-parallel size 1: hsx's engine or --engine vllm" in out
-    with pytest.raises(SystemExit) as e:
-        main(["estimate", "--model", tiny_llama, "--corpus", str(corpus), "--device-memory", "lots"])
-    assert e.value.code == 2 and "--device-memory 'lots'" in capsys.readouterr().err
+    for size, message in (("lots", "--device-memory 'lots'"), ("0", "--device-memory '0' is no memory"),
+                          ("0GiB", "--device-memory '0GiB' is no memory")):  # 0 printed "0 B usable", exit 0
+        with pytest.raises(SystemExit) as e:
+            main(["estimate", "--model", tiny_llama, "--corpus", str(corpus), "--device-memory", size])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_mla_keeps_its_whole_latent_on_every_rank_and_heads_are_never_split_below_one(tiny_model_factory):
