@@ -176,3 +176,32 @@ def test_a_request_whose_file_cannot_be_handed_over_fails_and_is_not_answered_wi
     (again,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], include, request_ids=["fine"])
     assert again.error is None and os.path.exists(again.kv_transfer_params["hidden_states_path"])
     llm.shutdown()
+
+
+def test_a_target_no_engine_path_builds_is_one_line_naming_what_hsx_runs(tmp_path, capsys):
+    """A LLaVA-style target (no causal LM class in transformers, not a vision-language family hsx runs) failed with
+    transformers' list of 200 config classes, in a Ray worker after 40 s: one line, before anything loads."""
+    import transformers
+
+    from cli.main import main
+    from jobs.tiny_models import build_tokenizer
+
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=600)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+    folder = str(tmp_path / "llava")
+    transformers.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict()).save_pretrained(folder)
+    build_tokenizer(folder)
+    with pytest.raises(ValueError) as e:
+        LLM(model=folder)
+    message = str(e.value)
+    assert "is a llava target, for which transformers has no causal LM class" in message
+    assert "qwen2_5_vl" in message and "\n" not in message and len(message) < 400
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "x y z"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--model", folder, "--corpus", str(corpus), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "is a llava target" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
