@@ -208,8 +208,8 @@ def config_to_argv(config: JobConfig, exclude: tuple[str, ...] = ()) -> list[str
         name = flag(f.name)
         if isinstance(value, bool):
             argv.append(name if value else "--no-" + name[2:])
-        elif f.name == "corpus":
-            argv += [name, *value]
+        elif f.name == "corpus" or f.metadata.get("cli", {}).get("nargs"):  # space-separated values after one flag
+            argv += [name, *map(str, value)]
         elif f.metadata.get("cli", {}).get("append"):  # a repeatable flag: once per value
             for v in value:
                 argv += [name, str(v)]

@@ -26,8 +26,11 @@
     packing.py      packed prefill: prompt-only batches as one row, attention per prompt (transformers' attention
                     interface), where a probe at load shows it exact
     chat_content.py OpenAI content parts -> a chat template's content (vLLM's "auto" rule; LLM.chat, hsx serve, corpora)
-    media.py        MediaPolicy, load_image: what an image prompt may bring and how its images load (vLLM's
-                    limit_mm_per_prompt, allowed_local_media_path; no torch); which VL families run
+    media.py        MediaPolicy, load_images: what an image prompt may bring and how its images load (vLLM's
+                    limit_mm_per_prompt, allowed_local_media_path, allowed_media_domains; decoded-size budgets;
+                    local files opened without following links; no torch); which VL families run
+    image_fetch.py  fetch_image: an http(s) image under one deadline, allowed hosts only, redirects only to them,
+                    transient failures tried again (ImageUnavailable when they last)
     multimodal.py   vision-language targets: the processor (without torchvision), MediaPrompt, Vision (the tower,
                     M-RoPE positions, merged embeddings, Qwen3-VL's deepstack)
 """

@@ -33,7 +33,7 @@ from connectors.paths import PathInUse
 from connectors.quant import write_failure
 from extractor.chat_content import OPENAI, content_format, image_content, message_content, messages_for_template
 from extractor.config import EngineConfig, speculative_config_from_dict
-from extractor.media import MediaPolicy, load_image
+from extractor.media import MediaPolicy, load_images
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.multimodal import MediaPrompt
 from extractor.proposers import Proposer, make_proposer
@@ -101,7 +101,8 @@ class LLM:
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
                  target: str = "", limit_mm_per_prompt: Mapping[str, int] | None = None,
                  allowed_local_media_path: str | None = None, allow_media_fetch: bool = False,
-                 packing: str = "auto", **unsupported: Any) -> None:
+                 allowed_media_domains: Sequence[str] | None = None, packing: str = "auto",
+                 **unsupported: Any) -> None:
         cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
                   (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
         if cannot:
@@ -110,7 +111,8 @@ class LLM:
             raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
-                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, packing "
+                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, allowed_media_domains, "
+                            "packing "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
@@ -120,7 +122,8 @@ class LLM:
             model=str(model), layer_ids=layer_ids, dtype=dtype,
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
-            packing=packing, media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch),
+            packing=packing, media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch,
+                                               allowed_media_domains),
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 
@@ -362,10 +365,11 @@ class LLM:
 
     def prepare_media(self, prompt: str | None, multi_modal_data: Any, max_tokens: int | None = -1) -> MediaPrompt:
         """An image prompt processed as generate() runs it: `multi_modal_data` ({"image": image or [images]}) loaded
-        under the engine's media policy (limit_mm_per_prompt, allowed_local_media_path) and processed with the
-        prompt text (one placeholder per image) by the model's processor; ValueError names the image and the fix.
-        generate() takes the result as {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve`
-        does on its admission thread). `max_tokens`: a prompt whose images expand it past this many tokens is refused
+        under the engine's media policy (extractor.media.load_images) and processed with the prompt text (one
+        placeholder per image) by the model's processor; ValueError names the image and the fix (an
+        extractor.media.ImageUnavailable where a later try may succeed). generate() takes the result as
+        {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve` does on its admission thread,
+        with the images loaded beforehand on a thread pool of their own: PIL images pass through as they are). `max_tokens`: a prompt whose images expand it past this many tokens is refused
         before the vision tower runs (default max_model_len; None: no limit, for a caller that truncates)."""
         if max_tokens == -1:
             max_tokens = self.runner.max_model_len
@@ -383,9 +387,7 @@ class LLM:
                              "not prompt_token_ids")
         refs = data["image"]
         refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
-        policy = self.config.media
-        policy.check_count("image", len(refs), "the prompt")
-        images = [load_image(ref, policy, f"image {i}") for i, ref in enumerate(refs)]
+        images = load_images(refs, self.config.media, "the prompt")
         try:
             return vision.prepare(prompt, images, "the prompt", max_tokens=max_tokens)
         except ValueError:

@@ -8,6 +8,7 @@ the connector's own config names that flag (`flag_errors`).
                                         engine's and the connector's own configs are built once to check the rest
     options.engine_config(**resolved)   the extractor.EngineConfig a worker or replica builds its engine from
     options.connector_config()          the connector's HiddenStatesConnectorConfig for --output
+    options.media_policy()              the extractor.media.MediaPolicy of the media flags (part of engine_config)
     flag(name) / flag_errors(options, cls, **kwargs)
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 from connectors.format import check_layer_ids, check_storage_dtype, check_target
 from connectors.storage import parse_storage_options
 from extractor.config import EngineConfig, canonical_dtype
-from extractor.media import MediaPolicy
+from extractor.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_IMAGE_BYTES, MediaPolicy
 
 
 def flag(name: str) -> str:
@@ -90,6 +91,18 @@ class EngineOptions:
     """The folder local images (paths, file:// URLs) must lie in; unset: local images are refused (vLLM's rule)."""
     allow_media_fetch: bool = False
     """Fetch http(s) image URLs; off: such images are refused (download them, give local paths)."""
+    allowed_media_domains: tuple[str, ...] | None = field(default=None, metadata={"cli": {"nargs": "+",
+                                                                                         "metavar": "HOST"}})
+    """vLLM's: the only hosts image URLs are fetched from (matched exactly), space-separated; redirects are followed
+    only to these hosts. Unset: any host (with --allow-media-fetch), and no redirect is followed."""
+    image_fetch_timeout_s: float | None = None
+    """The whole fetch of one image URL (connect, redirects, retries, body), in seconds; default
+    $VLLM_IMAGE_FETCH_TIMEOUT, else 30."""
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    """One image's decoded RGB bytes (width x height x 3; 48 MiB = 16 Mpixel), read from its header: a larger image
+    is refused before it is decoded."""
+    max_request_image_bytes: int = DEFAULT_MAX_REQUEST_IMAGE_BYTES
+    """A prompt's images' decoded RGB bytes together (256 MiB)."""
     mm_embeds: bool = False
     """Also store an image prompt's merged input embeddings at its image tokens (mm_embeds [N, H]), what vLLM's
     EAGLE proposer feeds a drafter there."""
@@ -107,6 +120,8 @@ class EngineOptions:
             except json.JSONDecodeError:
                 raise ValueError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}', got "
                                  f"{self.limit_mm_per_prompt!r}") from None
+        if isinstance(self.allowed_media_domains, list):  # a config file's list
+            object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains))
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -132,9 +147,15 @@ class EngineOptions:
                            dtype=dtype or self.dtype, max_model_len=max_model_len or self.max_model_len,
                            device=device, attn_implementation=self.attn_implementation, revision=self.revision,
                            trust_remote_code=self.trust_remote_code, target=self.engine_target,
-                           packing=self.packing, media=flag_errors(self, MediaPolicy, limit_mm_per_prompt=self.limit_mm_per_prompt,
-                                             allowed_local_media_path=self.allowed_local_media_path,
-                                             allow_fetch=self.allow_media_fetch), **engine)
+                           packing=self.packing, media=self.media_policy(), **engine)
+
+    def media_policy(self) -> MediaPolicy:
+        """What image prompts may bring (extractor.media), from the media flags."""
+        return flag_errors(self, MediaPolicy, limit_mm_per_prompt=self.limit_mm_per_prompt,
+                           allowed_local_media_path=self.allowed_local_media_path, allow_fetch=self.allow_media_fetch,
+                           allowed_media_domains=self.allowed_media_domains,
+                           image_fetch_timeout_s=self.image_fetch_timeout_s, max_image_bytes=self.max_image_bytes,
+                           max_request_image_bytes=self.max_request_image_bytes)
 
     @property
     def engine_target(self) -> str:

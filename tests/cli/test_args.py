@@ -64,6 +64,25 @@ def test_config_round_trips_through_argv():
     assert regen.regenerate_config().server == ("http://a:8000", "http://b:8000")
 
 
+def test_media_flags_round_trip_through_argv_and_reach_the_media_policy(tmp_path):
+    argv = ["--model", "m", "--corpus", "a", "--output", "o", "--allow-media-fetch", "--allowed-media-domains",
+            "img.example", "127.0.0.1", "--image-fetch-timeout-s", "2.5", "--max-image-bytes", "3000",
+            "--max-request-image-bytes", "9000"]
+    cfg = _parse(*argv)
+    assert cfg.allowed_media_domains == ("img.example", "127.0.0.1")
+    assert _parse(*config_to_argv(cfg)) == cfg
+    job = tmp_path / "job.yaml"
+    job.write_text("model: m\ncorpus: [a]\noutput: o\nallowed_media_domains: [img.example, 127.0.0.1]\n")
+    assert _parse("--config", str(job)).allowed_media_domains == ("img.example", "127.0.0.1")
+    policy = cfg.media_policy()
+    assert (policy.allowed_media_domains, policy.image_fetch_timeout_s, policy.max_image_bytes,
+            policy.max_request_image_bytes) == (("img.example", "127.0.0.1"), 2.5, 3000, 9000)
+    with pytest.raises(ValueError, match="--allowed-media-domains takes host names"):
+        JobConfig(model="m", corpus=("a",), output="o", allowed_media_domains=("https://img.example/",)).media_policy()
+    with pytest.raises(ValueError, match="--max-image-bytes must be a positive"):
+        JobConfig(model="m", corpus=("a",), output="o", max_image_bytes=0).media_policy()
+
+
 @pytest.mark.parametrize("argv, flag_named", [
     (["--layers", "2,x"], "--layers"),
     (["--workers", "0"], "--workers"),

@@ -185,7 +185,7 @@ def test_each_bad_image_fails_its_own_request(vl_model, images, tmp_path, tmp_pa
     Image.new("RGB", (64, 64), "blue").save(buf, format="PNG")
     good_data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     config = EngineConfig(model=vl_model, layer_ids=tuple(LAYERS), max_model_len=96,
-                          media=MediaPolicy({"image": 2}, images, max_image_pixels=150 * 150))
+                          media=MediaPolicy({"image": 2}, images, max_image_bytes=150 * 150 * 3))
     llm = LLM.from_config(config, KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
     cases = {
         "ok": ("red.png", None),
