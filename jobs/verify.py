@@ -111,6 +111,10 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
     spec = read_run_spec(run)
     if spec is None:
         raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
+    if config.recompute and spec.image_processing:  # image samples need their pictures and M-RoPE positions
+        raise ValueError(f"--recompute: {spec.model} is a vision-language target, whose runs hsx verify cannot "
+                         "recompute yet (a causal-LM forward of the token ids does not see the images); run the "
+                         "same command without --recompute for the checksums, headers and NaN/Inf checks")
     if config.report:  # checked before any work: the copy may not overwrite the run, its model or another one
         check_output_file(config.report, flag="--report", inputs={"OUTPUT": config.output,
                                                                   "--model-dir": config.model_dir},

@@ -158,13 +158,23 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
     with pytest.raises(ValueError, match="--mm-embeds"):
         HiddenStatesDataset(output)
     assert len(HiddenStatesDataset(output, image_inputs="placeholder")) == len(vision)
+    from training.export.exporter import export_run  # ... and exports (it was refused: the exporter's probe read
+    # the run with the vision inputs, which the peers' layouts never hold)
+
+    export_run(output, str(tmp_path / "speculators-plain"), "speculators")
+    assert len(os.listdir(tmp_path / "speculators-plain" / "hidden_states")) == len(vision)
+    from jobs.verify import verify_run  # recompute: one line, not transformers' class list (exit 2)
+    from jobs.verify_config import VerifyConfig
+
+    with pytest.raises(ValueError, match="--recompute: .* is a vision-language target") as e:
+        verify_run(VerifyConfig(output=output, recompute=2))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert verify_run(VerifyConfig(output=output)).ok  # the other checks pass
     with open(os.path.join(output, "run.json"), "w") as f:
         json.dump(run_json, f)
 
     # the peers' layouts: speculators' files and its Arrow dataset, with the loss off at image tokens
     from safetensors.torch import load_file
-
-    from training.export.exporter import export_run
 
     export_run(output, str(tmp_path / "speculators"), "speculators")
     for i in range(len(vision)):

@@ -238,7 +238,9 @@ def prepare_export(config: ExportConfig) -> ExportPlan:
     snapshot = snapshot_writer(RunDir(output, config.storage_options), snapshot=config.snapshot,
                                what=f"OUTPUT {output}", harm="an export would hold only the samples committed so far",
                                doing=f"export what it has committed now ({STATE_FILE} then says so)")
-    probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False)
+    # the peers' layouts hold no image embeddings: a run stored without --mm-embeds exports too (placeholder)
+    probe = HiddenStatesDataset(output, storage_options=config.storage_options, include_sample_id=False,
+                                image_inputs="placeholder")
     layout = _LAYOUTS[fmt](dest, probe.run_info)
     norm_dir = _check_run(config, probe.run_info, layout)
     if norm_dir is not None:
