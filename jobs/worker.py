@@ -9,10 +9,12 @@ The model starts loading on a background thread as the worker starts, so it load
 tokenizer actors start up (each imports its libraries in a fresh process: seconds on a small machine); the first
 batch with work waits for it. A load that failed fails that batch with the load's error, and the next batch loads
 again, as a load on first use would.
-Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; the rest go to one
-`llm.generate` call, each with its own file `OUTPUT/data/<shard>/<id>.safetensors`. A sample whose states the
-connector refused (NaN/Inf, a layer of zeros: nothing written) is a failed row, or a "skipped" one under
-`on_nonfinite="skip"`. `generate` returns once every
+Per batch: samples that already failed (bad record, tokenizer) pass through as failed rows; an image sample whose
+images cannot be loaded is a failed row that a re-run skips (a missing file, not an image, over a limit), except one
+whose image URL could not be fetched now (extractor.media.ImageUnavailable: connection failed, 408, 429, 5xx, the
+fetch deadline), which a re-run tries again; the rest go to one `llm.generate` call, each with its own file
+`OUTPUT/data/<shard>/<id>.safetensors`. A sample whose states the connector refused (NaN/Inf, a layer of zeros:
+nothing written) is a failed row, or a "skipped" one under `on_nonfinite="skip"`. `generate` returns once every
 file is durable; the worker then reads each file's header back (size, token count, sample id) before reporting it
 "ok", so an "ok" row is never written for a file that is missing, short or someone else's.
 
@@ -43,6 +45,7 @@ from connectors.shards import new_shard_path, write_shard
 from connectors.storage import retrying
 from connectors.writer import named_thread_pool
 from extractor import LLM, EngineConfig, SamplingParams
+from extractor.media import ImageUnavailable
 from jobs.corpus import storable_text
 from jobs.tokenization import SAMPLE_SCHEMA
 
@@ -167,8 +170,9 @@ class ExtractionWorker:
             if r.get("images"):
                 try:
                     prompts.append(self._image_prompt(llm, r))
-                except ValueError as e:  # the record's images or length: the same every time
-                    failed[i] = _failed(r, f"{r['source']}: {e}", retry=False)
+                except ValueError as e:  # the record's images or length: the same every time, except an image
+                    # URL that could not be fetched now (ImageUnavailable), which a re-run tries again
+                    failed[i] = _failed(r, f"{r['source']}: {e}", retry=isinstance(e, ImageUnavailable))
                 continue
             prompts.append({"prompt_token_ids": r["prompt_token_ids"], "loss_mask": r["loss_mask"],
                             "sample_id": r["sample_id"]})
