@@ -36,7 +36,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, HiddenStatesFileError
+from connectors.format import (
+    MM_EMBEDS,
+    MM_TOKEN_TYPE_IDS,
+    POSITION_IDS,
+    TARGET_TOPK_IDS,
+    TARGET_TOPK_LOGPROBS,
+    HiddenStatesFileError,
+)
 from connectors.lease import WriterLease
 from connectors.manifest import (
     INVALID,
@@ -75,6 +82,9 @@ class VerifyReport:
     kinds: dict[str, int] = field(default_factory=dict)
     recomputed: list[dict[str, Any]] = field(default_factory=list)
     """{"sample_id", "max_rel_diff": {layer id: x}, "tokens_checked", "token_mismatches"} per recomputed sample."""
+    not_recomputed: list[dict[str, str]] = field(default_factory=list)
+    """{"sample_id", "reason"} per drawn sample no forward can recompute from its file (an image sample stored
+    without --mm-embeds, or of a deepstack target): not a failure, said."""
     tolerance: float | None = None
     marked: int = 0
     """Samples marked invalid (re-extracted by the next `hsx run`)."""
@@ -95,6 +105,9 @@ class VerifyReport:
             out.append(f"  recomputed {len(self.recomputed)} with transformers: largest relative difference "
                        f"{worst:.2e} (tolerance {self.tolerance:.0e})" +
                        (f", {mismatches} generated tokens the stored states do not reproduce" if mismatches else ""))
+        if self.not_recomputed:
+            out.append(f"  not recomputed: {len(self.not_recomputed)} image samples "
+                       f"({self.not_recomputed[0]['reason']})")
         for f in self.failures[:10]:
             out.append(f"  {f['sample_id']}: {f['problem']}")
         if len(self.failures) > 10:
@@ -111,10 +124,6 @@ def verify_run(config: VerifyConfig) -> VerifyReport:
     spec = read_run_spec(run)
     if spec is None:
         raise ValueError(f"{run.url} holds no hsx run (no run.json); check the path")
-    if config.recompute and spec.image_processing:  # image samples need their pictures and M-RoPE positions
-        raise ValueError(f"--recompute: {spec.model} is a vision-language target, whose runs hsx verify cannot "
-                         "recompute yet (a causal-LM forward of the token ids does not see the images); run the "
-                         "same command without --recompute for the checksums, headers and NaN/Inf checks")
     if config.report:  # checked before any work: the copy may not overwrite the run, its model or another one
         check_output_file(config.report, flag="--report", inputs={"OUTPUT": config.output,
                                                                   "--model-dir": config.model_dir},
@@ -203,7 +212,7 @@ def _check_file(run: RunDir, spec: RunSpec, row: dict) -> str | None:
 
 def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict], report: VerifyReport) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from connectors.reader import load_hidden_states  # torch: hsx status reads latest_report from here
     from extractor.layers import find_decoder_layers  # torch: hsx status reads latest_report from here
@@ -214,8 +223,10 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
         raise ValueError(f"--recompute needs the target model's local folder; the run records {spec.model!r}, "
                          "which is not one. Pass --model-dir")
     dtype = spec.torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(config.device).eval()
-    n = int(model.config.num_hidden_layers)
+    vision = bool(spec.image_processing)  # a vision-language target: its own class, fed the stored image embeddings
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=dtype).to(config.device).eval()
+    n = int(model.config.get_text_config().num_hidden_layers)
     last_layer = find_decoder_layers(model, n)[-1]
     norm = FinalNorm.from_model_dir(model_dir).to(dtype) if spec.max_tokens and spec.include_output_tokens else None
     lm_head = model.get_output_embeddings()
@@ -230,10 +241,14 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
                                     byte_range=_range(row))
         ids = stored["token_ids"]  # [T]
         states = stored["hidden_states"]  # [T, L, H]
+        inputs = _forward_inputs(model, stored, config.device) if vision else {"input_ids": ids[None].to(config.device)}
+        if isinstance(inputs, str):
+            report.not_recomputed.append({"sample_id": row["sample_id"], "reason": inputs})
+            continue
         handle = last_layer.register_forward_hook(keep_last)
         try:
             with torch.no_grad():
-                out = model(ids[None].to(config.device), output_hidden_states=True)
+                out = model(**inputs, output_hidden_states=True)
         finally:
             handle.remove()
         hs = out.hidden_states
@@ -258,6 +273,25 @@ def _recompute(run: RunDir, spec: RunSpec, config: VerifyConfig, rows: list[dict
                 _fail(report, row, f"generated: {entry['token_mismatches']} of {entry['tokens_checked']} generated "
                                    "tokens are not what the stored last layer predicts", "generated")
         report.recomputed.append(entry)
+
+
+def _forward_inputs(model, stored: dict, device: str) -> dict | str:
+    """A vision-language sample's forward arguments as hsx's engine fed its language model: the token embeddings with
+    the stored merged image embeddings at image tokens (mm_embeds) and the stored M-RoPE positions [3, 1, T]; or why
+    its file cannot be recomputed (image tokens whose embeddings were not stored, a deepstack target's)."""
+    import torch
+
+    ids = stored["token_ids"][None].to(device)  # [1, T]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)  # [1, T, H]
+    image = stored[MM_TOKEN_TYPE_IDS].bool().to(device)  # [T]
+    if bool(image.any()):
+        if getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None):
+            return "a deepstack target's image samples need the vision tower's deepstack features, not stored"
+        if MM_EMBEDS not in stored:
+            return "stored without --mm-embeds: the image tokens' embeddings are not in the file"
+        embeds[0, image] = stored[MM_EMBEDS].to(device, embeds.dtype)
+    return {"inputs_embeds": embeds, "position_ids": stored[POSITION_IDS].T[:, None, :].to(device)}
 
 
 def _topk_difference(ref, ids, logprobs) -> float:

@@ -163,15 +163,26 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
 
     export_run(output, str(tmp_path / "speculators-plain"), "speculators")
     assert len(os.listdir(tmp_path / "speculators-plain" / "hidden_states")) == len(vision)
-    from jobs.verify import verify_run  # recompute: one line, not transformers' class list (exit 2)
-    from jobs.verify_config import VerifyConfig
-
-    with pytest.raises(ValueError, match="--recompute: .* is a vision-language target") as e:
-        verify_run(VerifyConfig(output=output, recompute=2))
-    assert "\n" not in str(e.value) and len(str(e.value)) < 400
-    assert verify_run(VerifyConfig(output=output)).ok  # the other checks pass
     with open(os.path.join(output, "run.json"), "w") as f:
         json.dump(run_json, f)
+
+    # hsx verify --recompute: the target's own vision-language class fed the stored image embeddings and M-RoPE
+    # positions (it loaded the target with AutoModelForCausalLM: exit 2 with transformers' class list)
+    import glob
+
+    import transformers
+
+    from jobs.verify import _forward_inputs, verify_run
+    from jobs.verify_config import VerifyConfig
+
+    report = verify_run(VerifyConfig(output=output, all=True, recompute=len(vision)))
+    assert report.ok and len(report.recomputed) == len(vision) and not report.not_recomputed, report.lines()
+    assert max(max(r["max_rel_diff"].values()) for r in report.recomputed) < 1e-4
+    files = [load_hidden_states(p) for p in sorted(glob.glob(os.path.join(output, "data", "*", "*.safetensors")))]
+    with_image = next(f for f in files if f[MM_TOKEN_TYPE_IDS].any())
+    del with_image[MM_EMBEDS]  # a run stored without --mm-embeds: said, not failed
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_model)
+    assert "without --mm-embeds" in _forward_inputs(model, with_image, "cpu")
 
     # the peers' layouts: speculators' files and its Arrow dataset, with the loss off at image tokens
     from safetensors.torch import load_file
