@@ -101,6 +101,9 @@ class RollbackPlan:
         recorded 2-token step undone by one token, against feeding the kept token alone)."""
         if not self.recorded:
             return
+        missing = _recording_missing()
+        if missing:
+            raise ValueError(self._refusal(missing))
         device = model.get_input_embeddings().weight.device
         vocab = int(model.get_input_embeddings().num_embeddings)
         ids = (torch.arange(5, device=device)[None] * 7919 + 11) % vocab  # [1, 5]
@@ -130,6 +133,25 @@ class RollbackPlan:
     def _refusal(self, why: str) -> str:
         return (f"speculative decoding on {getattr(self.config, 'model_type', 'this model')}: {why}, so rejected "
                 "drafts could not be undone; decode without speculative_config")
+
+
+ROLLBACK_TRANSFORMERS = "5.25"
+"""The first transformers whose linear-attention cache records each step's recurrent states
+(activate_past_recording(recurrent_states_to_keep=...)): 5.19-5.24 record none."""
+
+
+def _recording_missing() -> str | None:
+    """Why this transformers cannot record linear layers' per-step states (its version named), or None."""
+    import inspect
+
+    import transformers
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    if "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters:
+        return None
+    return (f"its linear layers are rolled back with transformers >= {ROLLBACK_TRANSFORMERS}, whose cache records "
+            f"each step's recurrent states; this is transformers {transformers.__version__}: pip install "
+            f"'transformers>={ROLLBACK_TRANSFORMERS}'")
 
 
 def rollback_plan(model, max_model_len: int) -> RollbackPlan:

@@ -454,3 +454,22 @@ def test_a_draft_model_with_a_windowed_cache_is_refused_in_one_line(tiny_llama, 
         LLM(model=tiny_llama, speculative_config={"method": "draft_model", "model": draft,
                                                   "num_speculative_tokens": 2})
     assert "\n" not in str(e.value)
+
+
+def test_a_transformers_that_cannot_roll_back_linear_attention_is_named_with_the_version_needed(tiny_model_factory):
+    """On transformers 5.19-5.24 (the vLLM tier's is 5.19) the refusal quoted a TypeError from the cache; it names
+    the version that records per-step recurrent states. On newer ones the same check finds nothing missing."""
+    import transformers
+    from packaging.version import Version
+
+    from extractor.rollback import ROLLBACK_TRANSFORMERS, _recording_missing
+
+    if Version(transformers.__version__) >= Version(ROLLBACK_TRANSFORMERS):
+        assert _recording_missing() is None
+        return
+    model_dir = tiny_model_factory("qwen3_next")
+    with pytest.raises(ValueError) as e:
+        LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    message = str(e.value)
+    assert f"rolled back with transformers >= {ROLLBACK_TRANSFORMERS}" in message
+    assert f"this is transformers {transformers.__version__}" in message and "TypeError" not in message
