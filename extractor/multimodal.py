@@ -3,7 +3,7 @@ transformers processor, and the record that makes their states usable for a draf
 
     is_multimodal(hf_config) -> bool                 a vision-language family hsx runs with its vision tower
     check_supported(hf_config, model)                ValueError (one line) for a VL family hsx cannot run exactly
-    load_processor(model, revision=, trust_remote_code=)
+    load_processor(model, revision=, trust_remote_code=, tokenizer=)
                                                      AutoProcessor; where torchvision is missing (CPU machines), the
                                                      same processor class built without its video processor
     MediaPrompt                                      one request's processed inputs: ids with every placeholder
@@ -42,20 +42,29 @@ from extractor.media import DEEPSTACK_VL, SUPPORTED_VL, check_supported, is_mult
 
 logger = logging.getLogger(__name__)
 
-def load_processor(model: str, *, revision: str | None = None, trust_remote_code: bool = False):
-    """The model's processor. transformers' Qwen-VL processors require a video processor, which requires torchvision;
-    where torchvision cannot be imported (CPU builds of torch have no matching wheel) the same processor class is
-    built from the folder's tokenizer and image processor with no video processor: images process identically, a
-    video is refused."""
+def load_processor(model: str, *, revision: str | None = None, trust_remote_code: bool = False, tokenizer=None):
+    """The model's processor, with `tokenizer` (the engine's: LLM(tokenizer=...)) in place of the folder's when
+    given. transformers' Qwen-VL processors require a video processor, which requires torchvision; where torchvision
+    cannot be imported (CPU builds of torch have no matching wheel) the same processor class is built from the
+    tokenizer and the folder's image processor with no video processor: images process identically, a video is
+    refused."""
     from transformers import AutoProcessor
 
     kw = {"revision": revision, "trust_remote_code": trust_remote_code}
     try:
-        return AutoProcessor.from_pretrained(model, **kw)
+        processor = AutoProcessor.from_pretrained(model, **kw)
     except ImportError as e:
         if "torchvision" not in str(e).lower():
             raise
         logger.info("torchvision is not importable here: %s's processor is built without its video processor", model)
+        return _image_only_processor(model, kw, tokenizer)
+    if tokenizer is None:
+        return processor
+    parts = {name: getattr(processor, name) for name in processor.get_attributes()}  # the same class, rebuilt
+    return type(processor)(**{**parts, "tokenizer": tokenizer}, chat_template=getattr(processor, "chat_template", None))
+
+
+def _image_only_processor(model: str, kw: dict, tokenizer=None):
     import transformers
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -70,7 +79,7 @@ def load_processor(model: str, *, revision: str | None = None, trust_remote_code
             return super().check_argument_for_proper_class(argument_name, argument)
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
-    tokenizer = AutoTokenizer.from_pretrained(model, **kw)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model, **kw)
     image_processor = AutoImageProcessor.from_pretrained(model, **kw)
     return ImageOnly(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                      chat_template=getattr(tokenizer, "chat_template", None))

@@ -307,8 +307,10 @@ class ModelRunner:
         self.vision: Vision | None = None
         """A vision-language target's processor and vision path (extractor.multimodal); None for text targets."""
         if multimodal:
-            self.vision = Vision(self.model, load_processor(config.model, revision=config.revision,
-                                                            trust_remote_code=config.trust_remote_code), hf_config)
+            processor = load_processor(config.model, revision=config.revision,
+                                       trust_remote_code=config.trust_remote_code,
+                                       tokenizer=self.tokenizer if config.tokenizer else None)  # LLM(tokenizer=)'s
+            self.vision = Vision(self.model, processor, hf_config)
         self.dtype = dtype
         self.num_hidden_layers, self.hidden_size = self.facts.num_hidden_layers, self.facts.hidden_size
         self.layer_ids = self.facts.layer_ids

@@ -173,6 +173,27 @@ def test_greedy_decoding_equals_transformers_generate(vl_model, images, referenc
     llm.shutdown()
 
 
+def test_the_processor_tokenizes_with_the_tokenizer_the_engine_was_given(vl_model, images, tmp_path):
+    """LLM(tokenizer=...) as vLLM: the image processor's text side is that tokenizer, not the model folder's (it
+    ignored it for image prompts)."""
+    import shutil
+
+    given = tmp_path / "tokenizer"
+    given.mkdir()
+    for name in os.listdir(vl_model):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges", "added_tokens")):
+            shutil.copy(os.path.join(vl_model, name), given / name)
+    llm = _engine(vl_model, tmp_path / "out", images, tokenizer=str(given))
+    assert llm.runner.vision.processor.tokenizer is llm.tokenizer
+    assert os.path.realpath(llm.tokenizer.name_or_path) == os.path.realpath(given)
+    out = llm.chat([_chat("what is this", ["red.png"])], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.ok, out.error
+    llm.shutdown()
+    plain = _engine(vl_model, tmp_path / "out2", images)  # no tokenizer given: the folder's, in both
+    assert os.path.realpath(plain.runner.vision.processor.tokenizer.name_or_path) == os.path.realpath(vl_model)
+    plain.shutdown()
+
+
 def test_each_bad_image_fails_its_own_request(vl_model, images, tmp_path, tmp_path_factory):
     """Missing file, not an image, outside allowed_local_media_path (a path, ../, a symlink), more images than
     limit_mm_per_prompt, a URL that may not be fetched, a broken data: URL, an image over the pixel limit, a
