@@ -3,7 +3,8 @@
     PromptRequest       one prompt as the ingress sends it: text, token ids or chat messages, sampling, kv params
     EngineReply         what comes back: token ids, text, the durable file's path, or an error (status + message)
     Engine.extract(r)   validate and tokenize (text on a thread of its own; 400 before anything runs; a refused custom path
-                        was answered 403 by the ingress), then
+                        was answered 403 by the ingress; a chat's images fetched and decoded first on a pool of
+                        IMAGE_LOADERS threads, so that a slow image holds its own request, never the others'), then
                         Engine._run_batch: Ray Serve's @serve.batch gathers up to max_num_seqs prompts for
                         batch_wait_timeout_s; batches formed while the engine is busy are merged into its next call;
                         one LLM.generate runs them (on a worker thread) and returns once every file is durable
@@ -36,6 +37,9 @@ from serve.config import ServeConfig
 from serve.templates import TemplateRefused, check_request_template
 
 logger = logging.getLogger(__name__)
+
+IMAGE_LOADERS = 4
+"""Threads of a replica that fetch and decode chats' images (each request waits on its own)."""
 
 
 @dataclass
@@ -190,6 +194,9 @@ class Engine:
         # megabyte of text takes seconds, during which the loop would answer no other request (tokenizers releases
         # the GIL, so the loop and the engine thread run on meanwhile)
         self._admitter = named_thread_pool(1, "hsx-admit")
+        # a chat's images are fetched and decoded on these threads, before its admission: a slow or hostile image
+        # (a server dripping bytes, up to --image-fetch-timeout-s) holds its own request, never the admission thread
+        self._image_loader = named_thread_pool(IMAGE_LOADERS, "hsx-images")
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()
@@ -209,15 +216,9 @@ class Engine:
                 "speculative": None if spec is None else {"method": spec.method, "k": spec.num_speculative_tokens}}
 
     async def extract(self, request: PromptRequest) -> EngineReply:
-        try:
-            self._refuse_text_too_long(request)
-            if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
-                item = self._admit(request)
-            else:
-                item = await asyncio.get_running_loop().run_in_executor(self._admitter, self._admit, request)
-        except _Rejected as e:
-            return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
-                               discarded=self._discarded, aborted=self._aborted)
+        item = await self._admitted(request)
+        if isinstance(item, EngineReply):  # refused
+            return item
         try:
             return await self._run_batch(item)
         except asyncio.CancelledError:
@@ -228,6 +229,23 @@ class Engine:
             raise
 
     # -- admission: every user error answered here, before anything runs or is written -----------------------------
+    async def _admitted(self, request: PromptRequest) -> _Item | EngineReply:
+        """The request admitted to the batch queue, or its refusal. A chat's images load on the image pool first,
+        then the prompt is tokenized on the admission thread: neither blocks the event loop, and an image that is
+        slow to load holds only its own request."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._refuse_text_too_long(request)
+            loaded = None
+            if self.llm.runner.vision is not None and _has_image_parts(request.messages):
+                loaded = await loop.run_in_executor(self._image_loader, self._load_images, request)
+            if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
+                return self._admit(request)
+            return await loop.run_in_executor(self._admitter, self._admit, request, loaded)
+        except _Rejected as e:
+            return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
+                               discarded=self._discarded, aborted=self._aborted)
+
     def _refuse_text_too_long(self, r: PromptRequest) -> None:
         """A text prompt with more characters than max_prompt_tokens tokens can cover is refused untokenized."""
         if r.prompt is None or r.messages is not None or self._bytes_per_token is None:
@@ -239,13 +257,26 @@ class Engine:
                                  f"{self.max_prompt_tokens} (--max-prompt-tokens / --max-model-len); shorten it",
                             "prompt", "prompt_too_long")
 
-    def _admit(self, r: PromptRequest) -> _Item:
+    def _load_images(self, r: PromptRequest) -> tuple[list[dict[str, Any]], list[Any]]:
+        """On the image pool: the messages for the template and their images loaded (extractor.media.load_images,
+        under the replica's media settings: allowed hosts, the fetch deadline, the decoded-size budgets); 400 naming
+        the image when one cannot be loaded."""
+        from extractor.media import load_images
+
+        messages, refs = self._messages_with_images(r)
+        try:
+            return messages, load_images(refs, self.llm.config.media, "the prompt") if refs else []
+        except ValueError as e:
+            raise _Rejected(400, str(e), "messages", "invalid_image") from None
+
+    def _admit(self, r: PromptRequest, loaded: tuple[list[dict[str, Any]], list[Any]] | None = None) -> _Item:
+        """`loaded`: a chat's messages and images from _load_images (None: found here; a chat without image parts)."""
         from extractor import SamplingParams  # torch: in the replica, not the ingress
         from extractor.request import RequestRejected  # torch: in the replica, not the ingress
 
         text, media = r.prompt, None
         if r.messages is not None:
-            ids, text, media = self._apply_chat_template(r)
+            ids, text, media = self._apply_chat_template(r, loaded)
         elif r.prompt_token_ids is not None:
             ids = list(r.prompt_token_ids)
         else:
@@ -294,8 +325,9 @@ class Engine:
             images.extend(found)
         return messages, images
 
-    def _apply_chat_template(self, r: PromptRequest) -> tuple[list[int], str, Any]:
-        """The prompt's token ids and text, and an image prompt's processed inputs (None without images)."""
+    def _apply_chat_template(self, r: PromptRequest, loaded=None) -> tuple[list[int], str, Any]:
+        """The prompt's token ids and text, and an image prompt's processed inputs (None without images); `loaded`:
+        the messages and images _load_images gave (None: found here)."""
         if r.add_generation_prompt and r.continue_final_message:
             raise _Rejected(400, "add_generation_prompt and continue_final_message cannot both be true; set "
                                  "add_generation_prompt=false to continue the last message", "continue_final_message",
@@ -308,7 +340,7 @@ class Engine:
             raise _Rejected(400, f"chat_template_kwargs may not set {', '.join(clash)}: hsx sets them itself (the "
                                  "template's token ids, whole); pass only the template's own variables",
                             "chat_template_kwargs", "invalid_value")
-        messages, images = self._messages_with_images(r)
+        messages, images = loaded if loaded is not None else self._messages_with_images(r)
         if r.chat_template is not None:
             self._check_request_template(r)
         template = r.chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -323,7 +355,7 @@ class Engine:
         except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs: all the caller's input
             raise _Rejected(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                             "messages", "chat_template_error") from None
-        if images:  # the images loaded under --allowed-local-media-path / --limit-mm-per-prompt, then processed
+        if images:  # loaded already (the image pool) or PIL images: processed here, the vision tower included
             try:
                 media = self.llm.prepare_media(out, {"image": images}, max_tokens=self.max_prompt_tokens)
             except (ValueError, TypeError) as e:
@@ -445,13 +477,21 @@ class Engine:
         reply.path = None
 
     def __del__(self) -> None:  # Serve calls it on graceful shutdown: pending writes finish first
-        admitter = getattr(self, "_admitter", None)
-        if admitter is not None:  # a prompt still being tokenized has no answer to wait for
-            with contextlib.suppress(Exception):  # at interpreter exit the executor's modules may be gone already
-                admitter.shutdown(wait=False, cancel_futures=True)
+        for pool in (getattr(self, "_admitter", None), getattr(self, "_image_loader", None)):
+            if pool is not None:  # a prompt still being tokenized or loaded has no answer to wait for
+                with contextlib.suppress(Exception):  # at interpreter exit the executor's modules may be gone
+                    pool.shutdown(wait=False, cancel_futures=True)
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
+
+
+def _has_image_parts(messages: list[dict[str, Any]] | None) -> bool:
+    """Whether a chat has a part that may carry an image (its content a list with an image part)."""
+    from extractor.chat_content import IMAGE_PARTS
+
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"]) for m in messages or ())
 
 
 def _fs_path(fs, path: str) -> str:

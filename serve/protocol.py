@@ -153,7 +153,8 @@ class ImageURL(_Body):
 
 class ImagePart(_Body):
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | str
+    """{"url": ...} as OpenAI sends it, or the URL alone, as vLLM's chat parser also takes it (and hsx run does)."""
 
 
 class ChatMessage(BaseModel):
