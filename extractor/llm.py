@@ -111,8 +111,8 @@ class LLM:
             raise TypeError(f"LLM() got arguments hsx does not support: {detail}; supported: model, "
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
-                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, allowed_media_domains, "
-                            "packing "
+                            "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, "
+                            "allowed_media_domains, packing "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
