@@ -5,8 +5,8 @@ http.server in a thread on 127.0.0.1, answering each path by a script of answers
         .url(path) / .hits (paths, in order) / .close()    also a context manager
     image(bytes) / status(code) / redirect(location, code) / drip(bytes, every_s) / hang_up()     the answers
     png_bytes(width, height, mode)           a small PNG drawn here
-    ListeningSocket()                         a bare TCP listener that answers nothing; .accepted says whether anyone
-                                              connected (a URL of another scheme must open no connection)
+    ListeningSocket()                         a bare TCP listener that answers nothing; .connections() counts those
+                                              made to it (a URL of another scheme must open none)
 """
 
 from __future__ import annotations
@@ -125,27 +125,24 @@ class LoopbackServer:
 
 
 class ListeningSocket:
-    """A TCP listener on 127.0.0.1 that accepts in a thread and answers nothing."""
+    """A TCP listener on 127.0.0.1 that never accepts: a connection made to it waits in the kernel's backlog, where
+    `connections()` counts it."""
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self.sock.settimeout(0.1)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        self.sock.setblocking(False)
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
+    def connections(self) -> int:
+        """How many connections were made so far (accepted now, and closed)."""
+        count = 0
+        while True:
             try:
                 conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            self.accepted += 1
+            except BlockingIOError:
+                return count
             conn.close()
+            count += 1
 
     def close(self) -> None:
-        self._stop.set()
-        self.thread.join()
         self.sock.close()

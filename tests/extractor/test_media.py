@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -79,8 +80,9 @@ def test_a_redirect_to_another_scheme_opens_no_connection():
         with LoopbackServer({"/a.png": [redirect(f"ftp://127.0.0.1:{listener.port}/x.png")]}) as server:
             with pytest.raises(ValueError, match="not an http.s. host in allowed_media_domains") as e:
                 load_image(server.url("/a.png"), _fetching(allowed_media_domains=["127.0.0.1"]), "image 0")
-        time.sleep(0.2)  # the listener's accept loop polls every 0.1 s: a connection made would be counted by now
-        assert listener.accepted == 0
+        assert listener.connections() == 0
+        socket.create_connection(("127.0.0.1", listener.port)).close()  # the count can see one
+        assert listener.connections() == 1
     finally:
         listener.close()
     assert "ftp://127.0.0.1" in _one_line(e)
@@ -374,3 +376,15 @@ def test_loaded_images_are_rgb_copies_the_caller_may_keep(tmp_path):
     (tmp_path / "grey.png").write_bytes(buf.getvalue())
     assert load_image("grey.png", MediaPolicy(allowed_local_media_path=str(tmp_path)), "x").getpixel((0, 0)) == \
         (128, 128, 128)
+
+
+def test_llm_takes_allowed_media_domains_as_vllm_spells_it(tiny_llama, tmp_path):
+    from connectors import KVTransferConfig
+    from extractor import LLM
+
+    llm = LLM(tiny_llama, allow_media_fetch=True, allowed_media_domains=["Img.Example", "localhost"],
+              kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
+    try:
+        assert llm.config.media.allowed_media_domains == ("img.example", "localhost")
+    finally:
+        llm.shutdown()
