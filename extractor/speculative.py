@@ -31,6 +31,10 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
     contexts = [r.prompt_token_ids + r.output_ids for r in active]
     # never draft past max_tokens / max_model_len: the step emits drafts + 1 target token
     ks = [min(k, stopping.room(r) - 1) for r in active]
+    plan = runner.rollback
+    if plan is not None and plan.even:  # throw-away drafts pad every row to the widest: none may pass max_model_len
+        cap = min(stopping.max_model_len - len(c) for c in contexts)  # drafts the fullest row's positions allow
+        ks = [min(kb, cap) for kb in ks]
     t0 = _clock(runner)
     drafts = proposer.propose(contexts, ks, [r.params for r in active], [r.generator for r in active])
     stats.drafter_seconds += _clock(runner) - t0
@@ -39,7 +43,6 @@ def speculative_step(active: list[Request], state: BatchState, runner: ModelRunn
         raise RuntimeError(f"the proposer returned {len(drafts)} drafts of lengths "
                            f"{[len(d.token_ids) for d in drafts]} for {len(active)} rows allowed {ks}")
     rows = [[r.output_ids[-1]] + d.token_ids for r, d in zip(active, drafts)]
-    plan = runner.rollback
     if plan is not None and plan.even:  # every row as wide: throw-away drafts after the real ones, never verified
         rows = [row + [runner.pad_id] * (max(map(len, rows)) - len(row)) for row in rows]
     observe = bool(proposer.capture_layer_ids)

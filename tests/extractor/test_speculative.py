@@ -473,3 +473,32 @@ def test_a_transformers_that_cannot_roll_back_linear_attention_is_named_with_the
     message = str(e.value)
     assert f"rolled back with transformers >= {ROLLBACK_TRANSFORMERS}" in message
     assert f"this is transformers {transformers.__version__}" in message and "TypeError" not in message
+
+
+def test_throw_away_drafts_never_take_a_row_past_max_model_len(tiny_model_factory):
+    """A windowed target pads every row of a step to the widest with throw-away drafts; a row near max_model_len
+    took positions up to k past it (a dynamic-RoPE target would rescale every token of that forward). Rows are
+    capped so that no position passes max_model_len - 1, and decoding stays equal to transformers' generate."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("gemma2")
+    max_len = 40
+    draft = tiny_model_factory("llama")  # drafts all k tokens every step, whatever the text
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=max_len,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+    assert llm.runner.rollback is not None and llm.runner.rollback.even
+    seen = []
+    rotary = llm.runner.model.model.rotary_emb
+    handle = rotary.register_forward_pre_hook(lambda m, args, kwargs: seen.append(int(args[1].max())),
+                                              with_kwargs=True)
+    prompts = [[5, 6, 7, 8] * 8, [9, 10, 11, 9, 10, 11, 9, 10]]  # 32 and 8 tokens: the first reaches 40
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    handle.remove()
+    assert max(seen) <= max_len - 1, max(seen)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        n = min(24, max_len - len(p))
+        want = reference.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        assert out.outputs[0].token_ids == want[0, len(p):].tolist()
+    llm.shutdown()
