@@ -175,7 +175,7 @@ FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model"
 _OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
 """Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
-_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "image_processing", "mm_embeds")
+_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "engine_quantization", "image_processing", "mm_embeds")
 """Job fields written only when set: run.json of an unquantized model's run stays as it was before the field."""
 
 
@@ -197,6 +197,9 @@ class RunSpec:
     model_quantization: str = ""
     """The checkpoint's quantization_config in short ("fp8 (fmt=e4m3, ...)"); "" — and absent from run.json — when
     the model is not quantized (runs written before the field existed read as not quantized)."""
+    engine_quantization: str = ""
+    """What the engine did to the weights beyond the checkpoint: vLLM's on-the-fly quantization (`--vllm-args
+    '{"quantization": "fp8"}'`) as "fp8 (vLLM, on the fly)"; "" — and absent from run.json — when none."""
     chat_template_source: str = "none"
     """Where the chat template came from: "tokenizer", a file, or "none"."""
     chat_template_sha256: str | None = None
@@ -386,6 +389,7 @@ _RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "layer_id_convention": (lambda v: isinstance(v, str), "a string"),
     "model_fingerprint": (lambda v: isinstance(v, str), "a string"),
     "model_quantization": (lambda v: isinstance(v, str), "a string (\"\" = not quantized)"),
+    "engine_quantization": (lambda v: isinstance(v, str), "a string (\"\" = none)"),
     "chat_template_source": (lambda v: isinstance(v, str), "a string"),
     "chat_template_sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "max_model_len": (lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null"),

@@ -29,6 +29,7 @@ IDENTITY = {
     "model": "--model", "model_revision": "--revision",
     "model_quantization": "--model (a checkpoint quantized otherwise: its config.json's quantization_config)",
     "model_fingerprint": "--model (its weights, config or tokenizer changed since the run began)",
+    "engine_quantization": "--vllm-args' quantization (vLLM quantizing the weights as it loads them)",
     "layer_ids": "--layers", "dtype": "--dtype", "storage_dtype": "--storage-dtype", "target": "--target",
     "chat_template_sha256": "--chat-template",
     "max_tokens": "--max-tokens", "include_output_tokens": "--include-output-tokens",
@@ -72,7 +73,7 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=config.seed)
     return RunSpec.from_file_spec(
         facts.file_spec(config.storage_dtype), model_fingerprint=facts.legacy_fingerprint if legacy else facts.fingerprint,
-        model_quantization=facts.quantization,
+        model_quantization=facts.quantization, engine_quantization=engine_quantization(config),
         chat_template_source=template_source,
         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         max_model_len=facts.max_model_len, overlength=config.overlength, max_tokens=config.max_tokens,
@@ -81,6 +82,14 @@ def build_run_spec(config: JobConfig, facts: ModelFacts, files: list[CorpusFile]
         mm_embeds=bool(config.mm_embeds and facts.multimodal),
         corpus=tuple(f.url for f in files), corpus_fingerprint=corpus_fingerprint(files, sizes),
         versions=_versions(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def engine_quantization(config: JobConfig) -> str:
+    """What the engine does to the weights beyond the checkpoint, as run.json records it: vLLM's on-the-fly
+    quantization (--engine vllm --vllm-args '{"quantization": "fp8"}'); "" for none (hsx's engine runs the checkpoint
+    as transformers loads it: a quantized one is said in the worker's log, and run.json's model_quantization)."""
+    method = (config.vllm_args or {}).get("quantization") if config.engine == "vllm" else None
+    return f"{method} (vLLM, on the fly)" if method else ""
 
 
 def _image_processing(config: JobConfig, facts: ModelFacts) -> dict[str, int]:
@@ -125,6 +134,6 @@ def ensure_run_spec(run: RunDir, spec: RunSpec, present: RunSpec | None | Ellips
 
 
 def _show(value, key: str = "") -> str:
-    if key == "model_quantization":
+    if key in ("model_quantization", "engine_quantization"):
         return repr(value) if value else "none (not quantized)"
     return repr(list(value)) if isinstance(value, tuple) else repr(value)

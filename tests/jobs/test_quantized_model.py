@@ -60,6 +60,26 @@ def test_a_quantized_run_records_it_and_refuses_another(tmp_path):
         ensure_run_spec(out, _spec())
 
 
+def test_vllms_on_the_fly_quantization_is_recorded_and_a_resume_without_it_refused(tmp_path):
+    """run.json recorded only the checkpoint's quantization: `--engine vllm --vllm-args '{"quantization": "fp8"}'`
+    states came from fp8 weights with nothing saying so, and a resume without it mixed them with bf16 ones."""
+    from jobs.config import JobConfig
+    from jobs.runinfo import engine_quantization
+
+    on_the_fly = JobConfig(model="/m", engine="vllm", vllm_args={"quantization": "fp8"})
+    assert engine_quantization(on_the_fly) == "fp8 (vLLM, on the fly)"
+    assert engine_quantization(JobConfig(model="/m", engine="vllm")) == ""
+    assert engine_quantization(JobConfig(model="/m")) == ""
+    out = RunDir(str(tmp_path))
+    ensure_run_spec(out, _spec(engine_quantization="fp8 (vLLM, on the fly)"))
+    assert json.loads((tmp_path / "run.json").read_text())["engine_quantization"] == "fp8 (vLLM, on the fly)"
+    assert ensure_run_spec(out, _spec(engine_quantization="fp8 (vLLM, on the fly)")) is False
+    with pytest.raises(RunMismatch, match=r"engine_quantization: run has 'fp8 \(vLLM, on the fly\)', this job has "
+                                          r"none \(not quantized\) \(--vllm-args' quantization"):
+        ensure_run_spec(out, _spec())
+    assert "engine_quantization" not in _spec().to_json()  # an unquantized run's run.json is as before
+
+
 def test_a_run_json_without_the_field_reads_as_not_quantized(tmp_path):
     doc = _spec().to_json()
     doc.pop("model_quantization", None)
