@@ -20,8 +20,6 @@ Family(...)`; drafters/<name>_proposer.py: its Proposer) and one entry point in 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +79,9 @@ class Family:
     def check_against(self, model_dir: str, target_dir: str, target_config) -> None:
         """ValueError (one line) when the draft at `model_dir` cannot serve the target `target_dir` (transformers text
         config `target_config`): the sizes and aux layers its config.json records, then the family's preflight."""
-        why = draft_target_mismatch(_read_json_object(os.path.join(model_dir, "config.json")), target_config)
+        from drafters.base import read_checkpoint_json  # torch: the registry itself stays light
+
+        why = draft_target_mismatch(read_checkpoint_json(model_dir, self.name), target_config)
         if why:
             raise ValueError(f"the {self.name} draft {model_dir} {why}: it was trained for another target; train one "
                              f"on a run of {target_dir}")
@@ -97,17 +97,6 @@ class Family:
 
     def drafter_class(self) -> type:
         return load(self.drafter)
-
-
-def _read_json_object(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return doc
 
 
 def draft_target_mismatch(config: dict[str, Any], target_config) -> str | None:
