@@ -39,7 +39,8 @@ from serve.templates import TemplateRefused, check_request_template
 logger = logging.getLogger(__name__)
 
 IMAGE_LOADERS = 4
-"""Threads of a replica that fetch and decode chats' images (each request waits on its own)."""
+"""Threads of a replica that fetch and decode chats' images (each request waits on its own), and the most image
+requests that hold decoded images at once (loaded, waiting for admission)."""
 
 
 @dataclass
@@ -197,6 +198,8 @@ class Engine:
         # a chat's images are fetched and decoded on these threads, before its admission: a slow or hostile image
         # (a server dripping bytes, up to --image-fetch-timeout-s) holds its own request, never the admission thread
         self._image_loader = named_thread_pool(IMAGE_LOADERS, "hsx-images")
+        self._image_slots = asyncio.Semaphore(IMAGE_LOADERS)  # from the load until the admission turned them into
+        # the vision tower's features: a replica holds at most IMAGE_LOADERS x --max-request-image-bytes of images
         self._run_batch.set_max_batch_size(config.max_num_seqs)
         self._run_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batches = itertools.count()
@@ -236,12 +239,13 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             self._refuse_text_too_long(request)
-            loaded = None
             if self.llm.runner.vision is not None and _has_image_parts(request.messages):
-                loaded = await loop.run_in_executor(self._image_loader, self._load_images, request)
+                async with self._image_slots:  # at most IMAGE_LOADERS requests hold decoded images at once
+                    loaded = await loop.run_in_executor(self._image_loader, self._load_images, request)
+                    return await loop.run_in_executor(self._admitter, self._admit, request, loaded)
             if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
                 return self._admit(request)
-            return await loop.run_in_executor(self._admitter, self._admit, request, loaded)
+            return await loop.run_in_executor(self._admitter, self._admit, request)
         except _Rejected as e:
             return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
                                discarded=self._discarded, aborted=self._aborted)
