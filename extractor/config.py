@@ -111,8 +111,9 @@ class EngineConfig:
     """Prompt-only batches: "auto" packs the prompts end to end without padding where that is exact for the target
     (extractor.packing; else padded), "on" refuses a target that cannot be packed, "off" always pads."""
     media: MediaPolicy = field(default_factory=MediaPolicy)
-    """What image prompts may bring (a vision-language target): vLLM's limit_mm_per_prompt and
-    allowed_local_media_path, and whether http(s) images are fetched (extractor.media)."""
+    """What image prompts may bring (vLLM's media settings): limit_mm_per_prompt, allowed_local_media_path, whether
+    http(s) images are fetched and from which hosts (allowed_media_domains), the fetch deadline and the decoded-size
+    budgets per image and per prompt (extractor.media)."""
 
     def __post_init__(self) -> None:
         if not self.model:
