@@ -69,21 +69,21 @@ def text_config(hf_config: Any) -> Any:
 
 
 def check_runnable(hf_config: Any, model: str) -> None:
-    """ValueError (one line) for a target neither engine path builds: no causal LM class in transformers for its
-    model_type (a LLaVA-style wrapper, say) and not one of the vision-language families hsx runs itself; a config
-    with its own code (auto_map) is left to transformers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """ValueError (one line) for a target hsx's engine cannot build: no causal LM class in transformers for its config
+    (a LLaVA-style wrapper, say; registered and auto_map classes count) and not one of the vision-language families
+    hsx runs itself. `--engine vllm` runs what vLLM runs and is not asked."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from extractor.media import SUPPORTED_VL
 
-    kind = getattr(hf_config, "model_type", "")
     auto_map = getattr(hf_config, "auto_map", None) or {}
-    if is_multimodal(hf_config) or kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map:
+    if is_multimodal(hf_config) or type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING or "AutoModelForCausalLM" in auto_map:
         return
-    raise ValueError(f"{model} is a {kind or 'model of unknown type'} target, for which transformers has no causal LM "
-                     f"class and hsx's engine has no vision-language path; hsx runs decoder-only causal LMs (the "
-                     f"families in docs/families.md) and the vision-language families {', '.join(SUPPORTED_VL)}"
-                     " (or give the folder of its text model alone)")
+    kind = getattr(hf_config, "model_type", "") or "model of unknown type"
+    raise ValueError(f"{model} is a {kind} target, for which transformers has no causal LM class and hsx's engine has "
+                     f"no vision-language path; hsx's engine runs decoder-only causal LMs (the families in "
+                     f"docs/families.md) and the vision-language families {', '.join(SUPPORTED_VL)} (or give the "
+                     "folder of its text model alone; --engine vllm runs what vLLM runs)")
 
 
 def target_facts(hf_config: Any, *, model: str, revision: str | None = None, layer_ids=None, dtype: str = "auto",
@@ -93,7 +93,6 @@ def target_facts(hf_config: Any, *, model: str, revision: str | None = None, lay
     `target_flag` or max_model_len when the settings do not fit the model."""
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ValueError(f"{model} is an encoder-decoder model; hsx extracts from decoder-only causal LMs")
-    check_runnable(hf_config, model)
     text = text_config(hf_config)
     n, h = int(text.num_hidden_layers), int(text.hidden_size)  # a multimodal wrapper keeps them in its text config
     ids = check_layer_ids(layer_ids if layer_ids else default_layer_ids(n), n, name=f"{layers_flag} (for {model})")

@@ -44,7 +44,7 @@ import torch
 from connectors.format import HIDDEN_STATES_SCALES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS, check_layer_ids
 from connectors.quant import ROW_MAGNITUDES, quantize, row_magnitudes
 from extractor.config import EngineConfig
-from extractor.facts import target_facts
+from extractor.facts import check_runnable, target_facts
 from extractor.layers import EarlyExit, LayerCapture, find_decoder_layers
 from extractor.multimodal import MediaPrompt, Vision, check_supported, is_multimodal, load_processor
 from extractor.packing import Packer, packing_refusal
@@ -282,6 +282,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
                                                trust_remote_code=config.trust_remote_code)
+        check_runnable(hf_config, config.model)
         self.facts = target_facts(hf_config, model=config.model, revision=config.revision,
                                   layer_ids=config.layer_ids, dtype=config.dtype, max_model_len=config.max_model_len,
                                   target=config.target)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from connectors.fingerprint import model_fingerprint, model_quantization
 from drafters.registry import default_layer_ids
-from extractor.facts import TargetFacts, target_facts, text_config
+from extractor.facts import TargetFacts, check_runnable, target_facts, text_config
 from jobs.config import JobConfig
 
 
@@ -44,15 +44,18 @@ class ModelFacts(TargetFacts):
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
+        if config.engine == "hsx":  # what hsx's engine builds (vLLM decides for --engine vllm)
+            check_runnable(hf, model)
         # the default layers serve every registered family (what each declares it reads: drafters.features)
         layer_ids = config.layers or default_layer_ids(int(text_config(hf).num_hidden_layers))
         # the engine's own derivation (extractor.facts): layers, dtype, length limit as the workers will see them
         f = target_facts(hf, model=model, revision=config.revision, layer_ids=layer_ids, dtype=config.dtype,
                          max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,
                          target_flag="--target")
-        from extractor.packing import check_packing_mode  # torch
+        if config.engine == "hsx":  # what hsx's engine packs (vLLM decides for --engine vllm)
+            from extractor.packing import check_packing_mode  # torch
 
-        check_packing_mode(hf, config.packing, model)
+            check_packing_mode(hf, config.packing, model)
         max_len = f.max_model_len
         if config.max_tokens >= max_len:
             raise ValueError(f"--max-tokens {config.max_tokens} leaves no room for a prompt within the model's "

@@ -66,7 +66,7 @@ def check(config: ServeConfig) -> None:
         raise ValueError(f"--model {config.model}: no such folder")
     from transformers import AutoConfig
 
-    from extractor.facts import target_facts  # torch: the CLI's parser must stay cheap
+    from extractor.facts import check_runnable, target_facts  # torch: the CLI's parser must stay cheap
 
     try:
         hf_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
@@ -74,6 +74,7 @@ def check(config: ServeConfig) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {config.model}: cannot read its config ({first_line(e)}); pass a model folder or a "
                          "hub id in the local cache") from e
+    check_runnable(hf_config, config.model)
     target_facts(hf_config, model=config.model, layer_ids=config.layers, max_model_len=config.max_model_len,
                  layers_flag="--layers", target=config.engine_target, target_flag="--target")  # layer ids and --max-model-len against the model, before Ray starts
     from extractor.packing import check_packing_mode
