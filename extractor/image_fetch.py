@@ -71,12 +71,29 @@ def fetch_image(url: str, where: str, *, domains: Sequence[str] | None, timeout_
 
 
 def _run(coro):
+    """Run the fetch on an event loop of its own (in a thread when the caller is in one). Not asyncio.run: at its end
+    it waits for its executor, where aiohttp resolves host names, so a name server that never answers would outlast
+    the deadline; this loop's executor is let go unfinished (its lookup ends in the background)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-image-fetch") as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return _run_here(coro)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hsx-image-fetch")
+    try:
+        return pool.submit(_run_here, coro).result()
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _run_here(coro):
+    loop = asyncio.new_event_loop()
+    lookups = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hsx-image-dns")
+    loop.set_default_executor(lookups)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        lookups.shutdown(wait=False, cancel_futures=True)
+        loop.close()
 
 
 async def _fetch(url: str, shown: str, where: str, domains: tuple[str, ...], timeout_s: float, cap: int) -> bytes:
@@ -88,7 +105,8 @@ async def _fetch(url: str, shown: str, where: str, domains: tuple[str, ...], tim
         nonlocal tries
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        # trust_env: HTTP(S)_PROXY / NO_PROXY as urllib and vLLM's client honour them (hosts are checked on the URL)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=True) as session:
             retrying = AsyncRetrying(stop=stop_after_attempt(FETCH_ATTEMPTS), reraise=True,
                                      wait=wait_exponential(multiplier=FETCH_RETRY_BASE_S, max=2.0),
                                      retry=retry_if_exception_type(_Transient))

@@ -53,6 +53,24 @@ def test_a_dripping_server_is_cut_off_at_the_fetch_deadline():
     assert text.startswith("image 0:") and server.url("/slow.png") in text and "within 1 s" in text, text
 
 
+def test_a_name_server_that_does_not_answer_is_cut_off_at_the_fetch_deadline(monkeypatch):
+    """aiohttp resolves host names in its loop's executor, which asyncio.run waits for at its end: a 5 s lookup held
+    a 1 s fetch for 6 s. The slow name server is a getaddrinfo that sleeps before answering."""
+    real = socket.getaddrinfo
+
+    def slow(host, *args, **kwargs):
+        if host == "slow-name.test":
+            time.sleep(5)
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow)
+    start = time.monotonic()
+    with pytest.raises(ImageUnavailable, match="was not fetched within 1 s"):
+        load_image("http://slow-name.test:9/x.png", _fetching(image_fetch_timeout_s=1.0), "image 0")
+    assert time.monotonic() - start < 3
+
+
 def test_the_fetch_deadline_comes_from_vllms_environment_variable(monkeypatch):
     monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "7")
     assert MediaPolicy().image_fetch_timeout_s == 7.0
