@@ -14,12 +14,12 @@
                                                     runs them)
 
 Where an image may come from, and the bounds on each:
-    local path, file://   only inside allowed_local_media_path (unset: refused, as vLLM refuses them). The path is
-                          opened from that folder one component at a time, following no symbolic link: a symlink
-                          anywhere below the folder is refused, even one that points inside it (a folder swapped
-                          for a link between a check and the open cannot lead outside). The opened file must be a
-                          non-empty regular file of at most 64 MiB (a FIFO, a device, /proc's size-0 files are
-                          refused without blocking). The folder itself may be named through a link to it.
+    local path, file://   only inside allowed_local_media_path (unset: refused, as vLLM refuses them). Links are
+                          resolved and the result must lie inside the folder (as vLLM checks it); the resolved
+                          path is then opened from the folder one component at a time, following no symbolic link
+                          (one swapped in between the check and the open is refused, never followed). The opened
+                          file must be a non-empty regular file of at most 64 MiB (a FIFO, a device, /proc's size-0
+                          files are refused without blocking). The folder itself may be named through a link.
     data: URL             base64 of at most 64 MiB decoded, its length checked before it is decoded
     http(s) URL           only with allow_fetch, by extractor.image_fetch: only hosts in allowed_media_domains when
                           that is set; redirects followed only to an http(s) host on that list (never without it);
@@ -99,8 +99,8 @@ class MediaPolicy:
     limit_mm_per_prompt: Mapping[str, int] | None = None
     """{"image": N}: the most images one prompt may bring (default vLLM's 999)."""
     allowed_local_media_path: str | None = None
-    """The folder local images (paths, file:// URLs) must lie in, reached without symlinks; unset: local images are
-    refused, as vLLM refuses them."""
+    """The folder local images (paths, file:// URLs) must lie in, links resolved; unset: local images are refused,
+    as vLLM refuses them."""
     allow_fetch: bool = False
     """Fetch http(s) URLs (off by default here: a batch job should not reach the network unasked)."""
     allowed_media_domains: Sequence[str] | None = None
@@ -293,10 +293,16 @@ def _local(ref: str, policy: MediaPolicy, where: str) -> bytes:
                          "folder your images are in")
     if "\x00" in path:
         raise ValueError(f"{where}: the image path {ref!r} contains a NUL character; give the path without it")
-    parts = _parts_inside(os.path.normpath(os.path.join(root, os.path.expanduser(path))), root)
-    if parts is None:
+    # links resolved first (as vLLM resolves them: one inside the folder is fine), then the resolved path opened with
+    # no link followed: one swapped in after the check is refused, never followed
+    try:
+        real = os.path.realpath(os.path.join(root, os.path.expanduser(path)))
+    except OSError as e:  # a link that changed while it was resolved
+        raise ValueError(f"{where}: the image path {ref!r} cannot be resolved ({e.strerror or e})") from None
+    if os.path.commonpath([real, root]) != root:
         raise ValueError(f"{where}: the image path {ref!r} must be inside allowed_local_media_path {root!r}")
-    fd = _open_inside(root, parts, ref, where)
+    rel = os.path.relpath(real, root)
+    fd = _open_inside(root, [] if rel == "." else rel.split(os.sep), ref, where)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -318,22 +324,6 @@ def _local(ref: str, policy: MediaPolicy, where: str) -> bytes:
     return bytes(data)
 
 
-def _parts_inside(full: str, root: str) -> list[str] | None:
-    """The components of normalised path `full` below `root`, or None outside it. `root` may be named through a link
-    to it (the path's outermost folder that resolves to it); links below it are left for the open to refuse."""
-    if os.path.commonpath([full, root]) == root:
-        rel = os.path.relpath(full, root)
-        return [] if rel == "." else rel.split(os.sep)
-    ancestors, head = [], full
-    while (parent := os.path.dirname(head)) != head:
-        ancestors.append(parent)
-        head = parent
-    for folder in reversed(ancestors):  # outermost first
-        if os.path.realpath(folder) == root:
-            return os.path.relpath(full, folder).split(os.sep)
-    return None
-
-
 def _open_inside(root: str, parts: list[str], ref: str, where: str) -> int:
     """A descriptor of root/parts[0]/.../parts[-1], each folder opened from the last one's descriptor and nothing
     followed: a link at any step is refused, whatever it points at (no window between a check and the open)."""
@@ -352,8 +342,8 @@ def _open_inside(root: str, parts: list[str], ref: str, where: str) -> int:
         raise ValueError(f"{where}: image file {ref!r} does not exist") from None
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and _is_link(part, folder)):
-            raise ValueError(f"{where}: the image path {ref!r} goes through a symbolic link ({part!r}), which is not "
-                             f"followed: it must be inside allowed_local_media_path {root!r} without links") from None
+            raise ValueError(f"{where}: the image path {ref!r} changed while it was opened (a symbolic link appeared "
+                             f"at {part!r}); it is not followed") from None
         if e.errno == errno.ENOTDIR:  # a file where a folder should be (or a link, gone again by now)
             raise ValueError(f"{where}: the image path {ref!r} goes through {part!r}, which is not a folder") from None
         raise ValueError(f"{where}: image file {ref!r} cannot be read: {e.strerror or e}") from None
