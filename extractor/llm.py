@@ -33,7 +33,7 @@ from connectors.paths import PathInUse
 from connectors.quant import write_failure
 from extractor.chat_content import OPENAI, content_format, image_content, message_content, messages_for_template
 from extractor.config import EngineConfig, speculative_config_from_dict
-from extractor.media import MediaPolicy, load_images
+from extractor.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_IMAGE_BYTES, MediaPolicy, load_images
 from extractor.metrics import Metric, SpecDecodingStats
 from extractor.multimodal import MediaPrompt
 from extractor.proposers import Proposer, make_proposer
@@ -101,7 +101,9 @@ class LLM:
                  revision: str | None = None, tokenizer: str | None = None, trust_remote_code: bool = False,
                  target: str = "", limit_mm_per_prompt: Mapping[str, int] | None = None,
                  allowed_local_media_path: str | None = None, allow_media_fetch: bool = False,
-                 allowed_media_domains: Sequence[str] | None = None, packing: str = "auto",
+                 allowed_media_domains: Sequence[str] | None = None, image_fetch_timeout_s: float | None = None,
+                 max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+                 max_request_image_bytes: int = DEFAULT_MAX_REQUEST_IMAGE_BYTES, packing: str = "auto",
                  **unsupported: Any) -> None:
         cannot = {k: v for k, v in unsupported.items() if k not in _IGNORED_ARGS or
                   (_IGNORED_ARGS[k] is not None and v is not None and v != _IGNORED_ARGS[k])}
@@ -112,7 +114,8 @@ class LLM:
                             "speculative_config, kv_transfer_config, dtype, max_model_len, max_num_batched_tokens, "
                             "max_num_seqs, device, attn_implementation, revision, tokenizer, trust_remote_code, "
                             "target, limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch, "
-                            "allowed_media_domains, packing "
+                            "allowed_media_domains, image_fetch_timeout_s, max_image_bytes, max_request_image_bytes, "
+                            "packing "
                             f"(accepted and ignored: {', '.join(sorted(_IGNORED_ARGS))})")
         if unsupported:
             logger.warning("LLM() arguments %s have no effect in hsx and are ignored", sorted(unsupported))
@@ -123,7 +126,8 @@ class LLM:
             max_model_len=max_model_len, device=device, attn_implementation=attn_implementation, revision=revision,
             tokenizer=tokenizer, trust_remote_code=trust_remote_code, speculative=speculative, target=target,
             packing=packing, media=MediaPolicy(limit_mm_per_prompt, allowed_local_media_path, allow_media_fetch,
-                                               allowed_media_domains),
+                                               allowed_media_domains, image_fetch_timeout_s, max_image_bytes,
+                                               max_request_image_bytes),
             **{k: v for k, v in optional.items() if v is not None})
         self._start(config, kv_transfer_config)
 

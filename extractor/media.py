@@ -79,10 +79,12 @@ MAX_FETCH_BYTES = 64 << 20
 """Largest image file read (a local file, a fetched URL, a data: URL's decoded payload)."""
 MAX_DATA_URL_CHARS = (MAX_FETCH_BYTES + 2) // 3 * 4
 """The longest base64 payload of a data: URL (MAX_FETCH_BYTES decoded), refused before it is decoded."""
-DEFAULT_MAX_IMAGE_BYTES = 48 << 20
-"""One image's decoded RGB bytes (width x height x 3): 16 Mpixel, e.g. 4096 x 4096."""
-DEFAULT_MAX_REQUEST_IMAGE_BYTES = 256 << 20
-"""A prompt's images' decoded RGB bytes together (the default limit_mm_per_prompt of 999 would admit hundreds)."""
+DEFAULT_MAX_IMAGE_BYTES = 256 << 20
+"""One image's decoded RGB bytes (width x height x 3): PIL's own decompression-bomb bound (89.5 Mpixel) as RGB, so
+any camera or phone photo loads (the processor downscales it)."""
+DEFAULT_MAX_REQUEST_IMAGE_BYTES = 512 << 20
+"""A prompt's images' decoded RGB bytes together: two images at the per-image bound (the default limit_mm_per_prompt
+of 999 would otherwise admit hundreds of small-on-the-wire, huge-decoded ones)."""
 DEFAULT_FETCH_TIMEOUT_S = 30.0
 """The whole fetch of one image URL, when neither image_fetch_timeout_s nor $VLLM_IMAGE_FETCH_TIMEOUT says."""
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"

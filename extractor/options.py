@@ -99,10 +99,10 @@ class EngineOptions:
     """The whole fetch of one image URL (connect, redirects, retries, body), in seconds; default
     $VLLM_IMAGE_FETCH_TIMEOUT, else 30."""
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    """One image's decoded RGB bytes (width x height x 3; 48 MiB = 16 Mpixel), read from its header: a larger image
-    is refused before it is decoded."""
+    """One image's decoded RGB bytes (width x height x 3; 256 MiB, PIL's 89.5 Mpixel bound), read from its header:
+    a larger image is refused before it is decoded."""
     max_request_image_bytes: int = DEFAULT_MAX_REQUEST_IMAGE_BYTES
-    """A prompt's images' decoded RGB bytes together (256 MiB)."""
+    """A prompt's images' decoded RGB bytes together (512 MiB)."""
     mm_embeds: bool = False
     """Also store an image prompt's merged input embeddings at its image tokens (mm_embeds [N, H]), what vLLM's
     EAGLE proposer feeds a drafter there."""
@@ -120,6 +120,9 @@ class EngineOptions:
             except json.JSONDecodeError:
                 raise ValueError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 2}}', got "
                                  f"{self.limit_mm_per_prompt!r}") from None
+        if isinstance(self.allowed_media_domains, str):  # a config file's "a.example,b.example"
+            object.__setattr__(self, "allowed_media_domains",
+                               tuple(d.strip() for d in self.allowed_media_domains.split(",") if d.strip()))
         if isinstance(self.allowed_media_domains, list):  # a config file's list
             object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains))
         for name in ("max_model_len", "max_num_batched_tokens"):

@@ -74,6 +74,9 @@ def test_media_flags_round_trip_through_argv_and_reach_the_media_policy(tmp_path
     job = tmp_path / "job.yaml"
     job.write_text("model: m\ncorpus: [a]\noutput: o\nallowed_media_domains: [img.example, 127.0.0.1]\n")
     assert _parse("--config", str(job)).allowed_media_domains == ("img.example", "127.0.0.1")
+    job.write_text("model: m\ncorpus: [a]\noutput: o\nallowed_media_domains: img.example, cdn.example\n")
+    one = _parse("--config", str(job))  # a string: split at commas (hsx submit spelled it out letter by letter)
+    assert one.allowed_media_domains == ("img.example", "cdn.example") and _parse(*config_to_argv(one)) == one
     policy = cfg.media_policy()
     assert (policy.allowed_media_domains, policy.image_fetch_timeout_s, policy.max_image_bytes,
             policy.max_request_image_bytes) == (("img.example", "127.0.0.1"), 2.5, 3000, 9000)

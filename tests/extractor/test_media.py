@@ -167,10 +167,15 @@ def test_a_decompression_bomb_png_is_refused_before_it_is_decoded(tmp_path):
     bomb = png_bytes(9000, 9000, mode="1")
     assert len(bomb) < 64_000
     (tmp_path / "bomb.png").write_bytes(bomb)
+    small = MediaPolicy(allowed_local_media_path=str(tmp_path), max_image_bytes=48 << 20)
     with pytest.raises(ValueError, match="9000x9000, 231.7 MiB decoded .RGB., over the limit of 48.0 MiB per "
                                          "image .max_image_bytes.") as e:
-        load_image("bomb.png", MediaPolicy(allowed_local_media_path=str(tmp_path)), "image 0")
+        load_image("bomb.png", small, "image 0")
     _one_line(e)
+    # by default one such image loads (PIL's own bound), three in one prompt do not: refused before the third decodes
+    with pytest.raises(ValueError, match=r"come to 695.2 MiB decoded \(RGB\) by image 2 \(9000x9000\), over the limit "
+                                         r"of 512.0 MiB per prompt") as e:
+        load_images(["bomb.png"] * 3, MediaPolicy(allowed_local_media_path=str(tmp_path)))
     script = (
         "import resource, sys\n"
         "from extractor.media import MediaPolicy, load_image\n"
@@ -178,7 +183,8 @@ def test_a_decompression_bomb_png_is_refused_before_it_is_decoded(tmp_path):
         "load_image('small.png', MediaPolicy(allowed_local_media_path=sys.argv[1]), 'warm-up')\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "try:\n"
-        "    load_image('bomb.png', MediaPolicy(allowed_local_media_path=sys.argv[1]), 'image 0')\n"
+        "    load_image('bomb.png', MediaPolicy(allowed_local_media_path=sys.argv[1], max_image_bytes=48 << 20), "
+        "'image 0')\n"
         "except ValueError:\n"
         "    pass\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
@@ -403,8 +409,12 @@ def test_llm_takes_allowed_media_domains_as_vllm_spells_it(tiny_llama, tmp_path)
     from extractor import LLM
 
     llm = LLM(tiny_llama, allow_media_fetch=True, allowed_media_domains=["Img.Example", "localhost"],
+              image_fetch_timeout_s=5, max_image_bytes=1 << 20, max_request_image_bytes=3 << 20,
               kv_transfer_config=KVTransferConfig(kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
     try:
-        assert llm.config.media.allowed_media_domains == ("img.example", "localhost")
+        media = llm.config.media
+        assert media.allowed_media_domains == ("img.example", "localhost")
+        assert (media.image_fetch_timeout_s, media.max_image_bytes, media.max_request_image_bytes) == \
+            (5.0, 1 << 20, 3 << 20)  # every bound settable offline too
     finally:
         llm.shutdown()
