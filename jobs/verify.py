@@ -282,6 +282,10 @@ def _forward_inputs(model, stored: dict, device: str) -> dict | str:
     import torch
 
     ids = stored["token_ids"][None].to(device)  # [1, T]
+    if MM_TOKEN_TYPE_IDS not in stored or POSITION_IDS not in stored:  # vLLM's plug-in writes neither
+        if bool((ids == int(model.config.image_token_id)).any()):
+            return "the file holds no modality mask or M-RoPE positions (written by --engine vllm)"
+        return {"input_ids": ids}  # a text prompt: its positions are plain
     with torch.no_grad():
         embeds = model.get_input_embeddings()(ids)  # [1, T, H]
     image = stored[MM_TOKEN_TYPE_IDS].bool().to(device)  # [T]

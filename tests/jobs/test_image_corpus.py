@@ -183,6 +183,10 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
     del with_image[MM_EMBEDS]  # a run stored without --mm-embeds: said, not failed
     model = transformers.AutoModelForImageTextToText.from_pretrained(vl_model)
     assert "without --mm-embeds" in _forward_inputs(model, with_image, "cpu")
+    bare = {k: v for k, v in with_image.items() if k not in (MM_TOKEN_TYPE_IDS, POSITION_IDS)}  # as vLLM writes
+    assert "no modality mask" in _forward_inputs(model, bare, "cpu")
+    text = next(f for f in files if not f[MM_TOKEN_TYPE_IDS].any())
+    assert set(_forward_inputs(model, {"token_ids": text["token_ids"]}, "cpu")) == {"input_ids"}
 
     # the peers' layouts: speculators' files and its Arrow dataset, with the loss off at image tokens
     from safetensors.torch import load_file
