@@ -532,6 +532,7 @@ class MtpDrafter(Drafter):
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.verifier = verifier
         self.target_config = target_config
+        self._digest: tuple[str, str] | None = None  # (verifier, its target_digest)
         self.target_norm = target_norm.requires_grad_(False)
         for name, p in head.named_parameters():
             p.requires_grad_(not name.startswith("own."))
@@ -607,7 +608,9 @@ class MtpDrafter(Drafter):
         doc["hsx"] = {"kind": self.kind, "verifier": self.verifier, "num_speculative_tokens":
                       self.num_speculative_tokens, **asdict(self.config)}
         if os.path.isdir(self.verifier):  # which target the layers were tuned for, told by content (merge, decode)
-            doc["hsx"]["target_digest"] = target_digest(self.verifier)
+            if self._digest is None or self._digest[0] != self.verifier:  # hashed once, not at every checkpoint
+                self._digest = (self.verifier, target_digest(self.verifier))
+            doc["hsx"]["target_digest"] = self._digest[1]
         write_checkpoint(out_dir, doc, checkpoint_tensors(self.head))
 
     @classmethod

@@ -108,13 +108,14 @@ def draft_target_mismatch(config: dict[str, Any], target_config) -> str | None:
     hidden = config.get("target_hidden_size") or config.get("emb_dim") or layer.get("hidden_size") \
         or config.get("hidden_size")
     vocab = layer.get("vocab_size") or config.get("vocab_size")
-    want_h, want_v = int(target_config.hidden_size), int(target_config.vocab_size)
-    n = int(target_config.num_hidden_layers)
-    if isinstance(hidden, int) and hidden != want_h:
+    want_h, want_v, n = (getattr(target_config, k, None) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    if isinstance(hidden, int) and isinstance(want_h, int) and hidden != want_h:
         return f"reads states {hidden} wide, the target's are {want_h}"
-    if isinstance(vocab, int) and vocab != want_v:
+    if isinstance(vocab, int) and isinstance(want_v, int) and vocab != want_v:
         return f"has a vocabulary of {vocab}, the target's is {want_v}"
     aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids") or []
+    if not isinstance(n, int):
+        return None
     bad = [i for i in aux if not isinstance(i, int) or not 0 <= i <= n] if isinstance(aux, list) else [aux]
     if bad:
         return f"reads layers {aux}, the target has layer ids 0..{n}"

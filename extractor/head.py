@@ -22,24 +22,36 @@ from extractor.layers import find_decoder
 from extractor.norm import FinalNorm
 
 
+MULTIPLIED_LOGITS_SCALING = ("hyperclovax",)
+"""Families whose logits_scaling multiplies the logits (Granite's, the others that carry it, divide by it)."""
+LOGIT_SCALE_FAMILIES = ("cohere", "cohere2", "cohere2_moe")
+"""Families whose forward multiplies the logits by config.logit_scale (MPT's config carries one it never applies)."""
+
+
 def logits_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the family's CausalLM forward does to lm_head's output, read from its text config (`config`: a
     PretrainedConfig, or a loaded model, whose config is read), in the forward's own order of operations (so the
-    result is bit-identical): Gemma's soft-cap, Granite's logits_scaling (a divide), Falcon-H1's lm_head_multiplier
-    and Cohere's logit_scale (multiplies); identity for most families. A loaded model's LogitsHead.check proves it."""
+    result is bit-identical): Gemma's soft-cap, Granite's logits_scaling (a divide; HyperCLOVA X's multiplies),
+    Falcon-H1's lm_head_multiplier and Cohere's logit_scale (multiplies); identity for most families. A loaded
+    model's LogitsHead.check proves it."""
     if isinstance(config, torch.nn.Module):
         config = config.config
     config = text_config(config)
+    kind = str(getattr(config, "model_type", ""))
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         return lambda x: torch.tanh(x / cap) * cap
     scaling = getattr(config, "logits_scaling", None)
     if scaling not in (None, 1, 1.0):
+        if kind.startswith(MULTIPLIED_LOGITS_SCALING):
+            return lambda x: x * scaling
         return lambda x: x / scaling
-    for name in ("lm_head_multiplier", "logit_scale"):
-        factor = getattr(config, name, None)
-        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
-            return lambda x, factor=factor: x * factor
+    multiplier = getattr(config, "lm_head_multiplier", None)
+    if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool) and multiplier != 1:
+        return lambda x: x * multiplier
+    scale = getattr(config, "logit_scale", None)
+    if kind in LOGIT_SCALE_FAMILIES and isinstance(scale, (int, float)) and scale != 1:
+        return lambda x: x * scale
     return _identity
 
 

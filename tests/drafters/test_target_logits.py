@@ -36,7 +36,36 @@ def _oracle(model_dir: str):
 
 
 def test_every_matrix_family_with_a_transform_is_covered():
-    assert set(TRANSFORMED) <= set(FAMILIES)
+    from extractor.head import has_logits_transform
+    from jobs.tiny_models import _config
+
+    transformed = {f for f in FAMILIES if has_logits_transform(_config(f, 512, 1, 2, **TRANSFORMED.get(f, {})))}
+    assert transformed == set(TRANSFORMED), transformed  # a family that gains one is added above
+
+
+@pytest.mark.parametrize("config_class, extra", [("HyperCLOVAXConfig", {"logits_scaling": 0.5}),  # multiplies
+                                                 ("CohereConfig", {"logit_scale": 0.25}),
+                                                 ("MptConfig", {})])  # MPT's logit_scale is never applied
+def test_families_outside_the_matrix_transform_as_their_forward_does(config_class, extra):
+    import transformers
+
+    from drafters.base import TargetHead
+    from extractor.norm import FinalNorm
+
+    sizes = dict(vocab_size=300)
+    if config_class == "MptConfig":
+        sizes.update(d_model=64, n_heads=4, n_layers=2)
+    else:
+        sizes.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**sizes, **extra)).eval()
+    seen = []
+    handle = FinalNorm.of_model(model).module.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([[3, 17, 41, 5, 99]]), use_cache=False).logits
+    handle.remove()
+    torch.testing.assert_close(TargetHead.of_model(model).logits(seen[-1][0]), expected[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", sorted(TRANSFORMED))
