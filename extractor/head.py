@@ -21,7 +21,6 @@ from extractor.facts import text_config
 from extractor.layers import find_decoder
 from extractor.norm import FinalNorm
 
-
 MULTIPLIED_LOGITS_SCALING = ("hyperclovax",)
 """Families whose logits_scaling multiplies the logits (Granite's, the others that carry it, divide by it)."""
 LOGIT_SCALE_FAMILIES = ("cohere", "cohere2", "cohere2_moe")
