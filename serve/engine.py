@@ -240,15 +240,36 @@ class Engine:
         try:
             self._refuse_text_too_long(request)
             if self.llm.runner.vision is not None and _has_image_parts(request.messages):
-                async with self._image_slots:  # at most IMAGE_LOADERS requests hold decoded images at once
-                    loaded = await loop.run_in_executor(self._image_loader, self._load_images, request)
-                    return await loop.run_in_executor(self._admitter, self._admit, request, loaded)
+                return await self._admitted_with_images(request, loop)
             if request.prompt_token_ids is not None and request.messages is None:  # nothing to tokenize
                 return self._admit(request)
             return await loop.run_in_executor(self._admitter, self._admit, request)
         except _Rejected as e:
             return EngineReply(request.request_id, **e.reply_fields, replica=self._replica,
                                discarded=self._discarded, aborted=self._aborted)
+
+    async def _admitted_with_images(self, request: PromptRequest, loop) -> _Item:
+        """A chat with images: at most IMAGE_LOADERS at once hold decoded images, from their load (on the image pool)
+        until the admission thread has turned them into the vision tower's features. A slot is given back when that
+        work ends, not when the client leaves (its pool thread still holds the images until then), and waiting for
+        one is bounded by the fetch deadline (503)."""
+        deadline = self.llm.config.media.image_fetch_timeout_s
+        try:
+            await asyncio.wait_for(self._image_slots.acquire(), deadline)
+        except asyncio.TimeoutError:
+            raise _Rejected(503, f"the replica's {IMAGE_LOADERS} image loaders were busy for {deadline:g} s; retry "
+                                 "later", "messages", "images_busy") from None
+
+        def load_then_admit() -> _Item:
+            return self._admitter.submit(self._admit, request, self._load_images(request)).result()
+
+        try:
+            work = self._image_loader.submit(load_then_admit)
+        except BaseException:
+            self._image_slots.release()
+            raise
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._image_slots.release))
+        return await asyncio.wrap_future(work)
 
     def _refuse_text_too_long(self, r: PromptRequest) -> None:
         """A text prompt with more characters than max_prompt_tokens tokens can cover is refused untokenized."""

@@ -65,6 +65,35 @@ def test_a_dripping_image_holds_only_its_own_request(vl_engine):
     assert slow_s < FETCH_DEADLINE_S + 3, slow_s
 
 
+def test_a_request_whose_client_left_keeps_its_image_slot_until_its_load_ends(vl_engine):
+    """A cancelled request's images are still being fetched on the pool: its slot is given back when that work
+    ends, not when the client leaves (four clients opening and dropping dripping requests would otherwise let any
+    number of loads pile up), and every slot comes back."""
+    from serve.engine import IMAGE_LOADERS
+
+    async def scenario(server: LoopbackServer):
+        gone = [asyncio.ensure_future(vl_engine._admitted(_image_chat(
+            f"gone{i}", {"type": "image_url", "image_url": {"url": server.url(f"/slow{i}.png")}})))
+            for i in range(IMAGE_LOADERS)]
+        while sum(h.startswith("/slow") for h in server.hits) < IMAGE_LOADERS:
+            await asyncio.sleep(0.05)
+        for task in gone:
+            task.cancel()
+        await asyncio.sleep(0.3)
+        held = vl_engine._image_slots.locked()
+        waited = time.monotonic()
+        while vl_engine._image_slots.locked() and time.monotonic() - waited < 3 * FETCH_DEADLINE_S:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)  # the last release is scheduled from the pool thread
+        return held, vl_engine._image_slots._value
+
+    pages = {f"/slow{i}.png": [drip(png_bytes(56, 56), every_s=0.25)] for i in range(IMAGE_LOADERS)}
+    with LoopbackServer(pages) as server:
+        held, free = asyncio.run(asyncio.wait_for(scenario(server), 60))
+    assert held, "a slot was given back while its images were still loading"
+    assert free == IMAGE_LOADERS
+
+
 def test_an_image_url_part_may_be_a_plain_string(vl_engine):
     from serve.protocol import ChatBody
 
