@@ -373,8 +373,10 @@ class LLM:
         placeholder per image) by the model's processor; ValueError names the image and the fix (an
         extractor.media.ImageUnavailable where a later try may succeed). generate() takes the result as
         {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve` does on its admission thread,
-        with the images loaded beforehand on a thread pool of their own: PIL images pass through as they are). `max_tokens`: a prompt whose images expand it past this many tokens is refused
-        before the vision tower runs (default max_model_len; None: no limit, for a caller that truncates)."""
+        with the images loaded beforehand on a thread pool of their own; PIL images are checked against the size
+        budgets and converted to RGB again). `max_tokens`: a prompt whose images expand it past this many tokens is
+        refused before the vision tower runs (default max_model_len; None: no limit, for a caller that
+        truncates)."""
         if max_tokens == -1:
             max_tokens = self.runner.max_model_len
         vision = self.runner.vision

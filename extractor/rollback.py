@@ -147,7 +147,8 @@ def _recording_missing() -> str | None:
     import transformers
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    if "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters:
+    recording = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    if "recurrent_states_to_keep" in recording:
         return None
     return (f"its linear layers are rolled back with transformers >= {ROLLBACK_TRANSFORMERS}, whose cache records "
             f"each step's recurrent states; this is transformers {transformers.__version__}: pip install "

@@ -125,7 +125,9 @@ def test_a_dripping_image_holds_only_its_own_request_on_a_live_server(vl_server)
 
         thread = threading.Thread(target=slow_request, daemon=True)
         thread.start()
-        while "/slow.png" not in images.hits:
+        waited = time.monotonic()
+        while "/slow.png" not in images.hits:  # the slow request is loading its image (or was refused at once)
+            assert time.monotonic() - waited < 60 and thread.is_alive() or "/slow.png" in images.hits, slow
             time.sleep(0.05)
         start = time.monotonic()
         text = client.chat.completions.create(model=server.model, max_tokens=1,
