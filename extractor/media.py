@@ -159,8 +159,9 @@ def _domains(value: Any) -> tuple[str, ...] | None:
         raise TypeError(f"allowed_media_domains must be a list of host names, got {value!r}")
     hosts = tuple(d.strip().lower() for d in items if d.strip())
     for host in hosts:
-        if any(c in host for c in "/@ \t\\") or host.startswith("["):
-            raise ValueError(f"allowed_media_domains takes host names like images.example.com, got {host!r}")
+        if any(c in host for c in "/@ \t\\:") or host.startswith("["):  # a port never matches: hosts alone
+            raise ValueError(f"allowed_media_domains takes host names like images.example.com (no scheme, port or "
+                             f"path), got {host!r}")
     return hosts or None
 
 

@@ -80,8 +80,9 @@ def test_media_flags_round_trip_through_argv_and_reach_the_media_policy(tmp_path
     policy = cfg.media_policy()
     assert (policy.allowed_media_domains, policy.image_fetch_timeout_s, policy.max_image_bytes,
             policy.max_request_image_bytes) == (("img.example", "127.0.0.1"), 2.5, 3000, 9000)
-    with pytest.raises(ValueError, match="--allowed-media-domains takes host names"):
-        JobConfig(model="m", corpus=("a",), output="o", allowed_media_domains=("https://img.example/",)).media_policy()
+    for given in ("https://img.example/", "img.example:8080"):  # a port would never match a URL's host
+        with pytest.raises(ValueError, match="--allowed-media-domains takes host names"):
+            JobConfig(model="m", corpus=("a",), output="o", allowed_media_domains=(given,)).media_policy()
     with pytest.raises(ValueError, match="--max-image-bytes must be a positive"):
         JobConfig(model="m", corpus=("a",), output="o", max_image_bytes=0).media_policy()
 
