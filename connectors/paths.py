@@ -269,12 +269,17 @@ class PathOwners:
     overwrite=True (then it owns the file from now on; two live writers of one file race, the last rename wins). Only
     those requests are remembered once committed, so a job that passes overwrite (hsx's workers: the manifest
     arbitrates) or uses default names (one per request id, vLLM's contract) keeps memory flat. Files that existed
-    before are owned by nobody. Not thread-safe: the connector calls it under its own lock.
+    before are owned by nobody. `max_remembered` bounds the committed files kept for a process that never forgets
+    (a long-lived server): past it the oldest is forgotten, as if it had existed before. Not thread-safe: the
+    connector calls it under its own lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_remembered: int | None = None) -> None:
+        if max_remembered is not None and max_remembered < 0:
+            raise ValueError(f"max_remembered must be >= 0 or None (no bound), got {max_remembered}")
+        self._max = max_remembered
         self._live: dict[str, str] = {}
-        self._committed: dict[str, str] = {}
+        self._committed: dict[str, tuple[str, str]] = {}  # key -> (request id, Destination.path), oldest first
         self._keys: dict[str, str] = {}  # Destination.path -> key of the committed ones
 
     def claim(self, dest: Destination, request_id: str, overwrite: bool) -> None:
@@ -287,12 +292,16 @@ class PathOwners:
                                 "two requests writing one file would both report success while it holds only one. "
                                 "Give each request its own hidden_states_path (or, to replace the other's file on "
                                 "purpose, pass kv_transfer_params['overwrite'] = True)")
-            other = self._committed.get(dest.key)
+            other = self._committed.get(dest.key, (None,))[0]
             if other is not None:
                 raise PathInUse(f"request {request_id!r}: {dest.path} was written earlier by request {other!r}; "
                                 "refusing to overwrite it silently. Pass kv_transfer_params['overwrite'] = True to "
                                 "replace it, or choose another hidden_states_path")
         self._live[dest.key] = request_id
+
+    def writer_of(self, dest: Destination) -> str | None:
+        """The live owner of `dest` (accepted, not yet durable), if any."""
+        return self._live.get(dest.key)
 
     def release(self, dest: Destination, request_id: str, *, committed: bool) -> None:
         """`request_id` is done with `dest`: durable and to be remembered (`committed`), or not (failed, aborted,
@@ -300,13 +309,20 @@ class PathOwners:
         if self._live.get(dest.key) == request_id:
             del self._live[dest.key]
         if committed:
-            self._committed[dest.key] = request_id
+            self._drop(dest.key)  # written again: the newest, under its latest spelling
+            self._committed[dest.key] = (request_id, dest.path)
             self._keys[dest.path] = dest.key
+            while self._max is not None and len(self._committed) > self._max:
+                self._drop(next(iter(self._committed)))
 
     def forget(self, path: str) -> None:
         """The committed file at `path` (as Destination.path spelled it) is gone: nobody owns it any more."""
-        key = self._keys.pop(path, path)
-        self._committed.pop(key, None)
+        self._drop(self._keys.get(path, path))
+
+    def _drop(self, key: str) -> None:
+        _, path = self._committed.pop(key, (None, None))
+        if path is not None and self._keys.get(path) == key:
+            del self._keys[path]
 
     @property
     def num_remembered(self) -> int:

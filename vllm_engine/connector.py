@@ -18,11 +18,19 @@ Scheduler, per step and per request:
                                       outside the allowed roots is refused: the request's output says so and no
                                       file is written); the finished requests' saves handed to the worker
     request_finished[_all_groups](req, blocks) -> (True, {"hidden_states_path"})   the request's tokens and the
-                                      blocks of the hidden-state cache, kept until the worker has written them
+                                      blocks of the hidden-state cache, kept until the worker has written them; an
+                                      aborted or errored request writes nothing and its path is free at once
+    update_connector_output(out)      the worker's done requests: their paths are free again (a custom path written
+                                      without overwrite=True stays owned, up to REMEMBERED_FILES of them; a failed
+                                      write's path is free for a retry)
 Worker (TP rank 0 writes; the other ranks hold no file):
     register_kv_caches(caches)        the CacheOnlyAttentionLayer's cache: [blocks, layers, block_size, hidden]
     get_finished(ids) -> (done, None) each handed-over save gathered from its slots, written by hsx's connector and
                                       made durable before the request is reported done (its blocks freed)
+    build_connector_worker_meta()     the requests of this step whose file was not written, for the scheduler
+
+Per-request state is dropped when the request settles (written, failed, refused or aborted), so a long-lived
+`vllm serve` holds only its requests in flight and the remembered custom paths (REMEMBERED_FILES at most).
 
 The file is hsx's: `load_hidden_states` of hsx reads it (token_ids [T], hidden_states [T, L, H] and the spec's
 metadata); the states are those vLLM's pseudo-drafter cached, layer ids in vLLM's convention (0 = embeddings, k = the
@@ -44,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -70,6 +79,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REMEMBERED_FILES = 16384
+"""Custom paths written without overwrite=True that the scheduler keeps refusing to a second writer; past this many
+the oldest is forgotten (connectors.paths.PathOwners' max_remembered): a server's memory stays bounded."""
+
 
 @dataclass
 class _Save:
@@ -90,6 +103,17 @@ class HsxConnectorMetadata(KVConnectorMetadata):
     """Requests that finished without a save (aborted, errored): their locks go, nothing is written."""
     """request id -> (path, allowed root) of the requests scheduled for the first time: their locks are taken in
     this step, before their outputs can reach the client."""
+
+
+@dataclass
+class HsxWorkerMetadata(KVConnectorWorkerMetadata):
+    """From the worker to the scheduler, once per step."""
+
+    failed: set[str] = field(default_factory=set)
+    """Requests reported done whose file was not written: their paths are free again (a retry may claim them)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return HsxWorkerMetadata(self.failed | getattr(other, "failed", set()))
 
 
 def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
@@ -149,9 +173,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._new_files: dict[str, tuple[str, str | None]] = {}
         self._saves: list[_Save] = []
         self._releases: list[str] = []
-        # who owns which file, as the worker's writer decides it (connectors.paths.PathOwners): decided here too, so a
-        # request refused there is refused before vLLM hands its client the path
-        self._owners = PathOwners()
+        # who owns which file (connectors.paths.PathOwners), decided here alone, before vLLM hands a client the path;
+        # the worker writes what this side accepted
+        self._owners = PathOwners(max_remembered=REMEMBERED_FILES)
         self._claims: dict[str, tuple[Destination, bool]] = {}  # request id -> (its file, remembered once written)
         # worker side
         self._cache: torch.Tensor | None = None
@@ -159,6 +183,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer: SafetensorsHiddenStatesConnector | None = None
         self._locks: dict[str, contextlib.ExitStack] = {}  # request id -> its file's lock, held until durable
         self._lock_errors: dict[str, BaseException] = {}  # request id -> why its lock could not be taken
+        self._failed: set[str] = set()  # this step's requests whose file was not written (build_connector_worker_meta)
         self._host = HostCopy()
 
     # -- scheduler ----------------------------------------------------------------------------------------------
@@ -169,12 +194,21 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def _locate(self, request_id: str, params: dict[str, Any]) -> tuple[str | None, str | None]:
-        """(the file's path, None), or (None, why it is refused): decided as the worker's connector will decide."""
-        overwrite = params.get("overwrite", False) is True
+        """(the file's path, None), or (None, why it is refused): hsx's path policy and file ownership."""
+        overwrite = params.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            return None, (f"kv_transfer_params['overwrite'] must be true or false, got {type(overwrite).__name__} "
+                          f"{overwrite!r}; nothing was written")
         try:
             dest, is_custom = request_destination(self._paths, self.settings.allow_custom_save_path, request_id,
                                                   params)
-            # a second writer of a running request's file would also wait on its lock inside vLLM's step, forever
+            # a second writer of a running request's file would wait on its lock inside vLLM's step, forever: refused
+            # even with overwrite=True (which replaces a written file, not one this engine is still writing)
+            running = self._owners.writer_of(dest) if overwrite else None
+            if running is not None:
+                raise PathInUse(f"request {request_id!r}: {dest.path} is being written by request {running!r}, not "
+                                "yet durable; overwrite=True replaces a written file, not one this engine is still "
+                                "writing (its lock is held until then). Resubmit once that request has finished")
             self._owners.claim(dest, request_id, overwrite)
         except (PathRejected, PathInUse) as e:
             return None, f"{e}; nothing was written"
@@ -183,14 +217,17 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return dest.path, None
 
     def _settled(self, request_id: str, written: bool) -> None:
-        """The request's file is durable (or failed: the worker's outcome says which; here it stays owned, which
-        only asks a later writer of it for overwrite=True) or abandoned: its path may be asked for again."""
+        """The request's file is durable (a custom path without overwrite=True stays owned, see PathOwners), or
+        failed or abandoned: its path may be asked for again without overwrite=True."""
         claim = self._claims.pop(request_id, None)
         if claim is not None:
             dest, remember = claim
             self._owners.release(dest, request_id, committed=written and remember)
 
     def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid in meta.failed if isinstance(meta, HsxWorkerMetadata) else ():
+            self._settled(rid, written=False)  # reported done as well: settled first as not written
         for rid in connector_output.finished_sending or ():
             self._settled(rid, written=True)
 
@@ -310,8 +347,14 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         for save in saves:
             kind, error = failed.get(save.request_id, (None, None))
             self._release(save.request_id, written=kind is None)
+            self._writer.write_seconds(save.request_id)  # read once or kept forever: nobody here asks for it
             outcomes.record(save.kv_transfer_params.get(outcomes.TICKET), kind, error)
+        self._failed.update(failed)
         return done, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        failed, self._failed = self._failed, set()
+        return HsxWorkerMetadata(failed) if failed else None
 
     def _release(self, request_id: str, written: bool) -> None:
         """_unlock, never raising into vLLM's step (a lock that cannot be cleaned up is logged)."""
@@ -321,8 +364,9 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error("the lock of request %s's file could not be released: %s", request_id, e)
 
     def _hand_over(self, save: _Save) -> BaseException | None:
-        """Give one finished request's rows to the writer; the error that stopped it, if any."""
-        params = save.kv_transfer_params
+        """Give one finished request's rows to the writer; the error that stopped it, if any. The scheduler has
+        decided who owns the path (`_locate`): the writer is told to write it (overwrite) and remembers nothing."""
+        params = {**save.kv_transfer_params, "overwrite": True}
         try:
             mask = params.get("loss_mask")
             self._writer.start_request(RequestInfo(save.request_id, save.num_prompt_tokens, params,
