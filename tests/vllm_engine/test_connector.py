@@ -104,7 +104,8 @@ def _files(root: str) -> set[str]:
 
 def test_vllms_states_stored_by_hsx_equal_a_plain_transformers_forward(engine):
     """Prompt-only and include_output_tokens requests (default and custom paths): hsx files holding the prompt's
-    (and generated) token ids and the states of a plain transformers forward over them (layer N pre-norm)."""
+    (and generated) token ids and, bit for bit, the rows vLLM computed for them, which are a plain transformers
+    forward's over the ids (layer N pre-norm) within ORACLE_TOLERANCE."""
     import torch
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
