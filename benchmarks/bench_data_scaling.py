@@ -4,7 +4,7 @@ decoding on held-out prompts — where, if anywhere, the block drafters (DFlash,
     python benchmarks/bench_data_scaling.py --quick                 # tiny target, tiny data: the plumbing (~5 min)
     python benchmarks/bench_data_scaling.py --out bench-out         # the reference target (about an hour on 2 cores)
 
-1. The reference target (training/reference_target.py, a Llama trained here on the standard library), cached.
+1. The reference target (reference/target.py, a Llama trained here on the standard library), cached.
 2. Per data size d in --scales (x --base-tokens prompt tokens of train-split text): an hsx run of prompts cut from the
    train split plus the target's own greedy continuations (--regenerate, include_output_tokens), the layers every
    family reads; the runs of the sizes are prefixes of one another (the same records, more of them).
@@ -99,10 +99,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.train import train_drafter
+    from reference.target import build_reference_target
     from training.evaluate import comparison_table, evaluate_speculation
-    from training.reference_target import build_reference_target
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -3,7 +3,7 @@
     python benchmarks/bench_drafters.py --quick              # small target, few samples and steps: the plumbing
     python benchmarks/bench_drafters.py --out bench-out      # the reference target, the figures for the README
 
-1. The reference target (training/reference_target.py): a small Llama trained on this CPU on the standard library's
+1. The reference target (reference/target.py): a small Llama trained on this CPU on the standard library's
    sources, cached; its held-out prompts come from stdlib files it never saw.
 2. An hsx run (jobs.pipeline, the `hsx run` job) over its train texts, as pre-tokenized records of at most the
    target's context length; default layers = EAGLE-3's [2, N//2, N-3] + N.
@@ -106,7 +106,7 @@ QUICK_TARGET = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
 def target_config(args, **overrides):
     """The reference target for args.quick / args.target_steps / args.threads; `overrides` (e.g. architecture,
     mtp_layers) on top."""
-    from training.reference_target import ReferenceTargetConfig
+    from reference.target import ReferenceTargetConfig
 
     sizes = dict(QUICK_TARGET) if args.quick else {}
     if args.target_steps:
@@ -234,8 +234,8 @@ def train(kind: str, run: str, model: str, out: str, args) -> tuple[dict | None,
     """(report, None) after training `kind` on `run` into `out`, or (None, why it was skipped)."""
     try:
         from drafters.registry import drafter_class
-        from jobs.train import train_drafter
         from training.train_config import TrainDrafterConfig
+        from training_jobs.train import train_drafter
 
         drafter_class(kind)
     except (ImportError, ValueError) as e:
@@ -253,7 +253,7 @@ def reference_target(args: argparse.Namespace):
     """(the cached reference target for `args`, {"reference target": seconds}), torch on --threads threads."""
     import torch
 
-    from training.reference_target import build_reference_target
+    from reference.target import build_reference_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,8 +265,8 @@ def reference_target(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks.common import lossless_status
+    from reference.target import default_cache_root
     from training.evaluate import comparison_table, eval_methods, evaluate_speculation, result_lines
-    from training.reference_target import default_cache_root
 
     target, timings = reference_target(args)
     rep = target.report

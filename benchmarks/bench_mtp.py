@@ -4,7 +4,7 @@
     python benchmarks/bench_mtp.py --out bench-out          # the reference MTP targets, the figures in docs/drafters.md
 
 Per architecture (deepseek_v3, qwen3_next):
-1. The reference target of that architecture with one MTP layer (training/reference_target.py, mtp_layers=1): trained
+1. The reference target of that architecture with one MTP layer (reference/target.py, mtp_layers=1): trained
    here on the standard library's train split, its MTP layer trained beside it on the corpus' own next-next tokens
    (the native head, as pre-training leaves it), cached.
 2. An hsx run (the `hsx run` job) of prompts cut from the train split plus the target's own greedy continuations
@@ -66,10 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def one(arch: str, args, work: str) -> dict:
     from drafters.mtp import write_target_with
-    from jobs.train import train_drafter
+    from reference.target import build_reference_target
     from training.evaluate import comparison_table, evaluate_speculation
-    from training.reference_target import build_reference_target
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     timings = {}
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import pyarrow.compute as pc  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from connectors.manifest import ok_rows, read_manifest  # noqa: E402
 from connectors.run import RunDir  # noqa: E402
-from jobs.tiny_models import build_tiny_model  # noqa: E402
+from reference.tiny_models import build_tiny_model  # noqa: E402
 from tests.jobs.conftest import word_corpus  # noqa: E402
 from tests.jobs.multinode import MultiNodeCluster  # noqa: E402
 

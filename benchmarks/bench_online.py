@@ -5,7 +5,7 @@ same held-out prompts on the reference target.
     python benchmarks/bench_online.py --quick                 # the plumbing, a few minutes
     python benchmarks/bench_online.py --out bench-out         # the figures (docs/performance.md)
 
-1. The reference target (training/reference_target.py, cached) and bench_storage_quality's corpus (stdlib prompts of
+1. The reference target (reference/target.py, cached) and bench_storage_quality's corpus (stdlib prompts of
    --prompt-len tokens), regenerated: each prompt stored with the target's own greedy continuation of --regenerate
    tokens (`--max-tokens N --include-output-tokens`, float32 states, the job's default layers).
 2. Offline: `hsx run` of that corpus (reused from bench_storage_quality's work folder when there), then EAGLE-3 for
@@ -102,8 +102,8 @@ def finish(args: argparse.Namespace, stem: str, figures: dict, lines: list[str],
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from jobs.train import train_drafter
-    from jobs.train_config import TrainJobConfig
+    from training_jobs.config import TrainJobConfig
+    from training_jobs.train import train_drafter
 
     target, work, corpus, run, timings = regenerated_run(args)  # bench_storage_quality's run: the same settings
 

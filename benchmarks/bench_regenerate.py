@@ -39,9 +39,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from jobs.regenerate import regenerate
-    from jobs.regenerate_config import RegenerateConfig
-    from jobs.tiny_models import build_tiny_model, sample_text
+    from reference.tiny_models import build_tiny_model, sample_text
+    from regeneration.config import RegenerateConfig
+    from regeneration.regenerate import regenerate
     from tests.serving import API_KEY, ServeProcess
 
     work = args.work or tempfile.mkdtemp(prefix="hsx-bench-regenerate-")

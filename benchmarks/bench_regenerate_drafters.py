@@ -5,7 +5,7 @@ target.
     python benchmarks/bench_regenerate_drafters.py --quick               # the plumbing, a few minutes
     python benchmarks/bench_regenerate_drafters.py --out bench-out       # the figures (docs/performance.md)
 
-1. The reference target (training/reference_target.py, cached) and bench_storage_quality's corpus (stdlib prompts of
+1. The reference target (reference/target.py, cached) and bench_storage_quality's corpus (stdlib prompts of
    --prompt-len tokens) with its one-engine regeneration: `hsx run --max-tokens N --include-output-tokens` (float32,
    the job's default layers; reused from bench_storage_quality's work folder when there).
 2. The same prompts through a server: `hsx serve` on the target (the real CLI, float32), `hsx regenerate` (greedy, N
@@ -63,11 +63,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from connectors.run import read_run_spec
-    from jobs.regenerate import regenerate
-    from jobs.regenerate_config import RegenerateConfig
-    from jobs.train import train_drafter
-    from jobs.train_config import TrainJobConfig
+    from regeneration.config import RegenerateConfig
+    from regeneration.regenerate import regenerate
     from tests.serving import API_KEY, ServeProcess
+    from training_jobs.config import TrainJobConfig
+    from training_jobs.train import train_drafter
 
     target, work, corpus, engine_run, timings = regenerated_run(args)
     layers = tuple(read_run_spec(engine_run).layer_ids)

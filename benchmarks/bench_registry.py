@@ -5,7 +5,7 @@ the resume set of a large manifest loaded.
     python benchmarks/bench_registry.py --ids 10000000 --out bench-out
     python benchmarks/bench_registry.py --ids 1000000 --resume-rows 1000000 --out bench-out     # quicker
 
-1. --ids ids "corpus/part-NNN.jsonl:LINE" in blocks of --block, each through jobs.sample_registry.claim_block (what a read
+1. --ids ids "corpus/part-NNN.jsonl:LINE" in blocks of --block, each through corpus.sample_registry.claim_block (what a read
    task calls: keys hashed in the caller, one call per shard); after every tenth of them the RSS of the driver and
    of each shard actor (its process found by its pid), and at the end each one's peak (VmHWM).
 2. The old registry's memory for --old-ids ids, measured in this process: {blake2b-16 digest: source} as it was.
@@ -36,7 +36,7 @@ def shard_pids(shards) -> list[int]:
 
 
 def old_registry_bytes(n: int) -> float:
-    """RSS growth of the registry as it was (jobs/sample_registry.py before issue 26) holding n ids, per id."""
+    """RSS growth of the registry as it was (corpus/sample_registry.py before issue 26) holding n ids, per id."""
     import gc
 
     gc.collect()
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from jobs.sample_registry import DoneSet, claim_block, start_registry
+    from corpus.sample_registry import DoneSet, claim_block, start_registry
 
     results = {"ids": args.ids, "shards": args.shards, "block": args.block, "samples": []}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -176,7 +176,7 @@ def main() -> None:
 
     from connectors import KVTransferConfig
     from extractor import LLM
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
     from tests.extractor.conftest import spec_config
     from tests.serving import ServeProcess
 

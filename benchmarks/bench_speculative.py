@@ -42,7 +42,7 @@ def main() -> None:
 
     from connectors import KVTransferConfig
     from extractor import LLM, SamplingParams
-    from jobs.tiny_models import build_tiny_model, sample_text
+    from reference.tiny_models import build_tiny_model, sample_text
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@ speculative decoding of the same held-out prompts on the reference target.
     python benchmarks/bench_storage_quality.py --quick                 # the plumbing, a few minutes
     python benchmarks/bench_storage_quality.py --out bench-out         # the figures (docs/performance.md)
 
-1. The reference target (training/reference_target.py, cached) and a regenerated run (bench_drafters' corpus: stdlib
+1. The reference target (reference/target.py, cached) and a regenerated run (bench_drafters' corpus: stdlib
    prompts, each stored with the target's own greedy continuation), extracted once in the model dtype (float32).
 2. That run rewritten through the real connector three ways (its `storage_dtype`; the top-k target computed from the
    stored last layer by the target's own final norm and lm_head, as the engine does — tests/extractor/
@@ -67,7 +67,7 @@ def with_defaults(args: argparse.Namespace, table) -> argparse.Namespace:
 def regenerated_run(args: argparse.Namespace):
     """(reference target, work folder, corpus, its regenerated run in the model dtype, timings): made once under the
     work folder and reused (this benchmark's and bench_online.py's)."""
-    from training.reference_target import default_cache_root
+    from reference.target import default_cache_root
 
     target, timings = reference_target(args)
     work = args.work or os.path.join(os.path.dirname(default_cache_root()), "bench-storage-quality",
@@ -131,9 +131,9 @@ def run_bytes(run: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.common import lossless_status
-    from jobs.train import train_drafter
     from training.evaluate import evaluate_speculation
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     target, work, corpus, source, timings = regenerated_run(args)
     runs = {}

@@ -50,10 +50,10 @@ def main() -> None:
     import ray
 
     from connectors import HiddenStatesSpec
-    from jobs.tiny_models import build_tiny_model
-    from jobs.train import train_drafter
-    from jobs.train_config import TrainJobConfig
+    from reference.tiny_models import build_tiny_model
     from tests.training.runs import random_samples, write_run
+    from training_jobs.config import TrainJobConfig
+    from training_jobs.train import train_drafter
 
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-train-", dir=args.out)

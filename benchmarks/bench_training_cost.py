@@ -55,7 +55,7 @@ def child(args) -> dict:
     from drafters.base import DrafterBatch, TargetHead
     from drafters.memory import MemoryOptions, autocast
     from drafters.registry import drafter_class
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
     from tests.training.runs import random_samples, write_run
     from training import HiddenStatesDataset, PackCollator
 

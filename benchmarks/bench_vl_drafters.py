@@ -5,7 +5,7 @@ vLLM serves them (the vision embeddings at image tokens), on held-out pictures.
     python benchmarks/bench_vl_drafters.py --quick          # few scenes and steps: the plumbing (~2 min)
     python benchmarks/bench_vl_drafters.py --out bench-out  # the figures in docs/drafters.md (results-vl-drafters.*)
 
-1. The reference vision-language target (training/reference_vl_target.py: a small Qwen2.5-VL trained here on drawn
+1. The reference vision-language target (reference/vl_target.py: a small Qwen2.5-VL trained here on drawn
    pictures of shapes, colours and digits with questions only the picture answers), cached.
 2. A corpus of --train-scenes pictures (PNG files) with chats about them, and an hsx run of it (the `hsx run` job,
    --allowed-local-media-path, --mm-embeds: the merged embeddings at image tokens stored).
@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import lossless_status, write_results
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
-    from jobs.train import train_drafter
+    from reference.vl_target import VLTargetConfig, build_vl_target, heldout_seed, image_chats
     from training.evaluate import comparison_table, evaluate_speculation
-    from training.reference_vl_target import VLTargetConfig, build_vl_target, heldout_seed, image_chats
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     started = time.time()
     base = args.work or os.path.join(os.environ.get("HSX_CACHE") or os.path.expanduser("~/.cache/hsx"),

@@ -48,7 +48,7 @@ SHAPES = {
 def model_config(args: argparse.Namespace):
     from transformers import LlamaConfig
 
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     shape = dict(SHAPES[args.shape])
     if args.vocab_size:
@@ -83,7 +83,7 @@ def build_model(args: argparse.Namespace) -> None:
 
 def make_corpus(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     """n samples of real-ish text; lengths log-uniform in [min_len, max_len], cut from one token stream."""
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     rng = random.Random(seed)
     lengths = [int(round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))) for _ in range(n)]

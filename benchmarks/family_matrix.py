@@ -1,4 +1,4 @@
-"""The target-family coverage matrix: every family of jobs.tiny_models through every column, against transformers.
+"""The target-family coverage matrix: every family of reference.tiny_models through every column, against transformers.
 
     python benchmarks/family_matrix.py [--families a,b] [--columns c,d] [--write docs/families.md]
 
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.tiny_models import FAMILIES, build_tiny_model, randomise_norms  # noqa: E402
+from reference.tiny_models import FAMILIES, build_tiny_model, randomise_norms  # noqa: E402
 
 COLUMNS = ("states", "packed", "final_norm", "top_k", "generation", "ngram", "eagle3", "verify")
 SLOW_COLUMNS = ("eagle3", "verify")

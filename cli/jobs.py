@@ -21,9 +21,9 @@ from connectors.lease import LeaseHeld, WriterLease
 from connectors.run import RUN_JSON, RunDir, RunFormatError, read_run_spec
 from jobs.config import CompactConfig, DemoConfig, EstimateConfig, JobConfig, StatusConfig, SubmitConfig
 from jobs.demo import run_demo
-from jobs.regenerate_config import REASONING, RegenerateConfig
 from jobs.report_config import ReportConfig
 from jobs.verify_config import VerifyConfig
+from regeneration.config import REASONING, RegenerateConfig
 
 
 def register(sub) -> None:
@@ -97,7 +97,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    from jobs.regenerate import execute_regeneration, prepare_regeneration  # pyarrow: the CLI's parser must stay cheap
+    from regeneration.regenerate import (  # pyarrow: the CLI's parser must stay cheap
+        execute_regeneration,
+        prepare_regeneration,
+    )
 
     config: RegenerateConfig = config_from_args(args, RegenerateConfig)
     try:
@@ -159,13 +162,13 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from jobs.manifest import summarize  # pyarrow: the CLI's parser must stay cheap
-    from jobs.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
+    from cluster.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
+    from connectors.manifest_writer import summarize  # pyarrow: the CLI's parser must stay cheap
     from jobs.verify import latest_report  # pyarrow: the CLI's parser must stay cheap
 
     config: StatusConfig = config_from_args(args, StatusConfig)
     output = RunDir(config.output, config.storage_options)
-    from jobs.corpus_regenerated import read_spec  # pyarrow: the CLI's parser must stay cheap
+    from corpus.regenerated import read_spec  # pyarrow: the CLI's parser must stay cheap
 
     try:
         regenerated = read_spec(output)
@@ -240,8 +243,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _regenerated_status(output, doc: dict, config: StatusConfig) -> int:
     """`hsx status` of a corpus of hsx regenerate: its settings and counts (ok + failed == records tried)."""
-    from jobs.manifest import summarize  # pyarrow: the CLI's parser must stay cheap
-    from jobs.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
+    from cluster.progress import human_bytes, human_count  # pyarrow: the CLI's parser must stay cheap
+    from connectors.manifest_writer import summarize  # pyarrow: the CLI's parser must stay cheap
 
     s = summarize(output, max_errors=config.errors)
     if config.json:

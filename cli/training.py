@@ -10,10 +10,10 @@ import time
 from cli.args import EXIT_FAILED, EXIT_OK, UsageError, add_command, config_from_args
 from connectors.lease import LeaseHeld, LeaseLost
 from connectors.run import RunFormatError
-from jobs.train_config import TrainJobConfig
 from training.evaluate import EvalDrafterConfig, run_eval
 from training.export.config import FORMATS, ExportConfig
 from training.mtp_target import MergeMtpConfig, merge_mtp
+from training_jobs.config import TrainJobConfig
 
 
 def register(sub) -> None:
@@ -27,11 +27,14 @@ def register(sub) -> None:
                             "--snapshot; damaged data exits 1.")
 
     # hsx train-drafter --kind FAMILY --run OUTPUT --model TARGET --out DIR: flags map one to
-    # one onto jobs.train_config.TrainJobConfig, the trainer's settings and Ray's (cheap to import: torch loads when
+    # one onto training_jobs.config.TrainJobConfig, the trainer's settings and Ray's (cheap to import: torch loads when
     # the command runs)
     def _cmd_train_drafter(args: argparse.Namespace) -> int:
-        from jobs.train import ReplicasFailed, train_drafter  # torch, pyarrow: the CLI's parser must stay cheap
         from training.feed import TrainingStopped  # torch: the CLI's parser must stay cheap
+        from training_jobs.train import (  # torch, pyarrow: the CLI's parser must stay cheap
+            ReplicasFailed,
+            train_drafter,
+        )
 
         config: TrainJobConfig = config_from_args(args, TrainJobConfig)
         try:

@@ -13,6 +13,7 @@
                                        BadStates and the one pass that finds NaN/Inf/all-zero layers before a commit
     run.py                             the run format: RunDir (the output root), RunSpec (run.json), data layout
     manifest.py                        the manifest: schema, atomic parts, readers, compaction, committed/settled rows
+    manifest_writer.py                 the job's side: ManifestWriter (buffered atomic parts), summaries for `hsx status`
     fingerprint.py                     model_fingerprint: a model's identity as run.json records it
     folders.py                         what a folder holds (a model, a run): the names the guards look for
     paths.py                           default file names, custom-path containment

@@ -38,7 +38,7 @@ def extract(model_dir: str, output: str, num_samples: int, seed: int) -> None:
 
     from extractor import LLM, SamplingParams
     from extractor.layers import default_layer_ids
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     layer_ids = list(default_layer_ids(AutoConfig.from_pretrained(model_dir).num_hidden_layers))  # [2, N/2, N-3, N]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="hsx-eagle3-")
     model_dir = build_tiny_model("llama", os.path.join(workdir, "model"), num_hidden_layers=8)

@@ -11,7 +11,7 @@
         --draft-model HEAD_DIR
                                                      # image prompts (local pictures drawn here) on a VL target
 
-Without --model it builds a tiny random Llama locally (jobs.tiny_models, no downloads), and for draft_model a 2-layer
+Without --model it builds a tiny random Llama locally (reference.tiny_models, no downloads), and for draft_model a 2-layer
 draft cut from it (same tokenizer); for mtp a tiny DeepSeek-V3-style target with one random MTP layer. Without
 --dataset-path the prompts are lines of a Python standard-library source file, which ships with every Python. The printed lines are the ones vLLM's examples/offline_inference/spec_decode.py
 prints, computed the same way from `llm.get_metrics()`: mean acceptance length = 1 + accepted / drafts, acceptance
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(vLLM's flag; --custom-mm-prompts needs openai-chat)")
     p.add_argument("--custom-mm-prompts", action="store_true",
                    help="image prompts (vLLM's flag): chats with an image_url part each, about pictures drawn here "
-                        "(training/reference_vl_target.py, no downloads); needs a vision-language --model (default: "
+                        "(reference/vl_target.py, no downloads); needs a vision-language --model (default: "
                         "a tiny random Qwen2.5-VL)")
     p.add_argument("--print-output", action="store_true", help="print each prompt's generated text")
     args = p.parse_args(argv)
@@ -77,7 +77,7 @@ def build_tiny_models(root: str, with_draft: bool, mtp: bool = False) -> tuple[s
     holding its first 2 layers; returns their folders."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.tiny_models import add_mtp_layers, build_tiny_model
+    from reference.tiny_models import add_mtp_layers, build_tiny_model
 
     if mtp:
         return add_mtp_layers(build_tiny_model("deepseek_v3", os.path.join(root, "target"))), None
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> float:
     with tempfile.TemporaryDirectory(prefix="hsx-spec-decode-") as root:
         model, draft = args.model, args.draft_model
         if model is None and args.custom_mm_prompts:
-            from jobs.tiny_models import build_tiny_vl_model
+            from reference.tiny_models import build_tiny_vl_model
 
             model = build_tiny_vl_model(os.path.join(root, "target"))
         elif model is None:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> float:
                 spec["parallel_drafting"] = True
         params = SamplingParams(temperature=args.temp, max_tokens=args.output_len)
         if args.custom_mm_prompts:  # chats about pictures drawn here, loaded as vLLM loads local media
-            from training.reference_vl_target import image_chats
+            from reference.vl_target import image_chats
 
             media = os.path.join(root, "images")
             records = image_chats(args.num_prompts, seed=20261207, folder=media, answers=False)

@@ -20,7 +20,7 @@ from typing import Any
 
 from connectors.storage import parse_storage_options
 from extractor.options import EngineOptions, flag, flag_errors
-from jobs.regenerate_config import RegenerateConfig
+from regeneration.config import RegenerateConfig
 
 OVERLENGTH_POLICIES = ("truncate", "skip")
 LAYOUTS = ("files", "sharded")
@@ -225,7 +225,7 @@ class JobConfig(EngineOptions):
                             **parallel)
 
     def regenerate_config(self):
-        """hsx regenerate's settings for --regenerate-with (jobs.regenerate_config.RegenerateConfig)."""
+        """hsx regenerate's settings for --regenerate-with (regeneration.config.RegenerateConfig)."""
         opts = dict(self.regenerate)
         fixed = {"server", "corpus", "corpus_storage_options", "id_field", "progress"}
         known = {f.name for f in dataclasses.fields(RegenerateConfig)} - fixed

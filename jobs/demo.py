@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 
 from jobs.config import JobConfig
-from jobs.tiny_models import build_tiny_model, sample_text
+from reference.tiny_models import build_tiny_model, sample_text
 
 DEMO_RECORDS = 48
 

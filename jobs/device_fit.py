@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from jobs.progress import human_bytes
+from cluster.progress import human_bytes
 
 MAX_TP = 8
 """Largest tensor-parallel size considered: the devices of one node."""

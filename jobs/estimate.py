@@ -14,19 +14,19 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from cluster.progress import human_bytes, human_count
 from connectors.format import HiddenStatesSpec
 from connectors.header import file_entries, file_size, request_metadata
 from connectors.manifest import settled_ids
+from connectors.manifest_writer import error_kind
 from connectors.run import RUN_JSON, RunDir
+from corpus.readers import count_records, expand_corpus, read_records
+from corpus.tokenization import SampleError, SampleTokenizer, TokenizeSettings
 from extractor.config import EngineConfig
 from jobs.config import JobConfig
-from jobs.corpus import count_records, expand_corpus, read_records
 from jobs.device_fit import DeviceFit, device_fit, parse_size
-from jobs.manifest import error_kind
 from jobs.model import ModelFacts
 from jobs.pipeline import load_chat_template
-from jobs.progress import human_bytes, human_count
-from jobs.tokenization import SampleError, SampleTokenizer, TokenizeSettings
 
 
 @dataclass

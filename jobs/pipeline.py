@@ -35,23 +35,23 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from cluster.progress import JobResult, Progress
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from connectors.header import data_bytes, file_entries
 from connectors.lease import LeaseLost, WriterLease
 from connectors.manifest import FAILED, SKIPPED, compact_manifest, new_attempt_id, referenced_paths
+from connectors.manifest_writer import ManifestWriter
 from connectors.outputs import check_run_output, corpus_inputs
 from connectors.run import RunDir, RunFormatError, RunSpec, read_run_spec
 from connectors.shards import SHARD_DIR, remove_orphan_shards
+from corpus.readers import CorpusFile, count_records, expand_corpus, read_records, read_stage
+from corpus.sample_registry import DoneSet, id_keys, start_registry
+from corpus.tokenization import TokenizeSettings, TokenizeStage
 from jobs.config import JobConfig
-from jobs.corpus import CorpusFile, count_records, expand_corpus, read_records, read_stage
-from jobs.manifest import ManifestWriter
 from jobs.model import ModelFacts
-from jobs.progress import JobResult, Progress
-from jobs.regenerate import execute_regeneration, prepare_regeneration
 from jobs.runinfo import build_run_spec, ensure_run_spec
-from jobs.sample_registry import DoneSet, id_keys, start_registry
-from jobs.tokenization import TokenizeSettings, TokenizeStage
 from jobs.worker import ExtractionWorker, WorkerSettings
+from regeneration.regenerate import execute_regeneration, prepare_regeneration
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class JobPlan:
     nothing_left: bool = False
     """Every record of the corpus is settled: the job finishes without starting Ray."""
     regeneration: object = None
-    """--regenerate-with: the regeneration (jobs.regenerate.RegenerationPlan) whose corpus this job follows."""
+    """--regenerate-with: the regeneration (regeneration.regenerate.RegenerationPlan) whose corpus this job follows."""
 
 
 def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
@@ -232,7 +232,7 @@ def tokenize_settings(plan: JobPlan) -> TokenizeSettings:
 def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_worker: float, attempt: str,
                   layout: str | None = None):
     """The lazy Ray Data pipeline whose rows are manifest rows (manifest.RESULT_SCHEMA); `attempt` names the
-    shards its workers write (--layout sharded). `layout` "online" (jobs/live.py): rows carry each sample's file
+    shards its workers write (--layout sharded). `layout` "online" (training_jobs/live.py): rows carry each sample's file
     bytes instead (worker.ONLINE_SCHEMA), nothing is stored."""
     import ray.data
 
@@ -279,7 +279,7 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
 @contextlib.contextmanager
 def data_context(tokens_per_task: int) -> Iterator[None]:
     """Ray Data's settings for a job's stages (blocks of `tokens_per_task` tokens, no progress bars or start
-    notices of its own), put back on exit; used by `hsx run` and by --online training's stream (jobs/live.py)."""
+    notices of its own), put back on exit; used by `hsx run` and by --online training's stream (training_jobs/live.py)."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -314,7 +314,7 @@ def _count_corpus(files: list[CorpusFile], storage_options: dict) -> int | None:
 def execute_job(plan: JobPlan, on_batch=None) -> JobResult:
     """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back.
     `on_batch(rows)` sees every batch of rows once it is handed to the manifest writer (a trainer reading the run as
-    it is written: jobs/live.py); an exception it raises stops the job, the rows received are committed."""
+    it is written: training_jobs/live.py); an exception it raises stops the job, the rows received are committed."""
     attempt = plan.attempt or new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()

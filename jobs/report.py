@@ -64,14 +64,14 @@ from typing import Any
 
 import numpy as np
 
+from cluster.progress import human_bytes, human_count
 from connectors import storage
 from connectors.format import HIDDEN_STATES, LOSS_MASK, MM_TOKEN_TYPE_IDS
 from connectors.lease import snapshot_writer
 from connectors.manifest import committed_rows, read_manifest, row_path_problem, sample_range
+from connectors.manifest_writer import summarize
 from connectors.outputs import check_output_file, write_output_file
 from connectors.run import RunDir, RunFormatError, read_run_spec
-from jobs.manifest import summarize
-from jobs.progress import human_bytes, human_count
 from jobs.report_config import ReportConfig
 from jobs.report_figures import FIGURES, RUN_FIGURES, plots
 from jobs.verify import latest_report

@@ -20,8 +20,8 @@ from types import EllipsisType
 from connectors.fingerprint import FINGERPRINT_SCHEME
 from connectors.manifest import manifest_parts
 from connectors.run import RUN_JSON, RunDir, RunSpec, Sampling, read_run_spec, write_run_spec
+from corpus.readers import CorpusFile
 from jobs.config import JobConfig
-from jobs.corpus import CorpusFile
 from jobs.model import ModelFacts
 
 # RunSpec field -> the flag a user changes to change it

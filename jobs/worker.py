@@ -44,10 +44,10 @@ from connectors.safetensors_connector import HiddenStatesConnectorConfig
 from connectors.shards import new_shard_path, write_shard
 from connectors.storage import retrying
 from connectors.writer import named_thread_pool
+from corpus.readers import storable_text
+from corpus.tokenization import SAMPLE_SCHEMA
 from extractor import LLM, EngineConfig, SamplingParams
 from extractor.media import ImageUnavailable
-from jobs.corpus import storable_text
-from jobs.tokenization import SAMPLE_SCHEMA
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class WorkerSettings:
     layout: str = "files"
     """"files": a file per sample under the output; "sharded": one shard object per batch (connectors.shards);
     "online": nothing stored, each sample's file bytes returned in the row's `payload` (ONLINE_SCHEMA) for a trainer
-    that reads the stream (jobs/live.py)."""
+    that reads the stream (training_jobs/live.py)."""
     attempt: str = ""
     """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
     engine_kind: str = "hsx"

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """build(family, **config_overrides) -> model dir; each distinct model is built once per session."""
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     built: dict[tuple, str] = {}
 
@@ -88,7 +88,7 @@ def oracle_model(tiny_llama):
 def oracle_run(tmp_path_factory, tiny_llama, oracle_model):
     """(output, samples, spec): texts through the tiny Llama, layers ORACLE_LAYERS, last one pre-norm."""
     from connectors import HiddenStatesSpec
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
     from tests.training.runs import ORACLE_LAYERS, oracle_samples, write_run
 
     model, tokenizer = oracle_model

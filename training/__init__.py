@@ -6,11 +6,11 @@ for another trainer.
     collate.py     PadCollator, PackCollator: batches padded to the longest sample, or packed rows for varlen attention
     export/        export_run(output, dest, fmt): the run in speculators', SpecForge's or ModelOpt's on-disk layout
                    (`hsx export`), one module per layout
-    train_config.py  TrainDrafterConfig: one training's settings in this process (jobs/train_config.py adds Ray's)
+    train_config.py  TrainDrafterConfig: one training's settings in this process (training_jobs/config.py adds Ray's)
     checks.py      the checks before training: the target folder, the run, the layers --kind needs
     feed.py        CheckedFeed (every item checked), BatchSource (what a source of batches offers), RunBatches
     checkpoint.py  resumable checkpoints: atomic, durable writes, the resume checks, the sample-id log
-    loop.py        Loop: the optimizer steps of one process or of one data-parallel replica (jobs/train.py starts
+    loop.py        Loop: the optimizer steps of one process or of one data-parallel replica (training_jobs/train.py starts
                    those): a step (forward, backward, finite guard) and its hooks (replica exchange, logging)
     trainer.py     Trainer(config, data, replicas).run() -> report: one `hsx train-drafter` session for any
                    registered family, whatever feeds it (a stored run here; jobs/: a live extraction, Ray Train)
@@ -23,14 +23,10 @@ for another trainer.
                    benchmarks publish, summary.csv, the acceptance-per-position plot
     plot_text.py   text from data drawn as it is in hsx's plots (no mathtext, no TeX, "_" labels kept): here
                    and in `hsx report` (jobs/report.py)
-    reference_target.py   a small target trained locally on the standard library's sources, for acceptance figures
-                          (a Llama, or a DeepSeek-V3 / Qwen3-Next with native MTP layers)
     mtp_target.py         MergeMtpConfig, merge_mtp: `hsx merge-mtp`, a target folder with tuned MTP layers
-    reference_vl_target.py   a small Qwen2.5-VL trained locally on drawn pictures, for acceptance on image prompts;
-                             the VL configs, tokenizer and folder layout jobs.tiny_models' random ones share
 
 Reads runs through `connectors.run` (the run format's one owner) and `connectors.format`. This package imports
-connectors, extractor, drafters, torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
+connectors, extractor, drafters, reference (eval-drafter's default target), torch and transformers; never ray or jobs. The names below load lazily: `import training` is cheap.
 """
 
 from __future__ import annotations

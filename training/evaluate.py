@@ -41,6 +41,7 @@ from typing import Any
 
 from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
 from extractor.config import MAX_SPECULATIVE_TOKENS, checkpoint_method, drafter_methods
+from reference.target import build_reference_target
 from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
 from training.eval_result import (
     EvalResult,
@@ -49,7 +50,6 @@ from training.eval_result import (
     check_lossless,
     spec_decode_counts,
 )
-from training.reference_target import build_reference_target
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
         state() -> dict                  what a checkpoint keeps to resume the source where it is
     RunBatches(config, feed, replica)  a stored run's batches: ShardSampler's order, this replica's share, a DataLoader
 
-jobs/live.py's LiveBatches (a live extraction) and jobs/fanout.py's FanoutBatches (one trainer's share of a fan-out
+training_jobs/live.py's LiveBatches (a live extraction) and training_jobs/fanout.py's FanoutBatches (one trainer's share of a fan-out
 stream) are the other sources.
 """
 

@@ -1,5 +1,5 @@
 """TrainDrafterConfig: the settings of one drafter training in this process, typed and validated (`hsx
-train-drafter` maps onto it one to one: field `batch_tokens` is flag `--batch-tokens`; jobs.train_config.TrainJobConfig
+train-drafter` maps onto it one to one: field `batch_tokens` is flag `--batch-tokens`; training_jobs.config.TrainJobConfig
 extends it with the settings that train on Ray: --workers, --online, --fanout, ...).
 
     TrainDrafterConfig(...)            validated in __post_init__; errors name the flag to change

@@ -14,9 +14,9 @@
                                                  "source" part (what the batches' state() gave)
         report() -> (samples, extra)             what report.json says of the data
     StoredRun(config)                        a stored --run: the in-process and Ray Train sessions' data
-                                             (jobs/live.py: LiveStream, a live extraction; jobs/fanout.py: a share)
+                                             (training_jobs/live.py: LiveStream, a live extraction; training_jobs/fanout.py: a share)
     Replicas / Here                          where the steps run (a Protocol): Here in this process, with
-                                             checkpoints in --out; jobs/train.py's RayTrain on N Ray Train replicas
+                                             checkpoints in --out; training_jobs/train.py's RayTrain on N Ray Train replicas
     new_drafter(config, spec, target)        the --kind drafter, initialised from --seed (torch's and Python's RNGs)
     finish(...) -> report                    the trained drafter (serving layout) and OUT/report.json
 

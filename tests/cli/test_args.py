@@ -150,14 +150,14 @@ def test_help_lists_every_command(capsys):
 
 def _commands():
     from jobs.config import CompactConfig, DemoConfig, EstimateConfig, StatusConfig, SubmitConfig
-    from jobs.regenerate_config import RegenerateConfig
     from jobs.report_config import ReportConfig
-    from jobs.train_config import TrainJobConfig
     from jobs.verify_config import VerifyConfig
+    from regeneration.config import RegenerateConfig
     from serve.config import ServeConfig
     from training.evaluate import EvalDrafterConfig
     from training.export import ExportConfig
     from training.mtp_target import MergeMtpConfig
+    from training_jobs.config import TrainJobConfig
 
     return {"run": JobConfig, "submit": SubmitConfig, "status": StatusConfig, "estimate": EstimateConfig,
             "demo": DemoConfig, "verify": VerifyConfig, "export": ExportConfig, "train-drafter": TrainJobConfig,

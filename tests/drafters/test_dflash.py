@@ -190,9 +190,9 @@ def test_engine_decoding_with_a_dflash_head_is_lossless_with_rows_joining(tiny_l
     """A head trained by `hsx train-drafter --kind dflash` (blocks of 4) on the target's own greedy continuations,
     its method and k read from the checkpoint, two rows at a time (the third joins): output equals transformers
     generate token for token, its drafts accepted, k = block_size - 1."""
-    from jobs.train import train_drafter
     from tests.drafters.helpers import decode_like_generate, greedy_run
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), LAYERS)
     head = str(tmp_path / "head")

@@ -197,7 +197,7 @@ def test_bad_dspark_inputs_are_refused_in_one_line(trained_head, tiny_llama, tmp
     from connectors.run import RunSpec
     from drafters.dspark import DSparkConfig, DSparkDrafter
     from extractor import LLM
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     folder, _, _, _, _, target = trained_head
     full = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=LAYERS, num_hidden_layers=4, hidden_size=64,
@@ -233,9 +233,9 @@ def test_engine_decoding_with_a_dspark_head_is_lossless_with_rows_joining(tiny_l
     """A head trained by `hsx train-drafter --kind dspark` (blocks of 4) on the target's own greedy continuations,
     its method and k read from the checkpoint: output equals transformers generate token for token, drafts
     accepted; the same with the confidence early stop on."""
-    from jobs.train import train_drafter
     from tests.drafters.helpers import decode_like_generate, greedy_run
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), LAYERS)
     head = str(tmp_path / "head")

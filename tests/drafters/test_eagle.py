@@ -109,9 +109,9 @@ def test_a_run_without_the_last_layer_is_refused_before_training(tiny_llama, ora
     from connectors.run import RunSpec
     from drafters.base import TargetHead
     from drafters.eagle import EagleDrafter
-    from jobs.train import train_drafter
     from tests.training.runs import random_samples, write_run
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     target = TargetHead.from_model_dir(tiny_llama)
     aux_only = RunSpec.from_file_spec(HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=64,
@@ -133,9 +133,9 @@ def test_engine_decoding_with_an_eagle_head_is_lossless_with_rows_joining(tiny_l
     output equals transformers generate token for token and the drafts are mostly accepted (only if the engine hands
     the head the last layer's states of the right tokens); the method is also read from the checkpoint; the seed's
     loop (examples/spec_decode.py --method eagle) prints vLLM's lines on it."""
-    from jobs.train import train_drafter
     from tests.drafters.helpers import decode_like_generate, greedy_run, spec_decode_example
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), (4,))
     head = str(tmp_path / "head")

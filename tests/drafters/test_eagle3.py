@@ -430,9 +430,9 @@ def test_engine_decoding_with_a_trained_head_equals_generate_and_accepts_its_dra
     the head's drafts are mostly accepted — which holds only if the engine hands the proposer the right layers'
     states of the right tokens."""
     from extractor import LLM, SamplingParams
-    from jobs.train import train_drafter
     from tests.drafters.helpers import PROMPTS, greedy_run
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     model, tokenizer = oracle_model
     prompts = list(PROMPTS)

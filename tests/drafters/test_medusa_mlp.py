@@ -381,8 +381,8 @@ def test_medusa_heads_start_as_the_targets_lm_head(run_batch, target):
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kind, tmp_path, oracle_run, tiny_llama,
                                                                               target, runner):
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     out = str(tmp_path / kind)
     report = train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=out, kind=kind, steps=6,
@@ -401,8 +401,8 @@ def test_train_drafter_trains_each_kind_into_a_checkpoint_its_proposer_loads(kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_drafter_refuses_an_option_the_family_does_not_have(kind, tmp_path, oracle_run, tiny_llama):
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     with pytest.raises(ValueError, match="bad family option"):
         train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(tmp_path), kind=kind, steps=1,
@@ -442,7 +442,7 @@ def test_greedy_speculative_decoding_equals_transformers_generate_and_a_fitted_d
         kind, tmp_path, oracle_model, tiny_llama, target):
     from extractor import LLM, SamplingParams
     from extractor.config import checkpoint_method, checkpoint_num_speculative_tokens
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     model, tokenizer = oracle_model
     prompts = [tokenizer(t)["input_ids"] for t in sample_text(3, seed=11, min_words=2, max_words=10)] + [[5]]

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from jobs.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
+from reference.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
 
 STYLES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text")
 _CLASSES = {"deepseek_v3": ("deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RotaryEmbedding"),

@@ -161,9 +161,9 @@ def test_engine_decoding_with_a_peagle_head_is_lossless_with_rows_joining(tiny_l
     """A head trained by `hsx train-drafter --kind peagle` on the target's own greedy continuations, served with
     vLLM's eagle3 + parallel_drafting two rows at a time (the third joins): output equals transformers generate token
     for token, its drafts are accepted, and examples/spec_decode.py --parallel-drafting prints vLLM's lines on it."""
-    from jobs.train import train_drafter
     from tests.drafters.helpers import decode_like_generate, greedy_run, spec_decode_example
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     refs = greedy_run(oracle_model, tiny_llama, str(tmp_path / "run"), LAYERS)
     head = str(tmp_path / "head")

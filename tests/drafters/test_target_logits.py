@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jobs.tiny_models import FAMILIES, build_tiny_model
+from reference.tiny_models import FAMILIES, build_tiny_model
 
 TRANSFORMED = {"gemma2": {}, "granite": {}, "falcon_h1": {"lm_head_multiplier": 0.5},
                "gemma3_text": {"final_logit_softcapping": 5.0}}
@@ -37,7 +37,7 @@ def _oracle(model_dir: str):
 
 def test_every_matrix_family_with_a_transform_is_covered():
     from extractor.head import has_logits_transform
-    from jobs.tiny_models import _config
+    from reference.tiny_models import _config
 
     transformed = {f for f in FAMILIES if has_logits_transform(_config(f, 512, 1, 2, **TRANSFORMED.get(f, {})))}
     assert transformed == set(TRANSFORMED), transformed  # a family that gains one is added above

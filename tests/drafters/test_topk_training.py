@@ -103,8 +103,8 @@ def test_eagle3_on_a_whole_vocabulary_topk_run_trains_as_on_the_run_that_stores_
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
 def test_families_that_read_layer_n_refuse_a_topk_run_and_write_nothing(kind, oracle_run, oracle_model, tiny_llama,
                                                                          tmp_path):
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     run = topk_run(str(tmp_path / "run"), oracle_run, oracle_model, 8)
     with pytest.raises(ValueError, match=rf"--kind {kind} trains on the state of layer 4 itself, but --run .* keeps a "
@@ -114,8 +114,8 @@ def test_families_that_read_layer_n_refuse_a_topk_run_and_write_nothing(kind, or
 
 
 def test_train_drafter_trains_eagle3_on_a_topk_run(oracle_run, oracle_model, tiny_llama, tmp_path):
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     run = topk_run(str(tmp_path / "run"), oracle_run, oracle_model, 16)
     report = train_drafter(TrainDrafterConfig(kind="eagle3", run=run, model=tiny_llama, out=str(tmp_path / "out"),

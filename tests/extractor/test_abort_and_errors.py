@@ -132,7 +132,7 @@ def test_stop_strings_hold_on_byte_fallback_text_that_a_streaming_decoder_cannot
     # decoder raises on 0xC2 0xA1 0xE1 then "\u2581c" (the request falls back to whole decodes, nothing fails), and
     # whole decodes (slow tokenizers) hold a text ending inside a character until it is whole (0xE3 0x80 0x82)
     from extractor.request import Request
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     build_tiny_model("llama", str(tmp_path / "m"))
     tok = _byte_fallback_tokenizer()
@@ -184,7 +184,7 @@ def test_a_target_no_engine_path_builds_is_one_line_naming_what_hsx_runs(tmp_pat
     import transformers
 
     from cli.main import main
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, vocab_size=600)

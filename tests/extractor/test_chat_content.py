@@ -60,7 +60,7 @@ def test_an_image_part_on_a_text_only_target_is_refused_naming_the_model(llm, ti
 
 
 def test_a_corpus_record_keeps_the_same_rule(llm, tmp_path):
-    from jobs.chat import ChatEncoder, normalize_messages
+    from corpus.chat import ChatEncoder, normalize_messages
 
     record = {"messages": [{"role": "user", "content": PARTS}, {"role": "assistant", "content": "It is."}]}
     for template in (None, PARTS_TEMPLATE):
@@ -79,7 +79,7 @@ def test_a_corpus_record_keeps_the_same_rule(llm, tmp_path):
 def test_named_chat_templates_of_a_tokenizer_are_judged_by_the_default_one(llm):
     # review finding: a model shipping additional_chat_templates/ loads chat_template as a dict, which the content
     # rule's cache could not hash (every chat record failed as "a bug in hsx")
-    from jobs.chat import ChatEncoder, normalize_messages
+    from corpus.chat import ChatEncoder, normalize_messages
 
     plain = llm.tokenizer.chat_template
     llm.tokenizer.chat_template = {"default": plain, "tool_use": PARTS_TEMPLATE}

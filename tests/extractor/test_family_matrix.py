@@ -1,4 +1,4 @@
-"""The target-family coverage matrix (benchmarks/family_matrix.py) in the suite: every family of jobs.tiny_models
+"""The target-family coverage matrix (benchmarks/family_matrix.py) in the suite: every family of reference.tiny_models
 through every column, each checked against transformers (forward, last_hidden_state, logits, generate); and
 docs/families.md is that script's output for exactly these families and columns, so it cannot drift."""
 
@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from benchmarks.family_matrix import BEGIN, COLUMNS, SLOW_COLUMNS, build, read_table, reference, run_cell
-from jobs.tiny_models import FAMILIES
+from reference.tiny_models import FAMILIES
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "families.md")
 

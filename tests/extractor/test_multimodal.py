@@ -20,7 +20,7 @@ from extractor import LLM, SamplingParams
 from extractor.config import EngineConfig
 from extractor.media import MediaPolicy, load_image
 from extractor.multimodal import check_supported
-from jobs.tiny_models import build_tiny_model, build_tiny_vl_model
+from reference.tiny_models import build_tiny_model, build_tiny_vl_model
 
 LAYERS = [0, 1, 2, 3, 4]
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -9,7 +9,7 @@ import torch
 
 from connectors import load_hidden_states, read_hidden_states_info
 from extractor import LLM, SamplingParams
-from jobs.tiny_models import sample_text
+from reference.tiny_models import sample_text
 from tests.extractor.conftest import spec_config
 from tests.extractor.oracle import ENGINE_DEVICE, load_reference, reference_states
 

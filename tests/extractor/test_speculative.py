@@ -20,7 +20,7 @@ N_PROMPTS = 16
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     texts = sample_text(N_PROMPTS - 2, seed=7, min_words=1, max_words=30)
     texts += ["one two three four five one two three four five one two three", "A"]  # lookups hit; one token

@@ -93,7 +93,7 @@ def test_spec_decode_script_call_sequence(method, seed_llama, capsys, caplog):
     """spec_decode.py: LLM(model, **seed args, speculative_config), token-id prompts, generate, chat, get_metrics."""
     from transformers import AutoTokenizer
 
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     tokenizer = AutoTokenizer.from_pretrained(seed_llama)
     prompts = sample_text(6, seed=3) + ["one two three four one two three four one two three four"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jobs.chat import ChatEncoder, normalize_messages
-from jobs.tokenization import SampleError, SampleTokenizer, TokenizeSettings
+from corpus.chat import ChatEncoder, normalize_messages
+from corpus.tokenization import SampleError, SampleTokenizer, TokenizeSettings
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "The cat is blue."}],
@@ -35,7 +35,7 @@ REWRITING_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
@@ -162,7 +162,7 @@ def test_bad_records_raise_sample_errors(sample_tokenizer, record, msg):
 
 
 def test_chat_records_without_any_template_fail_with_the_flag_to_use(sample_tokenizer, tmp_path):
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     tok = build_tokenizer(str(tmp_path))
     tok.chat_template = None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.corpus import count_records, expand_corpus, read_records
+from corpus.readers import count_records, expand_corpus, read_records
 from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 
 

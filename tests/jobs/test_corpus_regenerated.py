@@ -10,10 +10,10 @@ import threading
 import time
 
 from connectors.run import RunDir
-from jobs.corpus import expand_corpus, read_records
-from jobs.corpus_regenerated import FINISHED, REGEN_JSON, PartWriter, remove_orphans
-from jobs.records import CorpusFile
-from jobs.regenerator import Outcome
+from corpus.readers import expand_corpus, read_records
+from corpus.records import CorpusFile
+from corpus.regenerated import FINISHED, REGEN_JSON, PartWriter, remove_orphans
+from regeneration.regenerator import Outcome
 
 
 def outcome(i: int, ok: bool = True) -> Outcome:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from jobs.corpus import RECORD_SCHEMA, Record, expand_corpus, read_records
-from jobs.tokenization import SAMPLE_SCHEMA, SampleTokenizer, TokenizeSettings, tokenize_table
+from corpus.readers import RECORD_SCHEMA, Record, expand_corpus, read_records
+from corpus.tokenization import SAMPLE_SCHEMA, SampleTokenizer, TokenizeSettings, tokenize_table
 
 HOSTILE_JSONL = Path(__file__).parent / "data" / "hostile.jsonl"
 
@@ -118,7 +118,7 @@ def hostile_records(hostile_file):
 
 @pytest.fixture(scope="module")
 def sample_tokenizer(tmp_path_factory):
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     path = str(tmp_path_factory.mktemp("tok"))
     build_tokenizer(path)

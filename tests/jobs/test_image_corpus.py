@@ -14,8 +14,8 @@ from PIL import Image, ImageDraw
 
 from connectors import KVTransferConfig, load_hidden_states
 from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
-from jobs.tiny_models import build_tiny_vl_model
-from jobs.tokenization import SampleTokenizer, TokenizeSettings
+from corpus.tokenization import SampleTokenizer, TokenizeSettings
+from reference.tiny_models import build_tiny_vl_model
 
 
 def _chat(text: str, refs: list[str], answer: str = "a red ball") -> dict:
@@ -202,8 +202,8 @@ def test_a_job_over_image_chats(ray_cluster, vl_model, media, tmp_path):
         assert torch.equal(tokens[vision[i]["input_ids"].tolist().__repr__()].long(), vision[i]["loss_mask"].long())
 
     # EAGLE-3 trained on the run with the vision embeddings, decoding image prompts losslessly in hsx's engine
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     head = str(tmp_path / "eagle3")
     train_drafter(TrainDrafterConfig(run=output, model=vl_model, out=head, kind="eagle3", steps=3, batch_tokens=256,

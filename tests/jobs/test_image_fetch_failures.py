@@ -18,13 +18,13 @@ from tests.image_servers import LoopbackServer, image, png_bytes, status
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory):
-    from jobs.tiny_models import build_tiny_vl_model
+    from reference.tiny_models import build_tiny_vl_model
 
     return build_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
 
 
 def _samples(vl_model, urls: dict[str, str]) -> pa.Table:
-    from jobs.tokenization import SAMPLE_SCHEMA, SampleTokenizer, TokenizeSettings
+    from corpus.tokenization import SAMPLE_SCHEMA, SampleTokenizer, TokenizeSettings
 
     tok = SampleTokenizer(TokenizeSettings(tokenizer=vl_model, max_prompt_tokens=200, images=True))
     rows = []
@@ -39,10 +39,10 @@ def _samples(vl_model, urls: dict[str, str]) -> pa.Table:
 
 
 def test_a_transient_image_fetch_failure_is_retried_by_a_rerun(vl_model, tmp_path):
+    from connectors.manifest_writer import ManifestWriter
     from connectors.safetensors_connector import HiddenStatesConnectorConfig
     from extractor import EngineConfig, SamplingParams
     from extractor.media import MediaPolicy
-    from jobs.manifest import ManifestWriter
     from jobs.worker import ExtractionWorker, WorkerSettings
 
     out = RunDir(str(tmp_path / "run"))

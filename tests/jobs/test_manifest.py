@@ -15,9 +15,9 @@ import torch
 from connectors.format import HiddenStatesSpec
 from connectors.header import encode_header
 from connectors.manifest import RESULT_SCHEMA, committed_ids, read_manifest, settled_ids
+from connectors.manifest_writer import ManifestWriter, summarize
 from connectors.run import RunDir, RunSpec, Sampling, data_path
 from jobs.config import JobConfig
-from jobs.manifest import ManifestWriter, summarize
 from jobs.runinfo import RunMismatch, ensure_run_spec
 
 

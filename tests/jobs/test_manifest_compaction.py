@@ -21,8 +21,8 @@ from connectors.manifest import (
     ok_rows,
     read_manifest,
 )
+from connectors.manifest_writer import ManifestWriter, summarize
 from connectors.run import RunDir, RunFormatError
-from jobs.manifest import ManifestWriter, summarize
 from tests.jobs.test_manifest import _rows
 
 

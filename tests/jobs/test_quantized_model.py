@@ -96,7 +96,7 @@ def test_a_run_json_without_the_field_reads_as_not_quantized(tmp_path):
 @pytest.fixture
 def models(tmp_path):
     """A tiny llama and a copy of it whose config.json names an fp8 quantization_config (weights untouched)."""
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     plain = build_tiny_model("llama", str(tmp_path / "plain"), seed=0)
     quant = str(tmp_path / "fp8")

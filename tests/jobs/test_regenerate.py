@@ -15,9 +15,9 @@ import torch
 
 from connectors import load_hidden_states
 from connectors.manifest import ok_rows
-from jobs.corpus import expand_corpus, read_records
-from jobs.regenerate import regenerate
-from jobs.regenerate_config import RegenerateConfig
+from corpus.readers import expand_corpus, read_records
+from regeneration.config import RegenerateConfig
+from regeneration.regenerate import regenerate
 from tests.serving import API_KEY, LAYERS
 
 MAX_TOKENS = 6
@@ -138,7 +138,7 @@ def test_a_server_without_token_ids_keeps_the_text_and_says_so_once(server, tmp_
     out = tmp_path / "regenerated"
     relay = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
-        with caplog.at_level("WARNING", logger="jobs.regenerate"):
+        with caplog.at_level("WARNING", logger="regeneration.regenerate"):
             result = regenerate(RegenerateConfig(server=(relay,), corpus=(corpus,), output=str(out), api_key=API_KEY,
                                                  max_tokens=MAX_TOKENS, concurrency=2, progress=False))
     finally:

@@ -21,12 +21,12 @@ from aiohttp import web
 from cli.main import main
 from connectors.manifest import FAILED, OK, read_manifest
 from connectors.run import RunDir
-from jobs.corpus import read_records
-from jobs.corpus_regenerated import FINISHED, REGEN_JSON, PartWriter
-from jobs.records import CorpusFile
-from jobs.regenerate import regenerate
-from jobs.regenerate_config import RegenerateConfig
-from jobs.regenerator import Outcome
+from corpus.readers import read_records
+from corpus.records import CorpusFile
+from corpus.regenerated import FINISHED, REGEN_JSON, PartWriter
+from regeneration.config import RegenerateConfig
+from regeneration.regenerate import regenerate
+from regeneration.regenerator import Outcome
 
 MAX_TOKENS = 48
 GOOD = " the quick fox"
@@ -37,7 +37,7 @@ ENDLESS_STOP = 256 << 20
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
-    from jobs.tiny_models import build_tokenizer
+    from reference.tiny_models import build_tokenizer
 
     out = str(tmp_path_factory.mktemp("tokenizer"))
     build_tokenizer(out)
@@ -319,10 +319,10 @@ def test_the_following_reader_stops_when_the_regeneration_died_before_finishing(
 
 
 def test_token_ids_match_their_text_up_to_what_servers_legitimately_change(tok):
-    """jobs.answers.text_problem on the trained tokenizer's real ids: what a server's text legitimately differs by
+    """regeneration.answers.text_problem on the trained tokenizer's real ids: what a server's text legitimately differs by
     passes (a leading space, the end-of-turn token, a stop string cut from the text, a character cut between tokens,
     a reasoning parser's tags, a tool parser's call); anything more fails."""
-    from jobs.answers import MARKUP_CHARS, ids_problem, text_problem
+    from regeneration.answers import MARKUP_CHARS, ids_problem, text_problem
 
     def ids(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False)

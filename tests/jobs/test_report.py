@@ -24,7 +24,7 @@ def planted(tmp_path_factory, tiny_llama, oracle_model):
     """{name: OUTPUT}: the same 12 texts as a good run, a run whose last layer went through the final norm (while
     run.json says pre-norm), and a run whose layer 2 is all zeros."""
     from connectors import HiddenStatesSpec
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
 
     model, tokenizer = oracle_model
     spec = HiddenStatesSpec(layer_ids=ORACLE_LAYERS, num_hidden_layers=N_LAYERS, hidden_size=model.config.hidden_size,

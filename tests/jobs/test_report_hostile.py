@@ -23,7 +23,7 @@ SCRIPT_REASON = "bad record <!--<script> x </script> y"
 
 def _role_error() -> str:
     """What hsx records for a chat whose role is `x$_$` (the real message, from the real normalizer)."""
-    from jobs.chat import normalize_messages
+    from corpus.chat import normalize_messages
 
     with pytest.raises(ValueError) as e:
         normalize_messages({"messages": [{"role": "x$_$", "content": "hi"}]})

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from jobs.sample_registry import SKIP, ClaimTable, DoneSet, SampleRegistry, id_keys
+from corpus.sample_registry import SKIP, ClaimTable, DoneSet, SampleRegistry, id_keys
 
 
 def test_the_claim_table_agrees_with_a_dict_through_flushes_merges_collisions_and_repeats():

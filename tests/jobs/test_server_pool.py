@@ -1,4 +1,4 @@
-"""The OpenAI-server pool of `hsx regenerate` (jobs/server_pool.py) against aiohttp's own test servers on loopback, in
+"""The OpenAI-server pool of `hsx regenerate` (regeneration/server_pool.py) against aiohttp's own test servers on loopback, in
 milliseconds, without an `hsx serve`: every kind of answer does to its request and its server what the module
 docstring's table says — 408/429/503 and other 4xx set the server aside for a while (Retry-After honoured, else a
 back-off growing to 30 s) and the request moves on, as when a server refuses connections; 400/413/422 fail the request
@@ -17,7 +17,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from jobs.server_pool import BadAnswer, NoServer, Pool, PoolSettings, Refused, Transient, base_url, error_message
+from regeneration.server_pool import (
+    BadAnswer,
+    NoServer,
+    Pool,
+    PoolSettings,
+    Refused,
+    Transient,
+    base_url,
+    error_message,
+)
 
 pytestmark = pytest.mark.timeout(60)  # a pool that loops on a server it should set aside fails, not hangs
 

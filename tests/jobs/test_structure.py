@@ -86,10 +86,10 @@ class _SyscallLog:
 
 
 def test_an_ok_row_is_committed_only_after_its_data_file_is_durable(tiny_llama, tmp_path, monkeypatch):
+    from connectors.manifest_writer import ManifestWriter
     from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from corpus.tokenization import SAMPLE_SCHEMA
     from extractor import EngineConfig, SamplingParams
-    from jobs.manifest import ManifestWriter
-    from jobs.tokenization import SAMPLE_SCHEMA
     from jobs.worker import ExtractionWorker, WorkerSettings
 
     out = RunDir(str(tmp_path / "run"))

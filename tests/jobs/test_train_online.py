@@ -1,4 +1,4 @@
-"""`hsx train-drafter --online` (jobs/live.py, jobs/fanout.py): a drafter trained from a live extraction through Ray's object
+"""`hsx train-drafter --online` (training_jobs/live.py, training_jobs/fanout.py): a drafter trained from a live extraction through Ray's object
 store, nothing stored; the streamed states against a plain transformers forward; resume skips what was consumed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
-from jobs.tiny_models import sample_text
-from jobs.train_config import TrainJobConfig
+from reference.tiny_models import sample_text
+from training_jobs.config import TrainJobConfig
 
 pytestmark = [pytest.mark.ray]
 
@@ -36,11 +36,11 @@ def _config(tiny_llama, corpus, out, **kw) -> TrainJobConfig:
 
 
 def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, ray_cluster, tmp_path):
-    from jobs.live import LiveBatches, extraction_config, plan_stream
-    from jobs.sample_registry import DoneSet
+    from corpus.sample_registry import DoneSet
     from tests.extractor.oracle import load_reference, reference_states
     from training.collate import PackCollator
     from training.feed import CheckedFeed
+    from training_jobs.live import LiveBatches, extraction_config, plan_stream
 
     config = _config(tiny_llama, corpus, tmp_path / "out")
     plan = plan_stream(extraction_config(config))
@@ -63,7 +63,7 @@ def test_streamed_states_equal_a_plain_transformers_forward(tiny_llama, corpus, 
 def test_online_training_writes_only_its_out_and_a_resume_skips_what_it_trained_on(tiny_llama, corpus, ray_cluster,
                                                                                   tmp_path, capsys):
     from cli.main import main
-    from jobs.train import train_drafter
+    from training_jobs.train import train_drafter
 
     out = tmp_path / "online"
     before = set(os.listdir(tempfile.gettempdir()))
@@ -100,8 +100,8 @@ def test_an_online_training_killed_9_resumes_and_trains_on_the_rest_of_the_pass(
     import subprocess
     import sys
 
-    from jobs.train import train_drafter
     from tests.jobs.conftest import wait_for_file
+    from training_jobs.train import train_drafter
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "killed"
@@ -132,9 +132,9 @@ def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in
     epochs read it (the target runs once per sample in all); stopped after 2 steps and resumed, each epoch still
     trains on every sample once."""
     from connectors.manifest import ok_rows, read_manifest
-    from jobs.train import train_drafter
     from jobs.verify import verify_run
     from jobs.verify_config import VerifyConfig
+    from training_jobs.train import train_drafter
 
     out, cache = tmp_path / "hybrid", tmp_path / "cache"
     first = train_drafter(_config(tiny_llama, corpus, out, cache=str(cache), steps=2))
@@ -159,7 +159,7 @@ def test_a_cached_online_training_stores_the_first_pass_as_a_run_and_reads_it_in
 def test_fanout_trains_three_drafters_from_one_stream_each_as_if_alone(tiny_llama, corpus, ray_cluster, tmp_path):
     """--fanout: three trainers (two EAGLE-3 seeds and lrs, a Medusa) from one pass of the target; each trains on
     every sample once, and the first ends with the weights it reaches trained alone from its own stream."""
-    from jobs.train import train_drafter
+    from training_jobs.train import train_drafter
 
     fanout = tmp_path / "fanout.yaml"
     fanout.write_text(f"""trainers:
@@ -193,7 +193,7 @@ def test_online_extraction_captures_the_layers_the_families_declare_unless_extra
     from transformers import AutoConfig
 
     from extractor.layers import default_layer_ids
-    from jobs.live import extraction_config
+    from training_jobs.live import extraction_config
 
     n = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
     eagle3 = tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)} | {n}))
@@ -209,15 +209,15 @@ def test_online_extraction_captures_the_layers_the_families_declare_unless_extra
 
 
 def test_online_settings_are_checked_before_any_work(tiny_llama, corpus, tmp_path):
-    from jobs.train import train_drafter
+    from training_jobs.train import train_drafter
 
     with pytest.raises(ValueError, match="give --corpus FILES and no --run"):
         TrainJobConfig(online=True, model=tiny_llama, out=str(tmp_path / "o"))
-    from jobs.live import train_online
+    from training_jobs.live import train_online
 
     fanout = tmp_path / "fanout.yaml"
     fanout.write_text("trainers: []\n")
-    with pytest.raises(ValueError, match="call jobs.train.train_drafter"):  # one trainer never drops the others
+    with pytest.raises(ValueError, match="call training_jobs.train.train_drafter"):  # one trainer never drops the others
         train_online(_config(tiny_llama, corpus, tmp_path / "f", fanout=str(fanout)))
     assert not (tmp_path / "f").exists()
     for bad, match in [

@@ -1,4 +1,4 @@
-"""`hsx train-drafter --workers N` (jobs/train.py): data-parallel replicas on Ray Train (DDP over gloo on CPU)
+"""`hsx train-drafter --workers N` (training_jobs/train.py): data-parallel replicas on Ray Train (DDP over gloo on CPU)
 against the one-process trainer (the same global batches, the same result within tolerance), a replica killed,
 the driver killed."""
 
@@ -15,10 +15,10 @@ from collections import Counter
 import pytest
 import torch
 
-from jobs.train import train_drafter
-from jobs.train_config import TrainJobConfig
 from tests.jobs.conftest import wait_for_file
 from training.train_config import TrainDrafterConfig
+from training_jobs.config import TrainJobConfig
+from training_jobs.train import train_drafter
 
 pytestmark = [pytest.mark.ray]
 
@@ -159,8 +159,8 @@ def test_ray_train_folders_of_drivers_that_died_are_removed_at_start(tmp_path, m
     import socket
     import tempfile
 
-    from jobs.train import STORAGE_PREFIX
     from jobs.worker import own_temp_folder
+    from training_jobs.train import STORAGE_PREFIX
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(socket, "gethostname", lambda: "node-a")

@@ -61,7 +61,7 @@ def test_samples_whose_ids_sanitise_alike_both_survive_a_resume(ray_cluster, tin
 @pytest.fixture
 def own_model(tmp_path):
     """A tiny model in a folder of its own, so a test may re-write it."""
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     return build_tiny_model("llama", str(tmp_path / "model"), seed=0)
 
@@ -79,7 +79,7 @@ def test_weights_rewritten_in_place_are_refused_on_resume(own_model, tmp_path):
 
     from jobs.pipeline import prepare_job
     from jobs.runinfo import RunMismatch
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     config = _config(own_model, tmp_path)
     assert prepare_job(config).new_run
@@ -248,7 +248,7 @@ def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama
 # -- "invalid" rows: what hsx verify found bad is extracted again --------------------------------------------------
 def test_an_invalid_row_uncommits_a_sample_until_it_is_extracted_again(tmp_path):
     from connectors.manifest import committed_ids, new_attempt_id, ok_rows, write_manifest_part
-    from jobs.manifest import summarize
+    from connectors.manifest_writer import summarize
 
     run = RunDir(str(tmp_path))
 
@@ -394,8 +394,8 @@ def test_a_dead_registry_actor_costs_only_the_counts(ray_cluster, caplog):
 
     import ray
 
+    from corpus.sample_registry import DoneSet, id_keys, start_registry
     from jobs.pipeline import registry_stats
-    from jobs.sample_registry import DoneSet, id_keys, start_registry
 
     registry = start_registry(DoneSet(id_keys(["a"])), shards=2)
     assert registry_stats(registry) == {"skipped": 0, "duplicates": 0, "claimed": 0}

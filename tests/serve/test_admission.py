@@ -10,8 +10,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from reference.target import stdlib_corpus
 from serve.engine import max_bytes_per_token
-from training.reference_target import stdlib_corpus
 
 
 def stdlib_text(n_chars: int) -> str:

@@ -135,7 +135,7 @@ def test_a_draft_for_another_target_is_refused_in_one_line_before_ray_starts(ser
     their tensors, failed only when the replica loaded it (83 s, 201 lines): refused before Ray, exit 2."""
     import json
 
-    from jobs.tiny_models import build_tiny_model
+    from reference.tiny_models import build_tiny_model
 
     head = _eagle3_head(serve_model, str(tmp_path / "head"))
     wide = build_tiny_model("llama", str(tmp_path / "wide"), hidden_size=96)

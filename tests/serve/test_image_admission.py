@@ -19,7 +19,7 @@ FETCH_DEADLINE_S = 6.0
 
 @pytest.fixture(scope="module")
 def vl_engine(tmp_path_factory):
-    from jobs.tiny_models import build_tiny_vl_model
+    from reference.tiny_models import build_tiny_vl_model
     from serve.config import ServeConfig
     from serve.engine import Engine
 

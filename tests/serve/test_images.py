@@ -18,11 +18,11 @@ from PIL import Image, ImageDraw
 
 from connectors import KVTransferConfig, load_hidden_states
 from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
+from corpus.readers import expand_corpus, read_records
 from extractor import LLM, SamplingParams
-from jobs.corpus import expand_corpus, read_records
-from jobs.regenerate import regenerate
-from jobs.regenerate_config import RegenerateConfig
-from jobs.tiny_models import build_tiny_vl_model
+from reference.tiny_models import build_tiny_vl_model
+from regeneration.config import RegenerateConfig
+from regeneration.regenerate import regenerate
 from tests.extractor.conftest import spec_config
 from tests.image_servers import LoopbackServer, drip, png_bytes
 from tests.image_servers import image as served_image

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from jobs.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
+from reference.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
 from tests.serving import served
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}

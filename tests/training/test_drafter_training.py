@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from connectors import HiddenStatesSpec
-from jobs.train import train_drafter
 from tests.training.runs import random_samples, write_run
 from training.train_config import TrainDrafterConfig
+from training_jobs.train import train_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

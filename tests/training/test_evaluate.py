@@ -237,8 +237,8 @@ def test_hsx_eval_drafter_exits_1_when_a_drafter_could_not_be_evaluated(oracle_r
     MLPSpeculator's name for the target's hidden size.)"""
     from cli.args import EXIT_FAILED
     from cli.main import main
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     drafter = tmp_path / "mlp"
     train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(drafter), kind="mlp_speculator",

@@ -25,8 +25,8 @@ def _prompts(path, categories=None) -> str:
 @pytest.fixture(scope="module")
 def dollar_drafter(oracle_run, tiny_llama, tmp_path_factory) -> str:
     """An MLPSpeculator trained one step on the oracle run, in a folder named `x$_$`."""
-    from jobs.train import train_drafter
     from training.train_config import TrainDrafterConfig
+    from training_jobs.train import train_drafter
 
     out = tmp_path_factory.mktemp("odd-names") / "x$_$"
     train_drafter(TrainDrafterConfig(run=oracle_run[0], model=tiny_llama, out=str(out), kind="mlp_speculator",

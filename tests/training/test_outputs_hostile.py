@@ -15,9 +15,9 @@ import pytest
 from cli.args import EXIT_USAGE
 from connectors.lease import LeaseHeld, WriterLease
 from connectors.run import RunDir
-from jobs.train import train_drafter
 from tests.training.runs import small_train_config, tree_digest
 from training.loop import Loop
+from training_jobs.train import train_drafter
 
 
 @pytest.fixture
@@ -103,8 +103,8 @@ def test_checkpoint_and_log_dirs_of_their_own_are_leased_for_the_training(oracle
 
 
 def test_fanout_trainers_sharing_one_checkpoint_dir_are_refused(tiny_llama, tmp_path):
-    from jobs.fanout import fanout_configs
-    from jobs.train_config import TrainJobConfig
+    from training_jobs.config import TrainJobConfig
+    from training_jobs.fanout import fanout_configs
 
     (tmp_path / "corpus.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     (tmp_path / "fanout.json").write_text(json.dumps([{"out": str(tmp_path / "a")}, {"out": str(tmp_path / "b")}]))

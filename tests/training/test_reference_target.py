@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from training.reference_target import (
+from reference.target import (
     REPORT_NAME,
     ReferenceTargetConfig,
     build_reference_target,

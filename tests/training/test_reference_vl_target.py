@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from training.reference_vl_target import REPORT_NAME, Scene, VLTargetConfig, build_vl_target, chat, image_chats
+from reference.vl_target import REPORT_NAME, Scene, VLTargetConfig, build_vl_target, chat, image_chats
 
 
 def test_scenes_and_chats_are_deterministic_and_need_the_picture(tmp_path):

@@ -102,7 +102,7 @@ def _eagle3_head(model: str, layers: tuple[int, ...], out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from connectors import HiddenStatesSpec
-    from jobs.tiny_models import sample_text
+    from reference.tiny_models import sample_text
     from tests.training.runs import oracle_samples, write_run
 
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

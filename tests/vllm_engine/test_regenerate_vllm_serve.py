@@ -72,9 +72,9 @@ def test_hsx_regenerate_against_vllm_serve_stores_what_the_server_generated(vllm
 
     from connectors import load_hidden_states
     from connectors.manifest import ok_rows
-    from jobs.corpus import expand_corpus, read_records
-    from jobs.regenerate import regenerate
-    from jobs.regenerate_config import RegenerateConfig
+    from corpus.readers import expand_corpus, read_records
+    from regeneration.config import RegenerateConfig
+    from regeneration.regenerate import regenerate
     from tests.extractor.oracle import load_reference, reference_states
 
     corpus = tmp_path / "prompts.jsonl"

@@ -1,7 +1,7 @@
 """`hsx regenerate`: the target's own answers, from the OpenAI-compatible servers users already run (vLLM, SGLang,
 `hsx serve`), written as a new corpus that `hsx run` extracts prefill-only.
 
-    RegenerateConfig(...)                 the command's settings (flags map one to one): jobs/regenerate_config.py
+    RegenerateConfig(...)                 the command's settings (flags map one to one): regeneration/config.py
     prepare_regeneration(config) -> RegenerationPlan
                                           servers probed (each answers /v1/models and serves the model), OUTPUT's
                                           regenerate.json written or checked, the writer lease taken, settled ids
@@ -26,24 +26,24 @@ text only: the ids hold the reasoning).
 
 OUTPUT (local or any fsspec URL) is a run of its own kind, exactly once like `hsx run`'s: regenerate.json (what
 produced it; a re-run checks it), data parts of JSONL lines and the manifest rows that commit them, one row per input
-record, "ok" or "failed" (jobs/corpus_regenerated.py owns the layout, its writer and its reader). A re-run skips
+record, "ok" or "failed" (corpus/regenerated.py owns the layout, its writer and its reader). A re-run skips
 committed records and retries failed ones (not those failing for good, unless --retry-failed); after any kill every
 input ends with exactly one settled row. `hsx run --corpus OUTPUT` reads the committed records only, `hsx status
 OUTPUT` counts them.
 
 The job, in this module: a reader feeds the corpus's unsettled records to --concurrency workers per server, each
-regenerating one record at a time (jobs/regenerator.py: turn replay, answers parsed and checked by jobs/answers.py);
+regenerating one record at a time (regeneration/regenerator.py: turn replay, answers parsed and checked by regeneration/answers.py);
 their outcomes go to one committer, which commits them every --flush-rows records or --flush-seconds. Ctrl-C, a lost
 writer lease or a storage outage stops it early, keeping what was answered.
 
-Servers (jobs/server_pool.py): each gets --concurrency requests at once; a request goes to the live server with the
+Servers (regeneration/server_pool.py): each gets --concurrency requests at once; a request goes to the live server with the
 most free slots. A server that stops answering (connection refused or reset, 503, 429) is set aside with a growing back-off and its
 requests move to the others, or wait for it; a request fails (retried by the next run) only when no server answers
 for --server-wait-s. 500s and timeouts are retried --retries times with backoff (tenacity). 400, 413 and 422 (prompt
 too long, bad request) fail the record with the server's own message; other 4xx (Ray Serve's 404 while an app
 redeploys) set the server aside like one that does not answer. A server that answers what is not an OpenAI API
 is refused before work, or set aside for good mid-run. No answer is trusted further than it can be checked
-(jobs/answers.py): one is read up to --max-answer-bytes and no further, no redirect is followed (a prompt never goes
+(regeneration/answers.py): one is read up to --max-answer-bytes and no further, no redirect is followed (a prompt never goes
 to a server /v1/models did not vouch for), and generated ids beyond --max-tokens, or (with --tokenizer) ids that do
 not decode to the answer's text, fail that record alone, naming the server; the others go on.
 
@@ -62,13 +62,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.progress import progress_bar, set_total
 from connectors.lease import WriterLease
 from connectors.manifest import new_attempt_id
 from connectors.outputs import OutputFolder, corpus_inputs, within_output
 from connectors.run import RUN_JSON, RunDir, RunFormatError
-from jobs.answers import load_tokenizer
-from jobs.corpus import count_records, expand_corpus, read_records
-from jobs.corpus_regenerated import (
+from corpus.readers import count_records, expand_corpus, read_records
+from corpus.records import Record
+from corpus.regenerated import (
     REGEN_JSON,
     PartWriter,
     forget_finished,
@@ -77,12 +78,11 @@ from jobs.corpus_regenerated import (
     write_finished,
     write_spec,
 )
-from jobs.progress import progress_bar, set_total
-from jobs.records import Record
-from jobs.regenerate_config import RegenerateConfig
-from jobs.regenerator import Outcome, Regenerator
-from jobs.sample_registry import DoneSet, id_keys
-from jobs.server_pool import Pool, base_url
+from corpus.sample_registry import DoneSet, id_keys
+from regeneration.answers import load_tokenizer
+from regeneration.config import RegenerateConfig
+from regeneration.regenerator import Outcome, Regenerator
+from regeneration.server_pool import Pool, base_url
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""The regenerated corpus (`hsx regenerate`'s OUTPUT): its one owner. The regeneration (jobs/regenerate.py) writes
-it through this module, and `hsx run --corpus OUTPUT` (jobs/corpus.py), `hsx status` and the tests read it through it.
+"""The regenerated corpus (`hsx regenerate`'s OUTPUT): its one owner. The regeneration (regeneration/regenerate.py) writes
+it through this module, and `hsx run --corpus OUTPUT` (corpus/readers.py), `hsx status` and the tests read it through it.
 
     OUTPUT/regenerate.json                 what produced it (model, sampling, reasoning; the corpus files); a re-run
                                            checks it
@@ -24,7 +24,7 @@ The writer's side (the regeneration, in call order):
 
 The reader's side: committed records only, each through its manifest row — the byte range of its line in a data
 part, the line's checksum checked. A record over `max_record_bytes` (every corpus's record limit,
-jobs.corpus_jsonl.MAX_RECORD_BYTES) fails alone and is never read; a data part larger than PART_READ_BYTES is read a
+corpus.jsonl.MAX_RECORD_BYTES) fails alone and is never read; a data part larger than PART_READ_BYTES is read a
 record's byte range at a time.
     read_regenerated(file, id_field, storage_options, max_record_bytes)
                                         (position, Record) in commit order; the sample id is the manifest row's
@@ -62,13 +62,13 @@ from connectors.manifest import (
     referenced_paths,
     row_path_problem,
 )
+from connectors.manifest_writer import ManifestWriter
 from connectors.run import RunDir, RunFormatError
 from connectors.storage import retrying
-from jobs.manifest import ManifestWriter
-from jobs.records import CorpusFile, Record
+from corpus.records import CorpusFile, Record
 
 REGEN_JSON = "regenerate.json"
-"""What makes a folder a regenerated corpus (its settings: jobs/regenerate_config.py)."""
+"""What makes a folder a regenerated corpus (its settings: regeneration/config.py)."""
 REGEN_FORMAT = "hsx.regenerated"
 REGEN_VERSION = "1"
 DATA_PREFIX = "data/part-"
@@ -122,7 +122,7 @@ def write_finished(run: RunDir, attempt: str, ok: int, failed: int, stopped: str
 
 
 class Settled(Protocol):
-    """What the writer commits of one input record (jobs.regenerator.Outcome is one)."""
+    """What the writer commits of one input record (regeneration.regenerator.Outcome is one)."""
 
     sample_id: str
     source: str

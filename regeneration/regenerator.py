@@ -1,5 +1,5 @@
-"""One record of a corpus regenerated through the server pool, as `hsx regenerate` does it (jobs/regenerate.py):
-the record is read as `hsx run` reads it, each answer is asked for, read (jobs/answers.py) and checked, and the
+"""One record of a corpus regenerated through the server pool, as `hsx regenerate` does it (regeneration/regenerate.py):
+the record is read as `hsx run` reads it, each answer is asked for, read (regeneration/answers.py) and checked, and the
 regenerated record is assembled.
 
     Regenerator(pool, config, model, tokenizer=None)
@@ -23,12 +23,12 @@ from typing import Any
 
 import xxhash
 
+from corpus.chat import normalize_messages
+from corpus.tokenization import SampleError, parse_record, pretokenized
 from extractor.chat_content import OPENAI
-from jobs.answers import NotAnAPI, Turn, ids_problem, parse_chat, parse_completion, text_problem
-from jobs.chat import normalize_messages
-from jobs.regenerate_config import RegenerateConfig
-from jobs.server_pool import BadAnswer, NoServer, Pool, Refused, Transient
-from jobs.tokenization import SampleError, parse_record, pretokenized
+from regeneration.answers import NotAnAPI, Turn, ids_problem, parse_chat, parse_completion, text_problem
+from regeneration.config import RegenerateConfig
+from regeneration.server_pool import BadAnswer, NoServer, Pool, Refused, Transient
 
 _CHAT_KEYS = ("messages", "conversations")
 """The chat records' keys (OpenAI's and ShareGPT's), as `hsx run` reads them."""

@@ -150,7 +150,7 @@ def build_tiny_vl_model(out_dir: str, *, seed: int = 0, dtype: str = "float32", 
     import torch
     import transformers
 
-    from training.reference_vl_target import save_vl_target, vl_config, vl_tokenizer
+    from reference.vl_target import save_vl_target, vl_config, vl_tokenizer
 
     tokenizer = vl_tokenizer(build_tokenizer(out_dir))
     torch.manual_seed(seed)

@@ -1,9 +1,9 @@
 """`hsx train-drafter`: the one train_drafter, which picks where a training session runs, and the data-parallel
 replicas on Ray Train.
 
-    train_drafter(config) -> report   a TrainDrafterConfig, or a TrainJobConfig (jobs.train_config) that trains
+    train_drafter(config) -> report   a TrainDrafterConfig, or a TrainJobConfig (training_jobs.config) that trains
                                       in this process: training.trainer.Trainer over a StoredRun; with --online:
-                                      jobs.live.train_online; with --online --fanout: jobs.fanout.train_fanout;
+                                      training_jobs.live.train_online; with --online --fanout: training_jobs.fanout.train_fanout;
                                       with --workers N or --address: train_on_ray
     train_on_ray(config) -> report    the same session, its steps on N replicas (RayTrain: TorchTrainer, DDP over
                                       gloo on CPU, NCCL on GPU)
@@ -39,9 +39,6 @@ import torch
 
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster
 from connectors.lease import LeaseLost
-from jobs.fanout import train_fanout
-from jobs.live import train_online
-from jobs.train_config import TrainJobConfig
 from jobs.worker import own_temp_folder
 from training.checkpoint import Checkpoints, read_checkpoint, run_identity
 from training.checks import open_dataset
@@ -50,6 +47,9 @@ from training.loop import Loop
 from training.replicas import TorchDistributed
 from training.train_config import TrainDrafterConfig, checkpoint_folder
 from training.trainer import StoredRun, Trainer
+from training_jobs.config import TrainJobConfig
+from training_jobs.fanout import train_fanout
+from training_jobs.live import train_online
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ _FATAL = {"TrainingStopped": TrainingStopped, "LeaseLost": LeaseLost, "ValueErro
 def train_drafter(config: TrainDrafterConfig) -> dict[str, Any]:
     """Train `config.kind`: in this process on a stored run, or (a TrainJobConfig's --online, --fanout, --workers,
     --address) on Ray. The report (training.trainer's; on Ray Train plus "worker_restarts", --online plus "online";
-    --fanout: jobs.fanout.train_fanout's), also in OUT/report.json."""
+    --fanout: training_jobs.fanout.train_fanout's), also in OUT/report.json."""
     if isinstance(config, TrainJobConfig):
         if config.online and config.fanout:
             return train_fanout(config)

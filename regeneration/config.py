@@ -18,8 +18,8 @@ from typing import Any
 
 from connectors.storage import parse_storage_options
 from extractor.options import flag
-from jobs.answers import answer_cap
-from jobs.server_pool import PoolSettings
+from regeneration.answers import answer_cap
+from regeneration.server_pool import PoolSettings
 
 API_KEY_ENVS = ("HSX_REGENERATE_API_KEY", "OPENAI_API_KEY")
 REASONING = ("keep", "strip")
@@ -140,7 +140,7 @@ class RegenerateConfig:
         return answer_cap(self.max_tokens, self.max_answer_bytes)
 
     def pool_settings(self) -> PoolSettings:
-        """What the server pool (jobs.server_pool) takes of these settings."""
+        """What the server pool (regeneration.server_pool) takes of these settings."""
         return PoolSettings(api_key=self.api_key, concurrency=self.concurrency, request_timeout_s=self.request_timeout_s,
                             retries=self.retries, server_wait_s=self.server_wait_s, answer_cap=self.answer_cap())
 

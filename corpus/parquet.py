@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import fsspec
 import pyarrow as pa
 
-from jobs.records import CorpusFile, Record, record_from_obj, record_id
+from corpus.records import CorpusFile, Record, record_from_obj, record_id
 
 
 def read_parquet(file: CorpusFile, id_field: str, storage_options: dict | None) -> Iterator[tuple[int, Record]]:

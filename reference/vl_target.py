@@ -13,7 +13,7 @@ the picture gives.
                                              them (image_url parts with the file's name): a corpus for `hsx run`
     vl_config(tokenizer, family=) / vl_tokenizer(tokenizer) / save_vl_target(model, tokenizer, dir)
                                              a Qwen2.5-VL / Qwen3-VL config, tokenizer and folder (with its image
-                                             processor): what this target and jobs.tiny_models' random ones are
+                                             processor): what this target and reference.tiny_models' random ones are
 
 Training and held-out scenes come from different seeds. The build caches by a digest of the config, this module's
 BUILD_VERSION and the torch / transformers versions under CACHE_ROOT/<digest>/ (built under a temporary name, renamed
@@ -149,7 +149,7 @@ def vl_tokenizer(tokenizer):
 
 def default_cache_root() -> str:
     """$HSX_CACHE/reference-vl-target, else ~/.cache/hsx/reference-vl-target."""
-    from training.reference_target import cache_folder
+    from reference.target import cache_folder
 
     return cache_folder("reference-vl-target")
 
@@ -315,7 +315,7 @@ def build_vl_target(config: VLTargetConfig | None = None, *, progress: bool = Tr
 
 
 def _tokenizer(out_dir: str):
-    from training.reference_target import build_tokenizer
+    from reference.target import build_tokenizer
 
     rng = random.Random(12345)
     texts = []
@@ -445,7 +445,7 @@ def _heldout_accuracy(model, processor, config: VLTargetConfig) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m training.reference_vl_target [--steps N]: build (or find) the reference VL target, print it."""
+    """python -m reference.vl_target [--steps N]: build (or find) the reference VL target, print it."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)

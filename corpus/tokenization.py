@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from jobs.chat import ChatEncoder, normalize_messages
-from jobs.corpus import RECORD_SCHEMA, invalid_unicode, short_repr, storable_text
+from corpus.chat import ChatEncoder, normalize_messages
+from corpus.readers import RECORD_SCHEMA, invalid_unicode, short_repr, storable_text
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     LiveStream(config, plan)           the session's data: checks against the stream's run spec, the corpus's tokens
                                        for Drafter.prepare, LiveBatches, the stream's counts for report.json
     LiveBatches                        one pass over the corpus through `hsx run`'s stages, as packed batches
-    StreamHub                          one live extraction feeding several trainers (--fanout: jobs/fanout.py)
+    StreamHub                          one live extraction feeding several trainers (--fanout: training_jobs/fanout.py)
     CorpusTokens                       the corpus's tokens, tokenized here (EAGLE-3's draft vocabulary pass)
     extraction_config / plan_stream / stream_identity   the `hsx run` settings, plan and identity of the stream
     stream_layers(config, trainers)    the layers it captures by default: what the trainers' families read
@@ -20,7 +20,7 @@ batches of --batch-tokens. Nothing is stored anywhere but --out.
 
 Backpressure: Ray Data holds at most --inflight-mb of object-store memory for the stream's blocks
 (ExecutionOptions.resource_limits); when the trainer is slower than the extraction, the workers wait.
-Resume: a checkpoint records the ids of the samples the epoch has trained on (8-byte keys, jobs.sample_registry.id_keys);
+Resume: a checkpoint records the ids of the samples the epoch has trained on (8-byte keys, corpus.sample_registry.id_keys);
 a resumed training's stream skips them (the registry's done set), so it trains on the rest of the pass. Samples
 extracted but not trained on when the training stopped are extracted again. Each further epoch is a new pass
 (the target runs again). EAGLE-3's draft vocabulary comes from a tokens-only pass over the corpus before training
@@ -50,11 +50,14 @@ from connectors.format import HIDDEN_STATES, LOSS_MASK, TARGET_TOPK_IDS, TARGET_
 from connectors.manifest import OK, new_attempt_id, ok_rows, row_file_problem, sample_range
 from connectors.reader import read_rows
 from connectors.run import RunDir
+from corpus.readers import expand_corpus, read_records
+from corpus.records import records_table
+from corpus.sample_registry import DoneSet, id_keys, start_registry
+from corpus.tokenization import TokenizeStage
 from drafters.base import TargetHead
 from drafters.registry import default_layer_ids, family_features
 from extractor.facts import text_config
 from jobs.config import JobConfig
-from jobs.corpus import expand_corpus, read_records
 from jobs.model import ModelFacts
 from jobs.pipeline import (
     JobPlan,
@@ -68,16 +71,13 @@ from jobs.pipeline import (
     tokenize_settings,
     tokens_per_unit,
 )
-from jobs.records import records_table
 from jobs.runinfo import build_run_spec
-from jobs.sample_registry import DoneSet, id_keys, start_registry
-from jobs.tokenization import TokenizeStage
-from jobs.train_config import TrainJobConfig
 from training.checks import check_layers, open_dataset, target_config
 from training.collate import PackCollator
 from training.feed import CheckedFeed, RunBatches
 from training.replicas import OneProcess
 from training.trainer import Checked, Trainer
+from training_jobs.config import TrainJobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -541,8 +541,8 @@ def train_online(config: TrainJobConfig) -> dict[str, Any]:
     """Train `config.kind` from a live extraction of `config.corpus`; the report (the trainer's, plus "online":
     samples extracted and failed, passes, the target's forward count, the peak of the object store)."""
     if config.fanout:
-        raise ValueError(f"--fanout {config.fanout} trains several drafters: call jobs.train.train_drafter (or "
-                         "jobs.fanout.train_fanout), not train_online, which trains one")
+        raise ValueError(f"--fanout {config.fanout} trains several drafters: call training_jobs.train.train_drafter (or "
+                         "training_jobs.fanout.train_fanout), not train_online, which trains one")
     plan = plan_stream(extraction_config(config))
     stream = LiveStream(config, plan)
     trainer = Trainer(config, stream)  # every check before the stream starts

@@ -3,8 +3,8 @@ TrainDrafterConfig (what one process needs to train on a stored run) with the se
 jobs.config.JobConfig extends extractor.options.EngineOptions: flags map one to one onto its fields.
 
     TrainJobConfig(...)          validated in __post_init__ (the trainer's checks, then these); errors name the flag
-    config.distributed()         --workers > 1 or an --address: data-parallel replicas on Ray Train (jobs/train.py)
-    --online / --fanout          a live extraction feeds one trainer (jobs/live.py) or several (jobs/fanout.py)
+    config.distributed()         --workers > 1 or an --address: data-parallel replicas on Ray Train (training_jobs/train.py)
+    --online / --fanout          a live extraction feeds one trainer (training_jobs/live.py) or several (training_jobs/fanout.py)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class TrainJobConfig(TrainDrafterConfig):
                              "drop --snapshot")
 
     def distributed(self) -> bool:
-        """Whether this training runs on Ray (jobs.train): --workers > 1 or an --address."""
+        """Whether this training runs on Ray (training_jobs.train): --workers > 1 or an --address."""
         return self.workers > 1 or bool(self.address)
 
     def reads_run(self) -> bool:

@@ -1,4 +1,4 @@
-"""A corpus record and the text rules every reader applies (jobs/corpus.py reads files into them by format).
+"""A corpus record and the text rules every reader applies (corpus/readers.py reads files into them by format).
 
     CorpusFile(url, format)            one corpus file; .tag prefixes its records' derived sample ids
     Record(sample_id, source, payload=, error=)

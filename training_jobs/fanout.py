@@ -2,9 +2,9 @@
 once per sample and pass for all of them).
 
     train_fanout(config) -> {"trainers": [...], "online": ...}   one training session per trainer
-                                        (training.trainer.Trainer over jobs.live.LiveStream), one stream for all
+                                        (training.trainer.Trainer over training_jobs.live.LiveStream), one stream for all
     fanout_configs(config)              the trainers of --fanout FILE, each over the command's settings
-    FanoutBatches                       one trainer's share of the hub's stream (jobs.live.StreamHub), packed to its
+    FanoutBatches                       one trainer's share of the hub's stream (training_jobs.live.StreamHub), packed to its
                                         own --batch-tokens
 """
 
@@ -22,12 +22,12 @@ import numpy as np
 import yaml
 
 from cluster.session import first_line, ray_cluster
-from jobs.live import LiveBatches, LiveStream, StreamHub, extraction_config, plan_stream, run_online
-from jobs.sample_registry import DoneSet, id_keys
-from jobs.train_config import TrainJobConfig
+from corpus.sample_registry import DoneSet, id_keys
 from training.feed import CheckedFeed
 from training.train_config import checkpoint_folder, log_folder
 from training.trainer import Trainer
+from training_jobs.config import TrainJobConfig
+from training_jobs.live import LiveBatches, LiveStream, StreamHub, extraction_config, plan_stream, run_online
 
 logger = logging.getLogger(__name__)
 

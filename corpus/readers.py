@@ -6,9 +6,9 @@
     read_stage(files_batch, ...) -> Iterator[pa.Table]            the Ray Data read stage (RECORD_SCHEMA blocks)
     READERS                                                       format -> (reader, counter, what a position is)
 
-Formats, one module each: JSONL (jobs/corpus_jsonl.py: .jsonl, .ndjson, .json; .gz/.bz2/.xz/.zst compressed too)
-and Parquet (jobs/corpus_parquet.py, read in row batches). What a record is and the text rules every reader applies
-(sample ids, storable errors): jobs/records.py.
+Formats, one module each: JSONL (corpus/jsonl.py: .jsonl, .ndjson, .json; .gz/.bz2/.xz/.zst compressed too)
+and Parquet (corpus/parquet.py, read in row batches). What a record is and the text rules every reader applies
+(sample ids, storable errors): corpus/records.py.
 
 A record's sample id is its `id_field` value when present, else `<file stem>-<hash of the file URL>-<line>` (line
 1-based in JSONL, row 0-based in Parquet) — stable across re-runs over the same files. The record itself travels on
@@ -29,10 +29,9 @@ from typing import NamedTuple
 import fsspec
 import pyarrow as pa
 
-from jobs.corpus_jsonl import MAX_RECORD_BYTES, count_lines, read_jsonl
-from jobs.corpus_parquet import count_rows, read_parquet
-from jobs.corpus_regenerated import REGEN_JSON, count_committed, read_following, read_regenerated
-from jobs.records import (
+from corpus.jsonl import MAX_RECORD_BYTES, count_lines, read_jsonl
+from corpus.parquet import count_rows, read_parquet
+from corpus.records import (
     COMPRESSION_SUFFIXES,
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -44,7 +43,8 @@ from jobs.records import (
     short_repr,
     storable_text,
 )
-from jobs.sample_registry import SKIP, claim_block
+from corpus.regenerated import REGEN_JSON, count_committed, read_following, read_regenerated
+from corpus.sample_registry import SKIP, claim_block
 
 __all__ = ["BLOCK_BYTES", "MAX_RECORD_BYTES", "READERS", "RECORD_SCHEMA", "CorpusFile", "Record", "count_records",
            "expand_corpus", "file_format", "invalid_unicode", "read_records", "read_stage", "short_repr",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import fsspec
 
-from jobs.records import COMPRESSION_SUFFIXES, CorpusFile, Record, record_from_obj
+from corpus.records import COMPRESSION_SUFFIXES, CorpusFile, Record, record_from_obj
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
         .report          reference_target.json: losses, held-out perplexity, corpus and timing
     stdlib_corpus(heldout_fraction) -> (train, heldout)   the corpus split, by a hash of each file's relative path
 
-Random-weight models (jobs/tiny_models.py) measure machinery; a drafter's acceptance length on them says nothing.
+Random-weight models (reference/tiny_models.py) measure machinery; a drafter's acceptance length on them says nothing.
 This target has learned something real — Python source, which ships with every Python (no downloads) — so a drafter
 trained on its hidden states can be accepted or not for reasons that matter.
 
@@ -611,7 +611,7 @@ def _train(model, optimizer, train_blocks, g, config: ReferenceTargetConfig, pro
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m training.reference_target [--steps N] [--threads T]: build (or find) the default target, print it."""
+    """python -m reference.target [--steps N] [--threads T]: build (or find) the default target, print it."""
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)

@@ -1,4 +1,4 @@
-"""A server's answer as `hsx regenerate` reads it (jobs/regenerate.py), and what it must be before its record is
+"""A server's answer as `hsx regenerate` reads it (regeneration/regenerate.py), and what it must be before its record is
 kept: a server is a peer the job does not control, so its bytes are bounded, its JSON is read into a Turn only where
 it has an OpenAI completion's shape, and its token ids are checked against what was asked and what it said.
 
