@@ -13,6 +13,10 @@
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
     methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)
+    engines.py      the engine seam: Engine (what a worker holds), EngineKind (one engine described without loading
+                    it), the registry `--engine` chooses from (filled from the `hsx.engines` entry points)
+    hsx_kind.py     hsx's own engine (LLM) as an engine kind, `--engine hsx`
+    plugins.py      plug-ins by entry point (installed, or declared in this source tree's pyproject.toml)
     norm.py         FinalNorm: the target's final norm, found by structure (the model's own module, weights from the
                     checkpoint)
     head.py         LogitsHead: final norm, lm_head and the family's logits transform, checked against the model

@@ -7,40 +7,18 @@ the drafters package fills, so the engine finds a proposer without naming a pack
     families()            name -> family: every `hsx.drafters` entry point, loaded the first time, plus registered ones
     family(name)          one, or None
     ENTRY_POINT_GROUP     "hsx.drafters": `name = "module:OBJECT"` in a package's pyproject, the way vLLM loads its
-                          plugins; hsx's own families are declared in its pyproject.toml
-
-Run from a source tree that is not installed (PYTHONPATH, as benchmarks/gpu_check.sh does) or installed before a
-family was added, the installed metadata lacks some of hsx's own entry points: those declared in the tree's
-pyproject.toml are read from it too.
+                          plugins; hsx's own families are declared in its pyproject.toml (extractor.plugins also
+                          reads them from a source tree that is not installed)
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import re
 import threading
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol, runtime_checkable
 
-logger = logging.getLogger(__name__)
+from extractor.plugins import load_group
 
 ENTRY_POINT_GROUP = "hsx.drafters"
-_PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
-
-
-def _source_tree_entry_points() -> list[EntryPoint]:
-    """The group's entry points as this source tree's pyproject.toml declares them ([] when there is none)."""
-    try:
-        with open(_PYPROJECT, encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
-        return []
-    section = re.search(r'^\[project\.entry-points\."hsx\.drafters"\]\s*$(.*?)(?=^\[|\Z)', text, re.M | re.S)
-    if section is None:
-        return []
-    return [EntryPoint(name, value, ENTRY_POINT_GROUP)
-            for name, value in re.findall(r'^\s*([\w-]+)\s*=\s*"([^"]+)"', section.group(1), re.M)]
 
 
 @runtime_checkable
@@ -90,19 +68,8 @@ def families() -> dict[str, DrafterMethod]:
     global _loaded
     with _lock:
         if not _loaded:
-            installed = list(entry_points(group=ENTRY_POINT_GROUP))
-            known = {ep.name for ep in installed}
-            for ep in installed + [ep for ep in _source_tree_entry_points() if ep.name not in known]:
-                try:
-                    found = ep.load()
-                except Exception as e:  # a broken plugin must not take the others down: say which and why
-                    logger.warning("drafter family %r (%s) could not be loaded: %s", ep.name, ep.value, e)
-                    continue
-                if not isinstance(found, DrafterMethod) or found.name != ep.name:
-                    logger.warning("entry point %r (%s) is not a drafter family named %r; ignored", ep.name,
-                                   ep.value, ep.name)
-                    continue
-                _families.setdefault(found.name, found)
+            for name, found in load_group(ENTRY_POINT_GROUP, "drafter family", DrafterMethod).items():
+                _families.setdefault(name, found)
             _families.update(_registered)
             _loaded = True
         return dict(_families)

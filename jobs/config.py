@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connectors.storage import parse_storage_options
+from extractor.engines import DEFAULT, EngineFlags, EngineKind, engine_kind
 from extractor.options import EngineOptions, flag, flag_errors
 from regeneration.config import RegenerateConfig
 
@@ -69,10 +70,11 @@ class JobConfig(EngineOptions):
     """fsspec options for reading the corpus, as JSON (e.g. {"client_kwargs": {"endpoint_url": ...}})."""
 
     # -- execution -------------------------------------------------------------------------------------------------
-    engine: str = "hsx"
+    engine: str = DEFAULT
     """What runs the target: hsx (its own engine: any Hugging Face causal LM through transformers, exact, no vLLM
     needed) or vllm (real vLLM with hsx's connector plug-in: vLLM's kernels, model coverage and parallelism; needs
-    vLLM installed where the workers run, docs/engines.md). The files, manifest and resume are the same."""
+    vLLM installed where the workers run, docs/engines.md), or another installed engine (`hsx.engines` entry points).
+    The files, manifest and resume are the same."""
     tensor_parallel_size: int = 1
     """--engine vllm: devices one engine spans by tensor parallelism; each worker reserves tensor x pipeline
     parallel size devices on one node (GPUs; on CPU, cores) and runs vLLM's ranks inside."""
@@ -195,34 +197,24 @@ class JobConfig(EngineOptions):
             raise ValueError("--id-field is empty; name the record field holding sample ids (default: id)")
         object.__setattr__(self, "vllm_args", parse_storage_options(self.vllm_args, "--vllm-args",
                                                                     example='{"gpu_memory_utilization": 0.85}'))
-        self.vllm_settings()
+        self.engine_settings()
         self.sampling_params()
         self.check_engine()  # the engine's and the connector's own checks, on the objects the workers will get
 
     def connector_settings(self) -> dict[str, Any]:
         return {**super().connector_settings(), "write_retry_s": float(self.storage_retry_seconds)}
 
-    def vllm_settings(self):
-        """--engine vllm's VllmSettings (None for --engine hsx); ValueError naming the flag that does not fit."""
-        from vllm_engine.options import ENGINES, VllmSettings  # no vLLM: names and checks only
+    def engine_kind(self) -> EngineKind:
+        """--engine's kind (extractor.engines: the `hsx.engines` entry points); ValueError listing the engines there
+        are for a name that is none of them."""
+        return engine_kind(self.engine)
 
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine {self.engine!r} is not an engine; use hsx (the default) or vllm")
-        parallel = {"tensor_parallel_size": self.tensor_parallel_size,
-                    "pipeline_parallel_size": self.pipeline_parallel_size}
-        if self.engine == "hsx":
-            given = [flag(k) for k, v in parallel.items() if v != 1]
-            given += ["--enable-expert-parallel"] if self.enable_expert_parallel else []
-            given += ["--vllm-args"] if self.vllm_args else []
-            if given:
-                raise ValueError(f"{', '.join(given)}: settings of vLLM's engine; add --engine vllm (hsx's engine "
-                                 "runs one model copy per worker)")
-            return None
-        if self.target != "states":
-            raise ValueError(f"--target {self.target} needs the final norm and lm_head applied inside the engine; "
-                             "--engine vllm stores layer states: use --engine hsx for a top-k target")
-        return VllmSettings(enable_expert_parallel=self.enable_expert_parallel, engine_args=dict(self.vllm_args),
-                            **parallel)
+    def engine_settings(self) -> Any:
+        """The engine's settings from this job's flags (--engine vllm: vllm_engine.options.VllmSettings; hsx: None);
+        ValueError naming the flag that does not fit the engine."""
+        return self.engine_kind().settings(EngineFlags(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel, vllm_args=dict(self.vllm_args), target=self.target))
 
     def regenerate_config(self):
         """hsx regenerate's settings for --regenerate-with (regeneration.config.RegenerateConfig)."""
@@ -258,14 +250,12 @@ class JobConfig(EngineOptions):
                 raise ValueError(f"{flag(name)} is required (or key {name!r} in the --config file)")
 
     def check_engine_installed(self) -> None:
-        """ValueError (one line) when --engine vllm runs on a private local Ray and vLLM does not import here; on a
-        cluster of one's own (--address, $RAY_ADDRESS) the workers' environment decides."""
-        if self.engine == "vllm" and not (self.address or os.environ.get("RAY_ADDRESS")):
-            from vllm_engine.options import vllm_missing
-
-            missing = vllm_missing()
+        """ValueError (one line) when the engine runs on a private local Ray and does not import here (--engine vllm
+        without vLLM); on a cluster of one's own (--address, $RAY_ADDRESS) the workers' environment decides."""
+        if not (self.address or os.environ.get("RAY_ADDRESS")):
+            missing = self.engine_kind().missing()
             if missing:
-                raise ValueError(f"--engine vllm: {missing}")
+                raise ValueError(f"--engine {self.engine}: {missing}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values, keyed by field name (the job-file format)."""

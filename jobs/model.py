@@ -44,7 +44,9 @@ class ModelFacts(TargetFacts):
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {config.model!r}: cannot read its config ({e}). Pass a local model folder or "
                              "a hub id that is already downloaded") from e
-        if config.engine == "hsx":  # what hsx's engine builds (vLLM decides for --engine vllm)
+        # hsx's engine: what transformers builds and packs (vLLM decides for itself, extractor.engines)
+        checks_model = config.engine_kind().checks_model
+        if checks_model:
             check_runnable(hf, model)
         # the default layers serve every registered family (what each declares it reads: drafters.features)
         layer_ids = config.layers or default_layer_ids(int(text_config(hf).num_hidden_layers))
@@ -52,7 +54,7 @@ class ModelFacts(TargetFacts):
         f = target_facts(hf, model=model, revision=config.revision, layer_ids=layer_ids, dtype=config.dtype,
                          max_model_len=config.max_model_len, layers_flag="--layers", target=config.engine_target,
                          target_flag="--target")
-        if config.engine == "hsx":  # what hsx's engine packs (vLLM decides for --engine vllm)
+        if checks_model:  # what hsx's engine packs
             from extractor.packing import check_packing_mode  # torch
 
             check_packing_mode(hf, config.packing, model)

@@ -186,8 +186,8 @@ def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
 
     resources = ray.cluster_resources()
     available, cpus = resources.get("GPU", 0), resources.get("CPU", 0)
-    vllm = config.vllm_settings()
-    ranks = vllm.devices if vllm is not None else 1  # an engine of T x P ranks: a gang of that many devices
+    gang = config.engine_kind().ranks(config.engine_settings())  # an engine of T x P ranks: that many whole devices
+    ranks = gang or 1
     gpus = config.gpus_per_worker if config.gpus_per_worker is not None else gpus_default() * ranks
     others = TOKENIZER_CPUS * config.tokenizer_workers + READ_TASK_CPUS
     per_worker = config.cpus_per_worker
@@ -198,13 +198,13 @@ def resolve_resources(config: JobConfig, local: bool) -> tuple[float, float]:
                                default=cpus)
             per_worker = float(max(ranks, min(int((cpus - others) // config.workers), int(largest_node))))
     need_cpus = config.workers * per_worker + others
-    if vllm is not None and (0 < gpus < ranks or (gpus == 0 and per_worker < ranks)):
+    if gang is not None and (0 < gpus < ranks or (gpus == 0 and per_worker < ranks)):
         given = f"--gpus-per-worker {gpus:g}" if gpus else f"--cpus-per-worker {per_worker:g}"
         raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = {ranks} vLLM ranks need {ranks} "
                          f"{'GPUs' if gpus else 'cores'} per worker, {given}; raise it or lower the parallel sizes")
-    if vllm is not None and gpus != int(gpus):
-        raise ValueError(f"--engine vllm with --gpus-per-worker {gpus:g}: each vLLM rank takes a whole GPU; give a "
-                         f"whole number ({ranks} for {ranks} rank{'s' if ranks > 1 else ''})")
+    if gang is not None and gpus != int(gpus):
+        raise ValueError(f"--engine {config.engine} with --gpus-per-worker {gpus:g}: each vLLM rank takes a whole "
+                         f"GPU; give a whole number ({ranks} for {ranks} rank{'s' if ranks > 1 else ''})")
     problems = []
     largest_gpus = max((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
     if gpus > 1 and gpus > largest_gpus:  # one worker's GPUs are reserved on one node (one engine's ranks stay there)
@@ -246,7 +246,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
         connector=dataclasses.replace(c.connector_config(), shared_storage_path=plan.output.url),
         run=plan.spec, cpu_threads=None if gpus_per_worker > 0 else max(1, int(cpus_per_worker)),
         on_nonfinite=c.on_nonfinite, layout=layout or c.layout, attempt=attempt, engine_kind=c.engine,
-        vllm=c.vllm_settings(), max_prompt_tokens=f.max_model_len - c.max_tokens, overlength=c.overlength)
+        engine_settings=c.engine_settings(), max_prompt_tokens=f.max_model_len - c.max_tokens,
+        overlength=c.overlength)
     ds = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 1024)))
     ds = ds.map_batches(read_stage, batch_size=1, batch_format="pyarrow", num_cpus=READ_TASK_CPUS,
                         fn_kwargs={"id_field": c.id_field, "storage_options": c.corpus_storage_options,

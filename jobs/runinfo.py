@@ -88,8 +88,7 @@ def engine_quantization(config: JobConfig) -> str:
     """What the engine does to the weights beyond the checkpoint, as run.json records it: vLLM's on-the-fly
     quantization (--engine vllm --vllm-args '{"quantization": "fp8"}'); "" for none (hsx's engine runs the checkpoint
     as transformers loads it: a quantized one is said in the worker's log, and run.json's model_quantization)."""
-    method = (config.vllm_args or {}).get("quantization") if config.engine == "vllm" else None
-    return f"{method} (vLLM, on the fly)" if method else ""
+    return config.engine_kind().quantization(config.engine_settings())
 
 
 def _image_processing(config: JobConfig, facts: ModelFacts) -> dict[str, int]:

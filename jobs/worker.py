@@ -1,5 +1,5 @@
-"""The extraction worker: one engine (`extractor.LLM`) for the actor's lifetime, a batch of samples in, manifest
-rows out.
+"""The extraction worker: one engine for the actor's lifetime (built by the engine kind --engine names,
+extractor.engines: hsx's `extractor.LLM`, vLLM's `VllmEngine`), a batch of samples in, manifest rows out.
 
     WorkerSettings          the typed configs the driver built and checked (engine, sampling, connector) and the
                             file spec it recorded in run.json
@@ -37,7 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors import KVTransferConfig, read_hidden_states_info
+from connectors import read_hidden_states_info
 from connectors.manifest import FAILED, OK, RESULT_SCHEMA, SKIPPED
 from connectors.run import RunDir, RunSpec
 from connectors.safetensors_connector import HiddenStatesConnectorConfig
@@ -46,7 +46,8 @@ from connectors.storage import retrying
 from connectors.writer import named_thread_pool
 from corpus.readers import storable_text
 from corpus.tokenization import SAMPLE_SCHEMA
-from extractor import LLM, EngineConfig, SamplingParams
+from extractor import EngineConfig, SamplingParams
+from extractor.engines import DEFAULT, engine_kind
 from extractor.media import ImageUnavailable
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,12 @@ class WorkerSettings:
     that reads the stream (training_jobs/live.py)."""
     attempt: str = ""
     """The job attempt's id: the folder of its shards (an orphan is removed only by the attempt or a later one)."""
-    engine_kind: str = "hsx"
-    """"hsx": hsx's engine (extractor.LLM); "vllm": real vLLM with hsx's plug-in (vllm_engine.engine.VllmEngine)."""
-    vllm: Any = None
-    """vllm_engine.options.VllmSettings of a "vllm" worker: its parallel sizes and further engine arguments."""
+    engine_kind: str = DEFAULT
+    """The engine's name in extractor.engines' registry (--engine): hsx's engine (extractor.LLM), real vLLM with
+    hsx's plug-in (vllm_engine.engine.VllmEngine), or another installed engine."""
+    engine_settings: Any = None
+    """The engine kind's settings (JobConfig.engine_settings: vLLM's parallel sizes and further arguments; None for
+    hsx's engine)."""
     max_prompt_tokens: int | None = None
     """The limit an image sample is held to once the processor has expanded it (text samples were limited when
     tokenized): max_model_len minus max_tokens."""
@@ -87,11 +90,12 @@ class WorkerSettings:
 class ExtractionWorker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
+        self.kind = engine_kind(settings.engine_kind)
         self.output = RunDir(settings.connector.shared_storage_path, settings.connector.storage_options)
         # where the connector writes: the output, (sharded) a local folder the batch's shard is made from, or
         # (online) this process's memory, from which each file's bytes go into its row
-        # (vLLM writes from its own processes: its online files go through a local folder instead of memory)
-        online = _staging_folder if settings.engine_kind == "vllm" else _memory_folder
+        # (an engine writing from processes of its own, as vLLM: its online files go through a local folder instead)
+        online = _memory_folder if self.kind.files_in_process else _staging_folder
         self._staging = {"sharded": _staging_folder, "online": online}.get(settings.layout, lambda: None)()
         self.files = self.output if self._staging is None else RunDir(self._staging)
         self.llm = None
@@ -103,15 +107,9 @@ class ExtractionWorker:
         s = self.settings
         connector = s.connector if self._staging is None else dataclasses.replace(
             s.connector, shared_storage_path=self._staging, allowed_roots=None, storage_options={})
-        if s.engine_kind == "vllm":
-            from vllm_engine.engine import VllmEngine  # the only import of vLLM, in the workers of --engine vllm
-
-            # files on a local disk keep vLLM's <file>.lock: vLLM's own load_hidden_states reads them too
-            llm = VllmEngine(s.engine, dataclasses.replace(connector, keep_lock_file=self._staging is None),
-                             s.vllm)
-        else:
-            llm = LLM.from_config(s.engine, KVTransferConfig(kv_connector="SafetensorsHiddenStatesConnector",
-                                                              kv_connector_extra_config=connector))
+        if self.kind.lock_files:  # files on the output's disk keep <file>.lock: vLLM's load_hidden_states reads them
+            connector = dataclasses.replace(connector, keep_lock_file=self._staging is None)
+        llm = self.kind.build(s.engine, connector, s.engine_settings)  # --engine vllm: the only import of vLLM
         diff = s.run.file_spec().differences(llm.spec)
         if diff:
             llm.shutdown()
@@ -186,7 +184,7 @@ class ExtractionWorker:
         """An image sample as the engine takes it: its images loaded and processed (extractor.multimodal), the
         length limit applied after expansion (never cutting an image), its loss mask carried over (0 on images).
         Updates the row's num_prompt_tokens and truncated to the expanded prompt's."""
-        vision = getattr(getattr(llm, "runner", None), "vision", None)
+        vision = getattr(getattr(llm, "runner", None), "vision", None) if self.kind.images else None
         if vision is None:
             raise ValueError("image samples need hsx's engine (--engine hsx) on a vision-language target")
         media = llm.prepare_media(row["prompt_text"], {"image": list(row["images"])}, max_tokens=None)

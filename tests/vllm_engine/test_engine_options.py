@@ -1,4 +1,4 @@
-"""`--engine vllm`'s settings, checked without vLLM (vllm_engine/options.py, jobs.config): the flags that only vLLM
+"""`--engine vllm`'s settings, checked without vLLM (vllm_engine/kind.py and options.py, through jobs.config): the flags that only vLLM
 takes are refused on hsx's engine, vLLM arguments hsx sets itself are refused in --vllm-args, a top-k target is
 refused on vLLM; the CPU thread binding of a gang; the outcomes the plug-in keeps are bounded; and where vLLM is not
 installed, `hsx run --engine vllm` says how to install it in one line (exit 2)."""
@@ -42,10 +42,10 @@ def test_settings_that_do_not_fit_the_engine_are_refused_naming_the_flag(flags, 
 
 def test_vllm_settings_carry_the_parallel_sizes_and_the_further_arguments():
     settings = job(engine="vllm", tensor_parallel_size=4, enable_expert_parallel=True,
-                   vllm_args='{"gpu_memory_utilization": 0.8, "max_num_seqs": 64}').vllm_settings()
+                   vllm_args='{"gpu_memory_utilization": 0.8, "max_num_seqs": 64}').engine_settings()
     assert settings == VllmSettings(4, 1, True, {"gpu_memory_utilization": 0.8, "max_num_seqs": 64})
     assert settings.devices == 4
-    assert job().vllm_settings() is None
+    assert job().engine_settings() is None
 
 
 def test_a_cpu_gang_binds_each_rank_to_its_share_of_the_cores():
