@@ -4,9 +4,10 @@ run back (verify, report, status); their commands are cli/jobs.py.
 The only package that knows both the engine (extractor) and the storage side (connectors); the corpus it reads is
 corpus/'s, the regeneration it may run first regeneration/'s, the Ray session cluster.session's. In pipeline order:
 
-    config.py        JobConfig: every setting of a job, typed; the CLI and job files map onto it one to one
+    config.py        JobConfig: every setting of a job, typed; the CLI and job files map onto it one to one;
+                     --engine's kind and settings (extractor.engines' registry)
     model.py         ModelFacts: layers, dtype, sizes, length limit resolved from the model's config (no weights)
-    worker.py        ExtractionWorker: one engine per Ray actor; samples -> files -> manifest rows
+    worker.py        ExtractionWorker: one engine per Ray actor, built by its kind; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
     estimate.py      `hsx estimate`: exact file sizes before a run

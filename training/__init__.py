@@ -17,7 +17,8 @@ for another trainer.
     curves.py      Curves: the training's TensorBoard curves (a resumed training continues them)
     replicas.py    OneProcess / TorchDistributed: a replica's share of each global batch and its collectives
     evaluate.py    `hsx eval-drafter`: greedy speculative decoding per drafter, ngram and none: acceptance length,
-                   tokens/s, losslessness against plain greedy decoding
+                   tokens/s, losslessness against plain greedy decoding; on the engine --engine names (its kind's
+                   speculative_engine, extractor.engines)
     eval_result.py EvalResult, SpecDecodeCounts, check_lossless: what an evaluation finds, per method
     acceptance.py  what `hsx eval-drafter --out DIR` writes: acceptance.csv per method in the layout drafter
                    benchmarks publish, summary.csv, the acceptance-per-position plot
