@@ -41,7 +41,8 @@ The registry:
                                     (hsx = extractor.hsx_kind, vllm = vllm_engine.kind) in hsx's
     DEFAULT                         "hsx", the engine when none is named
     register(kind) / unregister(name)
-                                    add a kind (a test's, a plug-in's not installed) / take it out again
+                                    add a kind (a test's, a plug-in's not installed) / take it out again; in
+                                    this process only (Ray's workers find kinds through the entry points)
     names() -> [str]                every engine's name, the default first, nothing loaded
     engine_kind(name, flag) -> EngineKind
                                     one kind, its entry point loaded when first asked for (so `--engine hsx` never

@@ -100,6 +100,19 @@ def test_an_unknown_engine_is_one_line_listing_the_registered_engines(toy):
         job(engine="toy")
 
 
+def test_hsx_run_with_an_unknown_engine_exits_2_with_one_line_listing_the_engines(tmp_path, capsys):
+    from cli.args import EXIT_USAGE
+    from cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--model", str(tmp_path / "m"), "--corpus", "c.jsonl", "--output", str(tmp_path / "out"),
+              "--engine", "sglang"])
+    assert e.value.code == EXIT_USAGE
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("--engine 'sglang' is not an engine; use hsx (the default) or vllm")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_registered_kind_is_chosen_by_name_and_checks_the_jobs_flags(toy):
     config = job(engine="toy", tensor_parallel_size=3)  # refused by hsx's engine, taken by toy's
     assert config.engine_kind() is toy
