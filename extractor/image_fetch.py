@@ -3,7 +3,8 @@ number of bytes, redirects followed only where they were allowed.
 
     fetch_image(url, where, *, domains, timeout_s, cap) -> bytes
     ImageUnavailable        a ValueError: the URL could not be fetched now (connection failed, 408, 429, 5xx, or the
-                            deadline passed); another try may succeed (a job records it as retried by a re-run)
+                            deadline passed); another try may succeed (a job records it as retried by a re-run).
+                            A certificate that fails verification is not (a plain ValueError: settled, one try)
     host_of(url) -> str     the host a URL connects to, lower-cased ("" when it has none)
 
 The rules, in the order they apply:
@@ -17,7 +18,8 @@ The rules, in the order they apply:
                             a short exponential back-off (tenacity), all within the deadline
     body                    200 only, read through connectors.http_reads.read_bounded: at most `cap` bytes
 Errors say "cannot be fetched (connection failed)", or the HTTP status of the URL asked, and never more of what lies
-behind it (a caller cannot tell a closed port from an unreachable host). aiohttp is imported on the first fetch.
+behind it (a caller cannot tell a closed port from an unreachable host); an https host whose certificate fails
+verification is named as such (the same answer every time: not tried again). aiohttp is imported on the first fetch.
 """
 
 from __future__ import annotations
@@ -145,7 +147,12 @@ async def _get(session, url: str, shown: str, where: str, domains: tuple[str, ..
                 body = await read_bounded(r, cap)
         except aiohttp.InvalidURL:
             raise ValueError(f"{where}: image URL {shown!r} is not a valid URL") from None
-        except (aiohttp.ClientError, OSError):  # refused, reset, unreachable, TLS, not HTTP: all one answer
+        except aiohttp.ClientConnectorCertificateError as e:  # the same answer every time: refused, not retried
+            why = getattr(e.certificate_error, "verify_message", "") or type(e.certificate_error).__name__
+            raise ValueError(f"{where}: image URL {shown!r}: the certificate of host {host_of(target)!r} failed "
+                             f"verification ({why}); fix the server's certificate (a private CA: name its file in "
+                             "$SSL_CERT_FILE), or give the image as a file or data: URL") from None
+        except (aiohttp.ClientError, OSError):  # refused, reset, unreachable, other TLS, not HTTP: all one answer
             raise _Transient("connection failed") from None
         if body is None:
             raise ValueError(f"{where}: image URL {shown!r} is larger than {cap >> 20} MiB")

@@ -25,6 +25,7 @@ from tests.image_servers import (
     image,
     png_bytes,
     redirect,
+    self_signed_cert,
     status,
 )
 
@@ -158,6 +159,29 @@ def test_a_transient_failure_is_tried_again_and_a_lasting_one_is_marked_unavaila
         with pytest.raises(ValueError) as gone:  # a 410 is the same every time: not tried again
             load_image(server.url("/gone.png"), _fetching(), "image 0")
         assert not isinstance(gone.value, ImageUnavailable) and server.hits.count("/gone.png") == 1
+
+
+def test_a_certificate_that_fails_verification_is_refused_at_once_naming_the_host(tmp_path):
+    """A loopback https server with a self-signed certificate: the same answer every time, so one try, a plain
+    ValueError (a job records it as settled, retry=false), one line naming the host and the certificate. The server
+    itself works: a client that trusts the certificate gets the image."""
+    import ssl
+    import urllib.request
+
+    cert, key = self_signed_cert(str(tmp_path))
+    with LoopbackServer({"/a.png": [image(PNG)]}, tls=(cert, key)) as server:
+        trusting = ssl.create_default_context(cafile=cert)
+        with urllib.request.urlopen(server.url("/a.png"), context=trusting, timeout=10) as r:
+            assert r.read() == PNG
+        before = server.connections
+        with pytest.raises(ValueError) as e:
+            load_image(server.url("/a.png"), _fetching(image_fetch_timeout_s=20), "image 0")
+        tries = server.connections - before
+    assert not isinstance(e.value, ImageUnavailable)
+    assert tries == 1, tries
+    text = _one_line(e)
+    assert text.startswith("image 0:") and "host '127.0.0.1'" in text and "certificate" in text, text
+    assert "failed verification" in text and "self-signed" in text and "SSL_CERT_FILE" in text, text
 
 
 # -- 4. decoded size --------------------------------------------------------------------------------------------
