@@ -5,8 +5,8 @@ http.server in a thread on 127.0.0.1, answering each path by a script of answers
                                               repeats); tls=(certfile, keyfile): https
         .url(path) / .hits (paths, in order) / .connections (TCP connections accepted) / .close()
                                               also a context manager
-    image(bytes) / status(code) / redirect(location, code) / drip(bytes, every_s) / hang_up() / gzipped(bytes)
-                                              the answers
+    image(bytes) / status(code) / redirect(location, code) / drip(bytes, every_s) / hang_up() /
+    encoded(bytes, encoding)                 the answers
     png_bytes(width, height, mode)           a small PNG drawn here
     self_signed_cert(folder) -> (certfile, keyfile)   a certificate for 127.0.0.1 and localhost signed by its own key
                                               (the `cryptography` package, else the openssl command; the test is
@@ -35,6 +35,7 @@ class Answer:
     code: int = 200
     location: str = ""
     every_s: float = 0.0
+    encoding: str = ""
 
 
 def image(body: bytes) -> Answer:
@@ -59,9 +60,9 @@ def hang_up() -> Answer:
     return Answer("hang_up")
 
 
-def gzipped(body: bytes) -> Answer:
-    """`body` as it is on the wire, sent with Content-Encoding: gzip (the caller gzips it)."""
-    return Answer("gzip", body)
+def encoded(body: bytes, encoding: str = "gzip") -> Answer:
+    """`body` as it is on the wire (the caller compressed it), sent with Content-Encoding: `encoding`."""
+    return Answer("image", body, encoding=encoding)
 
 
 def png_bytes(width: int = 16, height: int = 12, mode: str = "RGB") -> bytes:
@@ -187,9 +188,9 @@ class LoopbackServer:
         h.send_response(a.code)
         if a.kind == "redirect":
             h.send_header("Location", a.location)
-        if a.kind == "gzip":
-            h.send_header("Content-Encoding", "gzip")
-        h.send_header("Content-Type", "image/png" if a.kind in ("image", "gzip") else "text/plain")
+        if a.encoding:
+            h.send_header("Content-Encoding", a.encoding)
+        h.send_header("Content-Type", "image/png" if a.kind == "image" else "text/plain")
         h.send_header("Content-Length", str(len(a.body)))
         h.end_headers()
         h.wfile.write(a.body)

@@ -21,6 +21,7 @@ from tests.image_servers import (
     ListeningSocket,
     LoopbackServer,
     drip,
+    encoded,
     hang_up,
     image,
     png_bytes,
@@ -182,6 +183,59 @@ def test_a_certificate_that_fails_verification_is_refused_at_once_naming_the_hos
     text = _one_line(e)
     assert text.startswith("image 0:") and "host '127.0.0.1'" in text and "certificate" in text, text
     assert "failed verification" in text and "self-signed" in text and "SSL_CERT_FILE" in text, text
+
+
+def _gzip_of_zeros(n: int) -> bytes:
+    """gzip of n zero bytes, made without holding them (about n / 1000 bytes)."""
+    import zlib
+
+    packer, out, block = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS), [], bytes(1 << 20)
+    for _ in range(n >> 20):
+        out.append(packer.compress(block))
+    return b"".join([*out, packer.flush()])
+
+
+def test_a_gzip_bomb_is_refused_once_it_inflates_past_the_bound_without_holding_it():
+    """A body of 65 KB on the wire that inflates to 64 MiB (Content-Encoding: gzip), fetched with a 1 MiB bound: it
+    is inflated by hsx within the bound (aiohttp's own decoding is off: before aiohttp 3.13.3 it inflated whole
+    network chunks at once, 141 MiB at the peak here) and refused once past it, the fetch's Python allocations at
+    their peak a few times the bound, not the body's 64 MiB."""
+    import tracemalloc
+
+    from extractor.image_fetch import fetch_image
+
+    bomb = _gzip_of_zeros(64 << 20)
+    assert len(bomb) < 100_000
+    with LoopbackServer({"/bomb.png": [encoded(bomb)], "/a.png": [image(PNG)]}) as server:
+        fetch_image(server.url("/a.png"), "image 0", domains=None, timeout_s=20, cap=1 << 20)  # aiohttp imported
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError) as e:
+                fetch_image(server.url("/bomb.png"), "image 0", domains=None, timeout_s=20, cap=1 << 20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert not isinstance(e.value, ImageUnavailable)  # the same body every time
+    assert _one_line(e).endswith("is larger than 1 MiB once its Content-Encoding gzip is decoded"), str(e.value)
+    assert peak < 4 << 20, f"{peak / (1 << 20):.1f} MiB"
+
+
+def test_compressed_images_are_decoded_and_an_unknown_encoding_is_refused():
+    import gzip
+    import zlib
+
+    with LoopbackServer({"/g.png": [encoded(gzip.compress(PNG))], "/z.png": [encoded(zlib.compress(PNG), "deflate")],
+                         "/twice.png": [encoded(gzip.compress(PNG[:40]) + gzip.compress(PNG[40:]))],
+                         "/br.png": [encoded(b"\x0b\x02\x80hello\x03", "br")],
+                         "/cut.png": [encoded(gzip.compress(PNG)[:-12])]}) as server:
+        for path in ("/g.png", "/z.png", "/twice.png"):  # gzip, zlib-wrapped deflate, two gzip members
+            assert load_image(server.url(path), _fetching(), "image 0").size == (16, 12), path
+        with pytest.raises(ValueError) as br:
+            load_image(server.url("/br.png"), _fetching(), "image 1")
+        with pytest.raises(ValueError) as cut:
+            load_image(server.url("/cut.png"), _fetching(), "image 2")
+    assert _one_line(br).startswith("image 1:") and "Content-Encoding 'br'" in str(br.value), str(br.value)
+    assert _one_line(cut).startswith("image 2:") and "gzip" in str(cut.value), str(cut.value)
 
 
 # -- 4. decoded size --------------------------------------------------------------------------------------------
