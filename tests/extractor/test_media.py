@@ -471,7 +471,7 @@ def test_a_nul_in_an_image_path_is_named(tmp_path):
 
 
 def test_loaded_images_are_rgb_copies_the_caller_may_keep(tmp_path):
-    """A PIL image passes through as an RGB image (what the serve admission pool hands prepare_media)."""
+    """A PIL image passes through as an RGB image, a copy the caller may keep apart."""
     red = Image.new("RGB", (5, 4), "red")
     out = load_image(red, MediaPolicy(), "image 0")
     assert out.mode == "RGB" and out.size == (5, 4) and out.getpixel((0, 0)) == (255, 0, 0)
