@@ -121,13 +121,19 @@ class HiddenStatesConnectorConfig:
     """Where long requests' spool files go: "" = beside the files on local storage (the request's allowed root), the
     system temp folder for object stores. The files are anonymous (nothing is left behind, even after a crash) and
     need room for the longest sample's stored states; on a tmpfs they are memory again."""
+    max_remembered_paths: int = 16384
+    """The vLLM plug-in's bound on the custom paths written without overwrite=True that its scheduler keeps refusing
+    to a later writer (connectors.paths.PathOwners' max_remembered): past it the oldest is forgotten (then treated as
+    a file that existed before), so a long-lived `vllm serve` stays bounded. hsx's engine remembers every one for the
+    life of its LLM."""
 
     def __post_init__(self) -> None:
         for name, kind in (("allow_custom_save_path", bool), ("use_synchronization_lock", bool),
                            ("keep_lock_file", bool), ("check_states", bool), ("num_writer_threads", int),
                            ("max_bytes_in_flight", int), ("max_write_attempts", int),
                            ("write_retry_backoff_s", (int, float)), ("storage_options", dict),
-                           ("max_staged_bytes_per_request", int), ("spool_dir", str), ("mm_embeds", bool)):
+                           ("max_staged_bytes_per_request", int), ("spool_dir", str), ("mm_embeds", bool),
+                           ("max_remembered_paths", int)):
             value = getattr(self, name)
             # a YAML/JSON "false" is a non-empty string, hence truthy: refuse it rather than enable custom paths
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -145,6 +151,9 @@ class HiddenStatesConnectorConfig:
         if self.max_staged_bytes_per_request < 2:
             raise ValueError(f"max_staged_bytes_per_request must be >= 2 bytes, got {self.max_staged_bytes_per_request}"
                              " (e.g. 268435456 for 256 MiB)")
+        if self.max_remembered_paths < 1:
+            raise ValueError(f"kv_connector_extra_config['max_remembered_paths'] must be a positive number of paths, "
+                             f"got {self.max_remembered_paths} (default 16384)")
         if self.max_write_attempts < 1:
             raise ValueError(f"max_write_attempts must be >= 1, got {self.max_write_attempts}")
         if self.write_retry_backoff_s < 0:

@@ -37,8 +37,9 @@ training never loads decoding code.
     mtp.py             MtpStyle, mtp_style, MtpHead, FAMILY (MtpMethod): a target's own MTP layers read from its
                        checkpoint (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 layouts); decodes, not trained yet
     mtp_proposer.py    MtpProposer (EAGLE-3's row cache and loop, step s reading MTP layer s % L)
-    target_identity.py target_digest, check_made_for: which target a draft was made for, told by the tensors it
-                       shares with it (another target of the same shape is refused)
+    target_identity.py target_digest, check_made_for: which target a draft was made for, told by the values of the
+                       tensors it shares with it (another target of the same shape is refused, a copy of the same one
+                       in another dtype is not)
 
     what families share (public, each named by its concept):
     llama_layers.py    llama_layer_config, with_draft_attention: draft layers sized like the target's (EAGLE-3, EAGLE, DFlash)

@@ -423,11 +423,13 @@ def checkpoint_tensors(head: MtpHead) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[str, Any]:
+def write_target_with(target_dir: str, drafter_dir: str, out_dir: str, *,
+                      allow_target_mismatch: bool = False) -> dict[str, Any]:
     """A new target folder at `out_dir`: every file of `target_dir` copied, its MTP tensors replaced by the tuned ones
     `drafter_dir` holds (a `hsx train-drafter --kind mtp` checkpoint), the shards holding them rewritten, nothing
     else changed and `target_dir` never touched. ValueError in one line, nothing written, when out_dir exists and is
-    not empty, the folders' MTP tensors differ in keys or shapes, or a tuned tensor is not finite."""
+    not empty, the layers were tuned for another target (check_source; unless `allow_target_mismatch`), the
+    folders' MTP tensors differ in keys or shapes, or a tuned tensor is not finite."""
     import shutil
 
     from safetensors import safe_open
@@ -437,7 +439,8 @@ def write_target_with(target_dir: str, drafter_dir: str, out_dir: str) -> dict[s
         raise ValueError(f"--out {out_dir} is the target folder itself; write the tuned target to a new folder")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ValueError(f"--out {out_dir} exists and is not an empty folder; name a new folder")
-    check_source(drafter_dir, target_dir, "hsx merge-mtp")
+    check_source(drafter_dir, target_dir, "hsx merge-mtp", allow_mismatch=allow_target_mismatch,
+                 override="pass --allow-target-mismatch")
     weight_map = _weight_map(target_dir)
     tuned_map = _weight_map(drafter_dir)
     found = mtp_style(_read_json(os.path.join(target_dir, "config.json")))
@@ -614,16 +617,19 @@ class MtpDrafter(Drafter):
         write_checkpoint(out_dir, doc, checkpoint_tensors(self.head))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None) -> MtpDrafter:
+    def from_pretrained(cls, model_dir: str, *, target_dir: str | None = None,
+                        allow_target_mismatch: bool = False) -> MtpDrafter:
         """A saved MTP checkpoint, its embeddings, lm_head and final norm read from its target (`target_dir`, default
-        the verifier it records)."""
+        the verifier it records). ValueError when it was tuned for another target (check_source), unless
+        `allow_target_mismatch` (then logged)."""
         doc = _read_json(os.path.join(model_dir, "config.json"))
         hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
         target_dir = target_dir or hsx.get("verifier") or ""
         if not target_dir or not os.path.isdir(target_dir):
             raise ValueError(f"{model_dir}: an MTP checkpoint reads its target's embeddings and lm_head, but its "
                              f"target {target_dir!r} is not a local folder; pass the target folder")
-        check_source(model_dir, target_dir, "the MTP checkpoint")
+        check_source(model_dir, target_dir, "the MTP checkpoint", allow_mismatch=allow_target_mismatch,
+                     override="pass allow_target_mismatch=True")
         target = TargetHead.from_model_dir(target_dir)
         head = MtpHead.from_folder(model_dir, hf_config=_hf_text_config(target_dir),
                                    embed_tokens=target.embed_tokens.float(), lm_head=target.lm_head.float(),
@@ -635,18 +641,25 @@ class MtpDrafter(Drafter):
                    target_dir, target_doc).eval()
 
 
-def check_source(model_dir: str, target_dir: str, what: str) -> None:
+def check_source(model_dir: str, target_dir: str, what: str, *, allow_mismatch: bool = False,
+                 override: str | None = None) -> None:
     """ValueError when the MTP layers at `model_dir` were not made for `target_dir`: a tuned checkpoint by the
     target digest it recorded (an older one without it: its recorded verifier folder, when there), a target folder
-    by its own embeddings, final norm and lm_head (drafters.target_identity)."""
+    by its own embeddings, final norm and lm_head, by value (drafters.target_identity). `allow_mismatch`: the
+    user's override (logged instead); `override`: how to give it, named in the refusal (default, for a tuned
+    checkpoint: merging it with `hsx merge-mtp --allow-target-mismatch`)."""
     doc = _read_json(os.path.join(model_dir, "config.json"))
     hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
+    if override is None and hsx.get("kind") == "mtp":
+        override = (f"write them into it with `hsx merge-mtp --model {target_dir} --drafter {model_dir} --out NEW "
+                    "--allow-target-mismatch` and use NEW")
+    options = {"allow_mismatch": allow_mismatch, "override": override}
     if hsx.get("kind") != "mtp":
-        check_made_for(model_dir, target_dir, None, what)
+        check_made_for(model_dir, target_dir, None, what, **options)
     elif isinstance(hsx.get("target_digest"), str):
-        check_made_for(model_dir, target_dir, hsx["target_digest"], what)
+        check_made_for(model_dir, target_dir, hsx["target_digest"], what, **options)
     elif isinstance(hsx.get("verifier"), str) and os.path.isdir(hsx["verifier"]):
-        check_made_for(hsx["verifier"], target_dir, None, what)
+        check_made_for(hsx["verifier"], target_dir, None, what, **options)
     else:
         logger.warning("%s: %s records no target digest and its verifier %r is not here: cannot check it was tuned for "
                        "%s", what, model_dir, hsx.get("verifier"), target_dir)

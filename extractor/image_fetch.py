@@ -3,7 +3,8 @@ number of bytes, redirects followed only where they were allowed.
 
     fetch_image(url, where, *, domains, timeout_s, cap) -> bytes
     ImageUnavailable        a ValueError: the URL could not be fetched now (connection failed, 408, 429, 5xx, or the
-                            deadline passed); another try may succeed (a job records it as retried by a re-run)
+                            deadline passed); another try may succeed (a job records it as retried by a re-run).
+                            A certificate that fails verification is not (a plain ValueError: settled, one try)
     host_of(url) -> str     the host a URL connects to, lower-cased ("" when it has none)
 
 The rules, in the order they apply:
@@ -15,9 +16,11 @@ The rules, in the order they apply:
                             an http(s) URL whose host is one of them; never to another scheme
     retries                 a connection failure, 408, 429 or 5xx is tried again, FETCH_ATTEMPTS tries in all with
                             a short exponential back-off (tenacity), all within the deadline
-    body                    200 only, read through connectors.http_reads.read_bounded: at most `cap` bytes
+    body                    200 only, read through connectors.http_reads.read_bounded: at most `cap` bytes on the
+                            wire, and a gzip or deflate body inflated by hsx (not aiohttp) to at most `cap` bytes
 Errors say "cannot be fetched (connection failed)", or the HTTP status of the URL asked, and never more of what lies
-behind it (a caller cannot tell a closed port from an unreachable host). aiohttp is imported on the first fetch.
+behind it (a caller cannot tell a closed port from an unreachable host); an https host whose certificate fails
+verification is named as such (the same answer every time: not tried again). aiohttp is imported on the first fetch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 
-from connectors.http_reads import is_redirect, read_bounded
+from connectors.http_reads import ACCEPT_ENCODING, is_redirect, read_bounded
 
 FETCH_ATTEMPTS = 3
 """Tries of one URL whose failure may pass (connection failed, 408, 429, 5xx)."""
@@ -105,8 +108,10 @@ async def _fetch(url: str, shown: str, where: str, domains: tuple[str, ...], tim
         nonlocal tries
         import aiohttp
 
-        # trust_env: HTTP(S)_PROXY / NO_PROXY as urllib and vLLM's client honour them (hosts are checked on the URL)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=True) as session:
+        # trust_env: HTTP(S)_PROXY / NO_PROXY as urllib and vLLM's client honour them (hosts are checked on the URL);
+        # auto_decompress off: read_bounded inflates a compressed body itself, within the cap
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=True,
+                                         auto_decompress=False) as session:
             retrying = AsyncRetrying(stop=stop_after_attempt(FETCH_ATTEMPTS), reraise=True,
                                      wait=wait_exponential(multiplier=FETCH_RETRY_BASE_S, max=2.0),
                                      retry=retry_if_exception_type(_Transient))
@@ -134,7 +139,7 @@ async def _get(session, url: str, shown: str, where: str, domains: tuple[str, ..
     target = URL(url)
     for _ in range(MAX_REDIRECTS + 1):
         try:
-            async with session.get(target, allow_redirects=False) as r:
+            async with session.get(target, allow_redirects=False, headers={"Accept-Encoding": ACCEPT_ENCODING}) as r:
                 if is_redirect(r.status):
                     target = _redirect(target, r.status, r.headers.get("Location"), shown, where, domains)
                     continue
@@ -142,13 +147,23 @@ async def _get(session, url: str, shown: str, where: str, domains: tuple[str, ..
                     raise _Transient(f"HTTP {r.status}")
                 if r.status != 200:
                     raise ValueError(f"{where}: image URL {shown!r} cannot be fetched (HTTP {r.status})")
-                body = await read_bounded(r, cap)
+                encoding = r.headers.get("Content-Encoding", "")
+                try:
+                    body = await read_bounded(r, cap, decode=True)
+                except ValueError as e:  # an encoding hsx does not inflate, a damaged compressed body
+                    raise ValueError(f"{where}: image URL {shown!r} {e}") from None
         except aiohttp.InvalidURL:
             raise ValueError(f"{where}: image URL {shown!r} is not a valid URL") from None
-        except (aiohttp.ClientError, OSError):  # refused, reset, unreachable, TLS, not HTTP: all one answer
+        except aiohttp.ClientConnectorCertificateError as e:  # the same answer every time: refused, not retried
+            why = getattr(e.certificate_error, "verify_message", "") or type(e.certificate_error).__name__
+            raise ValueError(f"{where}: image URL {shown!r}: the certificate of host {host_of(target)!r} failed "
+                             f"verification ({why}); fix the server's certificate (a private CA: name its file in "
+                             "$SSL_CERT_FILE), or give the image as a file or data: URL") from None
+        except (aiohttp.ClientError, OSError):  # refused, reset, unreachable, other TLS, not HTTP: all one answer
             raise _Transient("connection failed") from None
         if body is None:
-            raise ValueError(f"{where}: image URL {shown!r} is larger than {cap >> 20} MiB")
+            decoded = f" once its Content-Encoding {encoding} is decoded" if encoding else ""
+            raise ValueError(f"{where}: image URL {shown!r} is larger than {cap >> 20} MiB{decoded}")
         return body
     raise ValueError(f"{where}: image URL {shown!r} redirects more than {MAX_REDIRECTS} times; give the URL it ends "
                      "at")

@@ -372,18 +372,11 @@ class LLM:
         under the engine's media policy (extractor.media.load_images) and processed with the prompt text (one
         placeholder per image) by the model's processor; ValueError names the image and the fix (an
         extractor.media.ImageUnavailable where a later try may succeed). generate() takes the result as
-        {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m} (what `hsx serve` does on its admission thread,
-        with the images loaded beforehand on a thread pool of their own; PIL images are checked against the size
-        budgets and converted to RGB again). `max_tokens`: a prompt whose images expand it past this many tokens is
-        refused before the vision tower runs (default max_model_len; None: no limit, for a caller that
-        truncates)."""
-        if max_tokens == -1:
-            max_tokens = self.runner.max_model_len
-        vision = self.runner.vision
-        if vision is None:
-            raise ValueError(f"multi_modal_data given, but {self.config.model} is a text-only target: hsx gives a "
-                             "text-only target text alone (an image is never turned into text); drop it, or use a "
-                             "vision-language target")
+        {"prompt_token_ids": m.input_ids, "multi_modal_inputs": m}. PIL images given are checked against the size
+        budgets and converted to RGB (a copy the caller may keep apart). `max_tokens`: a prompt whose images expand it
+        past this many tokens is refused before the vision tower runs (default max_model_len; None: no limit, for a
+        caller that truncates)."""
+        self._vision()
         data = multi_modal_data
         if not isinstance(data, Mapping) or set(data) - {"image"}:
             other = sorted(set(data) - {"image"}) if isinstance(data, Mapping) else type(data).__name__
@@ -393,7 +386,15 @@ class LLM:
                              "not prompt_token_ids")
         refs = data["image"]
         refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
-        images = load_images(refs, self.config.media, "the prompt")
+        return self.prepare_loaded_images(prompt, load_images(refs, self.config.media, "the prompt"), max_tokens)
+
+    def prepare_loaded_images(self, prompt: str, images: list, max_tokens: int | None = -1) -> MediaPrompt:
+        """prepare_media for `images` that extractor.media.load_images already returned under this engine's media
+        policy (what `hsx serve` does on an image pool of its own, before its admission thread calls this): processed
+        as they are, neither checked nor converted again, so each image is decoded once and held once."""
+        if max_tokens == -1:
+            max_tokens = self.runner.max_model_len
+        vision = self._vision()
         try:
             return vision.prepare(prompt, images, "the prompt", max_tokens=max_tokens)
         except ValueError:
@@ -402,6 +403,14 @@ class LLM:
             # this request's failure (an out-of-memory included), never the batch's
             raise ValueError(f"the prompt's images could not be processed: {type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
+
+    def _vision(self):
+        """The runner's vision part; ValueError on a text-only target."""
+        if self.runner.vision is None:
+            raise ValueError(f"multi_modal_data given, but {self.config.model} is a text-only target: hsx gives a "
+                             "text-only target text alone (an image is never turned into text); drop it, or use a "
+                             "vision-language target")
+        return self.runner.vision
 
     def check_request(self, prompt_token_ids: Sequence[int], *, max_tokens: int | None, **limits) -> int:
         """extractor.request.check_request against this engine's model (max_model_len, vocabulary): RequestRejected

@@ -380,9 +380,11 @@ class Engine:
         except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs: all the caller's input
             raise _Rejected(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                             "messages", "chat_template_error") from None
-        if images:  # loaded already (the image pool) or PIL images: processed here, the vision tower included
+        if images:  # processed here, the vision tower included: loaded on the image pool (once), else loaded here
             try:
-                media = self.llm.prepare_media(out, {"image": images}, max_tokens=self.max_prompt_tokens)
+                media = self.llm.prepare_loaded_images(out, images, max_tokens=self.max_prompt_tokens) \
+                    if loaded is not None else self.llm.prepare_media(out, {"image": images},
+                                                                      max_tokens=self.max_prompt_tokens)
             except (ValueError, TypeError) as e:
                 raise _Rejected(400, str(e), "messages", "invalid_image") from None
             return list(media.input_ids), out, media

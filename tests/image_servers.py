@@ -1,10 +1,16 @@
 """Real loopback HTTP servers for the image-fetch tests (tests/extractor/test_media.py, tests/serve/test_images.py):
 http.server in a thread on 127.0.0.1, answering each path by a script of answers, recording every request.
 
-    LoopbackServer({path: [answer, ...]})   the k-th request of a path gets its k-th answer (the last one repeats)
-        .url(path) / .hits (paths, in order) / .close()    also a context manager
-    image(bytes) / status(code) / redirect(location, code) / drip(bytes, every_s) / hang_up()     the answers
+    LoopbackServer({path: [answer, ...]}, tls=None)   the k-th request of a path gets its k-th answer (the last one
+                                              repeats); tls=(certfile, keyfile): https
+        .url(path) / .hits (paths, in order) / .connections (TCP connections accepted) / .close()
+                                              also a context manager
+    image(bytes) / status(code) / redirect(location, code) / drip(bytes, every_s) / hang_up() /
+    encoded(bytes, encoding)                 the answers
     png_bytes(width, height, mode)           a small PNG drawn here
+    self_signed_cert(folder) -> (certfile, keyfile)   a certificate for 127.0.0.1 and localhost signed by its own key
+                                              (the `cryptography` package, else the openssl command; the test is
+                                              skipped without either)
     ListeningSocket()                         a bare TCP listener that answers nothing; .connections() counts those
                                               made to it (a URL of another scheme must open none)
 """
@@ -13,7 +19,11 @@ from __future__ import annotations
 
 import http.server
 import io
+import os
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +35,7 @@ class Answer:
     code: int = 200
     location: str = ""
     every_s: float = 0.0
+    encoding: str = ""
 
 
 def image(body: bytes) -> Answer:
@@ -49,6 +60,11 @@ def hang_up() -> Answer:
     return Answer("hang_up")
 
 
+def encoded(body: bytes, encoding: str = "gzip") -> Answer:
+    """`body` as it is on the wire (the caller compressed it), sent with Content-Encoding: `encoding`."""
+    return Answer("image", body, encoding=encoding)
+
+
 def png_bytes(width: int = 16, height: int = 12, mode: str = "RGB") -> bytes:
     from PIL import Image
 
@@ -57,13 +73,58 @@ def png_bytes(width: int = 16, height: int = 12, mode: str = "RGB") -> bytes:
     return buf.getvalue()
 
 
+def self_signed_cert(folder: str) -> tuple[str, str]:
+    """(certfile, keyfile) in `folder`: a certificate for 127.0.0.1 and localhost, signed by its own key."""
+    import pytest
+
+    cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    try:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("a self-signed certificate needs the cryptography package or the openssl command")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                        "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+        return cert, key
+    import ipaddress
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                  critical=False)
+                   .sign(private, hashes.SHA256()))
+    with open(cert, "wb") as f:
+        f.write(certificate.public_bytes(serialization.Encoding.PEM))
+    with open(key, "wb") as f:
+        f.write(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+    return cert, key
+
+
 class LoopbackServer:
-    def __init__(self, routes: dict[str, list[Answer]]) -> None:
+    def __init__(self, routes: dict[str, list[Answer]], tls: tuple[str, str] | None = None) -> None:
         self.routes = routes
         self.hits: list[str] = []
+        self.connections = 0
         self.closing = threading.Event()
         self._lock = threading.Lock()
+        self.scheme = "https" if tls else "http"
         outer = self
+        context = None
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -72,14 +133,34 @@ class LoopbackServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def get_request(self):
+                conn, addr = super().get_request()
+                with outer._lock:
+                    outer.connections += 1
+                if context is None:
+                    return conn, addr
+                conn.settimeout(5)  # the handshake runs on the accepting thread: never waits for long
+                try:  # a client that refuses the certificate ends it here
+                    wrapped = context.wrap_socket(conn, server_side=True)
+                except OSError:
+                    conn.close()
+                    raise
+                wrapped.settimeout(None)
+                return wrapped, addr
+
+            def handle_error(self, request, client_address) -> None:
+                pass  # a client that went away, or refused the certificate
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}{path}"
+        return f"{self.scheme}://{host}:{self.port}{path}"
 
     def _answer(self, h: http.server.BaseHTTPRequestHandler) -> None:
         path = h.path.split("?")[0]
@@ -107,6 +188,8 @@ class LoopbackServer:
         h.send_response(a.code)
         if a.kind == "redirect":
             h.send_header("Location", a.location)
+        if a.encoding:
+            h.send_header("Content-Encoding", a.encoding)
         h.send_header("Content-Type", "image/png" if a.kind == "image" else "text/plain")
         h.send_header("Content-Length", str(len(a.body)))
         h.end_headers()

@@ -19,6 +19,9 @@ class MergeMtpConfig:
     out: str
     """The new target folder: every file of --model, its MTP tensors replaced by --drafter's (must not exist, or be
     empty)."""
+    allow_target_mismatch: bool = False
+    """Merge --drafter although it records another target than --model (its embeddings, final norm or lm_head differ
+    by value): for a target you know is the same, requantized say. Keys and shapes are still checked."""
 
     def __post_init__(self) -> None:
         for name in ("model", "drafter"):
@@ -37,4 +40,5 @@ def merge_mtp(config: MergeMtpConfig) -> dict[str, Any]:
     """Write config.out (see MergeMtpConfig); what was replaced."""
     from drafters.mtp import write_target_with
 
-    return write_target_with(config.model, config.drafter, config.out)
+    return write_target_with(config.model, config.drafter, config.out,
+                             allow_target_mismatch=config.allow_target_mismatch)

@@ -21,7 +21,7 @@ Scheduler, per step and per request:
                                       blocks of the hidden-state cache, kept until the worker has written them; an
                                       aborted or errored request writes nothing and its path is free at once
     update_connector_output(out)      the worker's done requests: their paths are free again (a custom path written
-                                      without overwrite=True stays owned, up to REMEMBERED_FILES of them; a failed
+                                      without overwrite=True stays owned, up to max_remembered_paths of them; a failed
                                       write's path is free for a retry)
 Worker (TP rank 0 writes; the other ranks hold no file):
     register_kv_caches(caches)        the CacheOnlyAttentionLayer's cache: [blocks, layers, block_size, hidden]
@@ -30,7 +30,8 @@ Worker (TP rank 0 writes; the other ranks hold no file):
     build_connector_worker_meta()     the requests of this step whose file was not written, for the scheduler
 
 Per-request state is dropped when the request settles (written, failed, refused or aborted), so a long-lived
-`vllm serve` holds only its requests in flight and the remembered custom paths (REMEMBERED_FILES at most).
+`vllm serve` holds only its requests in flight and the remembered custom paths (kv_connector_extra_config
+max_remembered_paths at most, default 16384).
 
 The file is hsx's: `load_hidden_states` of hsx reads it (token_ids [T], hidden_states [T, L, H] and the spec's
 metadata); the states are those vLLM's pseudo-drafter cached, layer ids in vLLM's convention (0 = embeddings, k = the
@@ -78,11 +79,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-REMEMBERED_FILES = 16384
-"""Custom paths written without overwrite=True that the scheduler keeps refusing to a second writer; past this many
-the oldest is forgotten (connectors.paths.PathOwners' max_remembered): a server's memory stays bounded."""
-
 
 @dataclass
 class _Save:
@@ -175,7 +171,7 @@ class HsxHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._releases: list[str] = []
         # who owns which file (connectors.paths.PathOwners), decided here alone, before vLLM hands a client the path;
         # the worker writes what this side accepted
-        self._owners = PathOwners(max_remembered=REMEMBERED_FILES)
+        self._owners = PathOwners(max_remembered=self.settings.max_remembered_paths)
         self._claims: dict[str, tuple[Destination, bool]] = {}  # request id -> (its file, remembered once written)
         # worker side
         self._cache: torch.Tensor | None = None

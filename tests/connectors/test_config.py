@@ -51,10 +51,28 @@ def test_extra_config_must_be_a_dict():
     ("write_retry_backoff_s", -1.0, ValueError),
     ("shared_storage_path", "", ValueError),
     ("storage_options", "endpoint=x", TypeError),
+    ("max_remembered_paths", 0, ValueError),
+    ("max_remembered_paths", -5, ValueError),
+    ("max_remembered_paths", "16384", TypeError),
+    ("max_remembered_paths", 2.5, TypeError),
+    ("max_remembered_paths", True, TypeError),
 ])
 def test_bad_extra_config_values_are_rejected_naming_the_key(key, value, error):
     with pytest.raises(error, match=key if key != "shared_storage_path" else "shared_storage_path is empty"):
         KVTransferConfig(kv_connector_extra_config={key: value})
+
+
+def test_the_vllm_plug_ins_remembered_paths_bound_is_a_setting_refused_in_one_line_unless_positive(tmp_path):
+    """max_remembered_paths (vllm_engine.connector hands it to connectors.paths.PathOwners): 16384 unless set, any
+    positive integer taken, anything else one line naming the key."""
+    assert HiddenStatesConnectorConfig().max_remembered_paths == 16384
+    kv = KVTransferConfig(kv_connector="HsxHiddenStatesConnector",
+                          kv_connector_extra_config={"shared_storage_path": str(tmp_path), "max_remembered_paths": 50})
+    assert kv.connector_class.parse_extra_config(kv.kv_connector_extra_config).max_remembered_paths == 50
+    with pytest.raises(ValueError) as e:
+        KVTransferConfig(kv_connector_extra_config={"max_remembered_paths": 0})
+    assert str(e.value) == ("kv_connector_extra_config['max_remembered_paths'] must be a positive number of paths, "
+                            "got 0 (default 16384)")
 
 
 def test_defaults_match_vllms_connector():

@@ -485,6 +485,107 @@ def test_tuned_mtp_layers_save_in_the_checkpoints_own_layout_decode_and_merge_in
         assert "another target" in _llm_error(twin, {"method": "mtp", "model": model, "num_speculative_tokens": 2})
 
 
+def _recast(folder: str, out: str, dtype: torch.dtype) -> str:
+    """A copy of the target at `folder` with every floating tensor stored in `dtype` (as `save_pretrained(dtype=...)`
+    or a requantizing tool writes it): the same target, other bytes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    path = os.path.join(out, "model.safetensors")
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        doc = json.load(f)
+    doc["dtype"] = doc["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(doc, f)
+    return out
+
+
+def _bytes_digest(folder: str) -> str:
+    """The target digest an earlier hsx recorded, written out here: sha256 over each shared tensor's (shape, dtype)
+    and its bytes as stored (input embeddings, lm_head, final norm)."""
+    import hashlib
+
+    from drafters.base import TargetHead
+
+    head = TargetHead.from_model_dir(folder)
+    digest = hashlib.sha256()
+    for tensor in (head.embed_tokens, head.lm_head, *head.norm.module.state_dict().values()):
+        digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ValueError) as e:
+        call()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_the_target_check_holds_across_storage_dtypes_reads_old_digests_and_has_an_override(targets, tmp_path,
+                                                                                            capsys):
+    """MTP layers tuned for a bfloat16 target are taken by the same target stored in float16 or float32 (its
+    embeddings hold a value float16 cannot keep, a tiny one: values under 2^-14 count as 0), by merge-mtp,
+    from_pretrained and the speculative_config check; a target folder's own layers too. Another target of the same shape is still
+    refused, each refusal naming its override, which then takes it. A checkpoint of an earlier hsx (its digest over
+    the bytes as stored) is still taken by its own target; a re-cast copy of it needs the override."""
+    from cli.main import main
+    from drafters.base import TargetHead
+    from drafters.mtp import MtpDrafter, check_source
+
+    base = targets["deepseek_v3/1"]
+    bf16 = _recast(base, str(tmp_path / "bf16"), torch.bfloat16)
+    copies = {"float16": _recast(bf16, str(tmp_path / "fp16"), torch.float16),
+              "float32": _recast(bf16, str(tmp_path / "fp32"), torch.float32)}
+    embed = TargetHead.from_model_dir(bf16).embed_tokens
+    lost = (embed.float() != embed.to(torch.float16).float()).sum()
+    assert lost > 0  # the float16 copy's bytes, and values, differ from the target's
+    spec = type("Spec", (), {"num_hidden_layers": 4, "layer_ids": (4,), "target_top_k": None})()
+    tuned = str(tmp_path / "tuned")
+    MtpDrafter.for_run(spec, TargetHead.from_model_dir(bf16), 2).save_pretrained(tuned, verifier=bf16)
+    with open(os.path.join(tuned, "config.json")) as f:
+        assert json.load(f)["hsx"]["target_digest"].startswith("sha256-bf16:")
+    for name, copy in copies.items():
+        assert MtpDrafter.from_pretrained(tuned, target_dir=copy).verifier == copy, name
+        check_source(tuned, copy, "speculative_config method 'mtp'")
+        check_source(bf16, copy, "speculative_config method 'mtp'")  # a target folder's own layers
+        assert main(["merge-mtp", "--model", copy, "--drafter", tuned, "--out", str(tmp_path / f"merged-{name}")]) \
+            == 0, name
+    # another target of the same shape (another seed): refused, the override named, then taken
+    twin = _recast(add_mtp_layers(randomise_norms(build_tiny_model("deepseek_v3", str(tmp_path / "t"), seed=8)), 1,
+                                  seed=6), str(tmp_path / "twin"), torch.bfloat16)
+    refused = _refusal(lambda: MtpDrafter.from_pretrained(tuned, target_dir=twin))
+    assert "was tuned for another target" in refused and "pass allow_target_mismatch=True" in refused, refused
+    assert MtpDrafter.from_pretrained(tuned, target_dir=twin, allow_target_mismatch=True).verifier == twin
+    served = _refusal(lambda: check_source(tuned, twin, "speculative_config method 'mtp'"))
+    assert "hsx merge-mtp" in served and "--allow-target-mismatch" in served, served
+    assert "belongs to another target" in _refusal(lambda: check_source(bf16, twin, "x"))
+    capsys.readouterr()
+    merge = ["merge-mtp", "--model", twin, "--drafter", tuned, "--out", str(tmp_path / "forced")]
+    with pytest.raises(SystemExit) as e:
+        main(merge)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was tuned for another target" in err and "--allow-target-mismatch" in err, err
+    assert len(err.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "forced")
+    assert main([*merge, "--allow-target-mismatch"]) == 0 and os.path.isdir(tmp_path / "forced")
+    # a checkpoint written before: its digest over the bytes as stored
+    old = str(tmp_path / "old")
+    shutil.copytree(tuned, old)
+    with open(os.path.join(old, "config.json")) as f:
+        doc = json.load(f)
+    doc["hsx"]["target_digest"] = _bytes_digest(bf16)
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(doc, f)
+    assert MtpDrafter.from_pretrained(old).verifier == bf16
+    check_source(old, bf16, "speculative_config method 'mtp'")
+    for other in (copies["float16"], twin):
+        refused = _refusal(lambda other=other: MtpDrafter.from_pretrained(old, target_dir=other))
+        assert "bytes as stored" in refused and "pass allow_target_mismatch=True" in refused, refused
+    assert MtpDrafter.from_pretrained(old, target_dir=copies["float16"], allow_target_mismatch=True)
+
+
 def test_hsx_train_drafter_kind_mtp_tunes_a_targets_own_layers_from_a_run(targets, tmp_path, capsys):
     from cli.main import main
     from connectors import HiddenStatesSpec

@@ -21,10 +21,12 @@ from tests.image_servers import (
     ListeningSocket,
     LoopbackServer,
     drip,
+    encoded,
     hang_up,
     image,
     png_bytes,
     redirect,
+    self_signed_cert,
     status,
 )
 
@@ -158,6 +160,82 @@ def test_a_transient_failure_is_tried_again_and_a_lasting_one_is_marked_unavaila
         with pytest.raises(ValueError) as gone:  # a 410 is the same every time: not tried again
             load_image(server.url("/gone.png"), _fetching(), "image 0")
         assert not isinstance(gone.value, ImageUnavailable) and server.hits.count("/gone.png") == 1
+
+
+def test_a_certificate_that_fails_verification_is_refused_at_once_naming_the_host(tmp_path):
+    """A loopback https server with a self-signed certificate: the same answer every time, so one try, a plain
+    ValueError (a job records it as settled, retry=false), one line naming the host and the certificate. The server
+    itself works: a client that trusts the certificate gets the image."""
+    import ssl
+    import urllib.request
+
+    cert, key = self_signed_cert(str(tmp_path))
+    with LoopbackServer({"/a.png": [image(PNG)]}, tls=(cert, key)) as server:
+        trusting = ssl.create_default_context(cafile=cert)
+        with urllib.request.urlopen(server.url("/a.png"), context=trusting, timeout=10) as r:
+            assert r.read() == PNG
+        before = server.connections
+        with pytest.raises(ValueError) as e:
+            load_image(server.url("/a.png"), _fetching(image_fetch_timeout_s=20), "image 0")
+        tries = server.connections - before
+    assert not isinstance(e.value, ImageUnavailable)
+    assert tries == 1, tries
+    text = _one_line(e)
+    assert text.startswith("image 0:") and "host '127.0.0.1'" in text and "certificate" in text, text
+    assert "failed verification" in text and "self-signed" in text and "SSL_CERT_FILE" in text, text
+
+
+def _gzip_of_zeros(n: int) -> bytes:
+    """gzip of n zero bytes, made without holding them (about n / 1000 bytes)."""
+    import zlib
+
+    packer, out, block = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS), [], bytes(1 << 20)
+    for _ in range(n >> 20):
+        out.append(packer.compress(block))
+    return b"".join([*out, packer.flush()])
+
+
+def test_a_gzip_bomb_is_refused_once_it_inflates_past_the_bound_without_holding_it():
+    """A body of 65 KB on the wire that inflates to 64 MiB (Content-Encoding: gzip), fetched with a 1 MiB bound: it
+    is inflated by hsx within the bound (aiohttp's own decoding is off: before aiohttp 3.13.3 it inflated whole
+    network chunks at once, 141 MiB at the peak here) and refused once past it, the fetch's Python allocations at
+    their peak a few times the bound, not the body's 64 MiB."""
+    import tracemalloc
+
+    from extractor.image_fetch import fetch_image
+
+    bomb = _gzip_of_zeros(64 << 20)
+    assert len(bomb) < 100_000
+    with LoopbackServer({"/bomb.png": [encoded(bomb)], "/a.png": [image(PNG)]}) as server:
+        fetch_image(server.url("/a.png"), "image 0", domains=None, timeout_s=20, cap=1 << 20)  # aiohttp imported
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError) as e:
+                fetch_image(server.url("/bomb.png"), "image 0", domains=None, timeout_s=20, cap=1 << 20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert not isinstance(e.value, ImageUnavailable)  # the same body every time
+    assert _one_line(e).endswith("is larger than 1 MiB once its Content-Encoding gzip is decoded"), str(e.value)
+    assert peak < 4 << 20, f"{peak / (1 << 20):.1f} MiB"
+
+
+def test_compressed_images_are_decoded_and_an_unknown_encoding_is_refused():
+    import gzip
+    import zlib
+
+    with LoopbackServer({"/g.png": [encoded(gzip.compress(PNG))], "/z.png": [encoded(zlib.compress(PNG), "deflate")],
+                         "/twice.png": [encoded(gzip.compress(PNG[:40]) + gzip.compress(PNG[40:]))],
+                         "/br.png": [encoded(b"\x0b\x02\x80hello\x03", "br")],
+                         "/cut.png": [encoded(gzip.compress(PNG)[:-12])]}) as server:
+        for path in ("/g.png", "/z.png", "/twice.png"):  # gzip, zlib-wrapped deflate, two gzip members
+            assert load_image(server.url(path), _fetching(), "image 0").size == (16, 12), path
+        with pytest.raises(ValueError) as br:
+            load_image(server.url("/br.png"), _fetching(), "image 1")
+        with pytest.raises(ValueError) as cut:
+            load_image(server.url("/cut.png"), _fetching(), "image 2")
+    assert _one_line(br).startswith("image 1:") and "Content-Encoding 'br'" in str(br.value), str(br.value)
+    assert _one_line(cut).startswith("image 2:") and "gzip" in str(cut.value), str(cut.value)
 
 
 # -- 4. decoded size --------------------------------------------------------------------------------------------
@@ -393,7 +471,7 @@ def test_a_nul_in_an_image_path_is_named(tmp_path):
 
 
 def test_loaded_images_are_rgb_copies_the_caller_may_keep(tmp_path):
-    """A PIL image passes through as an RGB image (what the serve admission pool hands prepare_media)."""
+    """A PIL image passes through as an RGB image, a copy the caller may keep apart."""
     red = Image.new("RGB", (5, 4), "red")
     out = load_image(red, MediaPolicy(), "image 0")
     assert out.mode == "RGB" and out.size == (5, 4) and out.getpixel((0, 0)) == (255, 0, 0)

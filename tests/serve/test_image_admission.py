@@ -94,6 +94,45 @@ def test_a_request_whose_client_left_keeps_its_image_slot_until_its_load_ends(vl
     assert free == IMAGE_LOADERS
 
 
+def test_each_image_of_a_request_is_decoded_and_converted_once(vl_engine, monkeypatch):
+    """The replica loads a request's images on its image pool, and its admission thread processes those very images:
+    per image, PIL decodes the file once and makes as many RGB copies (Image.convert, counted by a wrapper that calls
+    PIL's own) as the offline engine's prepare_media on the same URLs, which loads each image once. Before, the
+    admission thread loaded the pool's images again: one more full-size copy of each, twice the memory bound."""
+    from PIL import Image, ImageFile
+
+    from serve.engine import PromptRequest
+
+    sizes = ((57, 43), (61, 47))
+    seen: list[tuple[str, tuple[int, int]]] = []
+    convert, load = Image.Image.convert, ImageFile.ImageFile.load
+
+    def counted_convert(self, *args, **kwargs):
+        seen.append(("convert", self.size))
+        return convert(self, *args, **kwargs)
+
+    def counted_load(self):
+        if self.tile:  # not decoded yet: this call runs the decoder
+            seen.append(("decode", self.size))
+        return load(self)
+
+    monkeypatch.setattr(Image.Image, "convert", counted_convert)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counted_load)
+    pages = {f"/{w}x{h}.png": [image(png_bytes(w, h))] for w, h in sizes}
+    with LoopbackServer(pages) as server:
+        parts = [{"type": "image_url", "image_url": {"url": server.url(path)}} for path in pages]
+        request = PromptRequest("two", messages=[{"role": "user", "content": [*parts, {"type": "text",
+                                                                                       "text": "what"}]}],
+                                max_tokens=1)
+        item = asyncio.run(vl_engine._admitted(request))
+        served, seen[:] = list(seen), []
+        offline = vl_engine.llm.prepare_media(item.prompt_text, {"image": [server.url(path) for path in pages]})
+    assert item.media is not None and item.media.image_features.equal(offline.image_features), item
+    for size in sizes:
+        assert served.count(("decode", size)) == 1, served
+        assert served.count(("convert", size)) == seen.count(("convert", size)), (served, seen)
+
+
 def test_an_image_url_part_may_be_a_plain_string(vl_engine):
     from serve.protocol import ChatBody
 

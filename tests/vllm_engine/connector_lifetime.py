@@ -79,16 +79,14 @@ def engine(model: str, out: str):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    import vllm_engine.connector as plugin
-
-    plugin.REMEMBERED_FILES = REMEMBERED
     return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=64,
                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}},
                kv_transfer_config=KVTransferConfig(
                    kv_connector="HsxHiddenStatesConnector", kv_connector_module_path="vllm_engine.connector",
                    kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": out,
-                                                                    "allow_custom_save_path": True}))
+                                                                    "allow_custom_save_path": True,
+                                                                    "max_remembered_paths": REMEMBERED}))
 
 
 def batches(llm, out: str, n: int, report: dict) -> None:
