@@ -3,7 +3,7 @@
     python benchmarks/bench_multinode.py --out bench-out                 # 600 samples, ~5 minutes on 2 cores
     python benchmarks/bench_multinode.py --out bench-out --samples 2000
 
-Ray's own `ray.cluster_utils.Cluster` (tests/jobs/multinode.py: a head with 1 CPU and two worker nodes of 3, each a
+Ray's own `ray.cluster_utils.Cluster` (harness/multinode.py: a head with 1 CPU and two worker nodes of 3, each a
 raylet of its own) runs the same `hsx run --address ... --workers 2 --cpus-per-worker 2` three times on a fresh
 output, a tiny model built locally and a corpus of --samples prompts:
     one node      one worker node only (--workers 1): the baseline
@@ -34,9 +34,9 @@ import pyarrow.compute as pc  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from connectors.manifest import ok_rows, read_manifest  # noqa: E402
 from connectors.run import RunDir  # noqa: E402
+from harness.corpora import word_corpus  # noqa: E402
+from harness.multinode import MultiNodeCluster  # noqa: E402
 from reference.tiny_models import build_tiny_model  # noqa: E402
-from tests.jobs.conftest import word_corpus  # noqa: E402
-from tests.jobs.multinode import MultiNodeCluster  # noqa: E402
 
 WORKER = "ray::MapWorker(MapBatches(ExtractionWorker))"
 

@@ -39,10 +39,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    from harness.serving import API_KEY, ServeProcess
     from reference.tiny_models import build_tiny_model, sample_text
     from regeneration.config import RegenerateConfig
     from regeneration.regenerate import regenerate
-    from tests.serving import API_KEY, ServeProcess
 
     work = args.work or tempfile.mkdtemp(prefix="hsx-bench-regenerate-")
     model = build_tiny_model("llama", os.path.join(work, "model"), hidden_size=args.hidden_size,

@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from connectors.run import read_run_spec
+    from harness.serving import API_KEY, ServeProcess
     from regeneration.config import RegenerateConfig
     from regeneration.regenerate import regenerate
-    from tests.serving import API_KEY, ServeProcess
     from training_jobs.config import TrainJobConfig
     from training_jobs.train import train_drafter
 

@@ -176,9 +176,9 @@ def main() -> None:
 
     from connectors import KVTransferConfig
     from extractor import LLM
+    from harness.serving import ServeProcess
+    from harness.specs import spec_config
     from reference.tiny_models import build_tiny_model
-    from tests.extractor.conftest import spec_config
-    from tests.serving import ServeProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=256)

@@ -36,7 +36,7 @@ from connectors.format import HiddenStatesSpec  # noqa: E402
 from connectors.reader import read_rows  # noqa: E402
 from connectors.shards import write_shard  # noqa: E402
 from connectors.storage import open_url, put_atomic  # noqa: E402
-from tests.connectors.http_proxy import LoopbackProxy  # noqa: E402
+from harness.http_proxy import LoopbackProxy  # noqa: E402
 
 
 def make_files(args, folder: str) -> list[str]:

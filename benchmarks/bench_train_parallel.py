@@ -50,8 +50,8 @@ def main() -> None:
     import ray
 
     from connectors import HiddenStatesSpec
+    from harness.runs import random_samples, write_run
     from reference.tiny_models import build_tiny_model
-    from tests.training.runs import random_samples, write_run
     from training_jobs.config import TrainJobConfig
     from training_jobs.train import train_drafter
 

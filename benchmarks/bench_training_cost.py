@@ -55,8 +55,8 @@ def child(args) -> dict:
     from drafters.base import DrafterBatch, TargetHead
     from drafters.memory import MemoryOptions, autocast
     from drafters.registry import drafter_class
+    from harness.runs import random_samples, write_run
     from reference.tiny_models import build_tiny_model
-    from tests.training.runs import random_samples, write_run
     from training import HiddenStatesDataset, PackCollator
 
     device = torch.device(args.device)

@@ -209,7 +209,7 @@ def check_eagle3(model_dir: str, model, tmp: str, steps: int = 30) -> str:
     from drafters.base import DrafterBatch, TargetHead
     from drafters.registry import drafter_class
     from extractor.rollback import refuse_state_space_only, rollback_plan
-    from tests.training.runs import Sample, write_run
+    from harness.runs import Sample, write_run
     from training import HiddenStatesDataset, PackCollator
 
     try:  # the engine's refusals first: no head is trained for a target hsx will not decode speculatively
@@ -251,7 +251,7 @@ def check_verify(model_dir: str, model, tmp: str) -> str:
     from cli.main import main
     from connectors import HiddenStatesSpec, KVTransferConfig, example_hidden_states_connector
     from extractor import SamplingParams
-    from tests.training.runs import Sample, write_run
+    from harness.runs import Sample, write_run
 
     text = model.config.get_text_config()
     n = int(text.num_hidden_layers)

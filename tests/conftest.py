@@ -1,7 +1,7 @@
 """Shared fixtures: tiny models built locally (no downloads), a quiet environment for Ray and transformers.
 
 Heavier shared services (loopback S3 server, GCS emulator, local Ray) live in the conftest of the test package
-that needs them, each started once per session. The live `hsx serve` (`server`, tests/serving.py) is here: the tests
+that needs them, each started once per session. The live `hsx serve` (`server`, harness/serving.py) is here: the tests
 of `hsx serve` (tests/serve/) and of `hsx regenerate` against it (tests/jobs/) share one per session.
 """
 
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.serving import ServeProcess, SharedServer
+from harness.serving import ServeProcess, SharedServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -88,8 +88,8 @@ def oracle_model(tiny_llama):
 def oracle_run(tmp_path_factory, tiny_llama, oracle_model):
     """(output, samples, spec): texts through the tiny Llama, layers ORACLE_LAYERS, last one pre-norm."""
     from connectors import HiddenStatesSpec
+    from harness.runs import ORACLE_LAYERS, oracle_samples, write_run
     from reference.tiny_models import sample_text
-    from tests.training.runs import ORACLE_LAYERS, oracle_samples, write_run
 
     model, tokenizer = oracle_model
     spec = HiddenStatesSpec(layer_ids=ORACLE_LAYERS, num_hidden_layers=model.config.num_hidden_layers,

@@ -181,8 +181,8 @@ def test_every_command_is_a_typed_config_mapped_one_to_one_with_a_config_file():
 
 def test_any_commands_settings_come_from_a_file_and_the_flags_given_win(tmp_path, capsys):
     from connectors import HiddenStatesSpec
+    from harness.runs import random_samples, write_run
     from jobs.config import DemoConfig
-    from tests.training.runs import random_samples, write_run
 
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=8, dtype="float32", model="m")
     run = tmp_path / "run"

@@ -12,7 +12,7 @@ import pytest
 
 from cli.args import EXIT_USAGE
 from cli.main import main
-from tests.training.runs import tree_digest
+from harness.runs import tree_digest
 
 pytestmark = [pytest.mark.slow]
 

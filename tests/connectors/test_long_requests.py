@@ -16,8 +16,8 @@ from connectors import RequestInfo, load_hidden_states
 from connectors.format import FP8, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.quant import BadStates
 from connectors.storage import STREAM_BLOCK_BYTES, put_atomic
+from harness.http_proxy import LoopbackProxy
 from tests.connectors.conftest import _GS, _S3, _make_backend, make_spec
-from tests.connectors.http_proxy import LoopbackProxy
 from tests.connectors.test_storage_contract import HIDDEN, LAYERS, random_request
 from tests.connectors.test_storage_faults import fast_failing
 

@@ -23,8 +23,8 @@ from connectors.example_hidden_states_connector import (
     read_hidden_states_info,
 )
 from connectors.header import HEADER_PROBE_BYTES
+from harness.http_proxy import LoopbackProxy
 from tests.connectors.conftest import LOCK_SUFFIX, make_spec
-from tests.connectors.http_proxy import LoopbackProxy
 
 LAYERS = (2, 4, 6)
 HIDDEN = 32

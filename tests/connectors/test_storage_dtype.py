@@ -183,7 +183,7 @@ def test_remote_fp8_reads_equal_the_same_reads_from_local_disk_and_a_token_range
     import re
 
     from connectors.header import HEADER_PROBE_BYTES
-    from tests.connectors.http_proxy import LoopbackProxy
+    from harness.http_proxy import LoopbackProxy
 
     num_tokens, first, last = 2048, 1500, 1600
     connector = connector_factory(remote_backend.root, make_spec(torch.float32, LAYERS, HIDDEN),

@@ -15,8 +15,8 @@ import s3fs
 import torch
 
 from connectors import RequestInfo, cleanup_hidden_states, load_hidden_states
+from harness.http_proxy import LoopbackProxy
 from tests.connectors.conftest import make_spec
-from tests.connectors.http_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.s3
 

@@ -53,7 +53,7 @@ def greedy_run(oracle_model, tiny_llama: str, out: str, layers, new_tokens: int 
     """An hsx run at `out` of PROMPTS + the tiny Llama's greedy continuations (states from a plain transformers
     forward, layers `layers`, every token trained); returns the continuations (the oracle's outputs)."""
     from connectors import HiddenStatesSpec
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    from harness.runs import Sample, pre_norm_hidden_states, write_run
 
     model, tokenizer = oracle_model
     samples, refs = [], []

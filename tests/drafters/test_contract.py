@@ -49,7 +49,7 @@ def test_a_familys_proposer_captures_the_layers_its_head_reads_and_drafts_determ
                                                                                             engine_runner,
                                                                                             oracle_model):
     from extractor.sampling import SamplingParams
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     folder, drafter, _ = family_head(kind)
     model, tokenizer = oracle_model

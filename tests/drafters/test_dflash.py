@@ -47,7 +47,7 @@ def test_one_forward_drafts_the_block_the_training_forward_predicts(trained_head
     from drafters.base import DrafterBatch
     from drafters.dflash_proposer import DFlashProposer
     from extractor.sampling import SamplingParams, sampling_probs
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     folder, drafter, _, _ = trained_head
     model, tokenizer = oracle_model

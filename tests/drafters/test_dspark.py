@@ -88,7 +88,7 @@ def test_the_loss_equals_dsparks_objective_written_out(kind, oracle_run, tiny_ll
 
 def _context(oracle_model, drafter):
     from drafters.base import DrafterBatch
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     model, tokenizer = oracle_model
     ctx = tokenizer("the quick model reads a batch of hidden states")["input_ids"]

@@ -23,7 +23,7 @@ def eagle_setup(oracle_run, tiny_llama):
 
 def test_features_are_the_targets_post_norm_last_layer(eagle_setup, oracle_model):
     """fuse(stored layer N, pre-norm) = the state transformers' own forward hands its lm_head (hidden_states[-1])."""
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     _, _, drafter = eagle_setup
     model, tokenizer = oracle_model
@@ -109,7 +109,7 @@ def test_a_run_without_the_last_layer_is_refused_before_training(tiny_llama, ora
     from connectors.run import RunSpec
     from drafters.base import TargetHead
     from drafters.eagle import EagleDrafter
-    from tests.training.runs import random_samples, write_run
+    from harness.runs import random_samples, write_run
     from training.train_config import TrainDrafterConfig
     from training_jobs.train import train_drafter
 

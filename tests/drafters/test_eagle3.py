@@ -267,7 +267,7 @@ def runner(engine_runner):
 
 def _aux_states(model, ids: list[int], layer_ids) -> torch.Tensor:
     """[T, A, H] the target's states of `ids` at `layer_ids` (vLLM ids), from a plain transformers forward."""
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     states = pre_norm_hidden_states(model, torch.tensor(ids))
     return torch.stack([states[i] for i in layer_ids], dim=1)

@@ -18,7 +18,7 @@ from drafters.medusa import MedusaConfig, MedusaDrafter
 from drafters.medusa_proposer import MedusaProposer
 from drafters.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorDrafter
 from drafters.mlp_speculator_proposer import MLPSpeculatorProposer
-from tests.training.runs import pre_norm_hidden_states
+from harness.runs import pre_norm_hidden_states
 
 KINDS = ("medusa", "mlp_speculator")
 DRAFTERS = {"medusa": MedusaDrafter, "mlp_speculator": MLPSpeculatorDrafter}

@@ -590,7 +590,7 @@ def test_hsx_train_drafter_kind_mtp_tunes_a_targets_own_layers_from_a_run(target
     from cli.main import main
     from connectors import HiddenStatesSpec
     from extractor.config import checkpoint_method
-    from tests.training.runs import Sample, write_run
+    from harness.runs import Sample, write_run
 
     folder = targets["deepseek_v3/1"]
     model = _model(folder)

@@ -55,7 +55,7 @@ def test_one_forward_drafts_what_the_training_unroll_predicts(trained_head, engi
     drafts are the unroll's: depth d of chain t = len(ctx) - 2."""
     from drafters.peagle_proposer import PEagleProposer
     from extractor.sampling import SamplingParams, sampling_probs
-    from tests.training.runs import pre_norm_hidden_states
+    from harness.runs import pre_norm_hidden_states
 
     folder, drafter, _ = trained_head
     model, tokenizer = oracle_model

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from drafters.base import topk_distribution
 from drafters.vocab import DraftVocab
-from tests.training.runs import ORACLE_LAYERS, Sample, write_run
+from harness.runs import ORACLE_LAYERS, Sample, write_run
 
 AUX = tuple(i for i in ORACLE_LAYERS if i != 4)
 

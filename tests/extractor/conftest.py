@@ -1,11 +1,7 @@
 import pytest
 
 from connectors import KVTransferConfig
-
-
-def spec_config(layer_ids):
-    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+from harness.specs import spec_config  # noqa: F401 - the fixtures below build it
 
 
 @pytest.fixture

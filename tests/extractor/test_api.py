@@ -12,7 +12,7 @@ from torch import nn
 from connectors import KVTransferConfig, example_hidden_states_connector
 from extractor import LLM, SamplingParams
 from extractor.layers import default_layer_ids, find_decoder_layers
-from tests.extractor.conftest import spec_config
+from harness.specs import spec_config
 from tests.extractor.oracle import load_reference, reference_states
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from extractor import LLM, SamplingParams
-from tests.extractor.conftest import spec_config
+from harness.specs import spec_config
 
 PARTS = [{"type": "text", "text": "What is it?"}, {"type": "text", "text": "Say it twice."}]
 PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"

@@ -9,7 +9,7 @@ import torch
 
 from connectors import load_hidden_states, read_hidden_states_info
 from extractor import LLM, SamplingParams
-from tests.extractor.conftest import spec_config
+from harness.specs import spec_config
 from tests.extractor.oracle import load_reference, reference_states
 from tests.extractor.test_oracle import ORDERED, mixed_prompts
 

@@ -9,8 +9,8 @@ import torch
 
 from connectors import load_hidden_states, read_hidden_states_info
 from extractor import LLM, SamplingParams
+from harness.specs import spec_config
 from reference.tiny_models import sample_text
-from tests.extractor.conftest import spec_config
 from tests.extractor.oracle import ENGINE_DEVICE, load_reference, reference_states
 
 FAMILIES = ["llama", "qwen3", "mistral", "qwen3_moe", "gpt2"]

@@ -14,8 +14,8 @@ from connectors import load_hidden_states
 from extractor import LLM, EngineConfig, SamplingParams
 from extractor.batching import plan_batches, plan_packed
 from extractor.packing import Packer
+from harness.specs import spec_config
 from reference.tiny_models import build_tiny_model
-from tests.extractor.conftest import spec_config
 from tests.extractor.oracle import load_reference, reference_states
 
 LAYERS = [0, 1, 4]

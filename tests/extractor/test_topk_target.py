@@ -10,7 +10,7 @@ import torch
 from connectors import load_hidden_states
 from connectors.format import HIDDEN_STATES, TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from extractor import LLM, SamplingParams
-from tests.extractor.conftest import spec_config
+from harness.specs import spec_config
 from tests.extractor.oracle import load_reference, reference_log_probs, reference_states
 from tests.extractor.test_oracle import mixed_prompts
 

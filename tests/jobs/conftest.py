@@ -9,12 +9,12 @@ without a token.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from dataclasses import dataclass
 
 import pytest
+
+from harness.corpora import write_jsonl  # noqa: F401 - the fixtures below write corpora
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -83,37 +83,6 @@ def dashboard_url() -> str:
             head.kill()
             head.wait(30)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def write_jsonl(path, records, raw_lines=()) -> str:
-    """Records as JSON lines, then raw byte lines (for broken input)."""
-    with open(path, "wb") as f:
-        for r in records:
-            f.write(json.dumps(r).encode() + b"\n")
-        for line in raw_lines:
-            f.write(line + b"\n")
-    return str(path)
-
-
-def word_corpus(tmp_path, n: int) -> tuple[str, set[str]]:
-    """n prompts of 5-44 words as JSONL, and their ids: enough work for a job to be interrupted mid-run."""
-    records = [{"id": f"k{i:04d}", "prompt": " ".join(["word"] * (5 + i % 40)) + f" {i}"} for i in range(n)]
-    return write_jsonl(tmp_path / "words.jsonl", records), {r["id"] for r in records}
-
-
-def write_jsonl_gz(path, records) -> str:
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
-
-
-def write_parquet(path, records) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(records), str(path))
-    return str(path)
 
 
 class Oracle:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from corpus.readers import count_records, expand_corpus, read_records
-from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
+from harness.corpora import write_jsonl, write_jsonl_gz, write_parquet
 
 
 def _records(files, id_field="id"):

@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tiny_llama, tmp_path_factory):
     """(JobConfig, output) of one finished job of 6 samples; tests work on copies of its output."""
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
-    from tests.jobs.conftest import write_jsonl
 
     root = tmp_path_factory.mktemp("damage")
     corpus = write_jsonl(root / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i} says " + "word " * (i + 3)}

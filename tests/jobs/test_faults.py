@@ -8,7 +8,7 @@ itself, or resumed by the same command — with every sample exactly once: one "
                         moto): writes, read-backs and manifest commits wait it out (--storage-retry-seconds)
     driver killed       kill -9 of `hsx run` itself: the re-run skips what was committed and does the rest
 
-The cluster lives for the module (tests/jobs/multinode.py); each case gets (at least) two live worker nodes. Last, a
+The cluster lives for the module (harness/multinode.py); each case gets (at least) two live worker nodes. Last, a
 node added mid-job gets a worker of a growing pool (--max-workers) and does part of the work: what an autoscaling
 cluster relies on.
 """
@@ -26,9 +26,9 @@ import time
 import pytest
 
 from connectors.manifest import read_manifest
-from tests.connectors.http_proxy import LoopbackProxy
-from tests.jobs.conftest import word_corpus
-from tests.jobs.multinode import MultiNodeCluster
+from harness.corpora import word_corpus
+from harness.http_proxy import LoopbackProxy
+from harness.multinode import MultiNodeCluster
 from tests.jobs.test_job import assert_exactly_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

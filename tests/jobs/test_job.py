@@ -23,10 +23,10 @@ from cli.main import main
 from connectors import load_hidden_states, read_hidden_states_info
 from connectors.manifest import committed_ids, read_manifest
 from connectors.run import RunDir
+from harness.corpora import write_jsonl, write_jsonl_gz, write_parquet
 from jobs.config import JobConfig
 from jobs.estimate import estimate
 from jobs.pipeline import run_job
-from tests.jobs.conftest import write_jsonl, write_jsonl_gz, write_parquet
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

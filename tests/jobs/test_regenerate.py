@@ -16,9 +16,9 @@ import torch
 from connectors import load_hidden_states
 from connectors.manifest import ok_rows
 from corpus.readers import expand_corpus, read_records
+from harness.serving import API_KEY, LAYERS
 from regeneration.config import RegenerateConfig
 from regeneration.regenerate import regenerate
-from tests.serving import API_KEY, LAYERS
 
 MAX_TOKENS = 6
 

@@ -16,7 +16,7 @@ import pytest
 
 from connectors.manifest import OK, committed_rows, live_manifest_parts, read_manifest, referenced_paths
 from connectors.run import RunDir
-from tests.serving import API_KEY, ServeProcess
+from harness.serving import API_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
 N = 300

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cli.main import main
+from harness.runs import ORACLE_LAYERS, oracle_samples, write_run
 from jobs.report import read_report_data, write_report
 from jobs.report_config import ReportConfig
-from tests.training.runs import ORACLE_LAYERS, oracle_samples, write_run
 
 N_LAYERS = 4  # the tiny Llama's decoder layers: ORACLE_LAYERS = (1, 2, 4), 4 = N stored pre-norm
 
@@ -221,7 +221,7 @@ def test_failures_by_reason_count_failed_samples_as_hsx_status_does(tmp_path, ca
     import json
 
     from connectors import HiddenStatesSpec
-    from tests.training.runs import random_samples
+    from harness.runs import random_samples
 
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=2, hidden_size=8, dtype="float32")
     samples = random_samples(4, spec, seed=1)

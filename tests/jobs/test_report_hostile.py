@@ -12,8 +12,8 @@ import os
 import pytest
 
 from cli.main import main
+from harness.runs import random_samples, write_manifest, write_run
 from jobs.report import read_report_data
-from tests.training.runs import random_samples, write_manifest, write_run
 
 DOLLAR_FILE = "price$_$list.jsonl"
 UNDERSCORE_FILE = "_hidden.jsonl"

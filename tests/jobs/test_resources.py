@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
+from harness.corpora import write_jsonl
 from jobs.config import JobConfig
 from jobs.pipeline import READ_TASK_CPUS, TOKENIZER_CPUS, resolve_resources, run_job
-from tests.jobs.conftest import RAY_TEST_CPUS, write_jsonl
+from tests.jobs.conftest import RAY_TEST_CPUS
 
 
 def config(**kw) -> JobConfig:

@@ -21,10 +21,10 @@ from connectors import load_hidden_states
 from connectors.manifest import ok_rows, read_manifest
 from connectors.run import RunDir
 from connectors.shards import SHARD_ALIGN, SHARD_DIR, SHARD_SUFFIX
+from harness.corpora import word_corpus
 from jobs.config import JobConfig
 from jobs.pipeline import run_job
 from jobs.runinfo import RunMismatch
-from tests.jobs.conftest import word_corpus
 from tests.jobs.test_job import assert_exactly_once
 from training.dataset import HiddenStatesDataset
 from training.export import export_run

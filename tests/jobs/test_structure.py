@@ -231,7 +231,7 @@ def test_unreadable_run_json_is_refused_with_the_reason(tmp_path, doc, match, ca
 
 
 def test_a_damaged_manifest_part_is_one_line_naming_it_and_the_fix_and_the_fix_works(tmp_path, capsys):
-    from tests.training.runs import random_samples, write_run
+    from harness.runs import random_samples, write_run
 
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=2, hidden_size=8, dtype="float32", model="m")
     out = str(tmp_path / "run")
@@ -302,10 +302,10 @@ def test_a_manifest_part_named_without_a_checksum_older_runs_still_reads(tmp_pat
 # -- estimate = the writer's own bytes -------------------------------------------------------------------------------
 @pytest.mark.ray
 def test_estimate_matches_the_files_a_run_writes_with_non_ascii_ids(ray_cluster, tiny_llama, tmp_path):
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.estimate import estimate
     from jobs.pipeline import run_job
-    from tests.jobs.conftest import write_jsonl
 
     ids = ["é-1", "日本語", "emoji-🙂", "plain"]
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": i, "prompt": f"text number {n} for {i}"}
@@ -323,9 +323,9 @@ def test_estimate_matches_the_files_a_run_writes_with_non_ascii_ids(ray_cluster,
 # -- a finished job re-runs without Ray ---------------------------------------------------------------------------
 @pytest.mark.ray
 def test_rerunning_a_finished_job_returns_without_starting_ray(ray_cluster, tiny_llama, tmp_path, monkeypatch):
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.pipeline import execute_job, prepare_job, run_job
-    from tests.jobs.conftest import write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(6)])
     monkeypatch.chdir(tmp_path)  # a relative --model: workers load the folder the driver resolved

@@ -35,9 +35,9 @@ def test_ids_that_sanitise_alike_get_distinct_files():
 
 @pytest.mark.ray
 def test_samples_whose_ids_sanitise_alike_both_survive_a_resume(ray_cluster, tiny_llama, tmp_path):
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
-    from tests.jobs.conftest import write_jsonl
     from training.dataset import HiddenStatesDataset
 
     records = [{"id": COLLIDING[0], "prompt": "the first sample is longer than the other one"},
@@ -223,7 +223,7 @@ def test_two_runs_on_one_output_never_duplicate_a_sample(ray_cluster, tiny_llama
     import time
 
     from cli.args import EXIT_OK, EXIT_USAGE
-    from tests.jobs.conftest import write_jsonl
+    from harness.corpora import write_jsonl
 
     ids = [f"s{i:04d}" for i in range(300)]
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": i, "prompt": f"sample {i} " * 8} for i in ids])
@@ -354,9 +354,9 @@ def test_storage_failing_at_a_commit_fails_the_job_in_one_line_and_keeps_what_wa
     import errno
     import re
 
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.pipeline import JobFailed, run_job
-    from tests.jobs.conftest import write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i}"} for i in range(12)])
     real = RunDir.put

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _run(ray_cluster, tiny_llama, tmp_path, n: int = 8, **over):
+    from harness.corpora import write_jsonl
     from jobs.config import JobConfig
     from jobs.pipeline import run_job
-    from tests.jobs.conftest import write_jsonl
 
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"s{i}", "prompt": f"sample {i} says " + "word " * (i + 3)}
                                                 for i in range(n)])
@@ -132,7 +132,7 @@ def test_a_row_without_a_path_is_a_failed_sample_and_the_report_copy_is_guarded(
     """An "ok" row with no path (a damaged manifest) is a failed sample: exit 1 naming it, no traceback; and
     --report may not be written over the run (or inside it)."""
     from connectors import HiddenStatesSpec
-    from tests.training.runs import random_samples, write_manifest, write_run
+    from harness.runs import random_samples, write_manifest, write_run
 
     spec = HiddenStatesSpec(layer_ids=(1, 2), num_hidden_layers=4, hidden_size=8, dtype="float32", model="m")
     out = str(tmp_path / "run")

@@ -11,9 +11,9 @@ import torch
 
 from connectors import load_hidden_states
 from extractor import LLM, SamplingParams
-from tests.extractor.conftest import spec_config
+from harness.serving import LAYERS
+from harness.specs import spec_config
 from tests.extractor.oracle import load_reference, reference_states, stop_string_cut
-from tests.serving import LAYERS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

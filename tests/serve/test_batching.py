@@ -18,7 +18,7 @@ def delta(after: dict, before: dict, key: str) -> float:
 
 
 def test_64_requests_from_16_threads_all_succeed_in_batches(server):
-    # the shared server queues at most 8 prompts and answers 503 + Retry-After beyond (tests/serving.py): a client
+    # the shared server queues at most 8 prompts and answers 503 + Retry-After beyond (harness/serving.py): a client
     # retries that, and on a loaded machine two retries are not always enough
     client = server.client().with_options(max_retries=10)
     prompts = [[3 + (i * 7) % 400, 11, 5 + i % 13] + [9] * (i % 5) for i in range(64)]

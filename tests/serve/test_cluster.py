@@ -25,8 +25,8 @@ import torch
 
 from cli.main import main
 from connectors import load_hidden_states
+from harness.serving import LAYERS, ServeProcess, free_port
 from tests.extractor.oracle import load_reference, reference_states
-from tests.serving import LAYERS, ServeProcess, free_port
 
 CLUSTER_CPUS = 3
 

@@ -20,13 +20,13 @@ from connectors import KVTransferConfig, load_hidden_states
 from connectors.format import MM_EMBEDS, MM_TOKEN_TYPE_IDS, POSITION_IDS
 from corpus.readers import expand_corpus, read_records
 from extractor import LLM, SamplingParams
+from harness.serving import API_KEY, LAYERS, served
+from harness.specs import spec_config
 from reference.tiny_models import build_tiny_vl_model
 from regeneration.config import RegenerateConfig
 from regeneration.regenerate import regenerate
-from tests.extractor.conftest import spec_config
 from tests.image_servers import LoopbackServer, drip, png_bytes
 from tests.image_servers import image as served_image
-from tests.serving import API_KEY, LAYERS, served
 
 FETCH_DEADLINE_S = 8
 

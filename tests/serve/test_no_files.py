@@ -10,10 +10,10 @@ import torch
 
 from connectors import load_hidden_states
 from extractor import LLM, SamplingParams
+from harness.serving import LAYERS, served
+from harness.specs import spec_config
 from serve.config import ServeConfig
 from serve.server import check
-from tests.extractor.conftest import spec_config
-from tests.serving import LAYERS, served
 
 PROMPT = [17, 250, 3, 99, 480, 12, 7]
 

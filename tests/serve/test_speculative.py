@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from harness.serving import served
 from reference.tiny_models import add_mtp_layers, build_tiny_model, randomise_norms
-from tests.serving import served
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 _g = torch.Generator().manual_seed(11)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from connectors import HiddenStatesSpec
-from tests.training.runs import (
+from harness.runs import (
     ORACLE_LAYERS,  # noqa: F401 - the oracle run's layers, as the tests import them
     random_samples,
     write_run,

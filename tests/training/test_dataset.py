@@ -17,8 +17,8 @@ from connectors import HiddenStatesSpec, load_hidden_states
 from connectors.manifest import write_manifest_part
 from connectors.run import write_run_spec
 from extractor.norm import FinalNorm
+from harness.runs import random_samples, spec_run_json, write_manifest, write_run
 from tests.training.conftest import ORACLE_LAYERS
-from tests.training.runs import random_samples, spec_run_json, write_manifest, write_run
 from training.dataset import HiddenStatesDataset, read_run_info
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from connectors import HiddenStatesFileError, HiddenStatesSpec
 from connectors.header import HEADER_PROBE_BYTES
-from tests.training.runs import random_samples, write_manifest, write_run
+from harness.runs import random_samples, write_manifest, write_run
 from training.dataset import HiddenStatesDataset
 
 SMALL = HiddenStatesSpec(layer_ids=(1, 2, 3), num_hidden_layers=4, hidden_size=8, dtype="bfloat16", model="tiny/x")

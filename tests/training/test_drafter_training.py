@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from connectors import HiddenStatesSpec
-from tests.training.runs import random_samples, write_run
+from harness.runs import random_samples, write_run
 from training.train_config import TrainDrafterConfig
 from training_jobs.train import train_drafter
 

@@ -16,8 +16,8 @@ from connectors import HiddenStatesSpec, load_hidden_states
 from connectors.format import FP8
 from connectors.paths import safe_file_stem
 from connectors.quant import FP8_RELATIVE_ERROR
+from harness.runs import spec_run_json, write_run
 from tests.training.conftest import ORACLE_LAYERS
-from tests.training.runs import spec_run_json, write_run
 from training.export import export_run
 from training.export import exporter as export
 
@@ -314,7 +314,7 @@ def test_cli_export_subcommand(oracle_run, tmp_path, capsys):
 
 @pytest.mark.s3
 def test_export_reads_an_s3_run(s3_bucket, tmp_path):
-    from tests.training.runs import random_samples
+    from harness.runs import random_samples
 
     url, options = s3_bucket
     spec = HiddenStatesSpec(layer_ids=(1, 2, 4), num_hidden_layers=4, hidden_size=8, dtype="bfloat16", model="x/y")

@@ -16,7 +16,7 @@ from cli.args import EXIT_FAILED, EXIT_USAGE
 from connectors import HiddenStatesSpec
 from connectors.lease import WriterLease
 from connectors.run import RunDir
-from tests.training.runs import random_samples, write_run
+from harness.runs import random_samples, write_run
 from training.export import STATE_FILE, export_run
 
 FORMATS = ("speculators", "specforge", "modelopt")

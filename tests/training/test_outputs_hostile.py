@@ -15,7 +15,7 @@ import pytest
 from cli.args import EXIT_USAGE
 from connectors.lease import LeaseHeld, WriterLease
 from connectors.run import RunDir
-from tests.training.runs import small_train_config, tree_digest
+from harness.runs import small_train_config, tree_digest
 from training.loop import Loop
 from training_jobs.train import train_drafter
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from connectors import HiddenStatesSpec
-from tests.training.runs import random_samples, write_run
+from harness.runs import random_samples, write_run
 from training.collate import PackCollator, PadCollator
 from training.dataset import HiddenStatesDataset
 from training.sampler import ShardSampler

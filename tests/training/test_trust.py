@@ -17,7 +17,7 @@ import torch
 from connectors import HiddenStatesSpec
 from connectors.manifest import read_manifest
 from connectors.run import RunDir
-from tests.training.runs import random_samples, small_train_config, tree_digest, write_manifest, write_run
+from harness.runs import random_samples, small_train_config, tree_digest, write_manifest, write_run
 from training.checkpoint import save_checkpoint
 from training.feed import TrainingStopped
 from training_jobs.train import train_drafter

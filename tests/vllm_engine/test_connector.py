@@ -314,7 +314,7 @@ def test_an_s3_output_through_vllm_holds_the_same_states(model, s3_bucket):
     from vllm import SamplingParams
 
     from connectors import load_hidden_states
-    from tests.connectors.http_proxy import LoopbackProxy
+    from harness.http_proxy import LoopbackProxy
 
     url, direct = s3_bucket
     with LoopbackProxy(direct["client_kwargs"]["endpoint_url"]) as proxy:

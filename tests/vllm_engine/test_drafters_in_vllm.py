@@ -61,7 +61,7 @@ def greedy_run(target, oracle, tmp_path_factory):
     import torch
 
     from connectors import HiddenStatesSpec
-    from tests.training.runs import Sample, pre_norm_hidden_states, write_run
+    from harness.runs import Sample, pre_norm_hidden_states, write_run
 
     model, tok, refs = oracle
     samples = []
@@ -102,8 +102,8 @@ def _eagle3_head(model: str, layers: tuple[int, ...], out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from connectors import HiddenStatesSpec
+    from harness.runs import oracle_samples, write_run
     from reference.tiny_models import sample_text
-    from tests.training.runs import oracle_samples, write_run
 
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     spec = HiddenStatesSpec(layer_ids=layers, num_hidden_layers=ref.config.num_hidden_layers,

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: these tests run in the venv docs/engines.md builds")
 
-from tests.jobs.conftest import word_corpus, write_jsonl  # noqa: E402
+from harness.corpora import word_corpus, write_jsonl  # noqa: E402
 from tests.jobs.test_job import assert_exactly_once  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
