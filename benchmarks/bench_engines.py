@@ -80,7 +80,7 @@ def _hsx(args, corpus, layer_ids, files: str) -> tuple[list[float], list[float]]
 def _vllm(args, corpus, layer_ids, files: str | None) -> list[float]:
     import vllm
 
-    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from connectors.extra_config import HiddenStatesConnectorConfig
     from extractor import EngineConfig, SamplingParams
     from vllm_engine.engine import VllmEngine
 

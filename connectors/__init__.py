@@ -3,6 +3,7 @@
     config.py                          KVTransferConfig, the connector registry
     base.py                            HiddenStatesConnector (the interface), RequestInfo
     safetensors_connector.py           SafetensorsHiddenStatesConnector: one safetensors file per request on fsspec
+    extra_config.py                    HiddenStatesConnectorConfig: its kv_connector_extra_config, checked (no torch)
     example_hidden_states_connector.py vLLM's module name: the connector under vLLM's name + load/cleanup
     format.py                          the file format's names, without torch: HiddenStatesSpec, tensor names,
                                        HiddenStatesFileError (every file hsx refuses), layer-id and target checks,

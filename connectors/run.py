@@ -175,7 +175,7 @@ FILE_FIELDS = ("layer_ids", "num_hidden_layers", "hidden_size", "dtype", "model"
 _OMITTED_WHEN_EMPTY = ("storage_dtype", "target")
 """Written only when set: run.json of a model-dtype, states-target run stays as it was before they existed."""
 _JSON_SKIPPED = ("files", "format_version", "corpus", "corpus_fingerprint")
-_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "engine_quantization", "image_processing", "mm_embeds")
+_JOB_OMITTED_WHEN_EMPTY = ("model_quantization", "engine_quantization", "image_processing", "mm_embeds", "plan_key")
 """Job fields written only when set: run.json of an unquantized model's run stays as it was before the field."""
 
 
@@ -227,6 +227,10 @@ class RunSpec:
     patch_size, merge_size, ...), what every stored image was resized by; empty for text targets."""
     versions: Mapping[str, str] = field(default_factory=dict)
     """Package versions of the first attempt."""
+    plan_key: str = ""
+    """sha256 of what planned the first attempt (the job's settings, the model folder's and the corpus files' names,
+    sizes and times, package versions; jobs.plan.plan_key): a re-run whose key matches needs no model loaded to know
+    it is the same job (not compared on resume: a different key only means the full check runs)."""
     created_at: str = ""
     format_version: str = RUN_FORMAT_VERSION
     """The run.json version this spec was read from (always RUN_FORMAT_VERSION when written)."""
@@ -345,10 +349,13 @@ class RunSpec:
             raise RunFormatError(f"{where} holds an unreadable value: {e}") from e
 
 
-def _is_torch_dtype(name: str) -> bool:
-    import torch
+_MODEL_DTYPES = frozenset({"float32", "float", "float64", "double", "float16", "half", "bfloat16", "float8_e4m3fn",
+                           "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+"""torch's floating dtype names: what a model's dtype in run.json may be (checked without importing torch)."""
 
-    return isinstance(getattr(torch, name, None), torch.dtype)
+
+def _is_torch_dtype(name: str) -> bool:
+    return name in _MODEL_DTYPES
 
 
 def _is_int(v: Any) -> bool:
@@ -407,6 +414,7 @@ _RUN_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
                          "an object of integers (pixel limits)"),
     "versions": (_is_str_map, "an object of package name -> version string"),
     "created_at": (lambda v: isinstance(v, str), "a string"),
+    "plan_key": (lambda v: isinstance(v, str), "a string"),
 }
 """What each run.json field must hold; from_json checks every field present and names each bad one."""
 

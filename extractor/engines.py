@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from connectors.format import FileSpec
-    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from connectors.extra_config import HiddenStatesConnectorConfig
     from extractor.config import EngineConfig
     from extractor.llm import RequestOutput
     from extractor.sampling import SamplingParams

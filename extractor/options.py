@@ -173,6 +173,6 @@ class EngineOptions:
 
     def connector_config(self):
         """The hidden-states connector's settings for --output."""
-        from connectors.safetensors_connector import HiddenStatesConnectorConfig  # torch: the parser must stay cheap
+        from connectors.extra_config import HiddenStatesConnectorConfig
 
         return flag_errors(self, HiddenStatesConnectorConfig, **self.connector_settings())

@@ -10,9 +10,10 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
@@ -85,6 +86,7 @@ class SamplingParams:
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
+    import torch  # here, not at import: a job's settings are checked without torch
     gen = torch.Generator(device="cpu")
     if params.seed is not None:
         gen.manual_seed(params.seed)
@@ -95,6 +97,7 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 
 def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
     """Pick one token per row of `logits` [B, V]."""
+    import torch  # here, not at import: a job's settings are checked without torch
     if all(p.greedy for p in params):  # on the device: B ids cross to the host, not B x V logits
         return logits.argmax(-1).tolist()
     logits = logits.float().cpu()
@@ -111,6 +114,7 @@ def sample_with_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
                       generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[torch.Tensor | None]]:
     """One token per row of `logits` [B, V] and the distribution it was drawn from (what a drafter hands the
     verifier as q): the argmax and None for greedy rows, a draw from sampling_probs ([V]) otherwise."""
+    import torch  # here, not at import: a job's settings are checked without torch
     greedy = logits.argmax(-1).tolist()
     tokens: list[int] = []
     probs: list[torch.Tensor | None] = []
@@ -128,6 +132,7 @@ def sample_with_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
 def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: logits [V] -> probabilities [V] (float32, CPU) after
     temperature, top-k and top-p. Speculative sampling verifies drafts against exactly this distribution."""
+    import torch  # here, not at import: a job's settings are checked without torch
     row = row.float().cpu() / p.temperature
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]

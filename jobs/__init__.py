@@ -7,6 +7,8 @@ corpus/'s, the regeneration it may run first regeneration/'s, the Ray session cl
     config.py        JobConfig: every setting of a job, typed; the CLI and job files map onto it one to one;
                      --engine's kind and settings (extractor.engines' registry)
     model.py         ModelFacts: layers, dtype, sizes, length limit resolved from the model's config (no weights)
+    plan.py          prepare_job -> JobPlan: everything decided before Ray starts (facts, run.json, resume set); a
+                     finished run's re-run answered from run.json's plan key, no model loaded
     worker.py        ExtractionWorker: one engine per Ray actor, built by its kind; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
     pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop

@@ -22,6 +22,7 @@ from jobs.config import JobConfig
 from reference.tiny_models import build_tiny_model, sample_text
 
 DEMO_RECORDS = 48
+DEMO_FILES = ("prompts_and_chats.jsonl", "sharegpt.jsonl.gz", "pretokenized.parquet")
 
 
 def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
@@ -32,12 +33,19 @@ def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
             build_tiny_model("llama", model)
     corpus = os.path.join(root, "corpus")
     os.makedirs(corpus, exist_ok=True)
+    files = [os.path.join(corpus, name) for name in DEMO_FILES]
+    if not all(os.path.exists(f) for f in files):  # kept once written: a re-run finds the same job (jobs.plan)
+        _write_corpus(*files)
+    return model, files
+
+
+def _write_corpus(prompts: str, sharegpt: str, tokens: str) -> None:
+    """The demo's corpus files, each written under a temporary name and renamed into place (never half a file)."""
     rng = random.Random(0)
     text = sample_text(4 * DEMO_RECORDS, seed=7)
     n = DEMO_RECORDS // 4
 
-    prompts = os.path.join(corpus, "prompts_and_chats.jsonl")
-    with open(prompts, "w", encoding="utf-8") as f:
+    with _written(prompts) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for i in range(n):
             f.write(json.dumps({"id": f"prompt-{i}", "prompt": text[i]}) + "\n")
         for i in range(n):
@@ -48,8 +56,7 @@ def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
         f.write('{"id": "broken-1", "prompt": \n')            # malformed JSON: a failed row, not a failed job
         f.write(json.dumps({"id": "broken-2", "text": "no prompt field"}) + "\n")
 
-    sharegpt = os.path.join(corpus, "sharegpt.jsonl.gz")
-    with gzip.open(sharegpt, "wt", encoding="utf-8") as f:
+    with _written(sharegpt) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
         for i in range(n):
             turns = [{"from": "human", "value": text[3 * n + i]}, {"from": "gpt", "value": text[i]},
                      {"from": "human", "value": "Why?"}, {"from": "gpt", "value": text[n + i]}]
@@ -63,9 +70,20 @@ def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
         ids = [rng.randrange(4, 500) for _ in range(rng.randint(8, 64))]
         cut = len(ids) // 2
         rows.append({"id": f"tokens-{i}", "input_ids": ids, "loss_mask": [0] * cut + [1] * (len(ids) - cut)})
-    tokens = os.path.join(corpus, "pretokenized.parquet")
-    pq.write_table(pa.Table.from_pylist(rows), tokens)
-    return model, [prompts, sharegpt, tokens]
+    with _written(tokens) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+
+
+@contextlib.contextmanager
+def _written(path: str) -> Iterator[str]:
+    """A temporary name beside `path` to write; renamed to `path` when the block ends without an error."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 @contextlib.contextmanager
@@ -82,17 +100,29 @@ def _no_transformers_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def demo_config(root: str, model: str, corpus: list[str], *, workers: int = 1, progress: bool = True,
+                verbose: bool = False) -> JobConfig:
+    """The job `hsx demo ROOT` runs (a re-run with the same settings is answered from its run.json: jobs.plan)."""
+    return JobConfig(model=model, corpus=tuple(corpus), output=os.path.join(os.path.abspath(root), "output"),
+                     workers=workers, progress=progress, tokens_per_task=2048, verbose=verbose)
+
+
 def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool = False) -> int:
-    from jobs.pipeline import run_job  # torch, pyarrow: the CLI's parser must stay cheap
+    from jobs.plan import finished_result, prepare_job  # pyarrow: the CLI's parser must stay cheap
 
     root = os.path.abspath(root)
     print(f"hsx demo: building a tiny model and a corpus in {root} (no downloads) ...", flush=True)
     model, corpus = build_demo(root, verbose=verbose)
-    output = os.path.join(root, "output")
-    config = JobConfig(model=model, corpus=tuple(corpus), output=output, workers=workers, progress=progress,
-                       tokens_per_task=2048, verbose=verbose)
+    config = demo_config(root, model, corpus, workers=workers, progress=progress, verbose=verbose)
+    output = config.output
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
-    result = run_job(config)
+    plan = prepare_job(config)
+    if plan.nothing_left:  # the demo ran here before: answered from its run.json and manifest, no torch or Ray
+        result = finished_result(plan)
+    else:
+        from jobs.pipeline import execute_job  # torch
+
+        result = execute_job(plan)
     print("\n".join(result.lines()))
     from connectors.manifest import committed_rows, read_manifest  # pyarrow: the CLI's parser must stay cheap
 

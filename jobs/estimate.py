@@ -26,7 +26,7 @@ from extractor.config import EngineConfig
 from jobs.config import JobConfig
 from jobs.device_fit import DeviceFit, device_fit, parse_size
 from jobs.model import ModelFacts
-from jobs.pipeline import load_chat_template
+from jobs.plan import load_chat_template
 
 
 @dataclass

@@ -1,11 +1,8 @@
-"""The extraction job on Ray: plan it (no Ray yet), then stream the corpus through a Ray Data pipeline.
+"""The extraction job on Ray: its plan (jobs/plan.py, no Ray), then the corpus streamed through a Ray Data pipeline.
 
-    prepare_job(config) -> JobPlan      model facts, corpus files, run.json written or checked, resume set, and
-                                        whether anything is left to do. Raises ValueError for anything the user
-                                        must fix (the CLI exits 2).
     execute_job(plan) -> JobResult      runs on Ray (not started when nothing is left); raises JobFailed when the
                                         job as a whole fails (exit 1).
-    run_job(config) -> JobResult        both
+    run_job(config) -> JobResult        prepare_job (jobs.plan) and execute_job
 
 The pipeline (Ray Data, streaming; every stage bounded by Ray Data's backpressure, so memory stays flat):
 
@@ -31,27 +28,24 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pyarrow as pa
 
 from cluster.progress import JobResult, Progress
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
 from connectors.header import data_bytes, file_entries
-from connectors.lease import LeaseLost, WriterLease
+from connectors.lease import LeaseLost
 from connectors.manifest import FAILED, SKIPPED, compact_manifest, new_attempt_id, referenced_paths
 from connectors.manifest_writer import ManifestWriter
-from connectors.outputs import check_run_output, corpus_inputs
-from connectors.run import RunDir, RunFormatError, RunSpec, read_run_spec
+from connectors.run import RunFormatError, RunSpec
 from connectors.shards import SHARD_DIR, remove_orphan_shards
-from corpus.readers import CorpusFile, count_records, expand_corpus, read_records, read_stage
-from corpus.sample_registry import DoneSet, id_keys, start_registry
+from corpus.readers import CorpusFile, count_records, read_stage
+from corpus.sample_registry import start_registry
 from corpus.tokenization import TokenizeSettings, TokenizeStage
 from jobs.config import JobConfig
-from jobs.model import ModelFacts
-from jobs.runinfo import build_run_spec, ensure_run_spec
+from jobs.plan import JobPlan, finished_result, prepare_job
 from jobs.worker import ExtractionWorker, WorkerSettings
-from regeneration.regenerate import execute_regeneration, prepare_regeneration
+from regeneration.regenerate import execute_regeneration
 
 logger = logging.getLogger(__name__)
 
@@ -67,112 +61,6 @@ _CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.
 
 class JobFailed(RuntimeError):
     """The job as a whole failed (workers cannot start, the cluster went away, ...)."""
-
-
-@dataclass
-class JobPlan:
-    config: JobConfig
-    facts: ModelFacts
-    output: RunDir
-    files: list[CorpusFile]
-    chat_template: str | None
-    """Template text replacing the tokenizer's, or None."""
-    spec: RunSpec
-    """run.json as written (new run) or checked (resume)."""
-    new_run: bool
-    done: DoneSet
-    """Keys of the sample ids already settled — committed ("ok"), skipped for good ("skipped", --on-nonfinite skip),
-    or failing the same way every time (unless --retry-failed): 8 bytes an id, never the id strings."""
-    attempt: str = ""
-    """This attempt's id (manifest parts, the lease)."""
-    lease: WriterLease | None = None
-    """The output's writer lease, held from planning to the end of execute_job."""
-    nothing_left: bool = False
-    """Every record of the corpus is settled: the job finishes without starting Ray."""
-    regeneration: object = None
-    """--regenerate-with: the regeneration (regeneration.regenerate.RegenerationPlan) whose corpus this job follows."""
-
-
-def load_chat_template(config: JobConfig, facts: ModelFacts) -> tuple[str | None, str | None, str]:
-    """(override text or None, the template in effect, where it came from)."""
-    import fsspec
-
-    if config.chat_template:
-        try:
-            with fsspec.open(config.chat_template, "rt", encoding="utf-8", **config.corpus_storage_options) as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat-template {config.chat_template!r} cannot be read: {e}") from e
-        if not text.strip():
-            raise ValueError(f"--chat-template {config.chat_template!r} is empty")
-        return text, text, config.chat_template
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(facts.model, revision=config.revision,
-                                              trust_remote_code=config.trust_remote_code)
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default") or next(iter(template.values()), None)
-    return None, template, "tokenizer" if template else "none"
-
-
-def prepare_job(config: JobConfig) -> JobPlan:
-    """Everything that can be checked before Ray starts; writes run.json (or checks it on a resume)."""
-    config.check_required()
-    config.check_engine_installed()
-    output = RunDir(config.output, config.storage_options)
-    corpus = [] if config.regenerate_with else expand_corpus(config.corpus, config.corpus_storage_options)
-    # never the model, a corpus file, inside either or another run, a file, or a folder of other things
-    check_run_output(config.output, inputs={"--model": config.model,
-                                            **corpus_inputs(config.corpus, [f.url for f in corpus])})
-    output.check_reachable()
-    facts = ModelFacts.resolve(config)
-    regeneration = None
-    if config.regenerate_with:  # the servers' answers, followed as they are committed
-        regeneration = prepare_regeneration(config.regenerate_config(), within=config.output)
-        files = [CorpusFile(regeneration.output.url, "regenerated-follow")]
-    else:
-        files = corpus
-    try:
-        return _plan(config, output, facts, files, regeneration)
-    except BaseException:
-        if regeneration is not None:
-            regeneration.lease.release()
-        raise
-
-
-def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[CorpusFile], regeneration) -> JobPlan:
-    override, template, template_source = load_chat_template(config, facts)
-    attempt = new_attempt_id()
-    lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
-    try:
-        present = read_run_spec(output)
-        spec = build_run_spec(config, facts, files, template, template_source, present=present)
-        new_run = ensure_run_spec(output, spec, present)
-        done = DoneSet() if new_run else DoneSet.load(output, retry_failed=config.retry_failed)
-        plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease,
-                       regeneration=regeneration)
-        plan.nothing_left = regeneration is None and _nothing_left(plan)
-    except BaseException:
-        lease.release()
-        raise
-    return plan
-
-
-def _nothing_left(plan: JobPlan) -> bool:
-    """True when every record of the corpus is already settled (reads the corpus's ids, not its samples).
-
-    Stops at the first record still to do. Remote JSONL is not read here (the job would read it again): such a
-    resume starts Ray and lets the read stage skip what is done.
-    """
-    if plan.new_run or not len(plan.done) or any(f.format == "jsonl" and "://" in f.url for f in plan.files):
-        return False
-    c = plan.config
-    for file in plan.files:
-        for block in read_records(file, c.id_field, c.corpus_storage_options):
-            if not plan.done.contains(id_keys(r.sample_id for r in block)).all():  # a broken record: its derived id
-                return False
-    return True
 
 
 def run_job(config: JobConfig) -> JobResult:
@@ -316,15 +204,11 @@ def execute_job(plan: JobPlan, on_batch=None) -> JobResult:
     """Run the pipeline and commit its rows; returns the numbers of this run. Gives the writer lease back.
     `on_batch(rows)` sees every batch of rows once it is handed to the manifest writer (a trainer reading the run as
     it is written: training_jobs/live.py); an exception it raises stops the job, the rows received are committed."""
+    if plan.nothing_left:
+        return finished_result(plan)
     attempt = plan.attempt or new_attempt_id()
     result = JobResult(output=plan.output.url, attempt=attempt, new_run=plan.new_run)
     started = time.monotonic()
-    if plan.nothing_left:
-        result.skipped = len(plan.done)
-        result.seconds = time.monotonic() - started
-        if plan.lease is not None:
-            plan.lease.release()
-        return result
     keep_alive = plan.lease.keep_alive() if plan.lease is not None else contextlib.nullcontext(threading.Event())
     regenerating = _Regenerating(plan.regeneration) if plan.regeneration is not None else None
     try:

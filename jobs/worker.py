@@ -38,9 +38,9 @@ from typing import Any
 import pyarrow as pa
 
 from connectors import read_hidden_states_info
+from connectors.extra_config import HiddenStatesConnectorConfig
 from connectors.manifest import FAILED, OK, RESULT_SCHEMA, SKIPPED
 from connectors.run import RunDir, RunSpec
-from connectors.safetensors_connector import HiddenStatesConnectorConfig
 from connectors.shards import new_shard_path, write_shard
 from connectors.storage import retrying
 from connectors.writer import named_thread_pool

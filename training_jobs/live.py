@@ -60,17 +60,15 @@ from extractor.facts import text_config
 from jobs.config import JobConfig
 from jobs.model import ModelFacts
 from jobs.pipeline import (
-    JobPlan,
     build_dataset,
     data_context,
     execute_job,
-    load_chat_template,
-    prepare_job,
     registry_stats,
     resolve_resources,
     tokenize_settings,
     tokens_per_unit,
 )
+from jobs.plan import JobPlan, load_chat_template, prepare_job
 from jobs.runinfo import build_run_spec
 from training.checks import check_layers, open_dataset, target_config
 from training.collate import PackCollator

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.safetensors_connector import HiddenStatesConnectorConfig
+from connectors.extra_config import HiddenStatesConnectorConfig
 from extractor.config import EngineConfig
 from extractor.llm import CompletionOutput, RequestOutput
 from extractor.sampling import SamplingParams
