@@ -36,7 +36,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
-from connectors.http_reads import is_redirect, read_bounded
+from connectors.http_reads import ACCEPT_ENCODING, is_redirect, read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,13 @@ class Pool:
         import aiohttp
 
         s = self.settings
-        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        headers = {"Accept-Encoding": ACCEPT_ENCODING}
+        headers.update({"Authorization": f"Bearer {s.api_key}"} if s.api_key else {})
         limit = s.concurrency * len(self.servers) + 8
+        # compressed answers are inflated by read_bounded within the cap (aiohttp's own inflater is not bounded by it)
         self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
-                                             timeout=aiohttp.ClientTimeout(total=s.request_timeout_s))
+                                             timeout=aiohttp.ClientTimeout(total=s.request_timeout_s),
+                                             auto_decompress=False)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -167,11 +170,13 @@ class Pool:
             try:
                 async with self.session.get(s.url + "/models", allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)) as r:
-                    raw = await read_bounded(r, self.cap)
+                    raw = await read_bounded(r, self.cap, decode=True)
                     status, location = r.status, r.headers.get("Location", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 raise ValueError(f"--server {s.url}: no answer ({type(e).__name__}: {e or 'timed out'}); start the "
                                  "server first, or fix the URL") from None
+            except ValueError as e:  # a body hsx cannot decode
+                raise ValueError(f"--server {s.url}: GET /v1/models {e}") from None
             if raw is None:
                 raise ValueError(f"--server {s.url}: GET /v1/models answered more than {self.cap} bytes "
                                  "(--max-answer-bytes); is it an OpenAI-compatible server (vLLM, SGLang, hsx serve)?")
@@ -260,7 +265,7 @@ class Pool:
         start = loop.time()
         try:
             async with self.session.post(server.url + route, json=body, allow_redirects=False) as r:
-                raw = await read_bounded(r, self.cap)
+                raw = await read_bounded(r, self.cap, decode=True)
                 status, retry_after = r.status, r.headers.get("Retry-After", "")
                 location = r.headers.get("Location", "")
         except asyncio.TimeoutError:
@@ -269,6 +274,8 @@ class Pool:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
             self._set_aside(server, why=f"no answer ({type(e).__name__}: {e})")
             raise ServerGone(str(e)) from None
+        except ValueError as e:  # a Content-Encoding hsx does not decode, or a damaged compressed body
+            raise BadAnswer(f"{server.url} {e}") from None
         if raw is None:  # read no further: an endless or huge answer would take the driver's memory
             raise BadAnswer(f"{server.url} answered {status} with more than {self.cap} bytes; the answer was dropped "
                             "(raise --max-answer-bytes if the server's answers are that long)")

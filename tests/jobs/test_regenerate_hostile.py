@@ -10,6 +10,7 @@ a regenerated corpus's record over the corpus record limit fails alone."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 import time
@@ -32,6 +33,7 @@ MAX_TOKENS = 48
 GOOD = " the quick fox"
 MODEL = "hostile-model"
 ENDLESS_STOP = 256 << 20
+GZIP_BOMB = gzip.compress(b" " * (64 << 20), compresslevel=9)  # inflates past any --max-answer-bytes a test sets
 """The endless answer stops here all the same, so that a driver that reads it whole fails the test, not the box."""
 
 
@@ -117,6 +119,15 @@ class Server:
             choice["text"], choice["token_ids"] = "hello", [300, 301, 302, 303]
         elif mode == "redirect":
             raise web.HTTPTemporaryRedirect(self.redirect_to + "/v1/completions")
+        elif mode == "gzipbomb":  # 64 KiB on the wire, 64 MiB inflated
+            return web.Response(body=GZIP_BOMB, headers={"Content-Encoding": "gzip"}, content_type="application/json")
+        elif mode == "br":  # an encoding hsx never asked for
+            return web.Response(body=b"\x0b\x02\x80{}\x03", headers={"Content-Encoding": "br"},
+                                content_type="application/json")
+        elif mode == "gzipped":  # a fair answer, compressed
+            body = json.dumps({"id": "c", "object": "text_completion", "model": MODEL, "choices": [choice]})
+            return web.Response(body=gzip.compress(body.encode()), headers={"Content-Encoding": "gzip"},
+                                content_type="application/json")
         elif mode == "deep":  # a 200 nested past json's depth (a RecursionError, not a ValueError)
             return web.Response(body=b"[" * 200_000, content_type="application/json")
         return web.json_response({"id": "c", "object": "text_completion", "model": MODEL, "choices": [choice]})
@@ -182,6 +193,8 @@ def assert_only_the_hostile_record_failed(out, result, *words) -> str:
     ("oversized", ["answered 200 with more than", "--max-answer-bytes"]),
     ("more_ids", ["200000 token ids for --max-tokens 48"]),
     ("mismatch", ["do not decode to its text", "'hello'"]),
+    ("gzipbomb", ["answered 200 with more than", "--max-answer-bytes"]),
+    ("br", ["Content-Encoding 'br'", "serve it uncompressed"]),
 ])
 def test_a_hostile_answer_fails_its_record_alone(servers, tokenizer_dir, tmp_path, mode, words):
     hostile, _ = servers
@@ -193,6 +206,13 @@ def test_a_hostile_answer_fails_its_record_alone(servers, tokenizer_dir, tmp_pat
     assert sorted(kept) == ["chat", "r0", "r1", "r3", "r4"]
     assert kept["chat"]["messages"][-1] == {"role": "assistant", "content": "hello there",
                                             "reasoning_content": "the user greets"}
+
+
+def test_a_compressed_answer_is_read_like_a_plain_one(servers, tokenizer_dir, tmp_path):
+    hostile, _ = servers
+    out = tmp_path / "regen"
+    result = regenerate(config(hostile, corpus(tmp_path, "gzipped"), out, tokenizer_dir))
+    assert (result.ok, result.failed) == (6, 0), result.lines()
 
 
 def test_an_endless_answer_is_cut_at_the_cap_and_the_driver_memory_stays_bounded(servers, tokenizer_dir, tmp_path):
