@@ -50,21 +50,19 @@ from connectors.format import TARGET_TOPK_IDS, TARGET_TOPK_LOGPROBS
 from connectors.safetensors_file import safetensors_content
 from drafters.features import Features
 from drafters.memory import MemoryOptions, recompute_in_backward
+from extractor.checkpoint_files import load_tensors, weight_map
 from extractor.facts import text_config
 from extractor.head import has_logits_transform, logits_transform
-from extractor.norm import FinalNorm, checkpoint_weight_map
+from extractor.norm import FinalNorm
 
 
 def read_target_tensor(model_dir: str, names: tuple[str, ...]) -> torch.Tensor:
     """The first of `names` present in the target checkpoint at `model_dir` (e.g. lm_head or embedding weights)."""
-    from safetensors import safe_open
-
-    weight_map = checkpoint_weight_map(model_dir, "drafters read the target's weights")
-    key = next((k for k in names if k in weight_map), None)
+    files = weight_map(model_dir, "drafters read the target's weights")
+    key = next((k for k in names if k in files), None)
     if key is None:
         raise ValueError(f"the target checkpoint {model_dir!r} holds none of {list(names)}")
-    with safe_open(os.path.join(model_dir, weight_map[key]), framework="pt") as f:
-        return f.get_tensor(key)
+    return load_tensors(model_dir, [key], files=files)[key]
 
 
 LM_HEAD_KEYS = ("lm_head.weight",)

@@ -341,10 +341,10 @@ def _unreadable():
 
 
 def _weight_map(model_dir: str) -> dict[str, str]:
-    from extractor.norm import checkpoint_weight_map
+    from extractor.checkpoint_files import weight_map
 
     try:
-        return checkpoint_weight_map(model_dir, "MTP layers are read")
+        return weight_map(model_dir, "MTP layers are read")
     except _unreadable() as e:  # no weights, an index that is not JSON or has no weight_map, a damaged file
         raise ValueError(f"{model_dir}: cannot read the tensor list of its model.safetensors (or its "
                          f"model.safetensors.index.json): {type(e).__name__}: {e}") from None
@@ -378,20 +378,14 @@ def expert_sources(key: str, shape: tuple[int, ...], weight_map: Mapping[str, st
 def _read_tensors(model_dir: str, weight_map: Mapping[str, str], sources: Mapping[str, list[list[str]]]
                   ) -> dict[str, torch.Tensor]:
     """hsx name -> tensor, each read from the shards holding its checkpoint keys (per-expert groups fused)."""
-    from safetensors import safe_open
+    from extractor.checkpoint_files import load_tensors
 
     wanted = sorted({key for groups in sources.values() for group in groups for key in group})
-    by_file: dict[str, list[str]] = {}
-    for key in wanted:
-        by_file.setdefault(weight_map[key], []).append(key)
-    raw: dict[str, torch.Tensor] = {}
-    for file, keys in by_file.items():
-        try:
-            with safe_open(os.path.join(model_dir, file), framework="pt") as f:
-                for key in keys:
-                    raw[key] = f.get_tensor(key)
-        except _unreadable() as e:
-            raise ValueError(f"{model_dir}/{file}: cannot read its MTP tensors ({e})") from None
+    try:
+        raw = load_tensors(model_dir, wanted, files=weight_map)
+    except _unreadable() as e:
+        shards = sorted({weight_map[key] for key in wanted})
+        raise ValueError(f"{model_dir}: cannot read its MTP tensors from {', '.join(shards)} ({e})") from None
     out = {}
     for name, groups in sources.items():
         if len(groups) == 1 and len(groups[0]) == 1:

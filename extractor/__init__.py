@@ -19,6 +19,8 @@
     plugins.py      plug-ins by entry point (installed, or declared in this source tree's pyproject.toml)
     norm.py         FinalNorm: the target's final norm, found by structure (the model's own module, weights from the
                     checkpoint)
+    checkpoint_files.py  weight_map, load_tensors: which safetensors file of a checkpoint folder holds a tensor
+                    (index.json or the single file's header), and the named tensors read from them
     head.py         LogitsHead: final norm, lm_head and the family's logits transform, checked against the model
     topk.py         TopK: a top-k target's ids and log-probabilities from the last layer (the model's own modules)
     rollback.py     RollbackPlan: how a target's cache forgets rejected drafts (full, windowed, linear attention), or

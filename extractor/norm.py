@@ -4,7 +4,7 @@
                                     target hands a drafter, so nothing is read from its folder again
     FinalNorm.from_model_dir(dir)   the same module, built from the folder's config on the meta device (no weights
                                     allocated) and given only the final norm's tensors from its safetensors checkpoint
-                                    (model.safetensors or an index.json + shards)
+                                    (model.safetensors or an index.json + shards, read by extractor.checkpoint_files)
     norm(x)                         [..., H] -> [..., H], exactly what the model's own final norm computes
     norm.to(dtype)                  the same norm with its weights in `dtype` (as an engine running in it has them)
 
@@ -19,12 +19,12 @@ trainer).
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 
 import torch
 
+from extractor.checkpoint_files import load_tensors, weight_map
 from extractor.facts import text_config
 from extractor.layers import find_decoder
 from extractor.media import is_multimodal
@@ -90,7 +90,6 @@ class FinalNorm:
     @classmethod
     def from_model_dir(cls, model_dir: str) -> FinalNorm:
         """Load only the final norm's weights from a local transformers checkpoint (config.json + safetensors)."""
-        from safetensors import safe_open
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg_path = os.path.join(model_dir, "config.json")
@@ -119,12 +118,10 @@ class FinalNorm:
         name = final_norm_name(skeleton)
         module = copy.deepcopy(skeleton.get_submodule(name))
         del skeleton
-        weight_map = checkpoint_weight_map(model_dir, "the final norm is read")
-        tensors = {}
-        for param, _ in module.named_parameters():
-            key = _checkpoint_key(f"{name}.{param}", weight_map, model_dir)
-            with safe_open(os.path.join(model_dir, weight_map[key]), framework="pt") as f:
-                tensors[param] = f.get_tensor(key)  # [H]
+        files = weight_map(model_dir, "the final norm is read")
+        keys = {param: _checkpoint_key(f"{name}.{param}", files, model_dir) for param, _ in module.named_parameters()}
+        loaded = load_tensors(model_dir, keys.values(), files=files)
+        tensors = {param: loaded[key] for param, key in keys.items()}  # [H] each
         try:
             module.load_state_dict(tensors, strict=False, assign=True)  # the checkpoint's dtype, as transformers
         except RuntimeError as e:
@@ -137,30 +134,14 @@ class FinalNorm:
         return cls(model_type, module.eval().requires_grad_(False))
 
 
-def checkpoint_weight_map(model_dir: str, reader: str) -> dict[str, str]:
-    """Checkpoint key -> safetensors file name of a local checkpoint, a single file or an index + shards;
-    FileNotFoundError saying what `reader` ("the final norm is read", ...) needs."""
-    from safetensors import safe_open
-
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            return dict(json.load(f)["weight_map"])
-    if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
-            return dict.fromkeys(f.keys(), "model.safetensors")
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}; {reader} from a "
-                            "local safetensors checkpoint (hsx never downloads models)")
-
-
-def _checkpoint_key(name: str, weight_map: dict[str, str], model_dir: str) -> str:
+def _checkpoint_key(name: str, files: dict[str, str], model_dir: str) -> str:
     """The checkpoint's key for the module tensor `name` ("model.norm.weight"): itself, or the one key ending with its
     last two parts outside MTP heads, encoders and layers (a multimodal checkpoint's "model.language_model.norm.weight"
     for a text model's "model.norm.weight")."""
-    if name in weight_map:
+    if name in files:
         return name
     tail = ".".join(name.split(".")[-2:])
-    keys = [k for k in weight_map if (k == tail or k.endswith("." + tail))
+    keys = [k for k in files if (k == tail or k.endswith("." + tail))
             and not any(part in k for part in _BEYOND_THE_DECODER)]
     keys = [k for k in keys if "language_model" in k] or keys
     if len(keys) != 1:
