@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def one(arch: str, args, work: str) -> dict:
-    from drafters.mtp import write_target_with
+    from drafters.mtp_checkpoint import write_target_with
     from reference.target import build_reference_target
     from training.evaluate import comparison_table, evaluate_speculation
     from training.train_config import TrainDrafterConfig

@@ -34,8 +34,12 @@ training never loads decoding code.
     medusa_proposer.py MedusaProposer
     mlp_speculator.py  MLPSpeculatorConfig, MLPSpeculatorDrafter (IBM's architecture)
     mlp_speculator_proposer.py   MLPSpeculatorProposer
-    mtp.py             MtpStyle, mtp_style, MtpHead, FAMILY (MtpMethod): a target's own MTP layers read from its
-                       checkpoint (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 layouts); decodes, not trained yet
+    mtp.py             MtpHead, checkpoint_tensors, MtpConfig, MtpDrafter, FAMILY: a target's own MTP layers read
+                       from its checkpoint (DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 layouts) as its drafter, and
+                       their fine-tuning (`hsx train-drafter --kind mtp`)
+    mtp_styles.py      MtpStyle, STYLES, mtp_style: where each family's checkpoint keeps its MTP layers, what they compute
+    mtp_checkpoint.py  mtp_weight_map, expert_sources, read_mtp_tensors (the target's MTP tensors read),
+                       write_target_with (`hsx merge-mtp`), check_source, preflight (made for this target?)
     mtp_proposer.py    MtpProposer (EAGLE-3's row cache and loop, step s reading MTP layer s % L)
     target_identity.py target_digest, check_made_for: which target a draft was made for, told by the values of the
                        tensors it shares with it (another target of the same shape is refused, a copy of the same one

@@ -4,33 +4,18 @@ Many targets ship MTP layers in their checkpoint beside the decoder (DeepSeek-V3
 transformers drops them at load (`_keys_to_ignore_on_load_unexpected`), so hsx reads those tensors from the
 checkpoint's safetensors itself and builds each MTP layer from the target family's own transformers decoder layer.
 
-    MtpStyle            one checkpoint layout: where the tensors are, which norm the carried state gets
-    STYLES              model_type -> MtpStyle (deepseek_v3, glm4_moe, qwen3_next, qwen3_5 / qwen3_5_text)
-    mtp_style(config)   the style and number of MTP layers a config.json declares (None: it declares none)
     MtpHead             the MTP layers of one target, loaded from a folder (the target's own, a copy of it with tuned
                         layers, or a standalone `hsx train-drafter --kind mtp` checkpoint):
         decode(ids, hidden, positions, mask, cache) -> [R, S, L, H]   every MTP layer over the same entries
         logits(carried, j)                                            MTP layer j's logits over its carried state
-    FAMILY              MTP in the drafter registry (its proposer: drafters/mtp_proposer.py)
+    checkpoint_tensors(head)   its tensors under the checkpoint's own keys (what a tuned head writes)
+    MtpConfig, MtpDrafter      fine-tuning the MTP layers on an hsx run (`hsx train-drafter --kind mtp`)
+    FEATURES, FAMILY           what it reads from a run; MTP in the drafter registry (its proposer:
+                               drafters/mtp_proposer.py)
 
-What each style computes for entry p (token x_{p+1} beside the state h_p of x_p; p is the entry's position), with the
-vLLM file it follows:
-
-    deepseek_v3  (deepseek_mtp.py; layers model.layers.{N+j}.*, N = num_hidden_layers, num_nextn_predict_layers of them)
-        e = embed(x_{p+1}), zero where p == 0;  u = eh_proj([enorm(e) ; hnorm(h_p)]);  v = decoder layer (u) (its
-        residual included, no final norm);  carried = shared_head.norm(v);  logits = shared_head.head(carried)
-    glm4_moe     (glm4_moe_mtp.py; the same tensors) as deepseek_v3, but the carried state is v itself (pre-norm):
-        logits = shared_head.head(shared_head.norm(v)) — vLLM's Glm4MoeMTP returns one state where DeepSeekMTP
-        returns two, the difference behind vLLM #46075
-    qwen3_next   (qwen3_next_mtp.py; mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm shared by the
-    qwen3_5      qwen3_5_mtp.py;   layers mtp.layers.{j}.*, each a full-attention decoder layer)
-        u = fc([pre_fc_norm_embedding(e) ; pre_fc_norm_hidden(h_p)]);  v = layers[j](u);  carried = norm(v);
-        logits = lm_head(carried) (the target's); no zeroing at position 0
-
-h_p of the first draft step is the target's last layer after its final norm (what vLLM's target model returns; hsx
-captures layer N pre-norm and applies the target's norm). The norms are the target family's own RMSNorm class
-(DeepSeek/GLM: x * w; Qwen3-Next/3.5: x * (1 + w)), as vLLM builds them. Embeddings: an MTP layer's own
-embed_tokens / shared_head.head when the checkpoint holds them (DeepSeek-V3 ships copies), else the target's.
+Beside it: drafters/mtp_styles.py (the per-family layouts, MtpStyle, mtp_style, and what each style computes) and
+drafters/mtp_checkpoint.py (reading the target's MTP tensors, the merge writer, the check that layers were made for
+a target, the registry's preflight).
 
 Chaining (k > L): draft step s reads MTP layer s % L, as vLLM's `spec_step_idx % num_mtp_layers`. Unlike vLLM, whose
 layers j >= 1 attend over KV slots only they wrote (holes for L > 1), every MTP layer here is fed every entry (the
@@ -41,8 +26,6 @@ shipped checkpoint hsx knows (vLLM's qwen3_next_mtp.py also always runs layer 0;
 from __future__ import annotations
 
 import copy
-import json
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -56,101 +39,14 @@ from drafters.base import Drafter, DrafterBatch, StepResult, TargetHead, target_
 from drafters.features import Features
 from drafters.llama_layers import cache_kwarg
 from drafters.memory import chunked_argmax, cross_entropy, softmax_of
+from drafters.mtp_checkpoint import check_source, expert_sources, mtp_weight_map, read_mtp_tensors
+from drafters.mtp_styles import STYLES, MtpStyle, mtp_style, read_config_json, text_config_dict
 from drafters.registry import Family
-from drafters.target_identity import check_made_for, target_digest
+from drafters.target_identity import target_digest
 from drafters.ttt import needed_chains, unroll_chains
 
 FEATURES = Features()
 """MTP layers read layer N's state (through the target's final norm): no aux layers, no top-k target."""
-
-WEIGHTS_NAME = "model.safetensors"
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MtpStyle:
-    name: str
-    """The model_type family it follows (and the vLLM file named in the module docstring)."""
-    count_keys: tuple[str, ...]
-    """config keys giving the number of MTP layers, first present wins."""
-    default_count: int
-    """The count when none of count_keys is in the config (vLLM's default)."""
-    shared_parts: bool
-    """True: one fc / input norms / output norm for all layers (Qwen: mtp.*), False: each layer its own (DeepSeek)."""
-    carry_normed: bool
-    """Whether the state carried to the next step is the output norm's (DeepSeek, Qwen) or the pre-norm one (GLM)."""
-    zero_first: bool
-    """Whether the embedding is zeroed at position 0 (DeepSeek, GLM)."""
-
-    def parts_prefix(self, num_hidden_layers: int, j: int) -> str:
-        return "mtp." if self.shared_parts else f"model.layers.{num_hidden_layers + j}."
-
-    def block_prefix(self, num_hidden_layers: int, j: int) -> str:
-        return f"mtp.layers.{j}." if self.shared_parts else f"model.layers.{num_hidden_layers + j}."
-
-    @property
-    def part_keys(self) -> dict[str, str]:
-        """hsx's name of each non-block tensor -> its name after the parts prefix."""
-        if self.shared_parts:
-            return {"norm_e.weight": "pre_fc_norm_embedding.weight", "norm_h.weight": "pre_fc_norm_hidden.weight",
-                    "proj.weight": "fc.weight", "out_norm.weight": "norm.weight"}
-        return {"norm_e.weight": "enorm.weight", "norm_h.weight": "hnorm.weight", "proj.weight": "eh_proj.weight",
-                "out_norm.weight": "shared_head.norm.weight"}
-
-    @property
-    def optional_keys(self) -> dict[str, str]:
-        """Per-layer copies of the shared embedding and lm_head a checkpoint may hold (DeepSeek-V3 does)."""
-        return {} if self.shared_parts else {"embed": "embed_tokens.weight", "head": "shared_head.head.weight"}
-
-
-_DEEPSEEK = MtpStyle("deepseek_v3", ("num_nextn_predict_layers",), 0, shared_parts=False, carry_normed=True,
-                     zero_first=True)
-_GLM = MtpStyle("glm4_moe", ("num_nextn_predict_layers",), 0, shared_parts=False, carry_normed=False,
-                zero_first=True)
-_QWEN_NEXT = MtpStyle("qwen3_next", ("num_nextn_predict_layers", "mtp_num_hidden_layers"), 1, shared_parts=True,
-                      carry_normed=True, zero_first=False)
-_QWEN_3_5 = MtpStyle("qwen3_5", ("mtp_num_hidden_layers", "num_nextn_predict_layers"), 1, shared_parts=True,
-                     carry_normed=True, zero_first=False)
-STYLES: dict[str, MtpStyle] = {"deepseek_v3": _DEEPSEEK, "glm4_moe": _GLM, "qwen3_next": _QWEN_NEXT,
-                               "qwen3_5_text": _QWEN_3_5, "qwen3_5": _QWEN_3_5, "qwen3_5_moe_text": _QWEN_3_5,
-                               "qwen3_5_moe": _QWEN_3_5}
-"""model_type -> style. A multimodal Qwen3.5 config's text part decides (its text_config)."""
-
-
-def _text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) and text.get("model_type") else config
-
-
-def mtp_style(config: Mapping[str, Any]) -> tuple[MtpStyle, int] | None:
-    """(style, number of MTP layers) a config.json declares; None when its model_type has no MTP layout hsx knows or
-    it declares 0 layers. A Qwen style without a count key declares vLLM's default (1): whether the tensors exist is
-    checked when they are read."""
-    outer = config.get("model_type")
-    text = _text_config_dict(config)
-    style = STYLES.get(str(text.get("model_type"))) or STYLES.get(str(outer))
-    if style is None:
-        return None
-    count = next((text[k] for k in style.count_keys if k in text), None)
-    if count is None:
-        count = next((config[k] for k in style.count_keys if k in config), style.default_count)
-    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-        return None
-    return style, count
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{os.path.dirname(path)} has no config.json; method 'mtp' reads a target folder with MTP "
-                         "layers (or a `hsx train-drafter --kind mtp` checkpoint)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return doc
 
 
 class _Parts(nn.Module):
@@ -190,8 +86,9 @@ def _block_config(hf_config, style: MtpStyle, count: int):
 
 
 class MtpHead(nn.Module):
-    """The MTP layers of one target (see the module docstring). Its tensors stay in the checkpoint's key names
-    (checkpoint_keys()), so a tuned copy is written back into a target folder unchanged in layout."""
+    """The MTP layers of one target (what each style computes: drafters/mtp_styles.py). Its tensors stay in the
+    checkpoint's key names (checkpoint_keys()), so a tuned copy is written back into a target folder unchanged in
+    layout."""
 
     def __init__(self, hf_config, style: MtpStyle, count: int, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  optional: tuple[str, ...] = ()) -> None:
@@ -280,16 +177,16 @@ class MtpHead(nn.Module):
         mtp_num_hidden_layers), built for the target whose config, embeddings and lm_head are given. ValueError in
         one line for a folder that declares none, lacks a tensor, holds one of the wrong shape or a non-finite
         one."""
-        doc = _read_json(os.path.join(model_dir, "config.json"))
+        doc = read_config_json(os.path.join(model_dir, "config.json"))
         found = mtp_style(doc)
         if found is None:
             kinds = ", ".join(sorted({s.name for s in STYLES.values()}))
             raise ValueError(f"{model_dir} declares no MTP layers (model_type "
-                             f"{_text_config_dict(doc).get('model_type')!r}, num_nextn_predict_layers / "
+                             f"{text_config_dict(doc).get('model_type')!r}, num_nextn_predict_layers / "
                              f"mtp_num_hidden_layers unset or 0); method 'mtp' needs a target whose checkpoint ships "
                              f"them ({kinds} styles), or another method (e.g. eagle3 with a trained head)")
         style, count = found
-        text = _text_config_dict(doc)
+        text = text_config_dict(doc)
         quantized = doc.get("quantization_config") or text.get("quantization_config")
         if quantized:
             method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
@@ -300,7 +197,7 @@ class MtpHead(nn.Module):
             if key in text and int(text[key]) != int(want):
                 raise ValueError(f"{model_dir}: its MTP layers are for a target with {key} {text[key]}, this target "
                                  f"has {want}; use the target's own folder or an MTP checkpoint trained on it")
-        weight_map = _weight_map(model_dir)
+        weight_map = mtp_weight_map(model_dir)
         n = int(hf_config.num_hidden_layers)
         optional = tuple(f"{kind}{j}" for j in range(count) for kind, suffix in style.optional_keys.items()
                          if style.parts_prefix(n, j) + suffix in weight_map)
@@ -313,7 +210,7 @@ class MtpHead(nn.Module):
                              f"{len(missing)} of their tensors, e.g. {missing[:3]}; a target whose MTP weights were "
                              "dropped (e.g. re-saved by transformers) cannot run method 'mtp' (decode it with another "
                              "method, or method draft_model for a smaller model)")
-        state = _read_tensors(model_dir, weight_map, sources)
+        state = read_mtp_tensors(model_dir, weight_map, sources)
         for name, tensor in state.items():
             key = keys[name]
             if tuple(tensor.shape) != tuple(own[name].shape):
@@ -333,73 +230,7 @@ class MtpHead(nn.Module):
         return head.to(device or embed_tokens.device).eval().requires_grad_(False)
 
 
-def _unreadable():
-    """The exceptions a damaged checkpoint file raises (safetensors' SafetensorError is a plain Exception)."""
-    from safetensors import SafetensorError
-
-    return (OSError, ValueError, RuntimeError, KeyError, SafetensorError)
-
-
-def _weight_map(model_dir: str) -> dict[str, str]:
-    from extractor.checkpoint_files import weight_map
-
-    try:
-        return weight_map(model_dir, "MTP layers are read")
-    except _unreadable() as e:  # no weights, an index that is not JSON or has no weight_map, a damaged file
-        raise ValueError(f"{model_dir}: cannot read the tensor list of its model.safetensors (or its "
-                         f"model.safetensors.index.json): {type(e).__name__}: {e}") from None
-
-
-def _load_file(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except _unreadable() as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-
-
-_FUSED_EXPERTS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
-"""transformers' fused expert tensors [E, ...] -> the per-expert projections checkpoints store (gate_up: gate and
-up of expert e concatenated along dim 0, as transformers' WeightConverter for these families)."""
-
-
-def expert_sources(key: str, shape: tuple[int, ...], weight_map: Mapping[str, str] | None = None
-                   ) -> list[list[str]]:
-    """The checkpoint keys a module tensor is read from: [[key]], or for a fused expert tensor not stored fused,
-    one group per expert ([[experts.0.gate_proj.weight, experts.0.up_proj.weight], ...])."""
-    for fused, projections in _FUSED_EXPERTS.items():
-        if key.endswith(fused) and not (weight_map is not None and key in weight_map):
-            stem = key[: -len(fused)]
-            return [[f"{stem}experts.{e}.{proj}.weight" for proj in projections] for e in range(shape[0])]
-    return [[key]]
-
-
-def _read_tensors(model_dir: str, weight_map: Mapping[str, str], sources: Mapping[str, list[list[str]]]
-                  ) -> dict[str, torch.Tensor]:
-    """hsx name -> tensor, each read from the shards holding its checkpoint keys (per-expert groups fused)."""
-    from extractor.checkpoint_files import load_tensors
-
-    wanted = sorted({key for groups in sources.values() for group in groups for key in group})
-    try:
-        raw = load_tensors(model_dir, wanted, files=weight_map)
-    except _unreadable() as e:
-        shards = sorted({weight_map[key] for key in wanted})
-        raise ValueError(f"{model_dir}: cannot read its MTP tensors from {', '.join(shards)} ({e})") from None
-    out = {}
-    for name, groups in sources.items():
-        if len(groups) == 1 and len(groups[0]) == 1:
-            out[name] = raw[groups[0][0]]
-            continue
-        try:
-            out[name] = torch.stack([torch.cat([raw[k] for k in group]) for group in groups])
-        except RuntimeError as e:
-            raise ValueError(f"{model_dir}: the per-expert MTP tensors {groups[0]} do not fit together ({e}); the "
-                             "MTP layers are not this target's") from None
-    return out
-
-
-# -- checkpoints in the target's own layout ---------------------------------------------------------------------
+# -- checkpoints in the target's own layout ----------------------------------------------------------------------------
 def checkpoint_tensors(head: MtpHead) -> dict[str, torch.Tensor]:
     """The head's tensors under the checkpoint's own keys, experts one by one as checkpoints store them (the reverse
     of from_folder's reading): what a tuned head writes, standalone or back into a copy of its target."""
@@ -415,80 +246,6 @@ def checkpoint_tensors(head: MtpHead) -> dict[str, torch.Tensor]:
             for piece, k in zip(tensor[e].chunk(len(group)), group):
                 out[k] = piece.contiguous()
     return out
-
-
-def write_target_with(target_dir: str, drafter_dir: str, out_dir: str, *,
-                      allow_target_mismatch: bool = False) -> dict[str, Any]:
-    """A new target folder at `out_dir`: every file of `target_dir` copied, its MTP tensors replaced by the tuned ones
-    `drafter_dir` holds (a `hsx train-drafter --kind mtp` checkpoint), the shards holding them rewritten, nothing
-    else changed and `target_dir` never touched. ValueError in one line, nothing written, when out_dir exists and is
-    not empty, the layers were tuned for another target (check_source; unless `allow_target_mismatch`), the
-    folders' MTP tensors differ in keys or shapes, or a tuned tensor is not finite."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    if os.path.abspath(out_dir) == os.path.abspath(target_dir):
-        raise ValueError(f"--out {out_dir} is the target folder itself; write the tuned target to a new folder")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"--out {out_dir} exists and is not an empty folder; name a new folder")
-    check_source(drafter_dir, target_dir, "hsx merge-mtp", allow_mismatch=allow_target_mismatch,
-                 override="pass --allow-target-mismatch")
-    weight_map = _weight_map(target_dir)
-    tuned_map = _weight_map(drafter_dir)
-    found = mtp_style(_read_json(os.path.join(target_dir, "config.json")))
-    if found is None:
-        raise ValueError(f"{target_dir} declares no MTP layers; it is not a target to tune MTP layers of")
-    tuned = {}
-    for file in sorted(set(tuned_map.values())):
-        tuned.update(_load_file(os.path.join(drafter_dir, file)))
-    mtp_keys = {k for k in weight_map if _is_mtp_key(k, found[0], _read_json(os.path.join(target_dir, "config.json")))}
-    if set(tuned) != mtp_keys:
-        extra, lacking = sorted(set(tuned) - mtp_keys), sorted(mtp_keys - set(tuned))
-        raise ValueError(f"{drafter_dir} does not hold exactly {target_dir}'s MTP tensors (not in the target: "
-                         f"{extra[:3]}, missing: {lacking[:3]}); it was tuned from another target")
-    shards = sorted({weight_map[k] for k in mtp_keys})
-    replaced: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
-    for shard in shards:
-        try:
-            with safe_open(os.path.join(target_dir, shard), framework="pt") as f:
-                meta = f.metadata() or {"format": "pt"}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except _unreadable() as e:
-            raise ValueError(f"{target_dir}/{shard}: not a readable safetensors file ({type(e).__name__}: {e})"
-                             ) from None
-        for k in [k for k in tensors if k in mtp_keys]:
-            new = tuned[k]
-            if tuple(new.shape) != tuple(tensors[k].shape):
-                raise ValueError(f"{drafter_dir}: {k} has shape {tuple(new.shape)}, the target's is "
-                                 f"{tuple(tensors[k].shape)}; it was tuned from another target")
-            if new.is_floating_point() and not bool(torch.isfinite(new).all()):
-                raise ValueError(f"{drafter_dir}: {k} holds non-finite values; the tuned checkpoint is damaged")
-            tensors[k] = new.to(tensors[k].dtype).contiguous()
-        replaced[shard] = (tensors, meta)
-    tmp = out_dir.rstrip("/") + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        top = os.path.abspath(target_dir)
-        shutil.copytree(target_dir, tmp, ignore=lambda folder, names: [n for n in names if n in shards] if
-                        os.path.abspath(folder) == top else [])  # the shards rewritten below; files elsewhere kept
-        for shard, (tensors, meta) in replaced.items():
-            save_file(tensors, os.path.join(tmp, shard), metadata=meta)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"out": out_dir, "replaced_tensors": len(mtp_keys), "rewritten_shards": shards}
-
-
-def _is_mtp_key(key: str, style: MtpStyle, doc: Mapping[str, Any]) -> bool:
-    if style.shared_parts:
-        return key.startswith("mtp.")
-    n = int(_text_config_dict(doc)["num_hidden_layers"])
-    return key.startswith("model.layers.") and int(key.split(".")[2]) >= n
 
 
 # -- fine-tuning (hsx train-drafter --kind mtp) ------------------------------------------------------------------
@@ -544,7 +301,7 @@ class MtpDrafter(Drafter):
                              f"stores {list(run_spec.layer_ids)}{instead}; re-extract with layer {n} in --layers (no "
                              "--target top_k)")
         folder = target_folder(target, "MTP")
-        doc = _read_json(os.path.join(folder, "config.json"))
+        doc = read_config_json(os.path.join(folder, "config.json"))
         head = MtpHead.from_folder(folder, hf_config=_hf_text_config(folder), embed_tokens=target.embed_tokens.float(),
                                    lm_head=target.lm_head.float(), dtype=torch.float32, device="cpu")
         norm = target.norm.to(torch.float32).module
@@ -616,7 +373,7 @@ class MtpDrafter(Drafter):
         """A saved MTP checkpoint, its embeddings, lm_head and final norm read from its target (`target_dir`, default
         the verifier it records). ValueError when it was tuned for another target (check_source), unless
         `allow_target_mismatch` (then logged)."""
-        doc = _read_json(os.path.join(model_dir, "config.json"))
+        doc = read_config_json(os.path.join(model_dir, "config.json"))
         hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
         target_dir = target_dir or hsx.get("verifier") or ""
         if not target_dir or not os.path.isdir(target_dir):
@@ -633,45 +390,6 @@ class MtpDrafter(Drafter):
         target_doc = {k: v for k, v in doc.items() if k != "hsx"}
         return cls(head, config, target.norm.to(torch.float32).module, int(hsx.get("num_speculative_tokens") or 3),
                    target_dir, target_doc).eval()
-
-
-def check_source(model_dir: str, target_dir: str, what: str, *, allow_mismatch: bool = False,
-                 override: str | None = None) -> None:
-    """ValueError when the MTP layers at `model_dir` were not made for `target_dir`: a tuned checkpoint by the
-    target digest it recorded (an older one without it: its recorded verifier folder, when there), a target folder
-    by its own embeddings, final norm and lm_head, by value (drafters.target_identity). `allow_mismatch`: the
-    user's override (logged instead); `override`: how to give it, named in the refusal (default, for a tuned
-    checkpoint: merging it with `hsx merge-mtp --allow-target-mismatch`)."""
-    doc = _read_json(os.path.join(model_dir, "config.json"))
-    hsx = doc.get("hsx") if isinstance(doc.get("hsx"), dict) else {}
-    if override is None and hsx.get("kind") == "mtp":
-        override = (f"write them into it with `hsx merge-mtp --model {target_dir} --drafter {model_dir} --out NEW "
-                    "--allow-target-mismatch` and use NEW")
-    options = {"allow_mismatch": allow_mismatch, "override": override}
-    if hsx.get("kind") != "mtp":
-        check_made_for(model_dir, target_dir, None, what, **options)
-    elif isinstance(hsx.get("target_digest"), str):
-        check_made_for(model_dir, target_dir, hsx["target_digest"], what, **options)
-    elif isinstance(hsx.get("verifier"), str) and os.path.isdir(hsx["verifier"]):
-        check_made_for(hsx["verifier"], target_dir, None, what, **options)
-    else:
-        logger.warning("%s: %s records no target digest and its verifier %r is not here: cannot check it was tuned for "
-                       "%s", what, model_dir, hsx.get("verifier"), target_dir)
-
-
-def preflight(model_dir: str, target_dir: str) -> None:
-    """The registry's check before an engine loads (hsx serve): `model_dir` declares MTP layers, its checkpoint holds
-    tensors of them (a target re-saved by transformers lost them), and they were made for `target_dir`."""
-    doc = _read_json(os.path.join(model_dir, "config.json"))
-    found = mtp_style(doc)
-    if found is None:
-        raise ValueError(f"{model_dir} declares no MTP layers; method 'mtp' needs a target folder that ships them or "
-                         "a `hsx train-drafter --kind mtp` checkpoint")
-    if not any(_is_mtp_key(k, found[0], doc) for k in _weight_map(model_dir)):
-        raise ValueError(f"{model_dir} declares {found[1]} MTP layer(s) ({found[0].name} style) but its checkpoint "
-                         "holds none of their tensors (a target re-saved by transformers drops them); use the "
-                         "checkpoint as published, or another method")
-    check_source(model_dir, target_dir, "speculative_config method 'mtp'")
 
 
 def _hf_text_config(folder: str):
@@ -695,6 +413,7 @@ FAMILY = Family(name="mtp", description="a target folder with MTP layers (DeepSe
                 "Qwen3.5 style) or a `hsx train-drafter --kind mtp` checkpoint",
                 drafter="drafters.mtp:MtpDrafter", proposer_class="drafters.mtp_proposer:MtpProposer",
                 config_matches=lambda config: mtp_style(config) is not None, config_k=_speculative_tokens,
-                options=("ttt_steps",), features=FEATURES, model_optional=True, preflight="drafters.mtp:preflight")
+                options=("ttt_steps",), features=FEATURES, model_optional=True,
+                preflight="drafters.mtp_checkpoint:preflight")
 """MTP in the drafter registry (pyproject.toml's hsx.drafters entry point `mtp`); 'model' may be left out (the
 target's own folder, as vLLM)."""

@@ -14,7 +14,8 @@ from torch import nn
 
 from drafters.base import runner_target
 from drafters.eagle3_proposer import Eagle3Proposer
-from drafters.mtp import MtpHead, check_source
+from drafters.mtp import MtpHead
+from drafters.mtp_checkpoint import check_source
 from extractor.facts import text_config
 
 

@@ -513,7 +513,8 @@ def _new_model(config: ReferenceTargetConfig, tokenizer):
     params = list(model.named_parameters())
     mtp = None
     if config.mtp_layers:
-        from drafters.mtp import STYLES, MtpHead
+        from drafters.mtp import MtpHead
+        from drafters.mtp_styles import STYLES
 
         mtp = MtpHead(model.config, STYLES[config.architecture], config.mtp_layers,
                       model.get_input_embeddings().weight, model.get_output_embeddings().weight)

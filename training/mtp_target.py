@@ -1,4 +1,4 @@
-"""`hsx merge-mtp`: a new target folder with tuned MTP layers (drafters/mtp.py's write_target_with). Imports no torch,
+"""`hsx merge-mtp`: a new target folder with tuned MTP layers (drafters/mtp_checkpoint.py's write_target_with). Imports no torch,
 so building the `hsx` parser stays cheap."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class MergeMtpConfig:
 
 def merge_mtp(config: MergeMtpConfig) -> dict[str, Any]:
     """Write config.out (see MergeMtpConfig); what was replaced."""
-    from drafters.mtp import write_target_with
+    from drafters.mtp_checkpoint import write_target_with
 
     return write_target_with(config.model, config.drafter, config.out,
                              allow_target_mismatch=config.allow_target_mismatch)

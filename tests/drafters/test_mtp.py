@@ -533,7 +533,8 @@ def test_the_target_check_holds_across_storage_dtypes_reads_old_digests_and_has_
     the bytes as stored) is still taken by its own target; a re-cast copy of it needs the override."""
     from cli.main import main
     from drafters.base import TargetHead
-    from drafters.mtp import MtpDrafter, check_source
+    from drafters.mtp import MtpDrafter
+    from drafters.mtp_checkpoint import check_source
 
     base = targets["deepseek_v3/1"]
     bf16 = _recast(base, str(tmp_path / "bf16"), torch.bfloat16)
