@@ -7,19 +7,18 @@
         .train_files     the stdlib files it was trained on; .train_texts() reads them
         .heldout_files   the files it never saw; .prompts are snippets of them (held-out prompts)
         .report          reference_target.json: losses, held-out perplexity, corpus and timing
-    stdlib_corpus(heldout_fraction) -> (train, heldout)   the corpus split, by a hash of each file's relative path
 
 Random-weight models (reference/tiny_models.py) measure machinery; a drafter's acceptance length on them says nothing.
 This target has learned something real — Python source, which ships with every Python (no downloads) — so a drafter
 trained on its hidden states can be accepted or not for reasons that matter.
 
-Corpus: every .py file under the interpreter's stdlib folder (sysconfig "stdlib"), skipping site-packages, test
-folders and test_*.py files. A file is held out when sha256(relative path) falls under `heldout_fraction`, so the split
-is the same on every machine with the same Python, and held-out prompts come from files the target never read.
+Corpus: the standard library's .py files, split by a hash of each file's path (reference/stdlib_corpus.py: the split,
+the tokenizer, the token blocks, the held-out blocks and prompts).
 
-Build: byte-level BPE tokenizer (the `tokenizers` library) trained on the train split -> token stream (each file
-followed by <|endoftext|>) cut into fixed-length blocks -> plain AdamW with warm-up + cosine decay, seeded -> held-out
-loss over blocks of the held-out files -> save_pretrained of model and tokenizer.
+Build: byte-level BPE tokenizer trained on the train split -> token stream (each file followed by <|endoftext|>) cut
+into fixed-length blocks -> plain AdamW with warm-up + cosine decay, seeded -> held-out loss over blocks of the
+held-out files -> save_pretrained of model and tokenizer. With mtp_layers, an MTP layer (drafters.mtp.MtpHead) trains
+beside the target and is written into its checkpoint in the family's own layout.
 
 Cache: CACHE_ROOT/<name>-<digest>/, digest over the config's training fields, the corpus file list (relative paths
 and sizes), this module's BUILD_VERSION and the torch / transformers / tokenizers / Python versions. The folder is
@@ -35,13 +34,22 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
-import sysconfig
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+
+from reference.stdlib_corpus import (
+    CorpusFile,
+    build_tokenizer,
+    end_prompt,
+    heldout_blocks,
+    heldout_prompts,
+    stdlib_corpus,
+    token_blocks,
+    token_stream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +57,7 @@ BUILD_VERSION = "1"
 """Bump when the build changes what it produces for the same config (the cache digest includes it)."""
 REPORT_NAME = "reference_target.json"
 PROMPTS_NAME = "heldout_prompts.jsonl"
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
 ARCHITECTURES = ("llama", "deepseek_v3", "qwen3_next")
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _STALE_TEMP_S = 24 * 3600
 
 
@@ -174,18 +179,6 @@ class ReferenceTargetConfig:
 
 
 @dataclass(frozen=True)
-class CorpusFile:
-    rel: str
-    """Path relative to the stdlib folder (posix separators)."""
-    path: str
-    size: int
-
-    def read(self) -> str:
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-
-@dataclass(frozen=True)
 class ReferenceTarget:
     path: str
     """The checkpoint folder: config.json, model.safetensors, tokenizer files, reference_target.json."""
@@ -200,40 +193,6 @@ class ReferenceTarget:
     def train_texts(self) -> list[str]:
         """The train split's file contents, in path order (what the target and its tokenizer were trained on)."""
         return [f.read() for f in self.train_files]
-
-
-# -- corpus -------------------------------------------------------------------------------------------------------
-
-
-def stdlib_root() -> str:
-    return sysconfig.get_paths()["stdlib"]
-
-
-def is_heldout(rel: str, heldout_fraction: float) -> bool:
-    """The split: sha256 of the relative path, as a number in [0, 1), under the held-out share."""
-    digest = hashlib.sha256(rel.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
-
-
-def stdlib_corpus(heldout_fraction: float, root: str | None = None) -> tuple[list[CorpusFile], list[CorpusFile]]:
-    """(train, heldout) .py files of the standard library, sorted by relative path."""
-    root = root or stdlib_root()
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
-        for name in sorted(filenames):
-            if not name.endswith(".py") or name.startswith("test_"):
-                continue
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            files.append(CorpusFile(rel, path, os.path.getsize(path)))
-    if not files:
-        raise RuntimeError(f"no .py files under the standard library folder {root!r}; the reference target trains on "
-                           "them (a Python installed without its sources cannot build it)")
-    files.sort(key=lambda f: f.rel)
-    train = [f for f in files if not is_heldout(f.rel, heldout_fraction)]
-    heldout = [f for f in files if is_heldout(f.rel, heldout_fraction)]
-    return train, heldout
 
 
 # -- cache --------------------------------------------------------------------------------------------------------
@@ -304,69 +263,12 @@ def _load(folder: str, train, heldout, *, cached: bool) -> ReferenceTarget:
     with open(os.path.join(folder, REPORT_NAME)) as f:
         report = json.load(f)
     with open(os.path.join(folder, PROMPTS_NAME)) as f:
-        prompts = tuple(_end_prompt(json.loads(line)["prompt"]) for line in f if line.strip())  # also older folders'
+        prompts = tuple(end_prompt(json.loads(line)["prompt"]) for line in f if line.strip())  # also older folders'
     return ReferenceTarget(path=folder, train_files=tuple(train), heldout_files=tuple(heldout), prompts=prompts,
                            report=report, cached=cached)
 
 
 # -- build --------------------------------------------------------------------------------------------------------
-
-
-def build_tokenizer(texts: list[str], vocab_size: int, out_dir: str):
-    """A byte-level BPE trained on `texts` (HF-loadable, eos and pad set), saved to out_dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=None,
-                                 unk_token=None, model_max_length=10**6)
-    hf.save_pretrained(out_dir)
-    return hf
-
-
-def _token_stream(tokenizer, texts: list[str]):
-    import torch
-
-    ids: list[int] = []
-    for batch_start in range(0, len(texts), 64):
-        for row in tokenizer(texts[batch_start:batch_start + 64])["input_ids"]:
-            ids.extend(row)
-            ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.int64)  # [total tokens]
-
-
-def _blocks(stream, length: int):
-    n = stream.numel() // length
-    return stream[:n * length].view(n, length)  # [n, length]
-
-
-def _heldout_blocks(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig):
-    """heldout_blocks blocks spread over the held-out files: from each file (in a seeded order) a stretch of about
-    two blocks starting at a random line, until there are heldout_blocks blocks."""
-    rng = random.Random(config.seed + 1)
-    files = list(heldout)
-    rng.shuffle(files)
-    blocks = []
-    for f in files:
-        text = f.read()
-        span = 2 * config.context_length * 8  # characters: a token is 2-5 of them, so this fills two blocks
-        if len(text) > span:
-            start = text.find("\n", rng.randrange(len(text) - span)) + 1
-            text = text[start:start + span]
-        ids = _token_stream(tokenizer, [text])[:2 * config.context_length]
-        blocks += list(_blocks(ids, config.context_length))
-        if len(blocks) >= config.heldout_blocks:
-            break
-    if not blocks:
-        raise ValueError("the held-out files are shorter than one block; lower context_length")
-    import torch
-
-    return torch.stack(blocks[:config.heldout_blocks])  # [n, S]
 
 
 def _lr(step: int, config: ReferenceTargetConfig) -> float:
@@ -375,42 +277,6 @@ def _lr(step: int, config: ReferenceTargetConfig) -> float:
     span = max(1, config.steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _end_prompt(text: str) -> str:
-    """A prompt ends at the last non-blank character: the BPE merges a newline with the next line's indentation, so
-    a prompt ending in newlines would end in tokens the target rarely saw there (its greedy output then degenerates)."""
-    return text.rstrip()
-
-
-def _prompts(tokenizer, heldout: list[CorpusFile], config: ReferenceTargetConfig) -> list[str]:
-    """Snippets of held-out files, whole lines from a non-blank line on (ending at the last non-blank character),
-    between half and all of prompt_tokens tokens long, chosen with the config's seed (a few per file, files in a seeded
-    order)."""
-    rng = random.Random(config.seed)
-    files = list(heldout)
-    rng.shuffle(files)
-    per_file = max(1, math.ceil(config.num_prompts / len(files)))
-    prompts: list[str] = []
-    for f in files:
-        lines = f.read().splitlines(keepends=True)
-        starts = [i for i, ln in enumerate(lines) if ln.strip()]
-        if not starts:
-            continue
-        costs = [len(ids) for ids in tokenizer(lines)["input_ids"]]
-        taken = 0
-        for start in rng.sample(starts, len(starts)):
-            n, end = 0, start
-            while end < len(lines) and n + costs[end] <= config.prompt_tokens:
-                n, end = n + costs[end], end + 1
-            if n >= config.prompt_tokens // 2:
-                prompts.append(_end_prompt("".join(lines[start:end])))
-                taken += 1
-            if taken == per_file:
-                break
-        if len(prompts) >= config.num_prompts:
-            break
-    return prompts[:config.num_prompts]
 
 
 def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list[CorpusFile], out_dir: str, *,
@@ -425,9 +291,9 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
         train_texts = [f.read() for f in train]
         tokenizer = build_tokenizer(train_texts, config.vocab_size, out_dir)
         tokenizer_s = time.perf_counter() - started
-        train_blocks = _blocks(_token_stream(tokenizer, train_texts), config.context_length)  # [n, S]
-        heldout_blocks = _heldout_blocks(tokenizer, heldout, config)
-        if len(train_blocks) == 0 or len(heldout_blocks) == 0:
+        train_blocks = token_blocks(token_stream(tokenizer, train_texts), config.context_length)  # [n, S]
+        test_blocks = heldout_blocks(tokenizer, heldout, config.context_length, config.heldout_blocks, config.seed)
+        if len(train_blocks) == 0 or len(test_blocks) == 0:
             raise ValueError("the corpus is shorter than one block; lower context_length or raise max_train_files")
         g = torch.Generator().manual_seed(config.seed)
 
@@ -438,10 +304,10 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
 
         model.eval()
         with torch.no_grad():
-            heldout_loss = sum(float(model(input_ids=b[None], labels=b[None]).loss) for b in heldout_blocks) \
-                / len(heldout_blocks)
-        mtp_report = _mtp_heldout(model, mtp, heldout_blocks) if mtp is not None else {}
-        prompts = _prompts(tokenizer, heldout, config)
+            heldout_loss = sum(float(model(input_ids=b[None], labels=b[None]).loss) for b in test_blocks) \
+                / len(test_blocks)
+        mtp_report = _mtp_heldout(model, mtp, test_blocks) if mtp is not None else {}
+        prompts = heldout_prompts(tokenizer, heldout, config.num_prompts, config.prompt_tokens, config.seed)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(out_dir)
@@ -460,7 +326,7 @@ def _build(config: ReferenceTargetConfig, train: list[CorpusFile], heldout: list
             "first_loss": losses[0], "final_train_loss": sum(tail) / len(tail),
             "loss_curve": losses[::max(1, len(losses) // 50)],
             "heldout_loss": heldout_loss, "heldout_perplexity": math.exp(heldout_loss),
-            "heldout_tokens": int(heldout_blocks.numel()), "num_prompts": len(prompts),
+            "heldout_tokens": int(test_blocks.numel()), "num_prompts": len(prompts),
             "tokenizer_seconds": round(tokenizer_s, 2), "train_seconds": round(train_s, 2),
             "build_seconds": round(time.perf_counter() - started, 2), "threads": torch.get_num_threads(),
             **mtp_report,

@@ -315,7 +315,7 @@ def build_vl_target(config: VLTargetConfig | None = None, *, progress: bool = Tr
 
 
 def _tokenizer(out_dir: str):
-    from reference.target import build_tokenizer
+    from reference.stdlib_corpus import build_tokenizer
 
     rng = random.Random(12345)
     texts = []

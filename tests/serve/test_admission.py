@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from reference.target import stdlib_corpus
+from reference.stdlib_corpus import stdlib_corpus
 from serve.engine import max_bytes_per_token
 
 

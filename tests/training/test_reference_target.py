@@ -13,14 +13,8 @@ import time
 import pytest
 import torch
 
-from reference.target import (
-    REPORT_NAME,
-    ReferenceTargetConfig,
-    build_reference_target,
-    cache_key,
-    is_heldout,
-    stdlib_corpus,
-)
+from reference.stdlib_corpus import is_heldout, stdlib_corpus
+from reference.target import REPORT_NAME, ReferenceTargetConfig, build_reference_target, cache_key
 
 
 def tiny_config(root: str, **overrides) -> ReferenceTargetConfig:
