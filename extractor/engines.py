@@ -63,8 +63,8 @@ from extractor.plugins import declared, load_entry_point
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from connectors.format import FileSpec
     from connectors.extra_config import HiddenStatesConnectorConfig
+    from connectors.format import FileSpec
     from extractor.config import EngineConfig
     from extractor.llm import RequestOutput
     from extractor.sampling import SamplingParams
