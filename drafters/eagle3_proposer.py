@@ -21,15 +21,15 @@ import torch
 
 from drafters.eagle3 import Eagle3Drafter
 from drafters.images import override_embeddings
+from extractor.batch_state import BatchState
 from extractor.proposers import Draft, Proposer
-from extractor.runner import BatchState
 from extractor.sampling import sampling_probs
 
 logger = logging.getLogger(__name__)
 
 
 class _RowCache:
-    """The drafter's KV cache for a batch of rows (extractor.runner.BatchState: cache + per-row column mask and next
+    """The drafter's KV cache for a batch of rows (extractor.batch_state.BatchState: cache + per-row column mask and next
     position). Column p of a row holds its entry at position p; rolled-back entries stay as masked holes."""
 
     def __init__(self, device: torch.device) -> None:

@@ -11,6 +11,7 @@
     sampling.py     SamplingParams and the sampler
     facts.py        TargetFacts / target_facts: a model's file spec and limits from its config (no weights)
     runner.py       ModelRunner: model loading, chunked prefill, decode steps, multi-token steps with per-row rollback
+    batch_state.py  BatchState / Captured: a batch's cache and its rows' columns (rollback, merge, compact)
     proposers.py    Proposer (the interface drafters implement), NgramProposer, DraftModelProposer
     methods.py      the registry of drafter families (filled from the `hsx.drafters` entry points)
     engines.py      the engine seam: Engine (what a worker holds), EngineKind (one engine described without loading

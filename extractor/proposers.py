@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from extractor.batch_state import BatchState, can_rearrange, forward_rows
 from extractor.config import SpeculativeConfig
 from extractor.methods import family
 from extractor.rollback import rollback_plan
-from extractor.runner import BatchState, can_rearrange, forward_rows
 from extractor.sampling import SamplingParams, sample_with_probs
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from extractor.batch_state import BatchState, Captured, can_rearrange
 from extractor.batching import (
     DEFAULT_FORWARD_COST_TOKENS,
     FORWARD_COST_TOKENS,
@@ -30,7 +31,7 @@ from extractor.config import EngineConfig
 from extractor.metrics import SpecDecodingStats
 from extractor.proposers import Proposer
 from extractor.request import Request
-from extractor.runner import BatchState, Captured, ModelRunner, can_rearrange
+from extractor.runner import ModelRunner
 from extractor.sampling import sample_next
 from extractor.speculative import speculative_step
 from extractor.stopping import Stopping

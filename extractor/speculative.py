@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
+from extractor.batch_state import BatchState
 from extractor.metrics import SpecDecodingStats
 from extractor.proposers import Proposer
 from extractor.request import Request
-from extractor.runner import BatchState, ModelRunner
+from extractor.runner import ModelRunner
 from extractor.stopping import Stopping
 from extractor.verification import verify
 

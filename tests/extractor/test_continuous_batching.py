@@ -11,9 +11,10 @@ import torch
 
 from connectors import KVTransferConfig, load_hidden_states
 from extractor import LLM, SamplingParams
+from extractor.batch_state import BatchState
 from extractor.config import EngineConfig
 from extractor.proposers import NgramProposer
-from extractor.runner import BatchState, ModelRunner
+from extractor.runner import ModelRunner
 from tests.extractor.oracle import load_reference, reference_states
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42], [7] * 11, [100, 3, 250, 61, 62, 63, 64, 8], [12], [99, 98, 97, 96],
