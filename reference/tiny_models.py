@@ -236,26 +236,7 @@ def add_mtp_layers(model_dir: str, count: int = 1, *, seed: int = 0, own_copies:
     for j in range(count):
         layer = layer_cls(block_config, j if qwen else n + j)
         prefix = f"mtp.layers.{j}." if qwen else f"model.layers.{n + j}."
-        for name, p in layer.state_dict().items():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                tensors[prefix + name] = norm() if p.shape == (h,) else p + 0.3 * torch.randn(p.shape, generator=g)
-            elif p.is_floating_point() and p.dim() == 3 and name.endswith(("experts.gate_up_proj",
-                                                                            "experts.down_proj")):
-                # fused in transformers' module, stored per expert in checkpoints (gate and up along dim 0)
-                stem, fused = name.rsplit("experts.", 1)
-                for e in range(p.shape[0]):
-                    if fused == "down_proj":
-                        tensors[f"{prefix}{stem}experts.{e}.down_proj.weight"] = torch.randn(p.shape[1:], generator=g) * std
-                    else:
-                        for proj in ("gate_proj", "up_proj"):
-                            tensors[f"{prefix}{stem}experts.{e}.{proj}.weight"] = \
-                                torch.randn(p.shape[1] // 2, p.shape[2], generator=g) * std
-            elif p.is_floating_point() and p.dim() >= 2:
-                tensors[prefix + name] = torch.randn(p.shape, generator=g) * std
-            elif p.is_floating_point():  # biases, DeepSeek's routing bias: small random values (a fresh module
-                tensors[prefix + name] = 0.1 * torch.randn(p.shape, generator=g)  # may hold uninitialised memory)
-            else:
-                tensors[prefix + name] = p.clone()
+        tensors.update(_random_layer(layer, prefix, h, norm, std, g))
         if not qwen:
             parts(prefix, ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))
             if own_copies:
@@ -273,3 +254,32 @@ def add_mtp_layers(model_dir: str, count: int = 1, *, seed: int = 0, own_copies:
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
     return model_dir
+
+
+def _random_layer(layer, prefix: str, h: int, norm, std: float, g) -> dict:
+    """A fresh decoder layer's tensors under `prefix`, random as a trained checkpoint's would be (norms around the
+    family's neutral value, fused experts stored per expert as checkpoints store them)."""
+    import torch
+
+    tensors = {}
+    for name, p in layer.state_dict().items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            tensors[prefix + name] = norm() if p.shape == (h,) else p + 0.3 * torch.randn(p.shape, generator=g)
+        elif p.is_floating_point() and p.dim() == 3 and name.endswith(("experts.gate_up_proj",
+                                                                        "experts.down_proj")):
+            # fused in transformers' module, stored per expert in checkpoints (gate and up along dim 0)
+            stem, fused = name.rsplit("experts.", 1)
+            for e in range(p.shape[0]):
+                if fused == "down_proj":
+                    tensors[f"{prefix}{stem}experts.{e}.down_proj.weight"] = torch.randn(p.shape[1:], generator=g) * std
+                else:
+                    for proj in ("gate_proj", "up_proj"):
+                        tensors[f"{prefix}{stem}experts.{e}.{proj}.weight"] = \
+                            torch.randn(p.shape[1] // 2, p.shape[2], generator=g) * std
+        elif p.is_floating_point() and p.dim() >= 2:
+            tensors[prefix + name] = torch.randn(p.shape, generator=g) * std
+        elif p.is_floating_point():  # biases, DeepSeek's routing bias: small random values (a fresh module
+            tensors[prefix + name] = 0.1 * torch.randn(p.shape, generator=g)  # may hold uninitialised memory)
+        else:
+            tensors[prefix + name] = p.clone()
+    return tensors

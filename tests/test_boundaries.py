@@ -146,3 +146,29 @@ def test_each_package_docstring_lists_the_files_that_exist(package):
     assert files - named == set(), f"{package}/__init__.py does not list {sorted(files - named)}"
     assert {n for n in named if n not in files and not any((folder / d / n).exists() for d in subpackages)} == set()
     assert all(f"{d}/" in doc for d in subpackages), subpackages
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def _sizes(package: str) -> list[str]:
+    import ast
+
+    too_big = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(REPO)
+        if text.count("\n") > MAX_FILE_LINES:
+            too_big.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_big.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    return too_big
+
+
+@pytest.mark.parametrize("package", _PRODUCT)
+def test_no_product_file_over_600_lines_or_function_over_80(package):
+    """A module a newcomer reads in one sitting, a function on one screen or two: past these, cut at a seam."""
+    assert _sizes(package) == []
