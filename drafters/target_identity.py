@@ -47,6 +47,9 @@ def _shared(head: TargetHead) -> list[torch.Tensor]:
 def _values(tensor: torch.Tensor) -> Iterator[bytes]:
     """`tensor` rounded to bfloat16, tiny values 0 (see the module docstring), piece by piece as bytes."""
     flat = tensor.detach().reshape(-1)
+    if not flat.is_floating_point():  # nothing to round: its values as they are
+        yield flat.contiguous().view(torch.uint8).numpy().tobytes()
+        return
     for start in range(0, flat.numel(), _PIECE):
         piece = flat[start:start + _PIECE].to(torch.bfloat16)  # [n] round to nearest even, from any float dtype
         piece = torch.where(piece.abs() < _TINY, torch.zeros_like(piece), piece)  # -0.0 and tiny values: +0

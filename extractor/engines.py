@@ -6,7 +6,7 @@ Engine: what a worker holds, built by its kind (extractor.LLM; vllm_engine.engin
     generate(prompts, sampling_params, request_ids) -> [RequestOutput]
                                     one per prompt, in order, once every file it reports is durable; each output's
                                     kv_transfer_params name its file (None, with error and error_kind, when it failed)
-    spec                            the connectors.format.FileSpec it writes (checked against run.json's before work)
+    spec                            the connectors.format.HiddenStatesSpec it writes (checked against run.json's before work)
     shutdown()                      free the model and the engine's processes now
 
 EngineKind: one engine, described without loading it (neither torch nor the engine's own package is imported)
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from connectors.extra_config import HiddenStatesConnectorConfig
-    from connectors.format import FileSpec
+    from connectors.format import HiddenStatesSpec
     from extractor.config import EngineConfig
     from extractor.llm import RequestOutput
     from extractor.sampling import SamplingParams
@@ -95,7 +95,7 @@ class EngineFlags:
 class Engine(Protocol):
     """See the module docstring."""
 
-    spec: FileSpec
+    spec: HiddenStatesSpec
 
     def generate(self, prompts: Sequence[Mapping[str, Any] | str], sampling_params: Sequence[SamplingParams],
                  request_ids: Sequence[str] | None = None) -> list[RequestOutput]: ...

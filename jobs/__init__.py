@@ -11,7 +11,7 @@ corpus/'s, the regeneration it may run first regeneration/'s, the Ray session cl
                      finished run's re-run answered from run.json's plan key, no model loaded
     worker.py        ExtractionWorker: one engine per Ray actor, built by its kind; samples -> files -> manifest rows
     runinfo.py       the job's RunSpec (run.json; the format is connectors.run's): written once, checked on resume
-    pipeline.py      prepare_job / execute_job: the Ray Data pipeline and the driver loop
+    pipeline.py      execute_job / run_job: the Ray Data pipeline and the driver loop
     estimate.py      `hsx estimate`: exact file sizes before a run
     device_fit.py    what the target needs of a device (weights, cache, activations) and the smallest tensor-parallel
                      size that fits one (`hsx estimate --device-memory`)

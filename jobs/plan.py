@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import TYPE_CHECKING
 
 from cluster.progress import JobResult
@@ -97,13 +97,18 @@ def prepare_job(config: JobConfig) -> JobPlan:
     check_run_output(config.output, inputs={"--model": config.model,
                                             **corpus_inputs(config.corpus, [f.url for f in corpus])})
     output.check_reachable()
-    if not config.regenerate_with:
-        finished = _finished(config, output, corpus)
-        if finished is not None:
-            return finished
+    key = "" if config.regenerate_with else plan_key(config, corpus)  # before the model is read
+    started = _started(config, output, corpus, key) if key else None
+    if started is not None and started.nothing_left:
+        return started
     from jobs.model import ModelFacts  # transformers and torch: not for a finished run's re-run
 
-    facts = ModelFacts.resolve(config)
+    try:
+        facts = ModelFacts.resolve(config)
+    except BaseException:
+        if started is not None:
+            started.lease.release()
+        raise
     regeneration = None
     if config.regenerate_with:  # the servers' answers, followed as they are committed
         from regeneration.regenerate import prepare_regeneration
@@ -113,73 +118,107 @@ def prepare_job(config: JobConfig) -> JobPlan:
     else:
         files = corpus
     try:
-        return _plan(config, output, facts, files, regeneration)
+        return _plan(config, output, facts, files, regeneration, key, started)
     except BaseException:
         if regeneration is not None:
             regeneration.lease.release()
         raise
 
 
+PLAN_FREE_SETTINGS = ("workers", "max_workers", "gpus_per_worker", "cpus_per_worker", "tokenizer_workers",
+                      "tokens_per_task", "address", "registry_shards", "fail_on_error", "storage_retry_seconds",
+                      "manifest_flush_rows", "manifest_flush_seconds", "compact", "progress", "verbose",
+                      "break_lease", "storage_options", "corpus_storage_options")
+"""JobConfig fields that never change what a job plans (where it runs, how it reports, credentials): left out of
+the plan key, so changing them keeps a finished run's re-run cheap. Every other field, a new one too, is in it."""
+KEYED_PACKAGES = ("jobs", "corpus", "connectors", "extractor", "drafters")
+"""hsx's packages whose code derives a run's spec: their .py files' sizes and times are in the plan key (an
+editable install's version never changes)."""
+
+
 def plan_key(config: JobConfig, files: list[CorpusFile]) -> str:
-    """What planned this job, hashed: every setting, the model folder's and the corpus files' names, sizes and
-    modification times, and the versions of the packages that read them. Equal keys make the same plan (run.json's
-    `plan_key`); "" when the model or a corpus file is not on local disk (nothing cheap to key it by)."""
+    """What plans this job, hashed: its settings (but PLAN_FREE_SETTINGS), the model folder's and the corpus files'
+    names, sizes and modification times, the code that derives a run's spec (KEYED_PACKAGES' files, the drafter and
+    engine plug-ins declared, the run and fingerprint formats) and the versions of the packages that read the model.
+    Equal keys make the same plan (run.json's `plan_key`); "" when the model or a corpus file is not on local disk
+    or cannot be listed (nothing cheap to key it by: the full planning runs)."""
+    from connectors.fingerprint import FINGERPRINT_SCHEME
+    from connectors.run import RUN_FORMAT_VERSION
+
     paths = [f.url for f in files] + ([config.chat_template] if config.chat_template else [])
     if not os.path.isdir(config.model) or any("://" in p or not os.path.isfile(p) for p in paths):
         return ""
-    digest = hashlib.sha256(PLAN_KEY_VERSION.encode())
+    settings = {k: v for k, v in config.to_dict().items() if k not in PLAN_FREE_SETTINGS}
     versions = {}
     for package in ("hsx", "transformers", "tokenizers", "torch"):
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
             versions[package] = ""
-    digest.update(json.dumps({"config": config.to_dict(), "versions": versions}, sort_keys=True, default=str).encode())
+    plugins = sorted(f"{ep.group} {ep.name} {ep.value} {ep.dist.name if ep.dist else ''} "
+                     f"{ep.dist.version if ep.dist else ''}"
+                     for group in ("hsx.drafters", "hsx.engines") for ep in entry_points(group=group))
+    digest = hashlib.sha256(json.dumps({"key": PLAN_KEY_VERSION, "settings": settings, "versions": versions,
+                                        "plugins": plugins, "formats": [RUN_FORMAT_VERSION, FINGERPRINT_SCHEME]},
+                                       sort_keys=True, default=str).encode())
     model = os.path.abspath(config.model)
-    entries = [os.path.join(model, name) for name in sorted(os.listdir(model))]
-    for path in entries + [os.path.abspath(p) for p in paths]:
-        st = os.stat(path)
-        digest.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_mode}\n".encode())
+    code = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        listed = [os.path.join(model, name) for name in sorted(os.listdir(model))]
+        listed += [os.path.abspath(p) for p in paths]
+        listed += sorted(os.path.join(code, package, name) for package in KEYED_PACKAGES
+                         for name in os.listdir(os.path.join(code, package)) if name.endswith(".py"))
+        for path in listed:
+            st = os.stat(path)  # a dangling link, a file gone meanwhile: no key
+            digest.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_mode}\n".encode())
+    except OSError:
+        return ""
     return digest.hexdigest()
 
 
-def _finished(config: JobConfig, output: RunDir, files: list[CorpusFile]) -> JobPlan | None:
-    """A plan with nothing left when run.json's plan key is this job's and every corpus record is settled (no model
-    read, no torch); None otherwise, and the full planning runs (and checks run.json as always)."""
+def _started(config: JobConfig, output: RunDir, files: list[CorpusFile], key: str) -> JobPlan | None:
+    """When run.json's plan key is this job's: the plan so far, holding the lease and the settled ids, with
+    `nothing_left` set when every corpus record is settled (no model read, no torch). None otherwise."""
     present = read_run_spec(output)
-    if present is None or not present.plan_key or present.plan_key != plan_key(config, files):
+    if present is None or present.plan_key != key:
         return None
     attempt = new_attempt_id()
     lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)
     try:
         plan = JobPlan(config, None, output, files, None, present, False,
                        DoneSet.load(output, retry_failed=config.retry_failed), attempt, lease)
-        if _nothing_left(plan):
-            plan.nothing_left = True
-            return plan
+        plan.nothing_left = _nothing_left(plan)
     except BaseException:
         lease.release()
         raise
-    lease.release()
-    return None
+    return plan
 
 
-def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[CorpusFile], regeneration) -> JobPlan:
+def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[CorpusFile], regeneration,
+          key: str = "", started: JobPlan | None = None) -> JobPlan:
+    """The full plan. `started`: what _started found for a matching key with work left (its lease and settled ids
+    are taken over, not acquired and read again)."""
     from jobs.runinfo import build_run_spec, ensure_run_spec  # jobs.model: transformers
 
-    override, template, template_source = load_chat_template(config, facts)
-    attempt = new_attempt_id()
-    lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
+    if started is None:
+        attempt = new_attempt_id()
+        lease = WriterLease.acquire(output, attempt, break_lease=config.break_lease)  # before run.json: one writer
+    else:
+        attempt, lease = started.attempt, started.lease
     try:
+        override, template, template_source = load_chat_template(config, facts)
         present = read_run_spec(output)
         spec = build_run_spec(config, facts, files, template, template_source, present=present)
-        if present is None and regeneration is None:
-            spec = dataclasses.replace(spec, plan_key=plan_key(config, files))
+        if present is None and key:
+            spec = dataclasses.replace(spec, plan_key=key)
         new_run = ensure_run_spec(output, spec, present)
-        done = DoneSet() if new_run else DoneSet.load(output, retry_failed=config.retry_failed)
+        if new_run:
+            done = DoneSet()
+        else:
+            done = started.done if started is not None else DoneSet.load(output, retry_failed=config.retry_failed)
         plan = JobPlan(config, facts, output, files, override, spec, new_run, done, attempt, lease,
                        regeneration=regeneration)
-        plan.nothing_left = regeneration is None and _nothing_left(plan)
+        plan.nothing_left = regeneration is None and started is None and _nothing_left(plan)
     except BaseException:
         lease.release()
         raise

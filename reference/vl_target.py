@@ -17,7 +17,7 @@ the picture gives.
 
 Training and held-out scenes come from different seeds. The build caches by a digest of the config, this module's
 BUILD_VERSION and the torch / transformers versions under CACHE_ROOT/<digest>/ (built under a temporary name, renamed
-when complete); a second call returns the cached folder. Random-weight models (jobs/tiny_models.build_tiny_vl_model)
+when complete); a second call returns the cached folder. Random-weight models (reference/tiny_models.build_tiny_vl_model)
 measure machinery; this one answers from what it sees, so a drafter's acceptance on image prompts means something.
 """
 

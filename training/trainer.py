@@ -102,6 +102,13 @@ class StoredRun:
         self.feed: CheckedFeed | None = None
         """One feed for the vocabulary pass and the batches (samples skipped by either are reported)."""
 
+    @classmethod
+    def opened(cls, config: TrainDrafterConfig, ds) -> StoredRun:
+        """The run already opened and checked elsewhere (a Ray Train replica, whose driver ran check()): its feed."""
+        run = cls(config)
+        run.ds, run.feed = ds, CheckedFeed(ds, skip=config.skip_bad_samples)
+        return run
+
     def check(self) -> Checked:
         snapshot = check_live_writer(self.config)
         self.ds, target = check_run(self.config)

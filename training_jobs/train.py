@@ -42,7 +42,7 @@ from connectors.lease import LeaseLost
 from jobs.worker import own_temp_folder
 from training.checkpoint import Checkpoints, read_checkpoint, run_identity
 from training.checks import open_dataset
-from training.feed import CheckedFeed, RunBatches, TrainingStopped
+from training.feed import TrainingStopped
 from training.loop import Loop
 from training.replicas import TorchDistributed
 from training.train_config import TrainDrafterConfig, checkpoint_folder
@@ -251,7 +251,7 @@ def _replica(cfg: dict[str, Any]) -> None:
         def save(current: dict[str, Any], logged: list[dict[str, Any]]) -> None:
             ray.get(keeper.save.remote(current, logged))
 
-        source = RunBatches(config, CheckedFeed(ds, skip=config.skip_bad_samples), replica)
+        source = StoredRun.opened(config, ds).batches(replica, None)  # fed as the driver's StoredRun is
         Loop(config, source, drafter, target, cfg["identity"], device, getattr(torch, config.dtype), replica,
              save).run(state)
     except (TrainingStopped, LeaseLost, ValueError) as e:

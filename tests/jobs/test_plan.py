@@ -56,3 +56,28 @@ def test_no_plan_key_where_nothing_cheap_keys_the_job(tmp_path, tiny_llama):
     assert plan_key(config, [CorpusFile("s3://bucket/c.jsonl", "jsonl")]) == ""  # a corpus not on local disk
     assert plan_key(dataclasses.replace(config, model="org/model-on-the-hub"), files) == ""
     assert plan_key(dataclasses.replace(config, chat_template=str(tmp_path / "missing.jinja")), files) == ""
+
+
+def test_where_a_job_runs_and_how_it_reports_leave_the_key_and_a_dangling_link_gives_none(tmp_path, tiny_llama):
+    config, files = _job(tmp_path, tiny_llama)
+    key = plan_key(config, files)
+    elsewhere = dataclasses.replace(config, workers=3, progress=False, verbose=True, break_lease=True,
+                                    storage_options={"key": "rotated-credential"})
+    assert plan_key(elsewhere, files) == key
+    os.symlink(str(tmp_path / "gone"), os.path.join(config.model, ".#config.json"))  # an editor's lock link
+    assert plan_key(config, files) == ""  # not a traceback: the full planning runs
+
+
+def test_a_drafter_plug_in_installed_changes_the_key(tmp_path, tiny_llama, monkeypatch):
+    """The default layers come from every registered drafter family: a new plug-in may change the plan."""
+    from importlib.metadata import EntryPoint
+
+    import jobs.plan as plan_module
+
+    config, files = _job(tmp_path, tiny_llama)
+    key = plan_key(config, files)
+    real = plan_module.entry_points
+    extra = EntryPoint("mine", "my_drafters:FAMILY", "hsx.drafters")
+    monkeypatch.setattr(plan_module, "entry_points",
+                        lambda group: [*real(group=group), *([extra] if group == "hsx.drafters" else [])])
+    assert plan_key(config, files) != key
