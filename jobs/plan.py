@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, entry_points, version
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from cluster.progress import JobResult
@@ -30,6 +30,7 @@ from connectors.outputs import check_run_output, corpus_inputs
 from connectors.run import RunDir, RunSpec, read_run_spec
 from corpus.readers import CorpusFile, expand_corpus, read_records
 from corpus.sample_registry import DoneSet, id_keys
+from extractor.plugins import declared
 from jobs.config import JobConfig
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ def plan_key(config: JobConfig, files: list[CorpusFile]) -> str:
     or cannot be listed (nothing cheap to key it by: the full planning runs)."""
     from connectors.fingerprint import FINGERPRINT_SCHEME
     from connectors.run import RUN_FORMAT_VERSION
+    from extractor import engines, methods
 
     paths = [f.url for f in files] + ([config.chat_template] if config.chat_template else [])
     if not os.path.isdir(config.model) or any("://" in p or not os.path.isfile(p) for p in paths):
@@ -157,7 +159,7 @@ def plan_key(config: JobConfig, files: list[CorpusFile]) -> str:
             versions[package] = ""
     plugins = sorted(f"{ep.group} {ep.name} {ep.value} {ep.dist.name if ep.dist else ''} "
                      f"{ep.dist.version if ep.dist else ''}"
-                     for group in ("hsx.drafters", "hsx.engines") for ep in entry_points(group=group))
+                     for group in (methods.ENTRY_POINT_GROUP, engines.ENTRY_POINT_GROUP) for ep in declared(group))
     digest = hashlib.sha256(json.dumps({"key": PLAN_KEY_VERSION, "settings": settings, "versions": versions,
                                         "plugins": plugins, "formats": [RUN_FORMAT_VERSION, FINGERPRINT_SCHEME]},
                                        sort_keys=True, default=str).encode())

@@ -76,8 +76,8 @@ def test_a_drafter_plug_in_installed_changes_the_key(tmp_path, tiny_llama, monke
 
     config, files = _job(tmp_path, tiny_llama)
     key = plan_key(config, files)
-    real = plan_module.entry_points
+    real = plan_module.declared
     extra = EntryPoint("mine", "my_drafters:FAMILY", "hsx.drafters")
-    monkeypatch.setattr(plan_module, "entry_points",
-                        lambda group: [*real(group=group), *([extra] if group == "hsx.drafters" else [])])
+    monkeypatch.setattr(plan_module, "declared",
+                        lambda group: [*real(group), *([extra] if group == "hsx.drafters" else [])])
     assert plan_key(config, files) != key
