@@ -91,6 +91,7 @@ def _assert_same(theirs: dict[str, str], ours: dict[str, str]) -> None:
         assert err < 1e-5, f"{sid}: states differ by {err:.2e} of the largest"
 
 
+@pytest.mark.timeout(1800)  # the runs fixture: five whole jobs, three of them starting vLLM
 def test_vllm_and_hsx_store_the_same_tokens_and_states_prompt_only_and_with_generated_tokens(runs, model):
     """Prompt-only (TP 1 and 2) and greedy generation with include_output_tokens: same ids, same states; and the
     stored states are a plain transformers forward's (the independent oracle), in the order --layers lists them."""
@@ -112,6 +113,7 @@ def test_vllm_and_hsx_store_the_same_tokens_and_states_prompt_only_and_with_gene
         assert tuple(info.spec.layer_ids) == (2, 1, 4) and info.metadata.get("engine") == "vllm"
 
 
+@pytest.mark.timeout(1800)  # the runs fixture: five whole jobs, three of them starting vLLM
 def test_vllms_own_loader_and_hsx_verify_read_the_vllm_runs_files(runs):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
