@@ -18,6 +18,7 @@ import os
 import random
 from collections.abc import Iterator
 
+from connectors.storage import open_url, put_atomic
 from jobs.config import JobConfig
 from reference.tiny_models import build_tiny_model, sample_text
 
@@ -40,50 +41,40 @@ def build_demo(root: str, verbose: bool = False) -> tuple[str, list[str]]:
 
 
 def _write_corpus(prompts: str, sharegpt: str, tokens: str) -> None:
-    """The demo's corpus files, each written under a temporary name and renamed into place (never half a file)."""
+    """The demo's corpus files, each written whole or not at all (connectors.storage.put_atomic)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rng = random.Random(0)
     text = sample_text(4 * DEMO_RECORDS, seed=7)
     n = DEMO_RECORDS // 4
 
-    with _written(prompts) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"prompt-{i}", "prompt": text[i]}) + "\n")
-        for i in range(n):
-            f.write(json.dumps({"id": f"openai-{i}", "messages": [
-                {"role": "system", "content": "You are a helpful model."},
-                {"role": "user", "content": text[n + i]},
-                {"role": "assistant", "content": text[2 * n + i]}]}) + "\n")
-        f.write('{"id": "broken-1", "prompt": \n')            # malformed JSON: a failed row, not a failed job
-        f.write(json.dumps({"id": "broken-2", "text": "no prompt field"}) + "\n")
+    lines = [json.dumps({"id": f"prompt-{i}", "prompt": text[i]}) for i in range(n)]
+    lines += [json.dumps({"id": f"openai-{i}", "messages": [
+        {"role": "system", "content": "You are a helpful model."},
+        {"role": "user", "content": text[n + i]},
+        {"role": "assistant", "content": text[2 * n + i]}]}) for i in range(n)]
+    lines.append('{"id": "broken-1", "prompt": ')                 # malformed JSON: a failed row, not a failed job
+    lines.append(json.dumps({"id": "broken-2", "text": "no prompt field"}))
+    _put(prompts, "".join(line + "\n" for line in lines).encode())
 
-    with _written(sharegpt) as tmp, gzip.open(tmp, "wt", encoding="utf-8") as f:
-        for i in range(n):
-            turns = [{"from": "human", "value": text[3 * n + i]}, {"from": "gpt", "value": text[i]},
-                     {"from": "human", "value": "Why?"}, {"from": "gpt", "value": text[n + i]}]
-            f.write(json.dumps({"id": f"sharegpt-{i}", "conversations": turns}) + "\n")
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    chats = [json.dumps({"id": f"sharegpt-{i}", "conversations": [
+        {"from": "human", "value": text[3 * n + i]}, {"from": "gpt", "value": text[i]},
+        {"from": "human", "value": "Why?"}, {"from": "gpt", "value": text[n + i]}]}) for i in range(n)]
+    _put(sharegpt, gzip.compress("".join(c + "\n" for c in chats).encode()))
 
     rows = []
     for i in range(n):
         ids = [rng.randrange(4, 500) for _ in range(rng.randint(8, 64))]
         cut = len(ids) // 2
         rows.append({"id": f"tokens-{i}", "input_ids": ids, "loss_mask": [0] * cut + [1] * (len(ids) - cut)})
-    with _written(tokens) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+    table = pa.Table.from_pylist(rows)
+    _put(tokens, lambda f: pq.write_table(table, f))
 
 
-@contextlib.contextmanager
-def _written(path: str) -> Iterator[str]:
-    """A temporary name beside `path` to write; renamed to `path` when the block ends without an error."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def _put(path: str, content) -> None:
+    fs, where = open_url(path)
+    put_atomic(fs, where, content)
 
 
 @contextlib.contextmanager
