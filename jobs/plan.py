@@ -198,8 +198,8 @@ def _started(config: JobConfig, output: RunDir, files: list[CorpusFile], key: st
 
 def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[CorpusFile], regeneration,
           key: str = "", started: JobPlan | None = None) -> JobPlan:
-    """The full plan. `started`: what _started found for a matching key with work left (its lease and settled ids
-    are taken over, not acquired and read again)."""
+    """The full plan. `started`: what _started found for a matching key with work left (its lease, run.json and
+    settled ids are taken over, not acquired and read again)."""
     from jobs.runinfo import build_run_spec, ensure_run_spec  # jobs.model: transformers
 
     if started is None:
@@ -209,7 +209,7 @@ def _plan(config: JobConfig, output: RunDir, facts: ModelFacts, files: list[Corp
         attempt, lease = started.attempt, started.lease
     try:
         override, template, template_source = load_chat_template(config, facts)
-        present = read_run_spec(output)
+        present = started.spec if started is not None else read_run_spec(output)  # written once, under the lease
         spec = build_run_spec(config, facts, files, template, template_source, present=present)
         if present is None and key:
             spec = dataclasses.replace(spec, plan_key=key)
