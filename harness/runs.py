@@ -8,6 +8,8 @@
                                             records them) and run.json via connectors.run: an `hsx run` OUTPUT
     spec_run_json(spec) -> RunSpec          the run.json of a run whose files carry `spec`
     write_manifest(output, rows, parts=)    rows as manifest parts (connectors.manifest.write_manifest_part)
+    prompt_only_worker(model, run, **settings) -> ExtractionWorker   a job's worker on a tiny model (layers 1, 4,
+                                            float32, CPU, prompt-only) writing into `run`, whose run.json it writes
 """
 
 from __future__ import annotations
@@ -174,3 +176,21 @@ def small_train_config(run, model, out, **kw):
     defaults = dict(run=str(run), model=str(model), out=str(out), kind="eagle3", steps=2, lr=3e-3, batch_tokens=64,
                     draft_vocab_size=48, checkpoint_every=2, device="cpu", progress=False)
     return TrainDrafterConfig(**{**defaults, **kw})
+
+
+def prompt_only_worker(model: str, run: RunDir, **settings):
+    """An `hsx run` worker (jobs.worker.ExtractionWorker) of the tiny 4-layer, 64-wide `model`: layers 1 and 4 in
+    float32 on the CPU, prompt-only, writing into `run` (its run.json written here); `settings`: further
+    WorkerSettings (engine_kind=, engine_settings=, ...)."""
+    from connectors.extra_config import HiddenStatesConnectorConfig
+    from extractor import EngineConfig, SamplingParams
+    from jobs.worker import ExtractionWorker, WorkerSettings
+
+    spec = RunSpec(HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
+                                    model=model))
+    write_run_spec(run, spec)
+    return ExtractionWorker(WorkerSettings(
+        engine=EngineConfig(model=model, layer_ids=(1, 4), dtype="float32", device="cpu"),
+        sampling=SamplingParams(max_tokens=0),
+        connector=HiddenStatesConnectorConfig(shared_storage_path=run.url, allow_custom_save_path=True),
+        run=spec, **settings))

@@ -160,24 +160,14 @@ def test_an_entry_point_that_is_no_engine_kind_is_refused_in_one_line(monkeypatc
 
 
 def test_a_worker_builds_the_engine_its_settings_name(toy, tiny_llama, tmp_path):
-    from connectors import HiddenStatesSpec
     from connectors.manifest import read_manifest
     from connectors.manifest_writer import ManifestWriter
-    from connectors.run import RunDir, RunSpec, write_run_spec
-    from connectors.safetensors_connector import HiddenStatesConnectorConfig
+    from connectors.run import RunDir
     from corpus.tokenization import SAMPLE_SCHEMA
-    from extractor import EngineConfig, SamplingParams
-    from jobs.worker import ExtractionWorker, WorkerSettings
+    from harness.runs import prompt_only_worker
 
     out = RunDir(str(tmp_path / "run"))
-    spec = RunSpec(HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
-                                    model=tiny_llama))
-    write_run_spec(out, spec)
-    worker = ExtractionWorker(WorkerSettings(
-        engine=EngineConfig(model=tiny_llama, layer_ids=(1, 4), dtype="float32", device="cpu"),
-        sampling=SamplingParams(max_tokens=0),
-        connector=HiddenStatesConnectorConfig(shared_storage_path=out.url, allow_custom_save_path=True),
-        run=spec, engine_kind="toy", engine_settings=ToySettings(copies=1)))
+    worker = prompt_only_worker(tiny_llama, out, engine_kind="toy", engine_settings=ToySettings(copies=1))
     samples = pa.Table.from_pylist([
         {"sample_id": "s0", "source": "c.jsonl:0", "prompt_token_ids": [5, 6, 7, 8], "loss_mask": [1] * 4,
          "num_prompt_tokens": 4, "truncated": False, "error": None}], schema=SAMPLE_SCHEMA)

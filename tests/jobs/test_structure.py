@@ -23,7 +23,6 @@ from connectors.run import (
     RunSpec,
     data_path,
     read_run_spec,
-    write_run_spec,
 )
 
 
@@ -87,20 +86,11 @@ class _SyscallLog:
 
 def test_an_ok_row_is_committed_only_after_its_data_file_is_durable(tiny_llama, tmp_path, monkeypatch):
     from connectors.manifest_writer import ManifestWriter
-    from connectors.safetensors_connector import HiddenStatesConnectorConfig
     from corpus.tokenization import SAMPLE_SCHEMA
-    from extractor import EngineConfig, SamplingParams
-    from jobs.worker import ExtractionWorker, WorkerSettings
+    from harness.runs import prompt_only_worker
 
     out = RunDir(str(tmp_path / "run"))
-    spec = RunSpec(HiddenStatesSpec(layer_ids=(1, 4), num_hidden_layers=4, hidden_size=64, dtype="float32",
-                                    model=tiny_llama))
-    write_run_spec(out, spec)
-    worker = ExtractionWorker(WorkerSettings(
-        engine=EngineConfig(model=tiny_llama, layer_ids=(1, 4), dtype="float32", device="cpu"),
-        sampling=SamplingParams(max_tokens=0),
-        connector=HiddenStatesConnectorConfig(shared_storage_path=out.url, allow_custom_save_path=True),
-        run=spec))
+    worker = prompt_only_worker(tiny_llama, out)
     log = _SyscallLog(monkeypatch)
     samples = pa.Table.from_pylist([
         {"sample_id": f"s{i}", "source": f"c.jsonl:{i}", "prompt_token_ids": list(range(5, 9 + i)),
