@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from extractor.engines import EngineFlags
-
-VLLM_FLAGS = {"tensor_parallel_size": "--tensor-parallel-size", "pipeline_parallel_size": "--pipeline-parallel-size"}
+from extractor.options import flag
 
 
 class HsxKind:
@@ -27,9 +26,9 @@ class HsxKind:
 
     def settings(self, flags: EngineFlags) -> None:
         """None: hsx's engine has no settings beyond the engine config; vLLM's flags are refused, each named."""
-        given = [f for name, f in VLLM_FLAGS.items() if getattr(flags, name) != 1]
-        given += ["--enable-expert-parallel"] if flags.enable_expert_parallel else []
-        given += ["--vllm-args"] if flags.vllm_args else []
+        unset = EngineFlags(target=flags.target)  # every vLLM flag at its default
+        given = [flag(name) for name in ("tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                                         "vllm_args") if getattr(flags, name) != getattr(unset, name)]
         if given:
             raise ValueError(f"{', '.join(given)}: settings of vLLM's engine; add --engine vllm (hsx's engine "
                              "runs one model copy per worker)")
