@@ -75,18 +75,13 @@ def register(sub) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from jobs.plan import finished_result, prepare_job  # pyarrow: the CLI's parser must stay cheap
+    from jobs.pipeline import JobFailed, execute_job, prepare_job  # pyarrow: the CLI's parser must stay cheap
 
     config = config_from_args(args, JobConfig, required=JOB_REQUIRED)
     try:
         plan = prepare_job(config)
     except ValueError as e:
         raise UsageError(str(e)) from e
-    if plan.nothing_left:  # a finished run: answered without torch or Ray
-        print("\n".join(finished_result(plan).lines()))
-        return EXIT_OK
-    from jobs.pipeline import JobFailed, execute_job  # torch
-
     try:
         result = execute_job(plan)
     except JobFailed as e:

@@ -99,7 +99,7 @@ def demo_config(root: str, model: str, corpus: list[str], *, workers: int = 1, p
 
 
 def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool = False) -> int:
-    from jobs.plan import finished_result, prepare_job  # pyarrow: the CLI's parser must stay cheap
+    from jobs.pipeline import run_job  # pyarrow: the CLI's parser must stay cheap
 
     root = os.path.abspath(root)
     print(f"hsx demo: building a tiny model and a corpus in {root} (no downloads) ...", flush=True)
@@ -107,13 +107,7 @@ def run_demo(root: str, workers: int = 1, progress: bool = True, verbose: bool =
     config = demo_config(root, model, corpus, workers=workers, progress=progress, verbose=verbose)
     output = config.output
     print(f"hsx demo: hsx run --model {model} --corpus {' '.join(corpus)} --output {output}", flush=True)
-    plan = prepare_job(config)
-    if plan.nothing_left:  # the demo ran here before: answered from its run.json and manifest, no torch or Ray
-        result = finished_result(plan)
-    else:
-        from jobs.pipeline import execute_job  # torch
-
-        result = execute_job(plan)
+    result = run_job(config)  # a finished demo: answered from its run.json and manifest (jobs.plan)
     print("\n".join(result.lines()))
     from connectors.manifest import committed_rows, read_manifest  # pyarrow: the CLI's parser must stay cheap
 

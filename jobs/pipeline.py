@@ -33,7 +33,6 @@ import pyarrow as pa
 
 from cluster.progress import JobResult, Progress
 from cluster.session import check_fits, first_line, gpus_default, ray_cluster, ray_logs_dir
-from connectors.header import data_bytes, file_entries
 from connectors.lease import LeaseLost
 from connectors.manifest import FAILED, SKIPPED, compact_manifest, new_attempt_id, referenced_paths
 from connectors.manifest_writer import ManifestWriter
@@ -44,7 +43,6 @@ from corpus.sample_registry import start_registry
 from corpus.tokenization import TokenizeSettings, TokenizeStage
 from jobs.config import JobConfig
 from jobs.plan import JobPlan, finished_result, prepare_job
-from jobs.worker import ExtractionWorker, WorkerSettings
 from regeneration.regenerate import execute_regeneration
 
 logger = logging.getLogger(__name__)
@@ -124,6 +122,8 @@ def build_dataset(plan: JobPlan, registry, gpus_per_worker: float, cpus_per_work
     bytes instead (worker.ONLINE_SCHEMA), nothing is stored."""
     import ray.data
 
+    from jobs.worker import ExtractionWorker, WorkerSettings  # torch: the workers' code, not the driver's
+
     c, f = plan.config, plan.facts
     files = [{"url": x.url, "format": x.format} for x in plan.files]
     tokenize = tokenize_settings(plan)
@@ -160,6 +160,7 @@ def tokens_per_unit(config: JobConfig, spec: RunSpec) -> int:
     (a shard is one unit's samples), from the bytes a token takes in the run's files."""
     if config.layout != "sharded":
         return config.tokens_per_task
+    from connectors.header import data_bytes, file_entries  # torch
 
     per_token = data_bytes(file_entries(spec.file_spec(), 1, loss_mask=True))
     return max(1, int(config.shard_mb * 2**20 / per_token))
